@@ -1,0 +1,43 @@
+"""Which device teeny runs on, decided once, before any kernel is defined.
+
+With a CUDA GPU teeny launches its Triton kernels on it. Without one it runs the very same
+kernels through the Triton interpreter on the CPU (``TRITON_INTERPRET=1``), which Triton reads
+when ``@triton.jit`` decorates a function, so this module must be imported before any kernel
+module. A user forces a choice with ``TEENY_DEVICE=cpu`` or ``TEENY_DEVICE=cuda`` in the
+environment before importing teeny (the ``teeny`` command's ``--device`` flag does this).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _decide() -> torch.device:
+    choice = os.environ.get("TEENY_DEVICE", "auto").strip().lower() or "auto"
+    if choice == "gpu":
+        choice = "cuda"
+    if choice not in _CHOICES:
+        raise ValueError(f"TEENY_DEVICE={choice!r}: expected one of {', '.join(_CHOICES)}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("TEENY_DEVICE=cuda but torch sees no CUDA device")
+    if choice == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    return torch.device(choice)
+
+
+DEVICE: torch.device = _decide()
+INTERPRETER: bool = DEVICE.type == "cpu"
+
+
+def describe() -> str:
+    if INTERPRETER:
+        return "cpu (Triton interpreter)"
+    return f"cuda ({torch.cuda.get_device_name(DEVICE)})"

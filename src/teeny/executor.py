@@ -1,0 +1,282 @@
+"""``Executor``: runs a ``Program`` forwards, keeps what the backward kernels need, runs the
+chain rule backwards, and owns the parameters and their gradients.
+
+Parameters live in one flat arena per dtype and their gradients in another, so zeroing the
+gradients or an optimizer step is one launch whatever the number of parameters;
+``executor.params[name]`` and ``executor.grads[name]`` are views into the arenas.
+
+``forward_train`` returns the outputs and an ``ActivationCache`` holding, per node, only the
+tensors its op declared it needs (``saves_inputs``, ``saves_output``, ``extra_outputs``).
+``backward`` walks the nodes in reverse, hands each op its saved tensors and the gradient of
+its output, sums the gradients of values used several times, adds parameter gradients into
+the gradient arena (they accumulate until ``zero_grad``), and drops each node's cache entry
+as soon as its backward has run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .device import DEVICE
+from .graph import Value
+from .kernels.accumulate import accumulate
+from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context
+from .runtime import TeenyError
+
+
+class ActivationCache:
+    """What the forward pass kept for the backward pass: per node, the saved inputs, output
+    and extra tensors. Entries are dropped once their node's backward has run."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.used = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for entry in self.entries.values():
+            for t in [*entry["inputs"], entry["output"], *entry["saved"].values()]:
+                if isinstance(t, torch.Tensor):
+                    seen[id(t)] = t
+        return list(seen.values())
+
+    def num_tensors(self) -> int:
+        return len(self.tensors())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class Executor:
+    def __init__(self, program: Program, seed: int = 0, device: torch.device | str | None = None,
+                 params: Mapping[str, torch.Tensor] | None = None):
+        self.program = program
+        self.device = torch.device(device) if device is not None else DEVICE
+        self.training = program.mode is LoweringMode.TRAINING
+        self._build_arenas(seed)
+        if params is not None:
+            self.load_params(params)
+        self.live_values = 0  # after forward: how many intermediate buffers were still alive at the end
+
+    # --- parameters ----------------------------------------------------------------------
+    def _build_arenas(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        by_dtype: dict[torch.dtype, list[Value]] = {}
+        for v in self.program.params:
+            by_dtype.setdefault(v.dtype, []).append(v)
+        self.param_arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.grad_arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self._param_by_id: dict[int, torch.Tensor] = {}
+        self._grad_by_id: dict[int, torch.Tensor] = {}
+        for dtype, values in by_dtype.items():
+            total = sum(v.numel for v in values)
+            arena = torch.empty(total, dtype=dtype, device=self.device)
+            grads = torch.zeros(total, dtype=dtype, device=self.device) if self.training else None
+            offset = 0
+            for v in values:
+                view = arena[offset:offset + v.numel].view(v.shape)
+                init = v.init(tuple(v.shape), generator, dtype)
+                if tuple(init.shape) != tuple(v.shape):
+                    raise TeenyError(f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}")
+                view.copy_(init)
+                self.params[v.name] = view
+                self._param_by_id[v.id] = view
+                if grads is not None:
+                    gview = grads[offset:offset + v.numel].view(v.shape)
+                    self.grads[v.name] = gview
+                    self._grad_by_id[v.id] = gview
+                offset += v.numel
+            self.param_arenas[dtype] = arena
+            if grads is not None:
+                self.grad_arenas[dtype] = grads
+
+    def load_params(self, params: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy values into the parameters (e.g. from a checkpoint or a PyTorch model)."""
+        unknown = sorted(set(params) - set(self.params))
+        missing = sorted(set(self.params) - set(params))
+        if strict and (unknown or missing):
+            raise KeyError(f"load_params: unknown parameters {unknown}, missing parameters {missing}")
+        for name, value in params.items():
+            if name not in self.params:
+                continue
+            target = self.params[name]
+            value = torch.as_tensor(value)
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"load_params: parameter '{name}' has shape {tuple(target.shape)}, got {tuple(value.shape)}")
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self.params.items()}
+
+    def zero_grad(self) -> None:
+        for arena in self.grad_arenas.values():
+            arena.zero_()
+
+    # --- forward -------------------------------------------------------------------------
+    def _bind_inputs(self, inputs: Any, kwargs: dict) -> dict[int, torch.Tensor]:
+        graph_inputs = self.program.inputs
+        if inputs is None:
+            given: dict[str, Any] = {}
+        elif isinstance(inputs, Mapping):
+            given = dict(inputs)
+        elif isinstance(inputs, torch.Tensor):
+            given = {graph_inputs[0].name: inputs} if graph_inputs else {"?": inputs}
+        elif isinstance(inputs, Sequence):
+            if len(inputs) != len(graph_inputs):
+                raise TypeError(f"expected {len(graph_inputs)} inputs ({', '.join(v.name for v in graph_inputs)}), got {len(inputs)}")
+            given = {v.name: t for v, t in zip(graph_inputs, inputs)}
+        else:
+            raise TypeError(f"inputs must be a dict, a list or a tensor, got {type(inputs).__name__}")
+        given.update(kwargs)
+        names = {v.name for v in graph_inputs}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise KeyError(f"unknown inputs {unknown}; the graph's inputs are {sorted(names)}")
+        bound: dict[int, torch.Tensor] = {}
+        for v in graph_inputs:
+            if v.name not in given:
+                raise KeyError(f"missing input '{v.name}' (shape {v.shape}, {str(v.dtype).replace('torch.', '')})")
+            t = given[v.name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input '{v.name}' must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(v.shape):
+                raise ValueError(f"input '{v.name}' has shape {tuple(t.shape)}, but the program was lowered for {v.shape} "
+                                 "(shapes are static: lower again for another shape)")
+            if t.dtype != v.dtype:
+                raise TypeError(f"input '{v.name}' has dtype {str(t.dtype).replace('torch.', '')}, expected "
+                                f"{str(v.dtype).replace('torch.', '')}")
+            if t.device != self.device:
+                if t.device.type != "cpu":
+                    raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
+                t = t.to(self.device)
+            bound[v.id] = t.contiguous()
+        for v in self.program.graph.values:
+            if v.kind == "const":
+                bound[v.id] = v.data.to(self.device)
+            elif v.kind == "param":
+                bound[v.id] = self._param_by_id[v.id]
+        return bound
+
+    def _alloc(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
+        program = self.program
+        values = self._bind_inputs(inputs, kwargs)
+        keep = {v.id for v in program.outputs}
+        for index, p in enumerate(program.nodes):
+            node = p.node
+            args = [values[v.id] for v in node.inputs]
+            saved = extra_buffers(p, self._alloc)
+            out = node.op.view(args)
+            if out is not None and not out.is_contiguous():
+                raise TeenyError(f"op {node.op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
+                                 "kernels read contiguous buffers, so return None and copy with a kernel instead")
+            if out is None:
+                out = self._alloc(node.output.shape, node.output.dtype)
+                ctx = make_context(program, p, args, out, saved, dry_run=False)
+                node.op.forward(ctx)
+            values[node.output.id] = out
+            if cache is not None and p.needs_backward:
+                cache.entries[node.id] = {
+                    "inputs": [a if s else None for a, s in zip(args, p.saved_inputs)],
+                    "output": out if node.op.saves_output else None,
+                    "saved": saved,
+                }
+            for v in node.inputs:  # free what no later node reads
+                if program.last_use.get(v.id) == index and v.id not in keep and v.kind == "node":
+                    values.pop(v.id, None)
+        self.live_values = sum(1 for vid in values if program.graph.values[vid].kind == "node" and vid not in keep)
+        outs = tuple(values[v.id] for v in program.outputs)
+        if cache is not None:
+            cache.outputs = {v.id: values[v.id] for v in program.outputs}
+        return outs[0] if len(outs) == 1 else outs
+
+    def forward(self, inputs: Any = None, **kwargs: torch.Tensor):
+        """Run the program; returns its output (a tuple if it has several)."""
+        return self._run_forward(inputs, kwargs, cache=None)
+
+    __call__ = forward
+
+    def forward_train(self, inputs: Any = None, **kwargs: torch.Tensor):
+        """Run the program keeping what the backward needs: ``(outputs, ActivationCache)``."""
+        if not self.training:
+            raise TeenyError("this program was lowered for INFERENCE: lower it with LoweringMode.TRAINING to train")
+        cache = ActivationCache()
+        return self._run_forward(inputs, kwargs, cache), cache
+
+    # --- backward ------------------------------------------------------------------------
+    def backward(self, cache: ActivationCache, grad_output: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Backpropagate from the loss (the first output). ``grad_output`` defaults to 1 for a
+        scalar loss. Parameter gradients are added into ``self.grads``; returns the gradients
+        of the inputs that were marked ``requires_grad``."""
+        if not isinstance(cache, ActivationCache):
+            raise TypeError("backward(cache): pass the ActivationCache returned by forward_train")
+        if cache.used:
+            raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
+        cache.used = True
+        program = self.program
+        loss = program.loss
+        seed = self._seed(loss, grad_output)
+        grads: dict[int, torch.Tensor] = {loss.id: seed}
+        for p in reversed(program.nodes):
+            if not p.needs_backward:
+                continue
+            node = p.node
+            entry = cache.entries.pop(node.id)
+            grad_out = grads.pop(node.output.id, None)
+            if grad_out is None:
+                continue  # the output does not reach the loss through differentiable ops
+            self._node_backward(p, entry, grad_out.contiguous(), grads)
+        result = {}
+        for v in program.inputs:
+            if v.requires_grad:
+                g = grads.get(v.id)
+                result[v.name] = g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device)
+        cache.entries.clear()
+        return result
+
+    def _seed(self, loss: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
+        if grad_output is None:
+            if loss.numel != 1:
+                raise ValueError(f"backward() without grad_output needs a scalar loss, but '{loss.name}' has shape {loss.shape}")
+            return torch.ones(loss.shape, dtype=loss.dtype, device=self.device)
+        if tuple(grad_output.shape) != tuple(loss.shape):
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, but the output '{loss.name}' has shape {loss.shape}")
+        if grad_output.dtype != loss.dtype:
+            raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{loss.name}' is {loss.dtype}")
+        return grad_output.to(self.device).contiguous()
+
+    def _node_backward(self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
+        node = p.node
+        n_act = node.op.n_activation_inputs
+        ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
+        ctx.phase = "backward"
+        ctx.grad_output = grad_out
+        buffers = [self._alloc(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
+        ctx.grad_inputs, ctx.grad_params = buffers[:n_act], buffers[n_act:]
+        node.op.backward(ctx)
+        produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
+        for v, wanted, g in zip(node.inputs, p.grad_mask, produced):
+            if not wanted:
+                continue
+            if g is None or tuple(g.shape) != tuple(v.shape):
+                raise TeenyError(f"op {node.op.name} (node '{node.name}') backward left the gradient of '{v.name}' "
+                                 f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}")
+            if v.kind == "param":
+                target = self._grad_by_id[v.id]
+                accumulate(target, g.contiguous(), target)
+            elif v.id in grads:
+                total = self._alloc(v.shape, v.dtype)
+                accumulate(grads[v.id], g.contiguous(), total)
+                grads[v.id] = total
+            else:
+                grads[v.id] = g

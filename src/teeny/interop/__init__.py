@@ -1,0 +1,1 @@
+"""Bridges between teeny and other frameworks."""

@@ -1,0 +1,29 @@
+"""out = a + b, element-wise over flat buffers: how the executor sums gradients.
+
+Used where a value fans out (its gradient is the sum of its consumers' gradients) and where a
+parameter's gradient accumulates across backward passes until ``zero_grad``. ``out`` may be
+``a`` itself (in-place accumulation into the gradient arena).
+"""
+
+import triton
+import triton.language as tl
+
+from ..kernel import kernel
+
+BLOCK = 1024
+
+
+@kernel(half=True)
+def accumulate_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    a = tl.load(a_ptr + offsets, mask=mask)
+    b = tl.load(b_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, a + b, mask=mask)
+
+
+def accumulate(a, b, out) -> None:
+    """Launch ``out = a + b`` (contiguous tensors of one dtype and size)."""
+    n = out.numel()
+    if n:
+        accumulate_kernel.instance(out.dtype).launch((triton.cdiv(n, BLOCK),), [a, b, out, n, BLOCK])

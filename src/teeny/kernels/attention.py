@@ -1,0 +1,4 @@
+"""attention ops (being written)."""
+
+__all__: list[str] = []
+NN_LAYERS: list[str] = []

@@ -1,0 +1,4 @@
+"""embedding ops (being written)."""
+
+__all__: list[str] = []
+NN_LAYERS: list[str] = []

@@ -1,0 +1,239 @@
+"""``lower(graph, mode) -> Program``: kernels built, gradients planned, every launch checked.
+
+Inference builds the forward kernels only and plans to free each value after its last
+consumer. Training also
+
+* works out which values need a gradient (trainable parameters, inputs marked
+  ``requires_grad``, and whatever is computed from them, except through ``stop_gradient``),
+* refuses an op without a backward on a path from such a value to the loss (naming the op,
+  the node and the parameter; mark the parameter non-trainable or use ``stop_gradient`` to
+  opt out), and
+* builds the backward kernels.
+
+Both modes then run every op once on meta tensors (no data, no launch): a packed argument
+list that does not match its kernel's signature, or an empty grid where there is work, is
+reported here, naming the op, node, kernel and argument, instead of inside a launch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .graph import Graph, GraphError, Node, Value
+from .kernel import Kernel, KernelInstance
+from .kernels.accumulate import accumulate_kernel
+from .runtime import MissingBackwardError, OpContext, RuntimeOp, TeenyError
+
+
+class LoweringMode(enum.Enum):
+    INFERENCE = "inference"
+    TRAINING = "training"
+
+
+@dataclass(eq=False)
+class PlannedNode:
+    node: Node
+    needs_backward: bool = False
+    grad_mask: list[bool] = field(default_factory=list)  # per input: does it want a gradient
+    saved_inputs: list[bool] = field(default_factory=list)  # per input: kept for the backward
+
+    @property
+    def op(self) -> RuntimeOp:
+        return self.node.op
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+@dataclass(eq=False)
+class Program:
+    graph: Graph
+    mode: LoweringMode
+    nodes: list[PlannedNode]
+    outputs: list[Value]
+    instances: dict[tuple[int, torch.dtype], KernelInstance]
+    requires_grad: dict[int, bool]  # value id -> needs a gradient
+    last_use: dict[int, int]  # value id -> index of the last node reading it (forward)
+
+    @property
+    def loss(self) -> Value:
+        return self.outputs[0]
+
+    @property
+    def params(self) -> list[Value]:
+        return self.graph.params
+
+    @property
+    def inputs(self) -> list[Value]:
+        return self.graph.inputs
+
+    def kernel_names(self) -> list[str]:
+        return sorted({f"{inst.kernel.name}[{str(inst.dtype).replace('torch.', '')}]" for inst in self.instances.values()})
+
+
+def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=None) -> Program:
+    if not isinstance(mode, LoweringMode):
+        raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
+    outs = _resolve_outputs(graph, outputs)
+    instances: dict[tuple[int, torch.dtype], KernelInstance] = {}
+
+    def build(kernels, dtype: torch.dtype, node: Node, what: str) -> None:
+        for k in kernels:
+            if not isinstance(k, Kernel):
+                raise TeenyError(f"op {node.op.name} (node '{node.name}') lists {k!r} as a {what} kernel; expected a @kernel")
+            try:
+                instances[(id(k), dtype)] = k.instance(dtype)
+            except TypeError as exc:
+                raise TeenyError(f"op {node.op.name} (node '{node.name}'): {exc}") from None
+
+    needed = _ancestors(outs)
+    planned = []
+    for node in graph.nodes:
+        if node.output.id not in needed:
+            continue
+        build(node.op.kernels(), node.dtype, node, "forward")
+        planned.append(PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs)))
+
+    requires_grad = {v.id: False for v in graph.values}
+    if mode is LoweringMode.TRAINING:
+        _plan_training(graph, planned, outs[0], requires_grad)
+        for p in planned:
+            if p.needs_backward:
+                build(p.op.backward_kernels(), p.node.dtype, p.node, "backward")
+        for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
+            if dtype.is_floating_point:
+                instances[(id(accumulate_kernel), dtype)] = accumulate_kernel.instance(dtype)
+
+    last_use = {}
+    for index, p in enumerate(planned):
+        for v in p.node.inputs:
+            last_use[v.id] = index
+    program = Program(graph, mode, planned, outs, instances, requires_grad, last_use)
+    _dry_run(program)
+    return program
+
+
+def _resolve_outputs(graph: Graph, outputs) -> list[Value]:
+    if outputs is None:
+        outs = list(graph.outputs)
+        if not outs:
+            if not graph.nodes:
+                raise GraphError(f"graph {graph.name!r} has no nodes to lower")
+            outs = [graph.nodes[-1].output]
+    else:
+        from .graph import Tensor
+
+        outs = [o.value if isinstance(o, Tensor) else o for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])]
+    return outs
+
+
+def _ancestors(outs: list[Value]) -> set[int]:
+    seen: set[int] = set()
+    stack = list(outs)
+    while stack:
+        v = stack.pop()
+        if v.id in seen:
+            continue
+        seen.add(v.id)
+        if v.producer is not None:
+            stack.extend(v.producer.inputs)
+    return seen
+
+
+def _differentiable(op: RuntimeOp, index: int, value: Value) -> bool:
+    if not value.dtype.is_floating_point:
+        return False
+    return op.differentiable_inputs is None or index in op.differentiable_inputs
+
+
+def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requires_grad: dict[int, bool]) -> None:
+    origin: dict[int, str] = {}  # value id -> a gradient source it depends on (for error messages)
+    for v in graph.values:
+        if v.kind in ("param", "input") and v.requires_grad:
+            requires_grad[v.id] = True
+            origin[v.id] = f"{'trainable parameter' if v.kind == 'param' else 'input'} '{v.name}'"
+    for p in planned:
+        node = p.node
+        if node.op.stops_gradient:
+            continue
+        for i, v in enumerate(node.inputs):
+            if requires_grad[v.id] and _differentiable(node.op, i, v):
+                p.grad_mask[i] = True
+        if any(p.grad_mask) and node.output.dtype.is_floating_point:
+            requires_grad[node.output.id] = True
+            origin[node.output.id] = next(origin[v.id] for i, v in enumerate(node.inputs) if p.grad_mask[i])
+    if not requires_grad[loss.id]:
+        raise TeenyError(
+            f"the loss '{loss.name}' depends on no trainable parameter or input that requires a gradient: "
+            "training it would compute nothing (lower it for INFERENCE instead)"
+        )
+    on_loss_path = _ancestors([loss])
+    for p in planned:
+        node = p.node
+        p.needs_backward = requires_grad[node.output.id] and node.output.id in on_loss_path
+        if not p.needs_backward:
+            p.grad_mask = [False] * len(node.inputs)
+            continue
+        if not node.op.has_backward():
+            raise MissingBackwardError(
+                f"op {node.op.name} (node '{node.name}') has no backward, but it lies between "
+                f"{origin[node.output.id]} and the loss '{loss.name}'. Give the op a backward kernel, "
+                "mark the parameter non-trainable, or cut the path with teeny.ops.stop_gradient(...)"
+            )
+        saves = node.op.saves_inputs
+        p.saved_inputs = [bool(saves) if isinstance(saves, bool) else (i in saves) for i in range(len(node.inputs))]
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def make_context(program: Program, p: PlannedNode, inputs: list, output, saved: dict, dry_run: bool) -> OpContext:
+    node = p.node
+    n_act = node.op.n_activation_inputs
+    return OpContext(
+        op=node.op, node_name=node.name, dtype=node.dtype,
+        inputs=list(inputs[:n_act]), params=list(inputs[n_act:]), output=output, saved=saved,
+        instances=program.instances, dry_run=dry_run,
+        input_shapes=[v.shape for v in node.inputs], output_shape=node.output.shape,
+    )
+
+
+def extra_buffers(p: PlannedNode, alloc) -> dict[str, torch.Tensor]:
+    extras = p.op.extra_outputs([v.shape for v in p.node.inputs], p.node.dtype)
+    return {name: alloc(shape, dtype) for name, (shape, dtype) in extras.items()}
+
+
+def _dry_run(program: Program) -> None:
+    for p in program.nodes:
+        node = p.node
+        inputs = [_meta(v.shape, v.dtype) for v in node.inputs]
+        output = _meta(node.output.shape, node.output.dtype)
+        saved = extra_buffers(p, _meta)
+        ctx = make_context(program, p, inputs, output, saved, dry_run=True)
+        _run_checked(node, "forward", lambda: node.op.view(inputs) is not None or node.op.forward(ctx))
+        if p.needs_backward:
+            n_act = node.op.n_activation_inputs
+            bctx = make_context(program, p, [t if keep else None for t, keep in zip(inputs, p.saved_inputs)],
+                                output if node.op.saves_output else None, saved, dry_run=True)
+            bctx.phase = "backward"
+            bctx.grad_output = _meta(node.output.shape, node.output.dtype)
+            grads = [_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
+            bctx.grad_inputs, bctx.grad_params = grads[:n_act], grads[n_act:]
+            _run_checked(node, "backward", lambda: node.op.backward(bctx))
+
+
+def _run_checked(node: Node, phase: str, fn) -> None:
+    try:
+        fn()
+    except TeenyError:
+        raise
+    except NotImplementedError as exc:
+        raise TeenyError(f"op {node.op.name} (node '{node.name}', {phase}): {exc}") from None
+    except Exception as exc:  # an op's Python launch code failed: say which op
+        raise TeenyError(f"op {node.op.name} (node '{node.name}', {phase}) failed while packing its launch: "
+                         f"{type(exc).__name__}: {exc}") from exc

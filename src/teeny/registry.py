@@ -1,0 +1,92 @@
+"""The op registry: every functional op with its PyTorch reference and test samples.
+
+An ``OpInfo`` names an op, the ``teeny.ops`` function, the equivalent PyTorch function, and
+small sample inputs on odd shapes. ``teeny ops`` lists the registry, ``teeny gradcheck``
+checks every sample in float64, and the test suite compares each op with PyTorch autograd in
+every dtype it supports, with the tolerance rule of ``tolerance()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .kernel import ALL_FLOAT_DTYPES
+
+
+@dataclass
+class Sample:
+    """Arguments for one call: torch tensors (graph inputs) and plain values (passed as-is)."""
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    name: str = ""
+    grad: tuple[int, ...] | None = None  # indices of tensor args to differentiate (None: every float one)
+    reduction: int = 1  # length of the longest reduction in the op, for the tolerance rule
+
+
+@dataclass
+class OpInfo:
+    name: str
+    op: Callable  # the teeny.ops function (takes symbolic tensors)
+    ref: Callable  # the PyTorch function with the same arguments
+    samples: Callable[[torch.dtype, torch.Generator], list[Sample]]
+    family: str = ""
+    dtypes: tuple[torch.dtype, ...] = ALL_FLOAT_DTYPES
+    has_backward: bool = True
+    kernels: tuple = ()  # the @kernel functions behind the op (for `teeny ops`)
+    gradcheck_samples: Callable[[torch.Generator], list[Sample]] | None = None  # float64; default: samples
+    atol: dict = field(default_factory=dict)  # dtype -> extra absolute tolerance factor
+    notes: str = ""
+
+    def gradcheck_inputs(self, gen: torch.Generator) -> list[Sample]:
+        if self.gradcheck_samples is not None:
+            return self.gradcheck_samples(gen)
+        return self.samples(torch.float64, gen)
+
+
+OPS: dict[str, OpInfo] = {}
+
+
+def register(info: OpInfo) -> OpInfo:
+    if info.name in OPS:
+        raise ValueError(f"op {info.name!r} is registered twice")
+    OPS[info.name] = info
+    return info
+
+
+def all_ops() -> list[OpInfo]:
+    from . import ops  # noqa: F401  (importing the op families fills the registry)
+
+    return list(OPS.values())
+
+
+# The tolerance rule, stated once: elementwise error is a few units of the dtype's rounding,
+# and a reduction over K terms adds error that grows like sqrt(K).
+_BASE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def tolerance(dtype: torch.dtype, reduction: int = 1) -> tuple[float, float]:
+    """(atol, rtol) for comparing an op in ``dtype`` with a float32/float64 reference,
+    where the op reduces over ``reduction`` terms."""
+    scale = _BASE[dtype] * max(1.0, math.sqrt(reduction))
+    return scale, scale
+
+
+def make(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, low: float = -2.0,
+         high: float = 2.0) -> torch.Tensor:
+    """A random sample tensor, uniform in [low, high)."""
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) * (high - low) + low).to(dtype)
+
+
+def away_from(t: torch.Tensor, points: tuple[float, ...], gap: float = 1e-2) -> torch.Tensor:
+    """Push values away from kinks (e.g. relu at 0) so finite differences stay meaningful."""
+    for p in points:
+        close = (t - p).abs() < gap
+        t = torch.where(close, torch.where(t >= p, t + 2 * gap, t - 2 * gap), t)
+    return t
+
+
