@@ -2,26 +2,54 @@
 
 trace -> Graph -> lower(graph, mode) -> Program -> Executor.forward_train -> ActivationCache
 -> Executor.backward -> gradients -> optimizer step.
+
+Names are imported on first use, so that a program (like the ``teeny`` command) can choose the
+device (``TEENY_DEVICE``) before the first kernel is defined; ``teeny.device`` is always
+imported before any kernel module.
 """
 
-from . import device  # first: chooses the GPU or the Triton interpreter before any kernel exists
-from .device import DEVICE
-from .kernel import Kernel, built_instances, kernel, kernel_from_source
-from .runtime import ArgVisitor, CustomOp, GridError, MissingBackwardError, OpContext, PackingError, RuntimeOp, TeenyError
-from .graph import Graph, GraphError, Tensor
-from . import init
-from .module import Module, Parameter
-from . import nn, ops
-from .lowering import LoweringMode, Program, lower
-from .executor import ActivationCache, Executor
-from .gradcheck import GradcheckError, gradcheck, gradcheck_graph
-from .registry import OpInfo, Sample, register
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEVICE", "Kernel", "built_instances", "kernel", "kernel_from_source", "ArgVisitor", "CustomOp", "GridError", "MissingBackwardError",
-    "OpContext", "PackingError", "RuntimeOp", "TeenyError", "Graph", "GraphError", "Tensor", "init", "Module",
-    "Parameter", "nn", "ops", "LoweringMode", "Program", "lower", "ActivationCache", "Executor", "GradcheckError",
-    "gradcheck", "gradcheck_graph", "OpInfo", "Sample", "register",
-]
+_EXPORTS = {
+    "DEVICE": "device",
+    "Kernel": "kernel", "built_instances": "kernel", "kernel": "kernel", "kernel_from_source": "kernel",
+    "ArgVisitor": "runtime", "CustomOp": "runtime", "GridError": "runtime", "MissingBackwardError": "runtime",
+    "OpContext": "runtime", "PackingError": "runtime", "RuntimeOp": "runtime", "TeenyError": "runtime",
+    "Graph": "graph", "GraphError": "graph", "Tensor": "graph",
+    "Module": "module", "Parameter": "module",
+    "LoweringMode": "lowering", "Program": "lowering", "lower": "lowering",
+    "ActivationCache": "executor", "Executor": "executor",
+    "GradcheckError": "gradcheck", "gradcheck": "gradcheck", "gradcheck_graph": "gradcheck",
+    "OpInfo": "registry", "Sample": "registry", "register": "registry",
+}
+_SUBMODULES = {"device", "init", "nn", "ops", "optim", "interop", "models", "data", "train", "registry", "kernels",
+               "graph", "lowering", "executor", "runtime", "module"}
+
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+
+
+def _load() -> None:
+    """Import the device choice, every op family and the exported names (once)."""
+    importlib.import_module(f"{__name__}.device")
+    importlib.import_module(f"{__name__}.ops")
+    importlib.import_module(f"{__name__}.interop.torch")
+    for module in set(_EXPORTS.values()):
+        importlib.import_module(f"{__name__}.{module}")
+    # set after every import: importing a submodule named like a function (kernel, gradcheck)
+    # binds the module to the package attribute; the function is the public name
+    for name, module in _EXPORTS.items():
+        globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        _load()
+        return globals()[name]
+    if name in _SUBMODULES:
+        _load()
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'teeny' has no attribute {name!r}")

@@ -1,4 +1,514 @@
-"""attention ops (being written)."""
+"""Attention: fused (flash-style) scaled dot-product attention.
 
-__all__: list[str] = []
-NN_LAYERS: list[str] = []
+For one head, with queries q (Lq, D), keys k (Lk, D), values v (Lk, Dv), an optional mask and
+scale c (default 1/sqrt(D)):
+
+    S = c * q k^T + bias       (bias: the additive float mask, or 0 / -inf from a boolean mask
+                               and from causal masking, top-left aligned: key j <= query i)
+    P = softmax(S) row-wise,   O = P v,   lse = logsumexp(S) row-wise
+
+The forward walks over key blocks with an online softmax and keeps only O and lse (float32,
+float64 for float64), never the Lq x Lk matrix P. The backward recomputes P = exp(S - lse)
+block by block:
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta)  with  delta = rowsum(dO * O),
+    dQ = c dS K,   dK = c dS^T Q
+
+in three launches and without atomics: ``attention_backward_delta`` (delta per query row),
+``attention_backward_dkdv`` (one program per key block, looping over the query blocks of every
+query head that reads it) and ``attention_backward_dq`` (one program per query block, looping
+over key blocks). Products use ``tl.dot`` with float32 accumulation (float64 for float64;
+full IEEE precision for float32/float64 operands, bf16/fp16 tensor cores for half inputs).
+
+A query row that can see no key at all (every key masked) gets output 0 and gradient 0, as in
+PyTorch's fused kernels (softmax over nothing is taken as all-zero weights, lse = -inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..device import INTERPRETER
+from ..graph import graph_of
+from ..kernel import kernel
+from ..module import Module
+from ..registry import OpInfo, Sample, make, register
+from ..runtime import ArgVisitor, OpContext, RuntimeOp
+from .common import DOT_UPCAST_BF16, cdiv, upcast
+
+__all__ = ["scaled_dot_product_attention"]
+NN_LAYERS = ["CausalSelfAttention"]
+
+
+# ---------------------------------------------------------------------------------- maths
+
+
+@triton.jit
+def _dot(a, b, UPCAST_BF16: tl.constexpr):
+    """a @ b accumulated in float32 (float64 for float64); full precision for float32/64."""
+    if a.dtype == tl.float64:
+        return tl.dot(a, b, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    elif UPCAST_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
+            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """The masked, scaled scores S of a (BLOCK_M, BLOCK_N) tile; -inf where a key is not seen."""
+    s = _dot(q, tl.trans(k), UPCAST_BF16) * scale
+    seen = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    if IS_CAUSAL:
+        seen = seen & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        mask_ptrs = mask_base + offs_m[:, None].to(tl.int64) * stride_mq + offs_n[None, :].to(tl.int64) * stride_mk
+        if MASK_BOOL:
+            seen = seen & (tl.load(mask_ptrs, mask=seen, other=0) != 0)
+        else:
+            s = s + upcast(tl.load(mask_ptrs, mask=seen, other=0.0))
+    return tl.where(seen, s, float("-inf"))
+
+
+@triton.jit
+def _load_tile(base, offs_rows, n_rows, offs_cols, n_cols):
+    """rows x cols tile of a row-major (n_rows, n_cols) matrix, zero outside it."""
+    ptrs = base + offs_rows[:, None].to(tl.int64) * n_cols + offs_cols[None, :]
+    return tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def _store_tile(base, value, offs_rows, n_rows, offs_cols, n_cols):
+    ptrs = base + offs_rows[:, None].to(tl.int64) * n_cols + offs_cols[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols))
+
+
+# -------------------------------------------------------------------------------- kernels
+# Layout: q (BH, Lq, D), k (BHkv, Lk, D), v (BHkv, Lk, DV), out (BH, Lq, DV), lse/delta (BH, Lq),
+# contiguous; program axis 1 is the (batch, head) pair; query head h reads key/value head
+# h // KV_GROUP (grouped-query attention; KV_GROUP = 1 otherwise). The mask is read through
+# broadcast strides (0 along broadcast dimensions).
+
+
+@kernel(half=True)
+def attention_backward_delta(out_ptr, dout_ptr, delta_ptr, n_rows, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_DV)
+    o = upcast(_load_tile(out_ptr, rows, n_rows, cols, DV))
+    do = upcast(_load_tile(dout_ptr, rows, n_rows, cols, DV))
+    tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
+
+
+@kernel(half=True)
+def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                            Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                            WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr, UPCAST_BF16: tl.constexpr,
+                            ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_bh = tl.program_id(1).to(tl.int64)
+    n_kv_heads = H // KV_GROUP
+    batch = kv_bh // n_kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
+    v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    lo = 0
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
+    for g in range(0, KV_GROUP):
+        bh = kv_bh * KV_GROUP + g
+        head = bh - batch * H
+        mask_base = mask_ptr + batch * stride_mb + head * stride_mh
+        for start_m in range(lo, Lq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
+            do = _load_tile(dout_ptr + bh * Lq * DV, offs_m, Lq, offs_dv, DV)
+            lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0
+            s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
+                        HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+            p = tl.exp(s - lse[:, None])
+            if WRITE_DV:
+                dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST_BF16)
+            if WRITE_DK:
+                delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+                dp = _dot(do, tl.trans(v), UPCAST_BF16)
+                ds = p * (dp - delta[:, None])
+                dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST_BF16)
+    if WRITE_DK:
+        _store_tile(dk_ptr + kv_bh * Lk * D, dk * scale, offs_n, Lk, offs_d, D)
+    if WRITE_DV:
+        _store_tile(dv_ptr + kv_bh * Lk * DV, dv, offs_n, Lk, offs_dv, DV)
+
+
+@kernel(half=True)
+def attention_backward_dq(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+                          Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                          HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                          UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = bh // KV_GROUP
+    batch = bh // H
+    mask_base = mask_ptr + batch * stride_mb + (bh - batch * H) * stride_mh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
+    do = _load_tile(dout_ptr + bh * Lq * DV, offs_m, Lq, offs_dv, DV)
+    lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    hi = Lk
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
+        v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
+        s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
+                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+        p = tl.exp(s - lse[:, None])
+        ds = p * (_dot(do, tl.trans(v), UPCAST_BF16) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST_BF16)
+    _store_tile(dq_ptr + bh * Lq * D, dq * scale, offs_m, Lq, offs_d, D)
+
+
+@kernel(backward=(attention_backward_delta, attention_backward_dkdv, attention_backward_dq), half=True)
+def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
+                      Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                      HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = bh // KV_GROUP
+    batch = bh // H
+    mask_base = mask_ptr + batch * stride_mb + (bh - batch * H) * stride_mh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    row_sum = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+    hi = Lk
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)  # later keys are masked for every row of the block
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
+        s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
+                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet: avoid inf - inf
+        p = tl.exp(s - shift[:, None])
+        rescale = tl.exp(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
+        acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST_BF16)
+        row_max = new_max
+    seen_any = row_sum > 0
+    safe_sum = tl.where(seen_any, row_sum, 1.0)
+    _store_tile(out_ptr + bh * Lq * DV, acc / safe_sum[:, None], offs_m, Lq, offs_dv, DV)
+    lse = tl.where(seen_any, row_max + tl.log(safe_sum), float("-inf"))
+    tl.store(lse_ptr + bh * Lq + offs_m, lse, mask=offs_m < Lq)
+
+
+# ------------------------------------------------------------------------------ RuntimeOp
+
+
+def _blocks(head_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot)."""
+    block_d = max(16, triton.next_power_of_2(max(head_dim, 1)))
+    block_dv = max(16, triton.next_power_of_2(max(value_dim, 1)))
+    if INTERPRETER:
+        return 16, 16, block_d, block_dv
+    widest = max(block_d, block_dv)
+    if dtype == torch.float64 or widest > 128:
+        return 32, 32, block_d, block_dv
+    if widest > 64:
+        return 64, 32, block_d, block_dv
+    return 64, 64, block_d, block_dv
+
+
+def _broadcast_strides(mask_shape, target) -> tuple[int, ...]:
+    """Element strides that read a contiguous ``mask_shape`` tensor broadcast to ``target``."""
+    shape = (1,) * (len(target) - len(mask_shape)) + tuple(mask_shape)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step if size != 1 else 0)
+        step *= size
+    return tuple(reversed(strides))
+
+
+class AttentionOp(RuntimeOp):
+    """Fused attention; inputs q, k, v[, mask]; saves the inputs, the output and lse."""
+
+    name = "scaled_dot_product_attention"
+    kernel = attention_forward
+    saves_inputs = True
+    saves_output = True
+    differentiable_inputs = (0, 1, 2)  # no gradient for the mask
+
+    def __init__(self, has_mask: bool, is_causal: bool, scale: float | None, enable_gqa: bool):
+        self.has_mask, self.is_causal, self.user_scale, self.enable_gqa = has_mask, is_causal, scale, enable_gqa
+        self.n_activation_inputs = 4 if has_mask else 3
+
+    # --- shapes --------------------------------------------------------------------------
+    def check_inputs(self, input_shapes, input_dtypes):
+        q, k, v = (tuple(s) for s in input_shapes[:3])
+        for what, shape in (("query", q), ("key", k), ("value", v)):
+            if not 2 <= len(shape) <= 4:
+                raise ValueError(f"{what} must have 2 to 4 dimensions ((batch, heads,) length, head dim), got shape {shape}")
+        if not len(q) == len(k) == len(v):
+            raise ValueError(f"query, key and value must have the same number of dimensions, got shapes {q}, {k}, {v}")
+        for what, dtype in zip(("query", "key", "value"), input_dtypes[:3]):
+            if not dtype.is_floating_point:
+                raise TypeError(f"{what} must be a float tensor, got {str(dtype).replace('torch.', '')}")
+        if q[-1] != k[-1]:
+            raise ValueError(f"query and key must have the same head dim (last dim), got query {q} and key {k}")
+        if k[:-1] != v[:-1]:
+            raise ValueError(f"key and value must agree in every dim but the last, got key {k} and value {v}")
+        if self.enable_gqa and len(q) >= 3:
+            if q[:-3] != k[:-3] or k[-3] == 0 or q[-3] % k[-3] != 0:
+                raise ValueError(f"enable_gqa: key/value heads (dim -3) must divide query heads and the other batch "
+                                 f"dims must match, got query {q} and key {k}")
+        elif q[:-2] != k[:-2]:
+            raise ValueError(f"query and key must have the same batch dims {q[:-2]}, got key {k} "
+                             f"(pass enable_gqa=True for fewer key/value heads)")
+        if self.has_mask:
+            mask, target = tuple(input_shapes[3]), q[:-1] + (k[-2],)
+            padded = (1,) * (len(target) - len(mask)) + mask
+            if len(mask) > len(target) or any(m not in (1, t) for m, t in zip(padded, target)):
+                raise ValueError(f"attn_mask of shape {mask} is not broadcastable to {target} "
+                                 f"(batch..., query length, key length)")
+            dtype = input_dtypes[3]
+            if dtype != torch.bool and dtype != input_dtypes[0]:
+                raise TypeError(f"attn_mask must be bool or have the query's dtype, got {dtype}")
+
+    def output_shape(self, input_shapes):
+        return tuple(input_shapes[0][:-1]) + (input_shapes[2][-1],)
+
+    def extra_outputs(self, input_shapes, dtype):
+        return {"lse": (tuple(input_shapes[0][:-1]), _acc_dtype(dtype))}
+
+    # --- launch helpers ----------------------------------------------------------------------
+    def _geometry(self, shapes):
+        q, k, v = (tuple(s) for s in shapes[:3])
+        q4, k4 = (1,) * (4 - len(q)) + q, (1,) * (4 - len(k)) + k
+        batch, heads, lq, d = q4
+        group = heads // k4[1] if k4[1] else 1
+        strides = (0, 0, 0, 0)
+        if self.has_mask:
+            strides = _broadcast_strides(tuple(shapes[3]), (batch, heads, lq, k4[2]))
+        scale = self.user_scale if self.user_scale is not None else 1.0 / math.sqrt(d) if d else 1.0
+        return dict(batch=batch, heads=heads, lq=lq, lk=k4[2], d=d, dv=v[-1], group=group, scale=scale, strides=strides)
+
+    def _common(self, visitor: ArgVisitor, g: dict) -> None:
+        visitor.visit_i32(g["lq"]).visit_i32(g["lk"]).visit_i32(g["d"]).visit_i32(g["dv"])
+        visitor.visit_i32(g["heads"]).visit_i32(g["group"]).visit_f32(g["scale"])
+        for s in g["strides"]:
+            visitor.visit_i64(s)
+
+    def _flags(self, visitor: ArgVisitor, mask) -> None:
+        visitor.visit_constexpr(self.has_mask)
+        visitor.visit_constexpr(mask is not None and mask.dtype == torch.bool)
+        visitor.visit_constexpr(self.is_causal)
+
+    def _tail(self, visitor: ArgVisitor, g: dict, dtype: torch.dtype) -> None:
+        visitor.visit_constexpr(DOT_UPCAST_BF16).visit_constexpr(_tl_acc(dtype))
+        for b in _blocks(g["d"], g["dv"], dtype):
+            visitor.visit_constexpr(b)
+
+    # --- forward ---------------------------------------------------------------------------
+    def forward(self, ctx: OpContext) -> None:
+        q, k, v = ctx.inputs[:3]
+        mask = ctx.inputs[3] if self.has_mask else None
+        g = self._geometry(ctx.input_shapes)
+        visitor = ArgVisitor()
+        visitor.visit_ptr(q).visit_ptr(k).visit_ptr(v).visit_ptr(mask if mask is not None else q)
+        visitor.visit_ptr(ctx.output).visit_ptr(ctx.saved["lse"])
+        self._common(visitor, g)
+        self._flags(visitor, mask)
+        self._tail(visitor, g, ctx.dtype)
+        block_m = _blocks(g["d"], g["dv"], ctx.dtype)[0]
+        ctx.launch(attention_forward, (cdiv(g["lq"], block_m), g["batch"] * g["heads"], 1), visitor)
+
+    # --- backward --------------------------------------------------------------------------
+    def has_backward(self):
+        return True
+
+    def backward_kernels(self):
+        return (attention_backward_delta, attention_backward_dkdv, attention_backward_dq)
+
+    def backward(self, ctx: OpContext) -> None:
+        q, k, v = ctx.inputs[:3]
+        mask = ctx.inputs[3] if self.has_mask else None
+        dq, dk, dv = ctx.grad_inputs[:3]
+        out, dout, lse = ctx.output, ctx.grad_output, ctx.saved["lse"]
+        g = self._geometry(ctx.input_shapes)
+        block_m, block_n, _, block_dv = _blocks(g["d"], g["dv"], ctx.dtype)
+        bh = g["batch"] * g["heads"]
+        delta = ctx.empty(lse.shape, lse.dtype)
+        if dq is not None or dk is not None:
+            rows = bh * g["lq"]
+            visitor = ArgVisitor().visit_ptr(out).visit_ptr(dout).visit_ptr(delta).visit_i64(rows).visit_i32(g["dv"])
+            visitor.visit_constexpr(block_m).visit_constexpr(block_dv)
+            ctx.launch(attention_backward_delta, (cdiv(rows, block_m), 1, 1), visitor, work=rows)
+
+        def start(extra_ptrs):
+            visitor = ArgVisitor()
+            for t in (q, k, v, mask if mask is not None else q, dout, lse, delta, *extra_ptrs):
+                visitor.visit_ptr(t)
+            self._common(visitor, g)
+            self._flags(visitor, mask)
+            return visitor
+
+        if dk is not None or dv is not None:
+            visitor = start((dk if dk is not None else dv, dv if dv is not None else dk))
+            visitor.visit_constexpr(dk is not None).visit_constexpr(dv is not None)
+            self._tail(visitor, g, ctx.dtype)
+            target = dk if dk is not None else dv
+            ctx.launch(attention_backward_dkdv, (cdiv(g["lk"], block_n), bh // g["group"], 1), visitor,
+                       work=target.numel())
+        if dq is not None:
+            visitor = start((dq,))
+            self._tail(visitor, g, ctx.dtype)
+            ctx.launch(attention_backward_dq, (cdiv(g["lq"], block_m), bh, 1), visitor, work=dq.numel())
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tl_acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# ------------------------------------------------------------------------- functional ops
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None, enable_gqa: bool = False):
+    """softmax(query key^T * scale + attn_mask) value, as torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., Lq, D), key (..., Lk, D), value (..., Lk, Dv) with 0 to 2 batch dims; attn_mask
+    a float mask added to the scores or a bool mask (True: may attend), broadcastable to
+    (..., Lq, Lk), with no gradient; is_causal: query i sees keys j <= i (top-left aligned);
+    scale defaults to 1/sqrt(D) (passed to the kernels as a float32 scalar); enable_gqa: key
+    and value may have fewer heads (dim -3) than query. Rows that see no key give 0.
+    dropout_p must be 0 (no attention dropout in teeny).
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p={dropout_p} is not supported (only 0.0)")
+    if attn_mask is not None and is_causal:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scaled_dot_product_attention: scale must be a float or None, got {type(scale).__name__}")
+    op = AttentionOp(attn_mask is not None, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
+    inputs = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+    return graph_of(query, key, value).apply(op, inputs)
+
+
+# ---------------------------------------------------------------------------------- layers
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention on x (batch, length, d_model), GPT style:
+    q, k, v = x W_q^T + b_q, ...; heads of size d_model / n_heads; y = attn W_o^T + b_o.
+    Parameters q_proj, k_proj, v_proj, out_proj (each a teeny.nn.Linear, PyTorch's init)."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool = True):
+        super().__init__()
+        if n_heads <= 0 or d_model % n_heads != 0:
+            raise ValueError(f"CausalSelfAttention: d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+        from .linear import Linear  # the linear family provides the projections
+
+        self.d_model, self.n_heads = d_model, n_heads
+        self.q_proj = Linear(d_model, d_model, bias=bias)
+        self.k_proj = Linear(d_model, d_model, bias=bias)
+        self.v_proj = Linear(d_model, d_model, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x):
+        from .. import ops
+
+        if len(x.shape) != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"CausalSelfAttention expects (batch, length, {self.d_model}), got {tuple(x.shape)}")
+        batch, length, _ = x.shape
+        head_dim = self.d_model // self.n_heads
+
+        def heads(t):  # (B, T, C) -> (B, nh, T, hd)
+            return ops.transpose(ops.reshape(t, (batch, length, self.n_heads, head_dim)), 1, 2)
+
+        y = scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
+                                         is_causal=True)
+        y = ops.reshape(ops.transpose(y, 1, 2), (batch, length, self.d_model))
+        return self.out_proj(y)
+
+
+# -------------------------------------------------------------------------- registry/tests
+
+
+def _qkv(gen, dtype, batch, lq, lk, d, dv=None, kv_batch=None):
+    dv = d if dv is None else dv
+    kv_batch = batch if kv_batch is None else kv_batch
+    return (make(gen, *batch, lq, d, dtype=dtype), make(gen, *kv_batch, lk, d, dtype=dtype),
+            make(gen, *kv_batch, lk, dv, dtype=dtype))
+
+
+def _samples(dtype, gen):
+    def sample(name, args, reduction, **kwargs):
+        return Sample(args, kwargs, name=name, grad=(0, 1, 2), reduction=reduction)
+
+    return [
+        sample("(1,2,7,5)", _qkv(gen, dtype, (1, 2), 7, 7, 5), 7),
+        sample("(2,3,13,8) causal", _qkv(gen, dtype, (2, 3), 13, 13, 8), 13, is_causal=True),
+        sample("(2,1,5,9) Lq<Lk causal", _qkv(gen, dtype, (2, 1), 5, 9, 6), 9, is_causal=True),
+        sample("(1,2,9,5) Lq>Lk causal", _qkv(gen, dtype, (1, 2), 9, 5, 3), 9, is_causal=True),
+        sample("(2,2,7,13) mask (7,13) scale", _qkv(gen, dtype, (2, 2), 7, 13, 4), 13,
+               attn_mask=make(gen, 7, 13, dtype=dtype), scale=0.3),
+        sample("(3,11,7) 3-D Dv!=D", _qkv(gen, dtype, (3,), 11, 11, 7, dv=5), 11),
+        sample("gqa (1,4,5,6)/(1,2,7,6)", _qkv(gen, dtype, (1, 4), 5, 7, 6, kv_batch=(1, 2)), 14, enable_gqa=True),
+        sample("bool mask (2,1,5,1)", _qkv(gen, dtype, (2, 3), 5, 5, 4), 5,
+               attn_mask=torch.rand(2, 1, 5, 1, generator=gen) > 0.3),
+        sample("(1,1,1,1)", _qkv(gen, dtype, (1, 1), 1, 1, 1), 1),
+        sample("empty batch (0,2,7,5)", _qkv(gen, dtype, (0, 2), 7, 7, 5), 7),
+    ]
+
+
+def _gradcheck_samples(gen):
+    dt = torch.float64
+
+    def sample(name, args, **kwargs):
+        return Sample(args, kwargs, name=name, grad=(0, 1, 2))
+
+    return [
+        sample("(1,1,3,2)", _qkv(gen, dt, (1, 1), 3, 3, 2)),
+        sample("(1,2,4,3) causal Lq<Lk", _qkv(gen, dt, (1, 2), 3, 4, 3), is_causal=True),
+        sample("(1,1,4,3) causal Lq>Lk", _qkv(gen, dt, (1, 1), 4, 3, 2), is_causal=True),
+        sample("(2,3,2) mask scale", _qkv(gen, dt, (2,), 3, 4, 2), attn_mask=make(gen, 3, 4, dtype=dt), scale=0.7),
+        sample("gqa", _qkv(gen, dt, (1, 2), 2, 3, 2, kv_batch=(1, 1)), enable_gqa=True),
+    ]
+
+
+register(OpInfo("scaled_dot_product_attention", scaled_dot_product_attention, F.scaled_dot_product_attention,
+                _samples, family="attention", gradcheck_samples=_gradcheck_samples,
+                kernels=(attention_forward, attention_backward_delta, attention_backward_dkdv, attention_backward_dq),
+                notes="fused flash-style; saves output and logsumexp only"))

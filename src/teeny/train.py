@@ -1,0 +1,234 @@
+"""The training loop: batches -> forward_train -> backward -> (clip) -> optimizer step, with
+evaluation, a progress bar, metrics as JSON lines, a loss curve PNG, and checkpoints that
+resume exactly.
+
+A checkpoint (safetensors) holds the parameters, the optimizer state and the position (global
+step). Data order is a function of (seed, epoch), so a run resumed from the checkpoint of step
+s sees the same batches from step s on as an uninterrupted run, and ends with the same
+parameters. Checkpoints are written to a temporary file, flushed, and renamed over the old one,
+so a crash mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .executor import Executor
+from .lowering import LoweringMode, lower
+from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
+
+CHECKPOINT_FORMAT = "teeny-checkpoint-1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used: unreadable, truncated, or for another model."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    clip: float | None = None
+    seed: int = 0
+    out: str | None = "runs/latest"
+    checkpoint_every: int | None = None  # steps; None = at the end of each epoch
+    max_steps: int | None = None  # stop after this many steps in total (e.g. to test resuming)
+    progress: bool = True
+    dtype: torch.dtype = torch.float32
+
+    def validate(self) -> None:
+        checks = [
+            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"batch size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"learning rate must be > 0, got {self.lr}"),
+            (self.optimizer in OPTIMIZERS, f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"),
+            (self.schedule in ("constant", "cosine"), f"unknown schedule {self.schedule!r}; choose constant or cosine"),
+            (self.clip is None or self.clip > 0, f"clip must be > 0, got {self.clip}"),
+            (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def make_optimizer(executor: Executor, config: TrainConfig) -> Optimizer:
+    cls = OPTIMIZERS[config.optimizer]
+    if config.optimizer == "sgd":
+        return cls(executor, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    return cls(executor, lr=config.lr, weight_decay=config.weight_decay)
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: str | os.PathLike, executor: Executor, optimizer: Optimizer, step: int, meta: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"param/{k}": v.detach().cpu().contiguous() for k, v in executor.params.items()}
+    tensors.update({f"optim/{k}": v.detach().cpu().contiguous() for k, v in optimizer.state_dict().items()})
+    metadata = {"format": CHECKPOINT_FORMAT, "step": str(step), "optimizer": type(optimizer).__name__,
+                **{k: str(v) for k, v in (meta or {}).items()}}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
+    """(params, optimizer state, metadata); refuses unreadable or truncated files."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): {exc}") from None
+    if metadata.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a teeny checkpoint (format {metadata.get('format')!r})")
+    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+    state = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
+    return params, state, metadata
+
+
+# ------------------------------------------------------------------------------ loop
+
+
+class MetricsLog:
+    def __init__(self, out: Path | None):
+        self.path = out / "metrics.jsonl" if out else None
+        self.rows: list[dict] = []
+
+    def write(self, **row) -> None:
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def plot_losses(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows if "loss" in r]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, label="train loss")
+    evals = [r for r in rows if "val_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def train(task, config: TrainConfig, resume: str | None = None, log=print) -> dict:
+    """Train ``task``'s model; returns the final metrics (and writes logs and checkpoints to
+    ``config.out`` when set)."""
+    config.validate()
+    out = Path(config.out) if config.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    graph = task.train_graph(config.batch_size, config.dtype)
+    executor = Executor(lower(graph, LoweringMode.TRAINING), seed=config.seed)
+    optimizer = make_optimizer(executor, config)
+    steps_per_epoch = task.steps_per_epoch(config.batch_size)
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch size {config.batch_size} is larger than the training set")
+    total_steps = steps_per_epoch * config.epochs
+    schedule = cosine_schedule(total_steps, config.warmup_steps) if config.schedule == "cosine" else constant_schedule()
+    step = 0
+    if resume:
+        params, state, meta = load_checkpoint(resume)
+        try:
+            executor.load_params(params)
+            optimizer.load_state_dict(state)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {resume} does not fit model {task.name}: {exc}") from None
+        step = int(meta["step"])
+        log(f"resumed from {resume} at step {step}")
+    metrics = MetricsLog(out)
+    last_eval: dict = {}
+    stop_at = min(total_steps, config.max_steps) if config.max_steps is not None else total_steps
+    progress = None
+    if config.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
+    t_start, samples = time.perf_counter(), 0
+    try:
+        for epoch in range(step // steps_per_epoch, config.epochs):
+            skip = step - epoch * steps_per_epoch  # batches already done in this epoch (resuming)
+            epoch_loss, epoch_batches = torch.zeros((), dtype=torch.float64), 0
+            for index, feed in enumerate(task.batches(epoch, config.batch_size, config.seed)):
+                if index < skip:
+                    continue
+                if step >= stop_at:
+                    break
+                optimizer.lr = config.lr * schedule(step)
+                optimizer.zero_grad()
+                (loss, _), cache = executor.forward_train(feed)
+                executor.backward(cache)
+                if config.clip:
+                    clip_grad_norm(executor, config.clip)
+                optimizer.step()
+                step += 1
+                samples += config.batch_size
+                loss_value = float(loss)
+                epoch_loss += loss_value
+                epoch_batches += 1
+                metrics.write(step=step, epoch=epoch, loss=loss_value, lr=optimizer.lr)
+                if progress is not None:
+                    rate = samples / max(time.perf_counter() - t_start, 1e-9)
+                    progress.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:.0f}")
+                    progress.update(1)
+                if out and config.checkpoint_every and step % config.checkpoint_every == 0:
+                    save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
+            if step >= stop_at and epoch_batches == 0:
+                break
+            finished_epoch = step % steps_per_epoch == 0 or step >= stop_at
+            if epoch_batches and finished_epoch:
+                last_eval = task.evaluate(executor.params)
+                mean_loss = float(epoch_loss) / epoch_batches
+                metrics.write(step=step, epoch=epoch, train_loss=mean_loss, **last_eval)
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                line = f"epoch {epoch + 1}/{config.epochs}: loss {mean_loss:.4f}, {shown}"
+                (progress.write if progress is not None else log)(line)
+                if out and not config.checkpoint_every:
+                    save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
+            if step >= stop_at:
+                break
+    finally:
+        if progress is not None:
+            progress.close()
+    elapsed = time.perf_counter() - t_start
+    if out:
+        save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
+    if out and metrics.rows:
+        plot_losses(metrics.rows, out / "loss.png")
+    result = {"step": step, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9), **last_eval}
+    result["executor"] = executor
+    return result

@@ -1,0 +1,363 @@
+"""The core runtime: lowering modes, loud failures, executor bookkeeping, CustomOp from source."""
+
+import math
+
+import pytest
+import torch
+
+import teeny
+from teeny import ArgVisitor, CustomOp, Graph, LoweringMode, RuntimeOp, lower, ops
+from teeny.kernel import built_instances
+from teeny.kernels.activation import activation_backward, activation_forward
+
+
+# ------------------------------------------------------------------------------ custom op
+
+SQUARE_FORWARD = '''
+@triton.jit
+def scaled_square_forward(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(y_ptr + offs, scale * x * x, mask=mask)
+'''
+
+SQUARE_BACKWARD = '''
+@triton.jit
+def scaled_square_backward(x_ptr, dy_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    dy = tl.load(dy_ptr + offs, mask=mask)
+    tl.store(dx_ptr + offs, 2.0 * scale * x * dy, mask=mask)
+'''
+
+
+class ScaledSquare(CustomOp):
+    """y = scale * x^2, dx = 2 * scale * x * dy; kernels given as source text."""
+
+    name = "scaled_square"
+    BLOCK = 64
+
+    def __init__(self, scale=1.5):
+        self.scale = scale
+
+    def lower_source(self):
+        return SQUARE_FORWARD
+
+    def lower_backward_source(self):
+        return SQUARE_BACKWARD
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(output).visit_i32(output.numel()).visit_f32(self.scale)
+        visitor.visit_constexpr(self.BLOCK)
+
+    def grid(self, input_shapes, output_shape):
+        return (math.ceil(math.prod(output_shape) / self.BLOCK), 1, 1)
+
+    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
+                           grad_inputs, grad_params, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
+        visitor.visit_i32(grad_output.numel()).visit_f32(self.scale).visit_constexpr(self.BLOCK)
+
+    def backward_grid(self, input_shapes, output_shape):
+        return self.grid(input_shapes, output_shape)
+
+
+class InferenceOnlySquare(ScaledSquare):
+    name = "inference_only_square"
+
+    def lower_backward_source(self):
+        return ""
+
+
+def scaled_square(x, scale=1.5):
+    return x.graph.apply(ScaledSquare(scale), [x])
+
+
+def test_custom_op_from_source_forward_and_gradcheck():
+    x = torch.randn(3, 37, dtype=torch.float64)
+    teeny.gradcheck(scaled_square, x)
+    y = teeny.interop.torch.apply(scaled_square, x.float())
+    torch.testing.assert_close(y, 1.5 * x.float() ** 2)
+
+
+def test_custom_op_trains():
+    g = Graph()
+    x = g.input("x", (4, 5))
+    w = g.parameter("w", (4, 5), init=teeny.init.constant(2.0))
+    loss = ops.sum(scaled_square(x * w)) if hasattr(ops, "sum") and hasattr(ops, "mul") else None
+    if loss is None:
+        pytest.skip("needs ops.sum/ops.mul")
+    g.output(loss)
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    xs = torch.rand(4, 5) + 0.5
+    first = None
+    for _ in range(20):
+        ex.zero_grad()
+        out, cache = ex.forward_train({"x": xs})
+        first = first if first is not None else float(out)
+        ex.backward(cache)
+        ex.params["w"].sub_(0.01 * ex.grads["w"])
+    assert float(out) < first / 2
+
+
+def test_custom_op_without_backward_is_inference_only():
+    g = Graph()
+    x = g.input("x", (3, 7), requires_grad=True)
+    g.output(g.apply(InferenceOnlySquare(), [x]))
+    program = lower(g, LoweringMode.INFERENCE)
+    out = teeny.Executor(program).forward({"x": torch.ones(3, 7)})
+    torch.testing.assert_close(out, torch.full((3, 7), 1.5))
+    with pytest.raises(teeny.MissingBackwardError, match="inference_only_square.*has no backward.*input 'x'"):
+        lower(g, LoweringMode.TRAINING)
+
+
+# ------------------------------------------------------------------------------ lowering
+
+
+def _mlp_like_graph(requires_grad=False):
+    g = Graph()
+    x = g.input("x", (6, 5), requires_grad=requires_grad)
+    w = g.parameter("w", (6, 5), init=teeny.init.normal())
+    h = ops.gelu(ops.relu(x) if not hasattr(ops, "mul") else ops.mul(ops.relu(x), w))
+    g.output(h)
+    return g
+
+
+def test_inference_builds_no_backward_kernel_and_keeps_no_activation():
+    g = Graph()
+    x = g.input("x", (6, 5))
+    g.output(ops.gelu(ops.relu(ops.gelu(x))))
+    before = len(built_instances())
+    program = lower(g, LoweringMode.INFERENCE)
+    new = built_instances()[before:]
+    assert all(name != activation_backward.name for name, _ in new)
+    assert not any(inst.kernel is activation_backward for inst in program.instances.values())
+    ex = teeny.Executor(program)
+    ex.forward({"x": torch.randn(6, 5)})
+    assert ex.live_values == 0  # every intermediate freed after its last consumer
+    with pytest.raises(teeny.TeenyError, match="lowered for INFERENCE"):
+        ex.forward_train({"x": torch.randn(6, 5)})
+
+
+def test_training_builds_backward_kernels_and_cache_holds_only_declared():
+    g = Graph()
+    x = g.input("x", (6, 5), requires_grad=True)
+    a = ops.relu(x)
+    b = ops.gelu(a)
+    g.output(ops.gelu(b))
+    program = lower(g, LoweringMode.TRAINING)
+    assert any(inst.kernel is activation_backward for inst in program.instances.values())
+    ex = teeny.Executor(program)
+    out, cache = ex.forward_train({"x": torch.randn(6, 5)})
+    # each activation saves its input only: x, a, b
+    assert cache.num_tensors() == 3
+    assert all(entry["output"] is None for entry in cache.entries.values())
+    ex.backward(cache, torch.ones(6, 5))
+    assert len(cache) == 0 and cache.num_tensors() == 0
+    with pytest.raises(teeny.TeenyError, match="already consumed"):
+        ex.backward(cache, torch.ones(6, 5))
+
+
+def test_cache_entries_are_freed_as_backward_walks():
+    g = Graph()
+    x = g.input("x", (4, 3), requires_grad=True)
+    g.output(ops.gelu(ops.gelu(ops.gelu(x))))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    _, cache = ex.forward_train({"x": torch.randn(4, 3)})
+    sizes = []
+    original = ex._node_backward
+
+    def spy(p, entry, grad_out, grads):
+        sizes.append(len(cache))
+        original(p, entry, grad_out, grads)
+
+    ex._node_backward = spy
+    ex.backward(cache, torch.ones(4, 3))
+    assert sizes == [2, 1, 0]
+
+
+def test_fan_out_gradients_are_summed():
+    g = Graph()
+    x = g.input("x", (3, 37), requires_grad=True)
+    y1 = ops.gelu(x)
+    y2 = ops.relu(x)
+    out = ops.gelu(y1) if not hasattr(ops, "add") else ops.add(y1, y2)
+    g.output(out)
+    xs = torch.randn(3, 37, dtype=torch.float64)
+    g64 = Graph()
+    x64 = g64.input("x", (3, 37), dtype=torch.float64, requires_grad=True)
+    g64.output(ops.add(ops.gelu(x64), ops.relu(x64)) if hasattr(ops, "add") else ops.gelu(ops.gelu(x64)))
+    teeny.gradcheck_graph(g64, {"x": xs})
+    # the same value consumed twice by one node: gelu(x) used twice
+    g2 = Graph()
+    x2 = g2.input("x", (5,), dtype=torch.float64, requires_grad=True)
+    h = ops.gelu(x2)
+    g2.output(ops.add(h, h) if hasattr(ops, "add") else h)
+    teeny.gradcheck_graph(g2, {"x": torch.randn(5, dtype=torch.float64)})
+
+
+def test_training_needs_a_gradient_source():
+    g = Graph()
+    x = g.input("x", (3, 3))
+    g.output(ops.gelu(x))
+    with pytest.raises(teeny.TeenyError, match="depends on no trainable parameter"):
+        lower(g, LoweringMode.TRAINING)
+
+
+class NoBackwardGelu(RuntimeOp):
+    name = "gelu_no_backward"
+    kernel = activation_forward
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        from teeny.kernels.activation import _gelu_erf
+        visitor.visit_ptr(inputs[0]).visit_ptr(output).visit_i64(output.numel()).visit_f32(0).visit_f32(0)
+        visitor.visit_constexpr(_gelu_erf).visit_constexpr(1024)
+
+    def grid(self, input_shapes, output_shape):
+        return (1, 1, 1)
+
+
+def test_missing_backward_between_parameter_and_loss_is_an_error_naming_op_and_node():
+    g = Graph()
+    x = g.input("x", (2, 3))
+    w = g.parameter("fc1.weight", (2, 3))
+    h = g.apply(NoBackwardGelu(), [ops.add(x, w) if hasattr(ops, "add") else w], name="mystery")
+    g.output(ops.gelu(h))
+    with pytest.raises(teeny.MissingBackwardError, match=r"gelu_no_backward \(node 'mystery'\).*'fc1.weight'"):
+        lower(g, LoweringMode.TRAINING)
+    # inference is fine
+    lower(g, LoweringMode.INFERENCE)
+
+
+def test_stop_gradient_and_frozen_parameters_opt_out():
+    if not hasattr(ops, "stop_gradient") or not hasattr(ops, "add"):
+        pytest.skip("needs stop_gradient and add")
+    g = Graph()
+    x = g.input("x", (2, 3))
+    w = g.parameter("frozen", (2, 3))
+    v = g.parameter("live", (2, 3), init=teeny.init.ones())
+    h = g.apply(NoBackwardGelu(), [ops.add(x, w)])
+    g.output(ops.sum(ops.add(ops.gelu(ops.stop_gradient(h)), v)))
+    program = lower(g, LoweringMode.TRAINING)  # no error: the path is cut
+    ex = teeny.Executor(program)
+    _, cache = ex.forward_train({"x": torch.randn(2, 3)})
+    ex.backward(cache)
+    torch.testing.assert_close(ex.grads["live"], torch.ones(2, 3))
+    assert float(ex.grads["frozen"].abs().sum()) == 0.0
+    g2 = Graph()
+    x2 = g2.input("x", (2, 3))
+    w2 = g2.parameter("frozen", (2, 3), trainable=False)
+    v2 = g2.parameter("live", (2, 3))
+    g2.output(ops.sum(ops.add(g2.apply(NoBackwardGelu(), [ops.add(x2, w2)]), v2)))
+    lower(g2, LoweringMode.TRAINING)
+
+
+class ZeroGridSquare(ScaledSquare):
+    name = "zero_grid_square"
+
+    def backward_grid(self, input_shapes, output_shape):
+        return (0, 0, 0)
+
+
+class MisPackedSquare(ScaledSquare):
+    name = "mispacked_square"
+
+    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
+                           grad_inputs, grad_params, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
+        visitor.visit_i32(grad_output.numel()).visit_constexpr(self.BLOCK)  # forgot the scale
+
+
+class WrongKindSquare(ScaledSquare):
+    name = "wrong_kind_square"
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(output).visit_i32(output.numel()).visit_ptr(inputs[0])
+        visitor.visit_constexpr(self.BLOCK)
+
+
+def _train_graph(op):
+    g = Graph()
+    x = g.input("x", (3, 5), requires_grad=True)
+    g.output(g.apply(op, [x], name="the_node"))
+    return g
+
+
+def test_zero_backward_grid_is_an_error():
+    with pytest.raises(teeny.GridError, match=r"zero_grid_square \(node 'the_node', backward\).*grid \(0, 0, 0\)"):
+        lower(_train_graph(ZeroGridSquare()), LoweringMode.TRAINING)
+
+
+def test_wrong_argument_count_is_an_error():
+    with pytest.raises(teeny.PackingError, match=r"mispacked_square \(node 'the_node', backward\).*takes 6 arguments.*5 were packed"):
+        lower(_train_graph(MisPackedSquare()), LoweringMode.TRAINING)
+
+
+def test_wrong_argument_kind_is_an_error_even_for_inference():
+    with pytest.raises(teeny.PackingError, match=r"argument 3 'scale' is scalar, but a ptr was packed"):
+        lower(_train_graph(WrongKindSquare()), LoweringMode.INFERENCE)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_bad_inputs_give_clear_errors():
+    g = Graph()
+    x = g.input("x", (3, 4))
+    g.output(ops.gelu(x))
+    ex = teeny.Executor(lower(g))
+    with pytest.raises(KeyError, match="missing input 'x'"):
+        ex.forward({})
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(3, 5\).*lowered for \(3, 4\)"):
+        ex.forward({"x": torch.zeros(3, 5)})
+    with pytest.raises(TypeError, match="input 'x' has dtype float64, expected float32"):
+        ex.forward({"x": torch.zeros(3, 4, dtype=torch.float64)})
+    with pytest.raises(KeyError, match="unknown inputs"):
+        ex.forward({"x": torch.zeros(3, 4), "y": torch.zeros(1)})
+
+
+def test_dtype_without_kernel_is_refused_at_lowering():
+    g = Graph()
+    x = g.input("x", (3, 4), dtype=torch.float16)
+    g.output(g.apply(ScaledSquare(), [x]))
+    with pytest.raises(teeny.TeenyError, match="no float16 version"):
+        lower(g)
+
+
+def test_mixed_dtypes_are_refused_when_tracing():
+    if not hasattr(ops, "add"):
+        pytest.skip("needs add")
+    g = Graph()
+    a = g.input("a", (3,))
+    b = g.input("b", (3,), dtype=torch.float64)
+    with pytest.raises(teeny.GraphError, match="different float dtypes"):
+        ops.add(a, b)
+
+
+def test_gradcheck_reports_the_wrong_element():
+    class WrongGradSquare(ScaledSquare):
+        name = "wrong_grad_square"
+
+        def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
+                               grad_inputs, grad_params, visitor, saved=None):
+            # passes 2*scale instead of scale: the gradient is twice too large
+            visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
+            visitor.visit_i32(grad_output.numel()).visit_f32(2 * self.scale).visit_constexpr(self.BLOCK)
+
+    x = torch.randn(2, 3, dtype=torch.float64) + 3
+    result = teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), x, raise_on_failure=False)
+    assert not result.ok and len(result.mismatches) == 6
+    assert "input 'arg0'[(0, 0)]" in result.report()
+    with pytest.raises(teeny.GradcheckError, match="numerical .* analytical"):
+        teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), x)
+    big = torch.randn(40, 30, dtype=torch.float64) + 3
+    result = teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), big, mode="directional", raise_on_failure=False)
+    assert not result.ok and result.checked == {"input 'arg0'": 1}
+    teeny.gradcheck(scaled_square, big, mode="directional")
+
+
+def test_gradcheck_float32_mode():
+    x = torch.randn(3, 7, dtype=torch.float32)
+    teeny.gradcheck(ops.gelu, x)  # float32 defaults: h=1e-3 and looser tolerance
