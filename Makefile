@@ -19,7 +19,7 @@ train: $(STAMP)
 	$(VENV)/bin/teeny train mlp
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) runs

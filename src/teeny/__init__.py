@@ -49,7 +49,10 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         _load()
         return globals()[name]
-    if name in _SUBMODULES:
-        _load()
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _SUBMODULES:  # also reached by `from . import init` inside the package: import only that
+        importlib.import_module(f"{__name__}.device")
+        module = importlib.import_module(f"{__name__}.{name}")
+        if name == "interop":
+            importlib.import_module(f"{__name__}.interop.torch")
+        return module
     raise AttributeError(f"module 'teeny' has no attribute {name!r}")

@@ -37,6 +37,28 @@ DEVICE: torch.device = _decide()
 INTERPRETER: bool = DEVICE.type == "cpu"
 
 
+def _interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a scalar argument used as a loop bound
+    (``range(0, K, BLOCK)``) into an int with ``int(array_of_one)``, which numpy >= 2.4 refuses;
+    index through ``.item()`` instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_teeny", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._teeny = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETER:
+    _interpreter_loop_bounds()
+
+
 def describe() -> str:
     if INTERPRETER:
         return "cpu (Triton interpreter)"

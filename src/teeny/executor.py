@@ -63,6 +63,7 @@ class Executor:
         if params is not None:
             self.load_params(params)
         self.live_values = 0  # after forward: how many intermediate buffers were still alive at the end
+        self._consts = {v.id: v.data.to(self.device) for v in program.graph.values if v.kind == "const"}
 
     # --- parameters ----------------------------------------------------------------------
     def _build_arenas(self, seed: int) -> None:
@@ -158,11 +159,8 @@ class Executor:
                     raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
                 t = t.to(self.device)
             bound[v.id] = t.contiguous()
-        for v in self.program.graph.values:
-            if v.kind == "const":
-                bound[v.id] = v.data.to(self.device)
-            elif v.kind == "param":
-                bound[v.id] = self._param_by_id[v.id]
+        bound.update(self._consts)
+        bound.update(self._param_by_id)
         return bound
 
     def _alloc(self, shape, dtype) -> torch.Tensor:

@@ -268,6 +268,10 @@ class Tensor:
         from . import ops
         return ops.pow(self, other)
 
+    def __rpow__(self, other):
+        from . import ops
+        return ops.pow(other, self)
+
     def __matmul__(self, other):
         from . import ops
         return ops.matmul(self, other)

@@ -171,7 +171,10 @@ def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requir
             f"the loss '{loss.name}' depends on no trainable parameter or input that requires a gradient: "
             "training it would compute nothing (lower it for INFERENCE instead)"
         )
-    on_loss_path = _ancestors([loss])
+    on_loss_path = {loss.id}  # values whose gradient reaches the loss (not through stop_gradient)
+    for p in reversed(planned):
+        if p.node.output.id in on_loss_path:
+            on_loss_path.update(v.id for v, m in zip(p.node.inputs, p.grad_mask) if m)
     for p in planned:
         node = p.node
         p.needs_backward = requires_grad[node.output.id] and node.output.id in on_loss_path

@@ -122,6 +122,7 @@ class DigitsTask(Task):
         return g
 
     def train_graph(self, batch_size: int, dtype: torch.dtype = torch.float32) -> Graph:
+        self.model.to(dtype)
         return self._graph(batch_size, True, dtype)
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -218,7 +219,7 @@ class CharTask(Task):
 def make_task(name: str, size: str = "small") -> Task:
     if name == "mlp":
         return DigitsTask("mlp", MLP(), image=False,
-                          defaults=dict(epochs=20, batch_size=32, lr=1e-3, optimizer="adamw", weight_decay=0.0))
+                          defaults=dict(epochs=12, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0))
     if name == "cnn":
         return DigitsTask("cnn", CNN(), image=True,
                           defaults=dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0))

@@ -44,7 +44,8 @@ class Module:
             value._owner, value._local_name = self, name
             self._parameters[name] = value
         elif isinstance(value, Module):
-            value._parent, value._local_name = self, name
+            object.__setattr__(value, "_parent", self)
+            object.__setattr__(value, "_local_name", name)
             self._children[name] = value
         object.__setattr__(self, name, value)
 
@@ -62,6 +63,14 @@ class Module:
 
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
+
+    def to(self, dtype: torch.dtype) -> "Module":
+        """Give every parameter ``dtype`` (before tracing), like ``torch.nn.Module.to``."""
+        if not dtype.is_floating_point:
+            raise TypeError(f"parameters must be floating point, got {dtype}")
+        for p in self.parameters():
+            p.dtype = dtype
+        return self
 
     def train(self, mode: bool = True) -> "Module":
         object.__setattr__(self, "training", mode)

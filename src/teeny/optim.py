@@ -35,6 +35,8 @@ class Optimizer:
         self.lr = float(lr)
         self.base_lr = float(lr)
         self.step_count = 0
+        # [lr, step, log(beta1), log(beta2)], read by the kernels from device memory
+        self.hyper = torch.zeros(4, dtype=torch.float64, device=executor.device)
         self.state: dict[str, dict[torch.dtype, torch.Tensor]] = {
             name: {dtype: torch.zeros_like(arena) for dtype, arena in executor.param_arenas.items()}
             for name in self.state_names
@@ -44,7 +46,20 @@ class Optimizer:
         self.executor.zero_grad()
 
     def step(self) -> None:
+        """One update of every parameter: ``prepare()`` then ``launch()``."""
+        self.prepare()
+        self.launch()
+
+    def prepare(self) -> None:
+        """Advance the step count and publish lr and step to the device (host side)."""
         self.step_count += 1
+        betas = getattr(self, "betas", (0.5, 0.5))
+        values = [self.lr, float(self.step_count), math.log(betas[0]) if betas[0] > 0 else -math.inf,
+                  math.log(betas[1]) if betas[1] > 0 else -math.inf]
+        self.hyper.copy_(torch.tensor(values, dtype=torch.float64))
+
+    def launch(self) -> None:
+        """The update kernels alone (one launch per arena): what a CUDA graph captures."""
         for dtype, params in self.executor.param_arenas.items():
             if params.numel():
                 self._update(dtype, params, self.executor.grad_arenas[dtype])
@@ -88,8 +103,8 @@ class SGD(Optimizer):
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
         buf = self.state["momentum_buffer"][dtype]
-        args = [params, grads, buf, n, self.lr, self.momentum, self.dampening, self.weight_decay,
-                self.step_count == 1, self.nesterov, self.momentum != 0, BLOCK]
+        args = [params, grads, buf, self.hyper, n, self.momentum, self.dampening, self.weight_decay,
+                self.nesterov, self.momentum != 0, BLOCK]
         sgd_step_kernel.instance(dtype).launch((blocks(n),), args)
 
 
@@ -110,9 +125,8 @@ class Adam(Optimizer):
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
         b1, b2 = self.betas
-        t = self.step_count
-        args = [params, grads, self.state["exp_avg"][dtype], self.state["exp_avg_sq"][dtype], n, self.lr, b1, b2,
-                self.eps, self.weight_decay, 1 - b1 ** t, math.sqrt(1 - b2 ** t), self.decoupled, BLOCK]
+        args = [params, grads, self.state["exp_avg"][dtype], self.state["exp_avg_sq"][dtype], self.hyper, n, b1, b2,
+                self.eps, self.weight_decay, self.decoupled, BLOCK]
         adam_step_kernel.instance(dtype).launch((blocks(n),), args)
 
 
@@ -177,5 +191,3 @@ def step_schedule(step_size: int, gamma: float = 0.1) -> Schedule:
     """Multiply by ``gamma`` every ``step_size`` steps (torch.optim.lr_scheduler.StepLR)."""
     return lambda step: gamma ** (step // step_size)
 
-
-SCHEDULES = {"constant", "cosine", "step", "warmup"}

@@ -47,6 +47,8 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps in total (e.g. to test resuming)
     progress: bool = True
     dtype: torch.dtype = torch.float32
+    cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
+    log_every: int | None = None  # read the loss back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
 
     def validate(self) -> None:
         checks = [
@@ -109,6 +111,58 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     return params, state, metadata
 
 
+# ------------------------------------------------------------------------- one step
+
+
+class TrainStep:
+    """zero_grad, forward_train, backward, optional clipping and the optimizer update.
+
+    On a GPU the whole step is a fixed sequence of launches over static shapes, so with
+    ``cuda_graph=True`` it is captured once as a CUDA graph and replayed: the first call runs
+    eagerly (compiling every kernel), the second captures, later ones copy the batch into the
+    static input buffers and replay. The learning rate and step count reach the optimizer
+    kernels through device memory (``Optimizer.prepare``), so schedules keep working.
+    Returns the loss as a device tensor (reading it is the caller's choice: it synchronises).
+    """
+
+    def __init__(self, executor: Executor, optimizer: Optimizer, clip: float | None = None, cuda_graph: bool = False):
+        if cuda_graph and executor.device.type != "cuda":
+            raise ValueError("CUDA graphs need the GPU")
+        self.executor, self.optimizer, self.clip, self.cuda_graph = executor, optimizer, clip, cuda_graph
+        self.calls = 0
+        self.graph = None
+        self.static_feed: dict[str, torch.Tensor] = {}
+        self.static_loss = None
+
+    def _body(self, feed) -> torch.Tensor:
+        self.executor.zero_grad()
+        outputs, cache = self.executor.forward_train(feed)
+        loss = outputs[0] if isinstance(outputs, tuple) else outputs
+        self.executor.backward(cache)
+        if self.clip:
+            clip_grad_norm(self.executor, self.clip)
+        self.optimizer.launch()
+        return loss
+
+    def __call__(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        self.optimizer.prepare()
+        if not self.cuda_graph or self.calls == 1:
+            return self._body(feed)
+        if self.graph is None:
+            device = self.executor.device
+            self.static_feed = {k: v.to(device, copy=True) for k, v in feed.items()}
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_loss = self._body(self.static_feed)
+        else:
+            for k, v in feed.items():
+                self.static_feed[k].copy_(v, non_blocking=True)
+        self.graph.replay()
+        return self.static_loss
+
+
 # ------------------------------------------------------------------------------ loop
 
 
@@ -160,6 +214,10 @@ def train(task, config: TrainConfig, resume: str | None = None, log=print) -> di
         raise ValueError(f"batch size {config.batch_size} is larger than the training set")
     total_steps = steps_per_epoch * config.epochs
     schedule = cosine_schedule(total_steps, config.warmup_steps) if config.schedule == "cosine" else constant_schedule()
+    on_gpu = executor.device.type == "cuda"
+    use_graph = on_gpu if config.cuda_graph is None else config.cuda_graph
+    log_every = config.log_every or (20 if on_gpu else 1)
+    train_step = TrainStep(executor, optimizer, config.clip, cuda_graph=use_graph)
     step = 0
     if resume:
         params, state, meta = load_checkpoint(resume)
@@ -182,28 +240,25 @@ def train(task, config: TrainConfig, resume: str | None = None, log=print) -> di
     try:
         for epoch in range(step // steps_per_epoch, config.epochs):
             skip = step - epoch * steps_per_epoch  # batches already done in this epoch (resuming)
-            epoch_loss, epoch_batches = torch.zeros((), dtype=torch.float64), 0
+            epoch_loss, epoch_batches = torch.zeros((), dtype=torch.float64, device=executor.device), 0
             for index, feed in enumerate(task.batches(epoch, config.batch_size, config.seed)):
                 if index < skip:
                     continue
                 if step >= stop_at:
                     break
                 optimizer.lr = config.lr * schedule(step)
-                optimizer.zero_grad()
-                (loss, _), cache = executor.forward_train(feed)
-                executor.backward(cache)
-                if config.clip:
-                    clip_grad_norm(executor, config.clip)
-                optimizer.step()
+                loss = train_step(feed)
                 step += 1
                 samples += config.batch_size
-                loss_value = float(loss)
-                epoch_loss += loss_value
                 epoch_batches += 1
-                metrics.write(step=step, epoch=epoch, loss=loss_value, lr=optimizer.lr)
+                epoch_loss += loss.detach().double()  # stays on the device: no synchronisation
+                if step % log_every == 0 or step == stop_at:
+                    loss_value = float(loss)
+                    metrics.write(step=step, epoch=epoch, loss=loss_value, lr=optimizer.lr)
+                    if progress is not None:
+                        rate = samples / max(time.perf_counter() - t_start, 1e-9)
+                        progress.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:.0f}")
                 if progress is not None:
-                    rate = samples / max(time.perf_counter() - t_start, 1e-9)
-                    progress.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:.0f}")
                     progress.update(1)
                 if out and config.checkpoint_every and step % config.checkpoint_every == 0:
                     save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)

@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 
 from ..kernel import kernel
+from .common import ELEMENTWISE_BLOCK
 
-BLOCK = 1024
+BLOCK = ELEMENTWISE_BLOCK
 
 
 @kernel(half=True)

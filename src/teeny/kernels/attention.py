@@ -434,17 +434,17 @@ class CausalSelfAttention(Module):
     q, k, v = x W_q^T + b_q, ...; heads of size d_model / n_heads; y = attn W_o^T + b_o.
     Parameters q_proj, k_proj, v_proj, out_proj (each a teeny.nn.Linear, PyTorch's init)."""
 
-    def __init__(self, d_model: int, n_heads: int, bias: bool = True):
+    def __init__(self, d_model: int, n_heads: int, bias: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
         if n_heads <= 0 or d_model % n_heads != 0:
             raise ValueError(f"CausalSelfAttention: d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         from .linear import Linear  # the linear family provides the projections
 
         self.d_model, self.n_heads = d_model, n_heads
-        self.q_proj = Linear(d_model, d_model, bias=bias)
-        self.k_proj = Linear(d_model, d_model, bias=bias)
-        self.v_proj = Linear(d_model, d_model, bias=bias)
-        self.out_proj = Linear(d_model, d_model, bias=bias)
+        self.q_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.out_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
 
     def forward(self, x):
         from .. import ops
@@ -501,9 +501,9 @@ def _gradcheck_samples(gen):
 
     return [
         sample("(1,1,3,2)", _qkv(gen, dt, (1, 1), 3, 3, 2)),
-        sample("(1,2,4,3) causal Lq<Lk", _qkv(gen, dt, (1, 2), 3, 4, 3), is_causal=True),
+        sample("(1,1,3,4) causal Lq<Lk", _qkv(gen, dt, (1, 1), 3, 4, 2), is_causal=True),
         sample("(1,1,4,3) causal Lq>Lk", _qkv(gen, dt, (1, 1), 4, 3, 2), is_causal=True),
-        sample("(2,3,2) mask scale", _qkv(gen, dt, (2,), 3, 4, 2), attn_mask=make(gen, 3, 4, dtype=dt), scale=0.7),
+        sample("(1,3,4) 3-D mask scale", _qkv(gen, dt, (1,), 3, 4, 2), attn_mask=make(gen, 3, 4, dtype=dt), scale=0.7),
         sample("gqa", _qkv(gen, dt, (1, 2), 2, 3, 2, kv_batch=(1, 1)), enable_gqa=True),
     ]
 

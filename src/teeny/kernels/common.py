@@ -27,3 +27,8 @@ def elementwise_grid(n: int, block: int) -> tuple[int, int, int]:
 
 # tl.dot on bfloat16 operands gives garbage under the 3.6 interpreter: upcast there only.
 DOT_UPCAST_BF16 = INTERPRETER
+
+
+# Under the interpreter each program instance costs about a millisecond whatever its size, while
+# numpy handles a wide block almost as fast as a narrow one: use few, wide programs there.
+ELEMENTWISE_BLOCK = 16384 if INTERPRETER else 1024

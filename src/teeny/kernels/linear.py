@@ -39,7 +39,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import DOT_UPCAST_BF16, cdiv, upcast
+from .common import DOT_UPCAST_BF16, cdiv
 
 __all__ = ["matmul", "linear", "set_allow_tf32", "get_allow_tf32"]
 NN_LAYERS = ["Linear"]
@@ -499,7 +499,7 @@ def _longest_contraction(a_shape, b_shape) -> int:
 
 
 def _matmul_gradcheck(gen):
-    pairs = [((3, 5), (5, 4)), ((2, 1, 3, 2), (3, 2, 3)), ((2, 3, 4), (4, 2)), ((4,), (2, 4, 3)), ((3, 4), (4,))]
+    pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,))]
     return [Sample((make(gen, *a, dtype=torch.float64), make(gen, *b, dtype=torch.float64)), name=f"{a}@{b}")
             for a, b in pairs]
 

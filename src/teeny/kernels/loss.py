@@ -1,4 +1,1032 @@
-"""loss ops (being written)."""
+"""Losses: element-wise losses (MSE, L1, smooth L1, Huber, BCE, BCE with logits, KL divergence)
+and row losses over classes (cross-entropy, NLL), with reduction "none" | "mean" | "sum".
 
-__all__: list[str] = []
-NN_LAYERS: list[str] = []
+Element-wise losses share one kernel pair. ``pointwise_loss_forward`` computes
+l_i = w_i * LOSS(x_i, t_i) (w: an optional weight broadcast over the input, pos_weight an
+optional argument of the maths); ``pointwise_loss_backward`` computes
+dx_i = dy_i * w_i * dLOSS/dx and dt_i = dy_i * w_i * dLOSS/dt (dy_i = dy / divisor when reduced:
+divisor = n for "mean", batch size for "batchmean", 1 for "sum").
+
+Reductions to a scalar never use atomics: each program writes the fp32 (fp64 for float64)
+sum of its block to a partials buffer, and ``finish_loss_sum`` (one program) adds the partials,
+divides by the divisor or, for weighted class losses, by the sum of the per-program weight
+partials, and writes the loss (bit-reproducible).
+
+Cross-entropy and NLL are one fused row kernel pair (``class_loss_forward``/``_backward``)
+over rows of C classes (input (N, C) or (N, C, d1, ...), class stride d1*...):
+
+    lse = log sum_c exp(x_c)                      online over column blocks (any C)
+    class index t:  loss = (1-eps) w_t (lse - x_t) + eps/C sum_c w_c (lse - x_c)
+                    dx_c = s [(1-eps) w_t (p_c - [c=t]) + eps/C (W p_c - w_c)],  p = exp(x - lse), W = sum w
+    probabilities q (q' = (1-eps) q + eps/C):
+                    loss = sum_c w_c q'_c (lse - x_c)
+                    dx_c = s (p_c sum_j w_j q'_j - w_c q'_c),  dq_c = s (1-eps) w_c (lse - x_c)
+
+with s = dy (per row) or dy / denominator ("mean": sum of w_t over non-ignored rows for class
+indices, number of rows for probabilities). NLL is the same kernel on log-probabilities
+(lse = 0, p = 0, eps = 0). The forward saves only lse per row (and, for probability targets,
+the per-row target mass sum_c w_c q'_c); the backward writes dx straight into the gradient
+buffer from the saved logits and lse: no other logits-sized buffer exists.
+
+Rows whose target is ignore_index give loss 0 and gradient 0. A class index outside [0, C)
+that is not ignore_index is never read out of bounds (the load is masked): its row's loss and
+gradient are NaN, which makes a reduced loss NaN (PyTorch raises instead; teeny cannot without
+a host sync). BCE inputs outside [0, 1] likewise give NaN instead of PyTorch's error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..graph import Tensor, graph_of
+from ..kernel import kernel
+from ..module import Module
+from ..registry import OpInfo, Sample, away_from, make, register
+from ..runtime import ArgVisitor, RuntimeOp, TeenyError
+from .common import cdiv, upcast
+
+__all__ = [
+    "mse_loss", "mse", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "nll_loss", "cross_entropy",
+]
+NN_LAYERS = [
+    "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "NLLLoss",
+    "CrossEntropyLoss",
+]
+
+BLOCK = 1024  # element-wise losses and the final sum of partials
+MAX_BLOCK_C = 4096  # widest column block of the row kernels (longer rows loop)
+ROW_TILE = 4096  # rows x columns handled by one program of the row kernels
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ======================================================================= element-wise kernels
+
+
+@triton.jit
+def _broadcast_load(ptr, offsets, numel, mask, ENABLED: tl.constexpr, like):
+    """ptr[offsets % numel] (a tensor broadcast over the input's trailing dims); 1 if disabled."""
+    if ENABLED:
+        return upcast(tl.load(ptr + offsets % numel, mask=mask, other=0.0))
+    else:
+        return tl.full(like.shape, 1.0, like.dtype)
+
+
+@kernel(half=True)
+def pointwise_loss_backward(x_ptr, t_ptr, w_ptr, pw_ptr, dy_ptr, dx_ptr, dt_ptr, n, w_numel, pw_numel, a, b, divisor,
+                            GRAD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_WEIGHT: tl.constexpr,
+                            REDUCED: tl.constexpr, WANT_DX: tl.constexpr, WANT_DT: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.5))  # 0.5: a harmless value for every loss
+    t = upcast(tl.load(t_ptr + offsets, mask=mask, other=0.5))
+    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, HAS_POS_WEIGHT, x)
+    if REDUCED:
+        dy = upcast(tl.load(dy_ptr)) / divisor
+    else:
+        dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+    scale = dy * _broadcast_load(w_ptr, offsets, w_numel, mask, HAS_WEIGHT, x)
+    dx, dt = GRAD(x, t, pw, a, b)
+    if WANT_DX:
+        tl.store(dx_ptr + offsets, (dx * scale).to(dx_ptr.dtype.element_ty), mask=mask)
+    if WANT_DT:
+        tl.store(dt_ptr + offsets, (dt * scale).to(dt_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(backward=pointwise_loss_backward, half=True)
+def pointwise_loss_forward(x_ptr, t_ptr, w_ptr, pw_ptr, out_ptr, n, w_numel, pw_numel, a, b,
+                           LOSS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_WEIGHT: tl.constexpr,
+                           REDUCE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.5))  # 0.5: a harmless value for every loss
+    t = upcast(tl.load(t_ptr + offsets, mask=mask, other=0.5))
+    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, HAS_POS_WEIGHT, x)
+    loss = LOSS(x, t, pw, a, b) * _broadcast_load(w_ptr, offsets, w_numel, mask, HAS_WEIGHT, x)
+    if REDUCE:  # out_ptr: the fp32/fp64 partial sums, one per program
+        tl.store(out_ptr + pid, tl.sum(tl.where(mask, loss, 0.0), axis=0))
+    else:
+        tl.store(out_ptr + offsets, loss.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(half=True)
+def finish_loss_sum(partials_ptr, den_partials_ptr, out_ptr, den_ptr, n_partials, divisor,
+                    MEAN: tl.constexpr, DATA_DENOM: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum(partials) / den, den = sum(den_partials) (saved to den_ptr) or divisor; one program."""
+    acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
+    den_acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
+    for start in range(0, n_partials, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < n_partials
+        acc += tl.load(partials_ptr + offsets, mask=mask, other=0.0)
+        if DATA_DENOM:
+            den_acc += tl.load(den_partials_ptr + offsets, mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if MEAN:
+        if DATA_DENOM:
+            den = tl.sum(den_acc, axis=0)
+            tl.store(den_ptr, den)
+            total = total / den
+        else:
+            total = total / divisor
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
+# ------------------------------------------------------------------ element-wise loss maths
+# LOSS(x, t, pw, a, b) -> l and GRAD(x, t, pw, a, b) -> (dl/dx, dl/dt), in float32/64.
+
+
+@triton.jit
+def _sign(d):
+    return tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+
+
+@triton.jit
+def _mse(x, t, pw, a, b):
+    return (x - t) * (x - t)
+
+
+@triton.jit
+def _mse_grad(x, t, pw, a, b):
+    return 2.0 * (x - t), 2.0 * (t - x)
+
+
+@triton.jit
+def _l1(x, t, pw, a, b):
+    return tl.abs(x - t)
+
+
+@triton.jit
+def _l1_grad(x, t, pw, a, b):
+    s = _sign(x - t)
+    return s, -s
+
+
+@triton.jit
+def _smooth_l1(x, t, pw, beta, b):
+    d = tl.abs(x - t)
+    return tl.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
+
+
+@triton.jit
+def _smooth_l1_grad(x, t, pw, beta, b):
+    d = x - t
+    g = tl.where(tl.abs(d) < beta, d / beta, _sign(d))
+    return g, -g
+
+
+@triton.jit
+def _huber(x, t, pw, delta, b):
+    d = tl.abs(x - t)
+    return tl.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta))
+
+
+@triton.jit
+def _huber_grad(x, t, pw, delta, b):
+    d = x - t
+    g = tl.minimum(tl.maximum(d, -delta), delta)
+    return g, -g
+
+
+@triton.jit
+def _bce(x, t, pw, a, b):
+    log_x = tl.maximum(tl.log(x), -100.0)
+    log_1mx = tl.maximum(tl.log(1.0 - x), -100.0)
+    return (t - 1.0) * log_1mx - t * log_x
+
+
+@triton.jit
+def _bce_grad(x, t, pw, a, b):
+    dx = (x - t) / tl.maximum((1.0 - x) * x, 1e-12)
+    return dx, tl.log(1.0 - x) - tl.log(x)
+
+
+@triton.jit
+def _softplus_neg(x):
+    """log(1 + exp(-x)), stable."""
+    return tl.maximum(-x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _bce_logits(x, t, pw, a, b):
+    return (1.0 - t) * x + ((pw - 1.0) * t + 1.0) * _softplus_neg(x)
+
+
+@triton.jit
+def _bce_logits_grad(x, t, pw, a, b):
+    sigmoid_neg = 1.0 / (1.0 + tl.exp(x))
+    return (1.0 - t) - ((pw - 1.0) * t + 1.0) * sigmoid_neg, (pw - 1.0) * _softplus_neg(x) - x
+
+
+@triton.jit
+def _kl_div(x, t, pw, a, b):
+    return tl.where(t == 0.0, 0.0, t * tl.log(t)) - t * x
+
+
+@triton.jit
+def _kl_div_grad(x, t, pw, a, b):
+    # t / t: NaN at t = 0, as PyTorch's xlogy gradient
+    return -t, tl.log(t) + t / t - x
+
+
+@triton.jit
+def _kl_div_log_target(x, t, pw, a, b):
+    return tl.exp(t) * (t - x)
+
+
+@triton.jit
+def _kl_div_log_target_grad(x, t, pw, a, b):
+    e = tl.exp(t)
+    return -e, e * (t - x + 1.0)
+
+
+# ================================================================ element-wise RuntimeOp
+
+
+def _check_reduction(reduction, allowed=_REDUCTIONS) -> str:
+    if reduction not in allowed:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, allowed))}, got {reduction!r}")
+    return reduction
+
+
+def _suffix_broadcasts(shape, target_shape) -> bool:
+    """Whether ``shape`` broadcasts to ``target_shape`` by repetition over leading dims
+    (weight index = flat index % weight numel)."""
+    stripped = list(shape)
+    while stripped and stripped[0] == 1:
+        stripped.pop(0)
+    if len(stripped) > len(target_shape):
+        return False
+    return tuple(stripped) == tuple(target_shape[len(target_shape) - len(stripped):])
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class PointwiseLossOp(RuntimeOp):
+    """An element-wise loss: inputs (input, target[, weight][, pos_weight]).
+    ``loss``/``grad`` are its @triton.jit maths; weights get no gradient (as in PyTorch)."""
+
+    kernel = pointwise_loss_forward
+    n_activation_inputs = 2
+    saves_inputs = True
+
+    def __init__(self, name, loss, grad, reduction="mean", a=0.0, b=0.0, has_weight=False, has_pos_weight=False,
+                 divisor=None):
+        self.name, self.loss, self.grad = name, loss, grad
+        self.reduction, self.a, self.b = reduction, float(a), float(b)
+        self.has_weight, self.has_pos_weight = has_weight, has_pos_weight
+        self.divisor = divisor  # fn(input_shape) -> the "mean" divisor (default numel)
+        self.n_activation_inputs = 2 + has_weight + has_pos_weight
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        x, t = input_shapes[0], input_shapes[1]
+        if not input_dtypes[0].is_floating_point:
+            raise TypeError(f"input must be floating point, got {_dtype_name(input_dtypes[0])}")
+        if not input_dtypes[1].is_floating_point:
+            raise TypeError(f"target must be floating point like the input, got {_dtype_name(input_dtypes[1])}")
+        if tuple(x) != tuple(t):
+            raise ValueError(f"target shape {tuple(t)} must equal the input shape {tuple(x)}")
+        names = ["weight"] * self.has_weight + ["pos_weight"] * self.has_pos_weight
+        for name, shape in zip(names, input_shapes[2:]):
+            if not _suffix_broadcasts(shape, x):
+                raise ValueError(f"{name} of shape {tuple(shape)} must broadcast over the input {tuple(x)} along "
+                                 f"its trailing dims (e.g. {tuple(x[-1:])} or {tuple(x)})")
+
+    def output_shape(self, input_shapes):
+        return tuple(input_shapes[0]) if self.reduction == "none" else ()
+
+    def _weights(self, tensors):
+        w = tensors[2] if self.has_weight else tensors[0]
+        pw = tensors[2 + self.has_weight] if self.has_pos_weight else tensors[0]
+        return w, pw
+
+    def forward(self, ctx):
+        x, t = ctx.inputs[0], ctx.inputs[1]
+        w, pw = self._weights(ctx.inputs)
+        n = x.numel()
+        programs = cdiv(n, BLOCK)
+        reduce = self.reduction != "none"
+        dest = ctx.empty((max(programs, 1),), _acc_dtype(ctx.dtype)) if reduce else ctx.output  # partials or loss
+        v = ArgVisitor()
+        v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(dest)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_f32(self.a).visit_f32(self.b)
+        v.visit_constexpr(self.loss).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
+        v.visit_constexpr(reduce).visit_constexpr(BLOCK)
+        ctx.launch(pointwise_loss_forward, (programs, 1, 1), v, work=n)
+        if reduce:
+            _finish(ctx, dest, programs, divisor=self._divisor(x.shape))
+
+    def _divisor(self, shape) -> int:
+        if self.reduction != "mean":
+            return 1
+        return self.divisor(shape) if self.divisor is not None else math.prod(shape)
+
+    def has_backward(self):
+        return True
+
+    def backward_kernels(self):
+        return (pointwise_loss_backward,)
+
+    def kernels(self):
+        return (pointwise_loss_forward, finish_loss_sum)
+
+    def backward(self, ctx):
+        _refuse_weight_grads(ctx, range(2, len(ctx.grad_inputs)))
+        x, t = ctx.inputs[0], ctx.inputs[1]
+        w, pw = self._weights(ctx.inputs)
+        dx, dt = ctx.grad_inputs[0], ctx.grad_inputs[1]
+        if dx is None and dt is None:
+            return
+        n = x.numel()
+        v = ArgVisitor()
+        v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(ctx.grad_output)
+        v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_f32(self.a).visit_f32(self.b)
+        v.visit_i64(self._divisor(x.shape))
+        v.visit_constexpr(self.grad).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
+        v.visit_constexpr(self.reduction != "none").visit_constexpr(dx is not None).visit_constexpr(dt is not None)
+        v.visit_constexpr(BLOCK)
+        ctx.launch(pointwise_loss_backward, (cdiv(n, BLOCK), 1, 1), v, work=n)
+
+
+def _refuse_weight_grads(ctx, indices) -> None:
+    for i in indices:
+        if i < len(ctx.grad_inputs) and ctx.grad_inputs[i] is not None:
+            raise TeenyError(f"op {ctx.op.name} (node '{ctx.node_name}'): the loss is not differentiable with "
+                             "respect to its weight (as in PyTorch); pass the weight as a constant or an input "
+                             "that does not require a gradient")
+
+
+def _finish(ctx, partials, n_partials, divisor=1, den_partials=None, den_out=None) -> None:
+    """Second pass of a reduced loss: ctx.output = sum(partials) / divisor, or with
+    ``den_partials``: / sum(den_partials), which is also written to ``den_out``."""
+    v = ArgVisitor()
+    v.visit_ptr(partials).visit_ptr(den_partials if den_partials is not None else partials).visit_ptr(ctx.output)
+    v.visit_ptr(den_out if den_out is not None else partials).visit_i64(n_partials).visit_i64(divisor)
+    v.visit_constexpr(den_partials is not None or divisor != 1).visit_constexpr(den_partials is not None)
+    v.visit_constexpr(BLOCK)
+    ctx.launch(finish_loss_sum, (1, 1, 1), v, work=1)
+
+
+# ======================================================================= class-loss kernels
+
+
+@triton.jit
+def _row_offsets(rows, n_classes, inner):
+    """Offset of class 0 of each row (row r = n * inner + s of an (N, C, inner) input)."""
+    return (rows // inner) * n_classes * inner + rows % inner
+
+
+@triton.jit
+def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index,
+                  HAS_WEIGHT: tl.constexpr, like):
+    """For class-index targets: (t, active = not ignored, ok = active and in range, w_t, x_t)."""
+    t = tl.load(target_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    active = row_mask & (t != ignore_index)
+    ok = active & (t >= 0) & (t < n_classes)
+    t_safe = tl.where(ok, t, 0)
+    x_t = upcast(tl.load(x_ptr + base + t_safe * inner, mask=ok, other=0.0))
+    if HAS_WEIGHT:
+        w_t = upcast(tl.load(weight_ptr + t_safe, mask=ok, other=0.0))
+    else:
+        w_t = tl.where(ok, 1.0, 0.0).to(like.dtype)
+    return t, active, ok, w_t, x_t
+
+
+@triton.jit
+def _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, like):
+    if HAS_WEIGHT:
+        return upcast(tl.load(weight_ptr + cols, mask=col_mask, other=0.0))
+    else:
+        return tl.where(col_mask, 1.0, 0.0).to(like.dtype)
+
+
+@kernel(half=True)
+def class_loss_backward(x_ptr, target_ptr, weight_ptr, lse_ptr, mass_ptr, dy_ptr, den_ptr, dx_ptr, dtarget_ptr,
+                        n_rows, n_classes, inner, ignore_index, label_smoothing, divisor,
+                        FROM_LOGITS: tl.constexpr, TARGET_PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                        SMOOTHING: tl.constexpr, REDUCED: tl.constexpr, DATA_DENOM: tl.constexpr,
+                        WANT_DX: tl.constexpr, WANT_DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    base = _row_offsets(rows, n_classes, inner)
+    zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
+    if REDUCED:
+        dy = upcast(tl.load(dy_ptr))
+        if DATA_DENOM:
+            dy = dy / tl.load(den_ptr)
+        else:
+            dy = dy / divisor
+        scale = zero + dy
+    else:
+        scale = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
+    if FROM_LOGITS:
+        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        lse = zero
+    eps = label_smoothing
+    if TARGET_PROBS:
+        mass = tl.load(mass_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        t, active, ok, w_t, x_t = _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes,
+                                                inner, ignore_index, HAS_WEIGHT, zero)
+        # ignored rows: 0; class index out of range: NaN (see module docstring)
+        row_value = tl.where(active, float("nan"), 0.0)
+        w_total = zero + n_classes
+        if SMOOTHING and HAS_WEIGHT:
+            w_sum = tl.zeros([BLOCK_C], dtype=zero.dtype)
+            for c0 in range(0, n_classes, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                w_sum += upcast(tl.load(weight_ptr + cols, mask=cols < n_classes, other=0.0))
+            w_total = zero + tl.sum(w_sum, axis=0)
+    for c0 in range(0, n_classes, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_classes
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
+        x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
+        if FROM_LOGITS:
+            p = tl.exp(x - lse[:, None])
+        else:
+            p = x * 0.0
+        w = _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT, zero)[None, :]
+        if TARGET_PROBS:
+            q = upcast(tl.load(target_ptr + offsets, mask=mask, other=0.0))
+            if SMOOTHING:
+                q = q * (1.0 - eps) + eps / n_classes
+            dx = scale[:, None] * (p * mass[:, None] - w * q)
+            if WANT_DT:
+                dq = scale[:, None] * (1.0 - eps) * w * (lse[:, None] - x)
+                tl.store(dtarget_ptr + offsets, dq.to(dtarget_ptr.dtype.element_ty), mask=mask)
+        else:
+            g = (1.0 - eps) * w_t[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+            if SMOOTHING:
+                g += (eps / n_classes) * (w_total[:, None] * p - w)
+            dx = tl.where(ok[:, None], scale[:, None] * g, row_value[:, None])
+        if WANT_DX:
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(backward=class_loss_backward, half=True)
+def class_loss_forward(x_ptr, target_ptr, weight_ptr, out_ptr, den_ptr, lse_ptr, mass_ptr,
+                       n_rows, n_classes, inner, ignore_index, label_smoothing,
+                       FROM_LOGITS: tl.constexpr, TARGET_PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                       SMOOTHING: tl.constexpr, REDUCE: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    base = _row_offsets(rows, n_classes, inner)
+    zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
+    eps = label_smoothing
+    m = zero - float("inf")  # running max and sum of exp(x - max): the online log-sum-exp
+    s = zero
+    sum_wx = zero  # sum_c w_c x_c (label smoothing) or sum_c w_c q'_c x_c (probabilities)
+    w_total = zero  # sum_c w_c (label smoothing) or sum_c w_c q'_c (probabilities)
+    if FROM_LOGITS or SMOOTHING or TARGET_PROBS:
+        for c0 in range(0, n_classes, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_mask = cols < n_classes
+            mask = row_mask[:, None] & col_mask[None, :]
+            offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
+            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            if FROM_LOGITS:
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+                m = m_new
+            w = _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT, zero)[None, :]
+            if TARGET_PROBS:
+                q = upcast(tl.load(target_ptr + offsets, mask=mask, other=0.0))
+                if SMOOTHING:
+                    q = tl.where(mask, q * (1.0 - eps) + eps / n_classes, 0.0)
+                w = w * q
+            w = tl.where(mask, w, 0.0)
+            sum_wx += tl.sum(w * tl.where(mask, x, 0.0), axis=1)
+            w_total += tl.sum(w, axis=1)
+    if FROM_LOGITS:
+        lse = tl.where(m == float("-inf"), m, m + tl.log(s))
+        tl.store(lse_ptr + rows, lse, mask=row_mask)
+    else:
+        lse = zero
+    if TARGET_PROBS:
+        loss = w_total * lse - sum_wx
+        tl.store(mass_ptr + rows, w_total, mask=row_mask)
+    else:
+        t, active, ok, w_t, x_t = _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes,
+                                                inner, ignore_index, HAS_WEIGHT, zero)
+        loss = (1.0 - eps) * w_t * (lse - x_t)
+        if SMOOTHING:
+            loss += (eps / n_classes) * (w_total * lse - sum_wx)
+        loss = tl.where(ok, loss, tl.where(active, float("nan"), 0.0))
+    if REDUCE:  # out_ptr / den_ptr: per-program partial sums of the loss and of w_t
+        tl.store(out_ptr + pid, tl.sum(tl.where(row_mask, loss, 0.0), axis=0))
+        if not TARGET_PROBS:
+            tl.store(den_ptr + pid, tl.sum(w_t, axis=0))
+    else:
+        tl.store(out_ptr + rows, loss.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+class ClassLossOp(RuntimeOp):
+    """Cross-entropy (``from_logits``) or NLL over the class dim 1: inputs (input, target[, weight])."""
+
+    kernel = class_loss_forward
+    n_activation_inputs = 2
+    saves_inputs = True
+
+    def __init__(self, name, from_logits, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                 has_weight=False):
+        self.name, self.from_logits, self.reduction = name, from_logits, reduction
+        self.ignore_index, self.label_smoothing = int(ignore_index), float(label_smoothing)
+        self.has_weight = has_weight
+        self.n_activation_inputs = 2 + has_weight
+        self.target_probs = False  # decided from the target's dtype in check_inputs
+
+    # --- shapes --------------------------------------------------------------------------
+    def check_inputs(self, input_shapes, input_dtypes):
+        x, t = tuple(input_shapes[0]), tuple(input_shapes[1])
+        what = "logits" if self.from_logits else "log-probabilities"
+        if not input_dtypes[0].is_floating_point:
+            raise TypeError(f"input ({what}) must be floating point, got {_dtype_name(input_dtypes[0])}")
+        if len(x) == 0:
+            raise ValueError(f"input ({what}) must have a class dimension: shape (C,), (N, C) or (N, C, d1, ...), got ()")
+        n_classes = x[0] if len(x) == 1 else x[1]
+        if n_classes == 0:
+            raise ValueError(f"input {x} has no classes (class dim 1 has size 0)")
+        self.target_probs = input_dtypes[1].is_floating_point
+        if self.target_probs:
+            if not self.from_logits:
+                raise TypeError(f"target must be class indices (int64), got {_dtype_name(input_dtypes[1])}")
+            if t != x:
+                raise ValueError(f"class-probability target of shape {t} must have the input's shape {x} "
+                                 "(or give class indices as an int64 tensor of shape (N, d1, ...))")
+        else:
+            if input_dtypes[1] not in (torch.int64, torch.uint8):
+                raise TypeError(f"target must be class indices of dtype int64 (or class probabilities of the "
+                                f"input's float dtype), got {_dtype_name(input_dtypes[1])}")
+            expected = () if len(x) == 1 else x[:1] + x[2:]
+            if t != expected:
+                raise ValueError(f"class-index target of shape {t} does not match input {x}: expected {expected}")
+        if self.has_weight and tuple(input_shapes[2]) != (n_classes,):
+            raise ValueError(f"weight must have shape ({n_classes},) (one per class), got {tuple(input_shapes[2])}")
+
+    def output_shape(self, input_shapes):
+        x = tuple(input_shapes[0])
+        if self.reduction != "none":
+            return ()
+        return () if len(x) == 1 else x[:1] + x[2:]
+
+    def _dims(self, shape):
+        n_classes = shape[0] if len(shape) == 1 else shape[1]
+        inner = math.prod(shape[2:])
+        return math.prod(shape) // n_classes, n_classes, inner
+
+    def _blocks(self, n_rows, n_classes):
+        block_c = min(triton.next_power_of_2(n_classes), MAX_BLOCK_C)
+        rows = max(1, min(ROW_TILE // block_c, triton.next_power_of_2(max(n_rows, 1))))
+        return rows, block_c
+
+    def extra_outputs(self, input_shapes, dtype):
+        n_rows = self._dims(input_shapes[0])[0]
+        acc = _acc_dtype(dtype)
+        extras = {}
+        if self.from_logits:
+            extras["lse"] = ((n_rows,), acc)
+        if self.target_probs:
+            extras["target_mass"] = ((n_rows,), acc)
+        if self.reduction == "mean" and not self.target_probs:
+            extras["denominator"] = ((), acc)
+        return extras
+
+    # --- forward -------------------------------------------------------------------------
+    def kernels(self):
+        return (class_loss_forward, finish_loss_sum)
+
+    def _common(self, ctx, v):
+        n_rows, n_classes, inner = self._dims(ctx.input_shapes[0])
+        v.visit_i64(n_rows).visit_i64(n_classes).visit_i64(inner).visit_i64(self.ignore_index)
+        v.visit_f32(self.label_smoothing)
+        return n_rows, n_classes
+
+    def _flags(self, v):
+        v.visit_constexpr(self.from_logits).visit_constexpr(self.target_probs).visit_constexpr(self.has_weight)
+        v.visit_constexpr(self.label_smoothing > 0)
+
+    def forward(self, ctx):
+        x, target = ctx.inputs[0], ctx.inputs[1]
+        weight = ctx.inputs[2] if self.has_weight else x
+        n_rows, n_classes, _ = self._dims(x.shape)
+        rows, block_c = self._blocks(n_rows, n_classes)
+        programs = cdiv(n_rows, rows)
+        reduce = self.reduction != "none"
+        acc = _acc_dtype(ctx.dtype)
+        partials = ctx.empty((max(programs, 1),), acc) if reduce else ctx.output
+        den_partials = ctx.empty((max(programs, 1),), acc) if reduce and not self.target_probs else None
+        v = ArgVisitor()
+        v.visit_ptr(x).visit_ptr(target).visit_ptr(weight).visit_ptr(partials)
+        v.visit_ptr(den_partials if den_partials is not None else partials)
+        v.visit_ptr(ctx.saved.get("lse", partials)).visit_ptr(ctx.saved.get("target_mass", partials))
+        self._common(ctx, v)
+        self._flags(v)
+        v.visit_constexpr(reduce).visit_constexpr(rows).visit_constexpr(block_c)
+        ctx.launch(class_loss_forward, (programs, 1, 1), v, work=n_rows)
+        if den_partials is not None and self.reduction == "mean":
+            _finish(ctx, partials, programs, den_partials=den_partials, den_out=ctx.saved["denominator"])
+        elif reduce:
+            _finish(ctx, partials, programs, divisor=n_rows if self.reduction == "mean" else 1)
+
+    # --- backward ------------------------------------------------------------------------
+    def has_backward(self):
+        return True
+
+    def backward_kernels(self):
+        return (class_loss_backward,)
+
+    def backward(self, ctx):
+        _refuse_weight_grads(ctx, [2])
+        x, target = ctx.inputs[0], ctx.inputs[1]
+        weight = ctx.inputs[2] if self.has_weight else x
+        dx = ctx.grad_inputs[0]
+        dt = ctx.grad_inputs[1] if self.target_probs else None
+        if dx is None and dt is None:
+            return
+        n_rows, n_classes, _ = self._dims(x.shape)
+        rows, block_c = self._blocks(n_rows, n_classes)
+        lse = ctx.saved.get("lse", x)
+        v = ArgVisitor()
+        v.visit_ptr(x).visit_ptr(target).visit_ptr(weight).visit_ptr(lse).visit_ptr(ctx.saved.get("target_mass", lse))
+        v.visit_ptr(ctx.grad_output).visit_ptr(ctx.saved.get("denominator", lse))
+        v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
+        self._common(ctx, v)
+        v.visit_i64(n_rows if self.reduction == "mean" else 1)
+        self._flags(v)
+        v.visit_constexpr(self.reduction != "none").visit_constexpr("denominator" in ctx.saved)
+        v.visit_constexpr(dx is not None).visit_constexpr(dt is not None)
+        v.visit_constexpr(rows).visit_constexpr(block_c)
+        ctx.launch(class_loss_backward, (cdiv(n_rows, rows), 1, 1), v, work=x.numel())
+
+
+# ============================================================================ functional ops
+
+
+def _tensor_arg(graph, value, like, name):
+    """A weight given as a teeny Tensor stays one; a torch tensor becomes a graph constant in
+    the input's dtype."""
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        return graph.constant(value.detach().to(like.dtype), name=None)
+    raise TypeError(f"{name} must be a teeny Tensor, a torch.Tensor or None, got {type(value).__name__}")
+
+
+def _pointwise(name, input, target, loss, grad, reduction, a=0.0, b=0.0, weight=None, pos_weight=None,
+               divisor=None):
+    graph = graph_of(input, target)
+    weight = _tensor_arg(graph, weight, input, "weight")
+    pos_weight = _tensor_arg(graph, pos_weight, input, "pos_weight")
+    op = PointwiseLossOp(name, loss, grad, reduction, a, b, weight is not None, pos_weight is not None, divisor)
+    return graph.apply(op, [t for t in (input, target, weight, pos_weight) if t is not None])
+
+
+def mse_loss(input, target, reduction: str = "mean"):
+    """(input - target)^2, reduced."""
+    return _pointwise("mse_loss", input, target, _mse, _mse_grad, _check_reduction(reduction))
+
+
+mse = mse_loss
+
+
+def l1_loss(input, target, reduction: str = "mean"):
+    """|input - target|, reduced (gradient sign(input - target), 0 at 0)."""
+    return _pointwise("l1_loss", input, target, _l1, _l1_grad, _check_reduction(reduction))
+
+
+def smooth_l1_loss(input, target, reduction: str = "mean", beta: float = 1.0):
+    """0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta (d = input - target; beta = 0: L1)."""
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be non-negative, got {beta}")
+    return _pointwise("smooth_l1_loss", input, target, _smooth_l1, _smooth_l1_grad, _check_reduction(reduction), a=beta)
+
+
+def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0):
+    """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta)."""
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta must be positive, got {delta}")
+    return _pointwise("huber_loss", input, target, _huber, _huber_grad, _check_reduction(reduction), a=delta)
+
+
+def binary_cross_entropy(input, target, weight=None, reduction: str = "mean"):
+    """-w (t log x + (1 - t) log(1 - x)) on probabilities x, logs clamped at -100 as in PyTorch.
+    Inputs outside [0, 1] give NaN (PyTorch raises)."""
+    return _pointwise("binary_cross_entropy", input, target, _bce, _bce_grad, _check_reduction(reduction),
+                      weight=weight)
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, reduction: str = "mean", pos_weight=None):
+    """w ((1 - t) x + (1 + (pos_weight - 1) t) log(1 + exp(-x))), computed stably."""
+    return _pointwise("binary_cross_entropy_with_logits", input, target, _bce_logits, _bce_logits_grad,
+                      _check_reduction(reduction), weight=weight, pos_weight=pos_weight)
+
+
+def kl_div(input, target, reduction: str = "mean", log_target: bool = False):
+    """target (log target - input) (input: log-probabilities; target: probabilities, or
+    log-probabilities with ``log_target``); "batchmean" divides the sum by input.size(0)."""
+    reduction = _check_reduction(reduction, _REDUCTIONS + ("batchmean",))
+    loss, grad = (_kl_div_log_target, _kl_div_log_target_grad) if log_target else (_kl_div, _kl_div_grad)
+    divisor = None
+    if reduction == "batchmean":
+        reduction, divisor = "mean", (lambda shape: shape[0] if len(shape) else 1)
+    return _pointwise("kl_div", input, target, loss, grad, reduction, divisor=divisor)
+
+
+def _class_loss(name, from_logits, input, target, weight, ignore_index, reduction, label_smoothing):
+    graph = graph_of(input, target)
+    weight = _tensor_arg(graph, weight, input, "weight")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    op = ClassLossOp(name, from_logits, _check_reduction(reduction), ignore_index, label_smoothing, weight is not None)
+    return graph.apply(op, [t for t in (input, target, weight) if t is not None])
+
+
+def nll_loss(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean"):
+    """-w_t input[n, t_n] on log-probabilities (N, C) or (N, C, d1, ...), class-index targets
+    (int64); "mean" divides by the sum of w_t over non-ignored targets (NaN if all are ignored)."""
+    return _class_loss("nll_loss", False, input, target, weight, ignore_index, reduction, 0.0)
+
+
+def cross_entropy(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0):
+    """log_softmax + NLL over the class dim 1, fused: targets are class indices (int64) or class
+    probabilities (the input's shape and dtype). Long rows are processed in column blocks."""
+    return _class_loss("cross_entropy", True, input, target, weight, ignore_index, reduction, label_smoothing)
+
+
+# ================================================================================== layers
+
+
+class _Loss(Module):
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+
+class MSELoss(_Loss):
+    def forward(self, input, target):
+        return mse_loss(input, target, self.reduction)
+
+
+class L1Loss(_Loss):
+    def forward(self, input, target):
+        return l1_loss(input, target, self.reduction)
+
+
+class SmoothL1Loss(_Loss):
+    def __init__(self, reduction: str = "mean", beta: float = 1.0):
+        super().__init__(reduction)
+        self.beta = beta
+
+    def forward(self, input, target):
+        return smooth_l1_loss(input, target, self.reduction, self.beta)
+
+
+class HuberLoss(_Loss):
+    def __init__(self, reduction: str = "mean", delta: float = 1.0):
+        super().__init__(reduction)
+        self.delta = delta
+
+    def forward(self, input, target):
+        return huber_loss(input, target, self.reduction, self.delta)
+
+
+class BCELoss(_Loss):
+    """``weight``: a torch tensor (a constant of the graph) or a teeny Tensor."""
+
+    def __init__(self, weight=None, reduction: str = "mean"):
+        super().__init__(reduction)
+        self.weight = weight
+
+    def forward(self, input, target):
+        return binary_cross_entropy(input, target, self.weight, self.reduction)
+
+
+class BCEWithLogitsLoss(_Loss):
+    def __init__(self, weight=None, reduction: str = "mean", pos_weight=None):
+        super().__init__(reduction)
+        self.weight, self.pos_weight = weight, pos_weight
+
+    def forward(self, input, target):
+        return binary_cross_entropy_with_logits(input, target, self.weight, self.reduction, self.pos_weight)
+
+
+class KLDivLoss(_Loss):
+    def __init__(self, reduction: str = "mean", log_target: bool = False):
+        super().__init__(reduction)
+        self.log_target = log_target
+
+    def forward(self, input, target):
+        return kl_div(input, target, self.reduction, self.log_target)
+
+
+class NLLLoss(_Loss):
+    def __init__(self, weight=None, ignore_index: int = -100, reduction: str = "mean"):
+        super().__init__(reduction)
+        self.weight, self.ignore_index = weight, ignore_index
+
+    def forward(self, input, target):
+        return nll_loss(input, target, self.weight, self.ignore_index, self.reduction)
+
+
+class CrossEntropyLoss(_Loss):
+    def __init__(self, weight=None, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__(reduction)
+        self.weight, self.ignore_index, self.label_smoothing = weight, ignore_index, label_smoothing
+
+    def forward(self, input, target):
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing)
+
+
+# ========================================================================= registry/tests
+
+
+def _named(shape, kwargs):
+    extra = ",".join(f"{k}={v}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    weights = ",".join(f"{k}{tuple(v.shape)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return " ".join(p for p in (str(shape), extra, weights) if p)
+
+
+def _reduction_length(shape, kwargs) -> int:
+    return 1 if kwargs.get("reduction") == "none" else max(1, math.prod(shape))
+
+
+# (shape, kwargs) of the element-wise samples; weights are filled in per loss
+_POINTWISE_CASES = [((3, 37), {}), ((129, 7), {"reduction": "sum"}), ((5, 3, 11), {"reduction": "none"}),
+                    ((1,), {}), ((0, 5), {"reduction": "sum"})]
+_POINTWISE_GRADCHECK = [((2, 4), {}), ((3,), {"reduction": "none"}), ((2,), {"reduction": "sum"})]
+
+
+def _pointwise_samples(make_pair, cases, extra=lambda shape, kwargs, dtype, gen: {}):
+    """Samples of (input, target) from ``make_pair(shape, gen) -> float64 tensors`` per case;
+    ``extra`` adds weight kwargs. Weights get no gradient (grad=(0, 1))."""
+    def samples(dtype, gen):
+        out = []
+        for shape, kwargs in cases:
+            x, t = make_pair(shape, gen)
+            kwargs = {**kwargs, **extra(shape, kwargs, dtype, gen)}
+            out.append(Sample((x.to(dtype), t.to(dtype)), kwargs, name=_named(shape, kwargs), grad=(0, 1),
+                              reduction=_reduction_length(shape, kwargs)))
+        return out
+    return samples
+
+
+def _regression_pair(kinks=()):
+    """target in [-2, 2), input = target + a difference kept 0.1 away from the loss's kinks."""
+    def pair(shape, gen):
+        t = make(gen, *shape)
+        return t + away_from(make(gen, *shape, low=-3, high=3), kinks, gap=0.1), t
+    return pair
+
+
+def _probability_pair(shape, gen):
+    return make(gen, *shape, low=0.05, high=0.95), make(gen, *shape, low=0.0, high=1.0)
+
+
+def _logit_pair(shape, gen):
+    return make(gen, *shape, low=-3, high=3), make(gen, *shape, low=0.0, high=1.0)
+
+
+def _kl_pair(log_target):
+    def pair(shape, gen):
+        target = make(gen, *shape, low=-3, high=0) if log_target else make(gen, *shape, low=0.05, high=1.0)
+        return make(gen, *shape, low=-3, high=0), target
+    return pair
+
+
+def _bce_weights(pos_weight):
+    def extra(shape, kwargs, dtype, gen):
+        if len(shape) < 2 or shape[0] == 0:
+            return {}
+        out = {"weight": make(gen, *shape[-1:], low=0.1, high=2).to(dtype)}
+        if shape == (129, 7):  # a full-shape weight
+            out["weight"] = make(gen, *shape, low=0.1, high=2).to(dtype)
+        if pos_weight:
+            out["pos_weight"] = make(gen, *shape[-1:], low=0.2, high=3).to(dtype)
+        return out
+    return extra
+
+
+def _with(cases, **kwargs):
+    return [(shape, {**kw, **kwargs}) for shape, kw in cases]
+
+
+def _register_pointwise(name, fn, ref, make_pair, cases=_POINTWISE_CASES, gradcheck_cases=_POINTWISE_GRADCHECK,
+                        extra=lambda shape, kwargs, dtype, gen: {}):
+    gradcheck = _pointwise_samples(make_pair, gradcheck_cases, extra)
+    register(OpInfo(name, fn, ref, _pointwise_samples(make_pair, cases, extra), family="loss",
+                    kernels=(pointwise_loss_forward, pointwise_loss_backward, finish_loss_sum),
+                    gradcheck_samples=lambda gen: gradcheck(torch.float64, gen)))
+
+
+_register_pointwise("mse_loss", mse_loss, F.mse_loss, _regression_pair())
+_register_pointwise("l1_loss", l1_loss, F.l1_loss, _regression_pair((0.0,)))
+_register_pointwise("smooth_l1_loss", smooth_l1_loss, F.smooth_l1_loss, _regression_pair((0.0, 1.0, -1.0)))
+_register_pointwise("smooth_l1_loss_beta", lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.5, **kw),
+                    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.5, **kw), _regression_pair((0.0, 0.5, -0.5)))
+_register_pointwise("smooth_l1_loss_beta0", lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.0, **kw),
+                    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.0, **kw), _regression_pair((0.0,)))
+_register_pointwise("huber_loss", huber_loss, F.huber_loss, _regression_pair((1.0, -1.0)))
+_register_pointwise("huber_loss_delta", lambda x, t, **kw: huber_loss(x, t, delta=0.7, **kw),
+                    lambda x, t, **kw: F.huber_loss(x, t, delta=0.7, **kw), _regression_pair((0.7, -0.7)))
+_register_pointwise("binary_cross_entropy", binary_cross_entropy, F.binary_cross_entropy, _probability_pair,
+                    extra=_bce_weights(False))
+_register_pointwise("binary_cross_entropy_with_logits", binary_cross_entropy_with_logits,
+                    F.binary_cross_entropy_with_logits, _logit_pair, extra=_bce_weights(True))
+_KL_CASES = [((3, 37), {"reduction": "batchmean"}), ((129, 7), {}), ((5, 3, 11), {"reduction": "none"}),
+             ((1,), {"reduction": "sum"}), ((0, 5), {"reduction": "sum"})]
+_KL_GRADCHECK = [((2, 4), {"reduction": "batchmean"}), ((3,), {"reduction": "none"}), ((2,), {})]
+_register_pointwise("kl_div", kl_div, F.kl_div, _kl_pair(False), _KL_CASES, _KL_GRADCHECK)
+_register_pointwise("kl_div_log_target", kl_div, F.kl_div, _kl_pair(True), _with(_KL_CASES, log_target=True),
+                    _with(_KL_GRADCHECK, log_target=True))
+
+
+# ---------------------------------------------------------------------------- class losses
+
+
+def _class_targets(gen, shape, n_classes, ignore_every=0, ignore_index=-100):
+    t = torch.randint(0, n_classes, shape, generator=gen, dtype=torch.int64)
+    if ignore_every:
+        t.view(-1)[::ignore_every] = ignore_index
+    return t
+
+
+# (input shape, target: "index" | "probs", ignore_every, kwargs); weights: kwargs "weight": True
+_CE_CASES = [
+    ((3, 37), "index", 0, {}),
+    ((129, 7), "index", 5, {"weight": True}),
+    ((129, 7), "index", 4, {"label_smoothing": 0.1, "reduction": "sum"}),
+    ((5, 4, 3), "index", 0, {"weight": True, "label_smoothing": 0.2}),
+    ((3, 37), "probs", 0, {"weight": True, "label_smoothing": 0.1}),
+    ((4, 9), "probs", 0, {"reduction": "none"}),
+    ((1, 37), "index", 0, {"reduction": "none"}),
+    ((11, 5), "index", 3, {"ignore_index": 2, "reduction": "none", "weight": True}),
+    ((6,), "index", 0, {}),
+    ((0, 5), "index", 0, {"reduction": "sum"}),
+]
+_CE_GRADCHECK = [
+    ((3, 4), "index", 3, {"weight": True, "label_smoothing": 0.1}),
+    ((2, 3), "probs", 0, {"label_smoothing": 0.1, "reduction": "none", "weight": True}),
+    ((2, 2, 2), "index", 0, {"reduction": "sum"}),
+]
+_NLL_CASES = [
+    ((3, 37), "index", 0, {}),
+    ((129, 7), "index", 5, {"weight": True}),
+    ((5, 4, 3), "index", 0, {"reduction": "sum"}),
+    ((1, 37), "index", 0, {"reduction": "none"}),
+    ((11, 5), "index", 3, {"ignore_index": 2, "reduction": "none", "weight": True}),
+]
+_NLL_GRADCHECK = [((3, 4), "index", 3, {"weight": True}), ((2, 2, 2), "index", 0, {"reduction": "none"})]
+
+
+def _class_samples(cases, log_probs):
+    def samples(dtype, gen):
+        out = []
+        for shape, kind, ignore_every, kwargs in cases:
+            n_classes = shape[0] if len(shape) == 1 else shape[1]
+            x = make(gen, *shape, low=-3, high=3)
+            if log_probs:
+                x = torch.log_softmax(x, dim=0 if len(shape) == 1 else 1)
+            if kind == "probs":
+                target = torch.softmax(make(gen, *shape, low=-2, high=2), dim=1).to(dtype)
+            else:
+                target_shape = () if len(shape) == 1 else shape[:1] + shape[2:]
+                target = _class_targets(gen, target_shape, n_classes, ignore_every, kwargs.get("ignore_index", -100))
+            kwargs = dict(kwargs)
+            if kwargs.get("weight") is True:
+                kwargs["weight"] = make(gen, n_classes, low=0.2, high=2).to(dtype)
+            rows = max(1, math.prod(shape) // n_classes)
+            length = n_classes if kwargs.get("reduction") == "none" else max(rows, n_classes)
+            out.append(Sample((x.to(dtype), target), kwargs, name=f"{kind} " + _named(shape, kwargs),
+                              grad=(0, 1), reduction=length))
+        return out
+    return samples
+
+
+_CLASS_KERNELS = (class_loss_forward, class_loss_backward, finish_loss_sum)
+register(OpInfo("cross_entropy", cross_entropy, F.cross_entropy, _class_samples(_CE_CASES, False), family="loss",
+                kernels=_CLASS_KERNELS,
+                gradcheck_samples=lambda gen: _class_samples(_CE_GRADCHECK, False)(torch.float64, gen)))
+register(OpInfo("nll_loss", nll_loss, F.nll_loss, _class_samples(_NLL_CASES, True), family="loss",
+                kernels=_CLASS_KERNELS,
+                gradcheck_samples=lambda gen: _class_samples(_NLL_GRADCHECK, True)(torch.float64, gen)))

@@ -23,13 +23,17 @@ backward recomputes xhat. For ``CHANNELS`` a row is a whole channel, so ``norm_b
 also writes dw/db directly. For ``ROWS`` dw/db reduce across rows: ``norm_weight_backward``
 writes one fp32 partial row per program over a (outer, channels, spatial) view of x, and
 ``sum_partials`` adds the partial rows (no locks, no atomics: bit-reproducible).
-Half-precision inputs compute in float32, float64 in float64.
+Half-precision inputs compute in float32, float64 in float64. Loop bounds (ROW_LEN, SPATIAL,
+...) are compile-time constants: the Triton 3.6 interpreter with numpy 2.4 cannot run a
+``range`` to a runtime scalar, and shapes are static per program anyway (one compile per
+shape on the GPU).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +46,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import cdiv, upcast
+from .common import cdiv
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "batch_norm"]
 NN_LAYERS = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -50,52 +54,42 @@ NN_LAYERS = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
 MAX_BLOCK = 4096  # longest column block of one row; longer rows loop (tests lower it)
 ROWS_PER_WEIGHT_PROGRAM = 32  # rows reduced by one program of norm_weight_backward
 
-# layouts and statistics sources (compile-time constants of the kernels)
-ROWS, CHANNELS = 0, 1
+# where the statistics come from (a compile-time constant of the kernels)
 BATCH_STATS, RUNNING_STATS = 0, 1
 
-
-@triton.jit
-def _offsets(row, cols, row_len, channels, spatial, LAYOUT: tl.constexpr):
-    """Element offsets of columns ``cols`` of statistics row ``row`` (int64)."""
-    if LAYOUT == 1:  # CHANNELS: row = channel c, col = n * spatial + s
-        cols = cols.to(tl.int64)
-        return (cols // spatial) * channels * spatial + row * spatial + cols % spatial
-    else:
-        return row * row_len + cols
-
-
-@triton.jit
-def _channel(row, cols, channels, spatial, groups, LAYOUT: tl.constexpr):
-    """Affine channel (index into weight/bias) of columns ``cols`` of row ``row``."""
-    if LAYOUT == 1:
-        return row + cols * 0
-    else:
-        return (row % groups) * (channels // groups) + cols // spatial
+# Index maths, written inline in every kernel (a @triton.jit helper call costs milliseconds
+# per call under the interpreter). Column j of statistics row r lies at
+#     r * row_stride + (j // INNER) * outer_stride + j % INNER
+# (ROWS: row_stride = INNER = ROW_LEN; CHANNELS: row_stride = INNER = SPATIAL, outer_stride =
+# C * SPATIAL), and its affine channel is r (CHANNEL_IS_ROW) or
+# (r % groups) * channels_per_group + j // SPATIAL.
 
 
 @kernel(half=True)
 def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
-                  row_len, channels, spatial, groups,
-                  LAYOUT: tl.constexpr, CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STATS: tl.constexpr,
-                  WRITE_DX: tl.constexpr, ROW_DW: tl.constexpr, ROW_DB: tl.constexpr, BLOCK: tl.constexpr):
+                  row_stride, outer_stride, channels_per_group, groups,
+                  ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL_IS_ROW: tl.constexpr,
+                  CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STATS: tl.constexpr, WRITE_DX: tl.constexpr,
+                  ROW_DW: tl.constexpr, ROW_DB: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    base = row * row_stride
     cols = tl.arange(0, BLOCK)
-    rstd = upcast(tl.load(rstd_ptr + row))
-    mean = upcast(tl.load(mean_ptr + row)) if CENTRED else rstd * 0
-    zeros = upcast(tl.zeros([BLOCK], dtype=dy_ptr.dtype.element_ty))
+    rstd = tl.load(rstd_ptr + row).to(COMPUTE)
+    mean = tl.load(mean_ptr + row).to(COMPUTE) if CENTRED else rstd * 0
+    zeros = tl.zeros([BLOCK], dtype=COMPUTE)
     sum_g, sum_g_xhat, sum_dy, sum_dy_xhat = zeros, zeros, zeros, zeros
     if STATS == 0 or ROW_DW or ROW_DB:
-        for start in range(0, row_len, BLOCK):
+        for start in range(0, ROW_LEN, BLOCK):
             c = start + cols
-            mask = c < row_len
-            offs = _offsets(row, c, row_len, channels, spatial, LAYOUT)
-            x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0))
-            dy = upcast(tl.load(dy_ptr + offs, mask=mask, other=0.0))
+            mask = c < ROW_LEN
+            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy
             if HAS_WEIGHT:
-                g = dy * upcast(tl.load(w_ptr + _channel(row, c, channels, spatial, groups, LAYOUT), mask=mask, other=0.0))
+                channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
+                g = dy * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
             sum_g += g
             sum_g_xhat += g * xhat
             sum_dy += dy
@@ -105,18 +99,18 @@ def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_p
     if ROW_DB:
         tl.store(db_ptr + row, tl.sum(sum_dy, 0).to(db_ptr.dtype.element_ty))
     if WRITE_DX:
-        mean_g = tl.sum(sum_g, 0) / row_len
-        mean_g_xhat = tl.sum(sum_g_xhat, 0) / row_len
-        for start in range(0, row_len, BLOCK):
+        mean_g = tl.sum(sum_g, 0) / ROW_LEN
+        mean_g_xhat = tl.sum(sum_g_xhat, 0) / ROW_LEN
+        for start in range(0, ROW_LEN, BLOCK):
             c = start + cols
-            mask = c < row_len
-            offs = _offsets(row, c, row_len, channels, spatial, LAYOUT)
-            x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0))
-            g = upcast(tl.load(dy_ptr + offs, mask=mask, other=0.0))
+            mask = c < ROW_LEN
+            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
+            g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
             if HAS_WEIGHT:
-                g = g * upcast(tl.load(w_ptr + _channel(row, c, channels, spatial, groups, LAYOUT), mask=mask, other=0.0))
+                channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
+                g = g * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
             if STATS == 0:
-                xhat = (x - mean) * rstd
+                xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd
                 if CENTRED:
                     dx = rstd * (g - mean_g - xhat * mean_g_xhat)
                 else:
@@ -128,50 +122,51 @@ def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_p
 
 @kernel(half=True)
 def norm_weight_backward(x_ptr, dy_ptr, mean_ptr, rstd_ptr, dw_partial_ptr, db_partial_ptr,
-                         outer, channels, spatial, groups, rows_per_program,
-                         CENTRED: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+                         outer, channels, groups,
+                         SPATIAL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, CENTRED: tl.constexpr,
+                         HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, COMPUTE: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Over x viewed as (outer, channels, SPATIAL), statistics row of (a, c) =
+    a * groups + c // (channels / groups): partial[pid, c] = sum over this program's
+    ROWS_PER_PROGRAM values of a, and all s, of dy * xhat (dw) and dy (db)."""
     pid = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     s = tl.arange(0, BLOCK_S)
     c_mask = c < channels
-    zeros = upcast(tl.zeros([BLOCK_C], dtype=dy_ptr.dtype.element_ty))
-    dw, db = zeros, zeros
-    first = pid.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program):
+    dw = tl.zeros([BLOCK_C, BLOCK_S], dtype=COMPUTE)  # reduced over s once, at the end
+    db = tl.zeros([BLOCK_C, BLOCK_S], dtype=COMPUTE)
+    first = pid.to(tl.int64) * ROWS_PER_PROGRAM
+    for i in range(0, ROWS_PER_PROGRAM):
         a = first + i
         row_mask = c_mask & (a < outer)
         stats_row = a * groups + c // (channels // groups)
-        rstd = upcast(tl.load(rstd_ptr + stats_row, mask=row_mask, other=0.0))
-        if CENTRED:
-            mean = upcast(tl.load(mean_ptr + stats_row, mask=row_mask, other=0.0))
-        else:
-            mean = rstd * 0
-        for s_start in range(0, spatial, BLOCK_S):
+        rstd = tl.load(rstd_ptr + stats_row, mask=row_mask, other=0.0).to(COMPUTE)
+        mean = tl.load(mean_ptr + stats_row, mask=row_mask, other=0.0).to(COMPUTE) if CENTRED else rstd * 0
+        for s_start in range(0, SPATIAL, BLOCK_S):
             s_cur = s_start + s
-            mask = row_mask[:, None] & (s_cur < spatial)[None, :]
-            offs = (a * channels + c[:, None]) * spatial + s_cur[None, :]
-            dy = upcast(tl.load(dy_ptr + offs, mask=mask, other=0.0))
+            mask = row_mask[:, None] & (s_cur < SPATIAL)[None, :]
+            offs = (a * channels + c[:, None]) * SPATIAL + s_cur[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
             if HAS_DW:
-                x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0))
-                dw += tl.sum(dy * (x - mean[:, None]) * rstd[:, None], 1)
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                dw += dy * (x - mean[:, None]) * rstd[:, None]
             if HAS_DB:
-                db += tl.sum(dy, 1)
+                db += dy
     partial = pid.to(tl.int64) * channels + c
     if HAS_DW:
-        tl.store(dw_partial_ptr + partial, dw, mask=c_mask)
+        tl.store(dw_partial_ptr + partial, tl.sum(dw, 1), mask=c_mask)
     if HAS_DB:
-        tl.store(db_partial_ptr + partial, db, mask=c_mask)
+        tl.store(db_partial_ptr + partial, tl.sum(db, 1), mask=c_mask)
 
 
 @kernel(half=True)
-def sum_partials(partial_ptr, out_ptr, num_partials, n, BLOCK: tl.constexpr):
+def sum_partials(partial_ptr, out_ptr, n, NUM_PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
     """out[j] = sum over p of partial[p, j] (the second pass of a cross-program reduction)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     total = tl.zeros([BLOCK], dtype=partial_ptr.dtype.element_ty)
     ptrs = partial_ptr + offs
-    for _ in range(0, num_partials):
+    for _ in range(0, NUM_PARTIALS):
         total += tl.load(ptrs, mask=mask, other=0.0)
         ptrs += n
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -179,23 +174,26 @@ def sum_partials(partial_ptr, out_ptr, num_partials, n, BLOCK: tl.constexpr):
 
 @kernel(backward=(norm_backward, norm_weight_backward, sum_partials), half=True)
 def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, running_mean_ptr, running_var_ptr,
-                 row_len, channels, spatial, groups, eps, momentum,
-                 LAYOUT: tl.constexpr, CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 STATS: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK: tl.constexpr):
+                 row_stride, outer_stride, channels_per_group, groups, eps, momentum,
+                 ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL_IS_ROW: tl.constexpr,
+                 CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
+                 UPDATE_RUNNING: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    base = row * row_stride
     cols = tl.arange(0, BLOCK)
     if STATS == 1:  # RUNNING_STATS: batch_norm in inference
-        mean = upcast(tl.load(running_mean_ptr + row))
-        rstd = 1.0 / tl.sqrt(upcast(tl.load(running_var_ptr + row)) + eps)
+        mean = tl.load(running_mean_ptr + row).to(COMPUTE)
+        rstd = 1.0 / tl.sqrt(tl.load(running_var_ptr + row).to(COMPUTE) + eps)
     else:
-        zero = upcast(tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty))
-        count, mean, m2 = tl.sum(zero, 0), tl.sum(zero, 0), tl.sum(zero, 0)
-        for start in range(0, row_len, BLOCK):
+        zero = tl.zeros([], dtype=COMPUTE)
+        count, mean, m2 = zero, zero, zero
+        for start in range(0, ROW_LEN, BLOCK):
             c = start + cols
-            mask = c < row_len
-            x = upcast(tl.load(x_ptr + _offsets(row, c, row_len, channels, spatial, LAYOUT), mask=mask, other=0.0))
+            mask = c < ROW_LEN
+            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
             if CENTRED:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
-                n_block = tl.sum(tl.where(mask, 1.0, 0.0).to(x.dtype), 0)
+                n_block = tl.minimum(ROW_LEN - start, BLOCK).to(COMPUTE)
                 mean_block = tl.sum(x, 0) / n_block
                 d = tl.where(mask, x - mean_block, 0.0)
                 delta = mean_block - mean
@@ -205,29 +203,30 @@ def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, running_mean_pt
                 count = total
             else:
                 m2 += tl.sum(x * x, 0)
-        var = m2 / row_len
+        var = m2 / ROW_LEN
         rstd = 1.0 / tl.sqrt(var + eps)
         if UPDATE_RUNNING:  # running_var takes the unbiased variance, as in PyTorch
-            running_mean = upcast(tl.load(running_mean_ptr + row))
-            running_var = upcast(tl.load(running_var_ptr + row))
-            unbiased = m2 / (row_len - 1)
-            tl.store(running_mean_ptr + row, ((1.0 - momentum) * running_mean + momentum * mean).to(running_mean_ptr.dtype.element_ty))
-            tl.store(running_var_ptr + row, ((1.0 - momentum) * running_var + momentum * unbiased).to(running_var_ptr.dtype.element_ty))
+            running_mean = tl.load(running_mean_ptr + row).to(COMPUTE)
+            running_var = tl.load(running_var_ptr + row).to(COMPUTE)
+            new_mean = (1.0 - momentum) * running_mean + momentum * mean
+            new_var = (1.0 - momentum) * running_var + momentum * (m2 / (ROW_LEN - 1))
+            tl.store(running_mean_ptr + row, new_mean.to(running_mean_ptr.dtype.element_ty))
+            tl.store(running_var_ptr + row, new_var.to(running_var_ptr.dtype.element_ty))
     if CENTRED:
         tl.store(mean_ptr + row, mean.to(mean_ptr.dtype.element_ty))
     tl.store(rstd_ptr + row, rstd.to(rstd_ptr.dtype.element_ty))
-    for start in range(0, row_len, BLOCK):
+    for start in range(0, ROW_LEN, BLOCK):
         c = start + cols
-        mask = c < row_len
-        offs = _offsets(row, c, row_len, channels, spatial, LAYOUT)
-        x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0))
+        mask = c < ROW_LEN
+        offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
         y = (x - mean) * rstd if CENTRED else x * rstd
         if HAS_WEIGHT or HAS_BIAS:
-            channel = _channel(row, c, channels, spatial, groups, LAYOUT)
+            channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
             if HAS_WEIGHT:
-                y = y * upcast(tl.load(w_ptr + channel, mask=mask, other=0.0))
+                y = y * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
             if HAS_BIAS:
-                y = y + upcast(tl.load(b_ptr + channel, mask=mask, other=0.0))
+                y = y + tl.load(b_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -246,6 +245,34 @@ def _dims(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where the statistics rows of x lie (see the index maths above the kernels)."""
+
+    rows: int
+    row_len: int
+    inner: int
+    row_stride: int
+    outer_stride: int
+    spatial: int  # elements per channel in a row (ROWS layouts)
+    channels: int
+    groups: int
+    channel_is_row: bool = False
+
+    def pack(self, v: ArgVisitor) -> None:
+        """The runtime index arguments, then the compile-time ones (ROW_LEN ... CHANNEL_IS_ROW)."""
+        v.visit_i64(self.row_stride).visit_i64(self.outer_stride)
+        v.visit_i64(self.channels // max(self.groups, 1)).visit_i64(self.groups)
+
+    def pack_constexprs(self, v: ArgVisitor) -> None:
+        for value in (self.row_len, max(self.inner, 1), self.spatial, self.channel_is_row):
+            v.visit_constexpr(value)
+
+
 class NormOp(RuntimeOp):
     """One normalisation node. Inputs: x, then (batch_norm) running_mean, running_var, then
     weight and bias when given. Subclasses say where the statistics rows lie (``geometry``)."""
@@ -253,7 +280,6 @@ class NormOp(RuntimeOp):
     n_activation_inputs = 1
     kernel = norm_forward
     centred = True
-    layout = ROWS
 
     def __init__(self, name: str, eps: float, has_weight: bool, has_bias: bool, n_running: int = 0):
         self.name, self.eps = name, float(eps)
@@ -264,8 +290,7 @@ class NormOp(RuntimeOp):
         self.differentiable_inputs = (0,) + affine  # running statistics never get a gradient
         self.saves_inputs = (0,) + ((self.weight_index,) if has_weight else ())
 
-    # --- geometry: (rows, row_len, channels, spatial, groups) of x's shape; outer for dw/db
-    def geometry(self, shape) -> tuple[int, int, int, int, int]:
+    def geometry(self, shape) -> Rows:
         raise NotImplementedError
 
     def affine_shape(self, shape) -> tuple[int, ...]:
@@ -279,7 +304,7 @@ class NormOp(RuntimeOp):
             raise TypeError(f"{self.name} expects a floating-point input, got {str(input_dtypes[0]).replace('torch.', '')}")
 
     def extra_outputs(self, input_shapes, dtype):
-        rows = self.geometry(input_shapes[0])[0]
+        rows = self.geometry(input_shapes[0]).rows
         stats = {"rstd": ((rows,), _stats_dtype(dtype))}
         if self.centred:
             stats["mean"] = ((rows,), _stats_dtype(dtype))
@@ -297,7 +322,7 @@ class NormOp(RuntimeOp):
     def momentum(self) -> float:
         return 0.0
 
-    def _affine(self, ctx: OpContext, tensors: list):
+    def _affine(self, tensors: list):
         """weight and bias (or None) out of a list laid out like the node's inputs."""
         w = tensors[self.weight_index] if self.has_weight else None
         b = tensors[self.bias_index] if self.has_bias else None
@@ -305,19 +330,20 @@ class NormOp(RuntimeOp):
 
     def forward(self, ctx: OpContext) -> None:
         (x,) = ctx.inputs
-        w, b = self._affine(ctx, [x, *ctx.params])
-        rows, row_len, channels, spatial, groups = self.geometry(x.shape)
+        w, b = self._affine([x, *ctx.params])
+        geo = self.geometry(x.shape)
         running_mean, running_var = self.running_stats(ctx)
         mean = ctx.saved.get("mean", ctx.saved["rstd"])  # rms_norm keeps no mean: never read
         v = ArgVisitor()
         for ptr in (x, w, b, ctx.output, mean, ctx.saved["rstd"], running_mean, running_var):
             v.visit_ptr(x if ptr is None else ptr)  # x stands in for absent tensors (never read)
-        v.visit_i64(row_len).visit_i64(channels).visit_i64(spatial).visit_i64(groups)
+        geo.pack(v)
         v.visit_f32(self.eps).visit_f32(self.momentum())
-        for flag in (self.layout, self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
-                     _block(row_len)):
+        geo.pack_constexprs(v)
+        for flag in (self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
+                     _compute_dtype(ctx.dtype), _block(geo.row_len)):
             v.visit_constexpr(flag)
-        ctx.launch(norm_forward, (rows,), v, work=rows * row_len)
+        ctx.launch(norm_forward, (geo.rows,), v, work=geo.rows * geo.row_len)
 
     def has_backward(self) -> bool:
         return True
@@ -327,45 +353,48 @@ class NormOp(RuntimeOp):
 
     def backward(self, ctx: OpContext) -> None:
         x = ctx.inputs[0]
-        w, _ = self._affine(ctx, [x, *ctx.params])
+        w, _ = self._affine([x, *ctx.params])
         (dx,) = ctx.grad_inputs
-        dw, db = self._affine(ctx, [dx, *ctx.grad_params])
+        dw, db = self._affine([dx, *ctx.grad_params])
         dy = ctx.grad_output
-        rows, row_len, channels, spatial, groups = self.geometry(x.shape)
+        geo = self.geometry(x.shape)
         mean, rstd = ctx.saved.get("mean", ctx.saved["rstd"]), ctx.saved["rstd"]
-        row_grads = self.layout == CHANNELS
+        row_grads = geo.channel_is_row  # a row is a whole channel: its sums are dw, db
         if dx is not None or (row_grads and (dw is not None or db is not None)):
             v = ArgVisitor()
             for ptr in (x, w, dy, dx, mean, rstd, dw if row_grads else None, db if row_grads else None):
                 v.visit_ptr(x if ptr is None else ptr)
-            v.visit_i64(row_len).visit_i64(channels).visit_i64(spatial).visit_i64(groups)
-            for flag in (self.layout, self.centred, self.has_weight, self.stats_source(), dx is not None,
-                         row_grads and dw is not None, row_grads and db is not None, _block(row_len)):
+            geo.pack(v)
+            geo.pack_constexprs(v)
+            for flag in (self.centred, self.has_weight, self.stats_source(), dx is not None,
+                         row_grads and dw is not None, row_grads and db is not None,
+                         _compute_dtype(ctx.dtype), _block(geo.row_len)):
                 v.visit_constexpr(flag)
-            ctx.launch(norm_backward, (rows,), v, work=rows * row_len)
+            ctx.launch(norm_backward, (geo.rows,), v, work=geo.rows * geo.row_len)
         if not row_grads and (dw is not None or db is not None):
-            self._weight_backward(ctx, x, dy, mean, rstd, dw, db, channels, spatial, groups)
+            self._weight_backward(ctx, x, dy, mean, rstd, dw, db, geo.channels, geo.spatial, geo.groups)
 
     def _weight_backward(self, ctx, x, dy, mean, rstd, dw, db, channels, spatial, groups) -> None:
         outer = x.numel() // max(channels * spatial, 1)
         n_partials = cdiv(outer, ROWS_PER_WEIGHT_PROGRAM)
         block_s = min(triton.next_power_of_2(max(spatial, 1)), 256)
-        block_c = max(1, min(triton.next_power_of_2(max(channels, 1)), 4096 // block_s, 1024))
+        block_c = max(1, min(triton.next_power_of_2(max(channels, 1)), 2048 // block_s, 1024))
         partial_dtype = _stats_dtype(ctx.dtype)
         partials = {name: ctx.empty((n_partials, channels), partial_dtype) if g is not None else None
                     for name, g in (("dw", dw), ("db", db))}
         v = ArgVisitor()
         for ptr in (x, dy, mean, rstd, partials["dw"], partials["db"]):
             v.visit_ptr(x if ptr is None else ptr)
-        v.visit_i64(outer).visit_i64(channels).visit_i64(spatial).visit_i64(groups).visit_i64(ROWS_PER_WEIGHT_PROGRAM)
-        for flag in (self.centred, dw is not None, db is not None, block_c, block_s):
+        v.visit_i64(outer).visit_i64(channels).visit_i64(groups)
+        for flag in (spatial, ROWS_PER_WEIGHT_PROGRAM, self.centred, dw is not None, db is not None,
+                     _compute_dtype(ctx.dtype), block_c, block_s):
             v.visit_constexpr(flag)
         ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel())
         for grad, partial in ((dw, partials["dw"]), (db, partials["db"])):
             if grad is None:
                 continue
-            v = ArgVisitor().visit_ptr(partial).visit_ptr(grad).visit_i64(n_partials).visit_i64(channels)
-            v.visit_constexpr(1024)
+            v = ArgVisitor().visit_ptr(partial).visit_ptr(grad).visit_i64(channels)
+            v.visit_constexpr(n_partials).visit_constexpr(1024)
             ctx.launch(sum_partials, (cdiv(channels, 1024),), v, work=channels)
 
 
@@ -381,9 +410,10 @@ class LayerNormOp(NormOp):
         return self.normalized_shape
 
     def geometry(self, shape):
-        k = len(self.normalized_shape)
         row_len = math.prod(self.normalized_shape)
-        return math.prod(shape[:len(shape) - k]), row_len, row_len, 1, 1
+        rows = math.prod(shape[:len(shape) - len(self.normalized_shape)])
+        return Rows(rows, row_len, inner=row_len, row_stride=row_len, outer_stride=0, spatial=1, channels=row_len,
+                    groups=1)
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
@@ -405,7 +435,9 @@ class GroupNormOp(NormOp):
 
     def geometry(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
-        return n * self.num_groups, (c // self.num_groups) * spatial, c, spatial, self.num_groups
+        row_len = (c // self.num_groups) * spatial
+        return Rows(n * self.num_groups, row_len, inner=row_len, row_stride=row_len, outer_stride=0, spatial=spatial,
+                    channels=c, groups=self.num_groups)
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
@@ -421,8 +453,6 @@ class BatchNormOp(NormOp):
     """batch_norm over x of shape (N, C, *): one statistics row per channel. Inputs: x,
     running_mean, running_var (when given), weight, bias (when given)."""
 
-    layout = CHANNELS
-
     def __init__(self, has_running, training, momentum, eps, has_weight, has_bias):
         super().__init__("batch_norm", eps, has_weight, has_bias, n_running=2 if has_running else 0)
         self.has_running, self.training, self._momentum = has_running, bool(training), float(momentum)
@@ -432,7 +462,8 @@ class BatchNormOp(NormOp):
 
     def geometry(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
-        return c, n * spatial, c, spatial, c
+        return Rows(c, n * spatial, inner=spatial, row_stride=spatial, outer_stride=c * spatial, spatial=spatial,
+                    channels=c, groups=c, channel_is_row=True)
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
@@ -587,48 +618,47 @@ def _affine(gen, dtype, shape):
     return make(gen, *shape, low=0.5, high=1.5).to(dtype), make(gen, *shape, low=-0.5, high=0.5).to(dtype)
 
 
-def _layer_samples(dtype, gen, shapes=(((3, 37), (37,)), ((5, 3, 11), (3, 11)), ((129, 7), (7,)), ((1, 5), (5,)),
-                                       ((0, 5), (5,)))):
+_LAYER_SHAPES = (((3, 37), (37,)), ((5, 3, 11), (3, 11)), ((129, 7), (7,)), ((1, 5), (5,)), ((0, 5), (5,)))
+
+
+def _layer_samples(dtype, gen, shapes=_LAYER_SHAPES, plain=(4, 9)):
     out = []
     for shape, ns in shapes:
         x = make(gen, *shape, dtype=dtype)
         w, b = _affine(gen, dtype, ns)
-        out.append(Sample((x, ns, w, b), name=f"{shape} {ns}", reduction=math.prod(shape[len(shape) - len(ns):])))
-    x = make(gen, 4, 9, dtype=dtype)
-    out.append(Sample((x, (9,)), name="(4, 9) no affine", reduction=9))
+        out.append(Sample((x, ns, w, b), name=f"{shape} {ns}", reduction=max(math.prod(ns), shape[0])))
+    out.append(Sample((make(gen, *plain, dtype=dtype), plain[-1:]), name=f"{plain} no affine", reduction=plain[-1]))
     return out
 
 
 def _layer_gradcheck(gen):
-    return _layer_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))))
+    return _layer_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))), plain=(2, 5))
 
 
-def _rms_samples(dtype, gen, shapes=None):
-    base = _layer_samples(dtype, gen, shapes) if shapes else _layer_samples(dtype, gen)
-    out = [Sample(s.args[:3], name=s.name, reduction=s.reduction) for s in base]
-    out.append(Sample((base[0].args[0], base[0].args[1], base[0].args[2]), {"eps": 1e-3}, name="eps=1e-3",
-                      reduction=base[0].reduction))
+def _rms_samples(dtype, gen, shapes=(((3, 37), (37,)), ((5, 3, 11), (3, 11)), ((1, 5), (5,)), ((0, 5), (5,))),
+                 plain=(4, 9)):
+    out = [Sample(s.args[:3], name=s.name, reduction=s.reduction) for s in _layer_samples(dtype, gen, shapes, plain)]
+    out.append(Sample(out[0].args, {"eps": 1e-3}, name=f"{out[0].name} eps=1e-3", reduction=out[0].reduction))
     return out
 
 
 def _rms_gradcheck(gen):
-    return _rms_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))))
+    return _rms_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))), plain=(2, 5))[:-1]
 
 
-def _group_samples(dtype, gen, shapes=(((2, 6, 5), 3), ((3, 4), 2), ((2, 4, 3, 2), 4))):
+def _group_samples(dtype, gen, shapes=(((2, 6, 5), 3), ((3, 4), 2), ((2, 4, 3, 2), 4)), plain=(2, 6, 5)):
     out = []
     for shape, groups in shapes:
         x = make(gen, *shape, dtype=dtype)
         w, b = _affine(gen, dtype, (shape[1],))
-        reduction = shape[1] // groups * math.prod(shape[2:])
-        out.append(Sample((x, groups, w, b), name=f"{shape} groups={groups}", reduction=max(reduction, shape[0])))
-    x = make(gen, 2, 6, 5, dtype=dtype)
-    out.append(Sample((x, 2), name="(2, 6, 5) no affine", reduction=15))
+        reduction = max(shape[1] // groups * math.prod(shape[2:]), shape[0])
+        out.append(Sample((x, groups, w, b), name=f"{shape} groups={groups}", reduction=reduction))
+    out.append(Sample((make(gen, *plain, dtype=dtype), 2), name=f"{plain} groups=2 no affine", reduction=plain[1] // 2))
     return out
 
 
 def _group_gradcheck(gen):
-    return _group_samples(torch.float64, gen, shapes=(((2, 6, 2), 3), ((2, 4), 2)))
+    return _group_samples(torch.float64, gen, shapes=(((2, 6, 2), 3), ((2, 4), 2)), plain=(2, 4))
 
 
 def _batch_samples(dtype, gen, shapes=((7, 3), (4, 3, 5, 2)), modes=(True, False)):

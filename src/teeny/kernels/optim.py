@@ -10,31 +10,33 @@ Adam / AdamW (PyTorch's rule), step t:
 Global-norm clipping: partial sums of g^2 per program (fp32), a second pass sums them to the
 norm and writes the factor min(1, max_norm / (norm + 1e-6)) to device memory, and a scaling
 pass multiplies every gradient by it, so no step waits on the host.
-Updates compute in float32 (float64 for float64 arenas).
+Updates compute in float32 (float64 for float64 arenas). The learning rate and the step count
+are read from a small float64 device buffer rather than passed as scalars, so a step captured
+in a CUDA graph uses the values of the step being replayed.
 """
 
 import triton
 import triton.language as tl
 
 from ..kernel import kernel
-from .common import upcast
+from .common import ELEMENTWISE_BLOCK, upcast
 
-BLOCK = 1024
+BLOCK = ELEMENTWISE_BLOCK
 
 
 @kernel(half=True)
-def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_decay,
-                    FIRST: tl.constexpr, NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
+def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, n, momentum, dampening, weight_decay,
+                    NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
+    lr = tl.load(hyper_ptr).to(p.dtype)
+    first = tl.load(hyper_ptr + 1) == 1.0
     g = g + weight_decay * p
     if USE_MOMENTUM:
-        if FIRST:
-            buf = g
-        else:
-            buf = momentum * upcast(tl.load(buf_ptr + offsets, mask=mask)) + (1.0 - dampening) * g
+        old = upcast(tl.load(buf_ptr + offsets, mask=mask))
+        buf = tl.where(first, g, momentum * old + (1.0 - dampening) * g)
         tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=mask)
         if NESTEROV:
             g = g + momentum * buf
@@ -44,20 +46,26 @@ def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_de
 
 
 @kernel(half=True)
-def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, weight_decay,
-                     bias_correction1, bias_correction2_sqrt, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, n, beta1, beta2, eps, weight_decay,
+                     DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
+    # hyper = [lr, step, log(beta1), log(beta2)] in float64 device memory: a captured CUDA graph
+    # reads the values of the step being replayed
+    lr64 = tl.load(hyper_ptr)
+    t = tl.load(hyper_ptr + 1)
+    step_size = (lr64 / (1.0 - tl.exp(t * tl.load(hyper_ptr + 2)))).to(p.dtype)
+    correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.load(hyper_ptr + 3))).to(p.dtype)
     if DECOUPLED:
-        p = p * (1.0 - lr * weight_decay)
+        p = p * (1.0 - lr64.to(p.dtype) * weight_decay)
     else:
         g = g + weight_decay * p
     m = beta1 * upcast(tl.load(m_ptr + offsets, mask=mask)) + (1.0 - beta1) * g
     v = beta2 * upcast(tl.load(v_ptr + offsets, mask=mask)) + (1.0 - beta2) * g * g
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - (lr / bias_correction1) * (m / denom)
+    denom = tl.sqrt(v) / correction2_sqrt + eps
+    p = p - step_size * (m / denom)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)

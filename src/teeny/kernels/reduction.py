@@ -1,4 +1,822 @@
-"""reduction ops (being written)."""
+"""Reductions (sum, mean, amax/amin, var, std, logsumexp) and softmax / log_softmax.
 
-__all__: list[str] = []
-NN_LAYERS: list[str] = []
+**Reductions.** Any set of axes is reduced by one strided kernel. The op first folds the
+input's shape into *groups*: size-1 axes are dropped and neighbouring axes that are both kept
+or both reduced merge, so ``(5, 3, 11)`` reduced over ``(0, 2)`` becomes kept ``[3]`` (stride
+11) and reduced ``[5, 11]`` (strides 33, 1). Output element ``o`` (row-major over the kept
+groups, which is the contiguous output) and reduced position ``r`` (row-major over the reduced
+groups) address ``x[offset(o, kept) + offset(r, reduced)]``; up to four groups of each kind
+(every axis list of a tensor of up to 8 dims). A program reduces a ``BLOCK_OUT x BLOCK_R`` tile
+at a time, looping over its chunk of ``r``; when few outputs share a long reduction (a sum to a
+scalar), the reduction is split over programs that write float32 (float64) partials, and a
+second pass combines them and applies the finish (no atomics: results are reproducible).
+Half inputs accumulate in float32.
+
+    sum:        y = sum_r x                         dx = dy
+    mean:       y = sum_r x / N                     dx = dy / N
+    amax/amin:  y = max_r x (NaN propagates)        dx = dy * [x == y] / #[x == y]  (ties split evenly)
+    var:        mu = mean x; y = sum (x - mu)^2 / max(0, N - correction)
+                                                    dx = dy * 2 (x - mu) / (N - correction)
+    std:        y = sqrt(var)                       dx = dy * (x - mu) / ((N - correction) y)
+    logsumexp:  m = max x (0 where infinite); y = m + log sum exp(x - m)
+                                                    dx = dy * exp(x - y)
+
+var/std and logsumexp are two exact passes over x (the mean resp. the max first, as PyTorch).
+
+**Softmax** over any dim: rows are ``(outer, inner)`` pairs, row elements ``inner`` apart.
+A row up to ``BLOCK_L`` long is held in registers (one read, one write); a longer row runs
+an online max/sum-of-exponentials loop over column blocks, then a second loop that writes.
+
+    softmax:      y = exp(x - m) / s,  s = sum exp(x - m)      dx = y * (dy - sum(dy * y))
+    log_softmax:  y = x - m - log s                            dx = dy - exp(y) * sum(dy)
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..graph import graph_of
+from ..kernel import kernel
+from ..module import Module
+from ..registry import OpInfo, Sample, make, register
+from ..runtime import ArgVisitor, RuntimeOp
+from .common import cdiv, upcast
+
+__all__ = ["sum", "mean", "max", "min", "var", "std", "logsumexp", "softmax", "log_softmax"]
+NN_LAYERS = ["Softmax", "LogSoftmax"]
+
+_bmax, _bmin = builtins.max, builtins.min  # this module defines ops named max/min/sum
+
+# what a reduction pass accumulates (constexpr OP of reduce_partial / reduce_finish)
+_SUM: tl.constexpr = 0  # x
+_MAX: tl.constexpr = 1
+_MIN: tl.constexpr = 2
+_SQDEV: tl.constexpr = 3  # (x - c)^2, c the row's mean
+_SUMEXP: tl.constexpr = 4  # exp(x - c), c the row's max (0 where infinite)
+_COUNT: tl.constexpr = 5  # [x == c], c the row's max/min
+# how a pass finishes (constexpr FIN)
+_FIN_DIV: tl.constexpr = 0  # acc / divisor
+_FIN_SQRT: tl.constexpr = 1  # sqrt(acc / divisor)
+_FIN_LOG: tl.constexpr = 2  # log(acc) + c
+# which gradient (constexpr GRAD of reduce_backward)
+_GRAD_SUM: tl.constexpr = 0  # dy / divisor
+_GRAD_EXTREMUM: tl.constexpr = 1  # dy [x == y] / count
+_GRAD_VAR: tl.constexpr = 2  # 2 dy (x - mu) / divisor
+_GRAD_STD: tl.constexpr = 3  # dy (x - mu) / (divisor y)
+_GRAD_LSE: tl.constexpr = 4  # dy exp(x - y)
+
+MAX_GROUPS = 4
+TILE = 2048  # elements per reduction tile
+SPLIT_TARGET = 256  # programs to aim for when a reduction is split
+MIN_CHUNKS = 4  # a split program reduces at least this many BLOCK_R blocks
+MAX_SPLIT = 1024
+SOFTMAX_MAX_BLOCK = 4096  # longer rows take the looping path
+
+
+# ------------------------------------------------------------------------ kernel helpers
+
+
+@triton.jit
+def _acc_full(shape, value, ptr):
+    """A tensor of ``value`` in the accumulation dtype of ``ptr``'s elements."""
+    if ptr.dtype.element_ty == tl.float64:
+        return tl.full(shape, value, tl.float64)
+    else:
+        return tl.full(shape, value, tl.float32)
+
+
+@triton.jit
+def _group_offsets(idx, s1, s2, s3, t0, t1, t2, t3, N: tl.constexpr):
+    """Memory offset of flat index ``idx`` over N <= 4 row-major groups (sizes s0..s3, the
+    last N used, s0 implied) with strides t0..t3."""
+    if N == 1:
+        off = idx * t3
+    else:
+        off = (idx % s3) * t3
+        idx = idx // s3
+        if N == 2:
+            off += idx * t2
+        else:
+            off += (idx % s2) * t2
+            idx = idx // s2
+            if N == 3:
+                off += idx * t1
+            else:
+                off += (idx % s1) * t1 + (idx // s1) * t0
+    return off
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fill_masked(v, mask, OP: tl.constexpr):
+    """Masked-off lanes become the identity of OP's combine."""
+    if OP == 1:
+        v = tl.where(mask, v, float("-inf"))
+    elif OP == 2:
+        v = tl.where(mask, v, float("inf"))
+    else:
+        v = tl.where(mask, v, 0.0)
+    return v
+
+
+@triton.jit
+def _identity(shape, ptr, OP: tl.constexpr):
+    if OP == 1:
+        acc = _acc_full(shape, float("-inf"), ptr)
+    elif OP == 2:
+        acc = _acc_full(shape, float("inf"), ptr)
+    else:
+        acc = _acc_full(shape, 0.0, ptr)
+    return acc
+
+
+@triton.jit
+def _reduce_tile(v, axis: tl.constexpr, OP: tl.constexpr):
+    if OP == 1:
+        r = tl.reduce(v, axis, _max_nan)
+    elif OP == 2:
+        r = tl.reduce(v, axis, _min_nan)
+    else:
+        r = tl.sum(v, axis)
+    return r
+
+
+@triton.jit
+def _combine(a, b, OP: tl.constexpr):
+    if OP == 1:
+        r = _max_nan(a, b)
+    elif OP == 2:
+        r = _min_nan(a, b)
+    else:
+        r = a + b
+    return r
+
+
+@triton.jit
+def _safe_max(m):
+    """PyTorch's logsumexp shift: the max, or 0 where it is infinite."""
+    return tl.where(tl.abs(m) == float("inf"), 0.0, m)
+
+
+@triton.jit
+def _finish(acc, c, divisor, FIN: tl.constexpr):
+    if FIN == 0:
+        y = acc / divisor
+    elif FIN == 1:
+        y = tl.sqrt(acc / divisor)
+    else:
+        y = tl.log(acc) + _safe_max(c)
+    return y
+
+
+# ------------------------------------------------------------------------ reduction kernels
+
+
+@kernel(half=True)
+def reduce_partial(x_ptr, center_ptr, partial_ptr, out_ptr, n_out, R, chunk,
+                   ks1, ks2, ks3, kt0, kt1, kt2, kt3, rs1, rs2, rs3, rt0, rt1, rt2, rt3, divisor,
+                   OP: tl.constexpr, FIN: tl.constexpr, FINISH: tl.constexpr, NK: tl.constexpr,
+                   NR: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (i, s) reduces outputs [i*BLOCK_OUT, +BLOCK_OUT) over r in [s*chunk, +chunk):
+    with FINISH (one split) it writes finish(acc) to out, else acc to partial[s, o]."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    row_mask = rows < n_out
+    row_offsets = _group_offsets(rows, ks1, ks2, ks3, kt0, kt1, kt2, kt3, NK)
+    if OP >= 3:
+        center = upcast(tl.load(center_ptr + rows, mask=row_mask, other=0.0))
+    else:
+        center = _acc_full([BLOCK_OUT], 0.0, x_ptr)
+    acc = _identity([BLOCK_OUT], x_ptr, OP)
+    start = tl.program_id(1).to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, R)
+    for col0 in range(start, end, BLOCK_R):
+        cols = col0 + tl.arange(0, BLOCK_R)
+        mask = row_mask[:, None] & (cols < end)[None, :]
+        offsets = row_offsets[:, None] + _group_offsets(cols, rs1, rs2, rs3, rt0, rt1, rt2, rt3, NR)[None, :]
+        x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
+        if OP == 3:
+            x = (x - center[:, None]) * (x - center[:, None])
+        elif OP == 4:
+            x = tl.exp(x - _safe_max(center)[:, None])
+        elif OP == 5:
+            x = tl.where(x == center[:, None], 1.0, 0.0).to(acc.dtype)
+        acc = _combine(acc, _reduce_tile(_fill_masked(x, mask, OP), 1, OP), OP)
+    if FINISH:
+        tl.store(out_ptr + rows, _finish(acc, center, divisor, FIN).to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * n_out + rows, acc, mask=row_mask)
+
+
+@kernel(half=True)
+def reduce_finish(partial_ptr, center_ptr, out_ptr, n_out, n_split, divisor, OP: tl.constexpr,
+                  FIN: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    """Second pass of a split reduction: out[o] = finish(combine_s partial[s, o])."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    row_mask = rows < n_out
+    acc = _identity([BLOCK_OUT], partial_ptr, OP)
+    for s0 in range(0, n_split, BLOCK_SPLIT):
+        splits = s0 + tl.arange(0, BLOCK_SPLIT)
+        mask = (splits < n_split)[:, None] & row_mask[None, :]
+        p = tl.load(partial_ptr + splits.to(tl.int64)[:, None] * n_out + rows[None, :], mask=mask, other=0.0)
+        acc = _combine(acc, _reduce_tile(_fill_masked(p, mask, OP), 0, OP), OP)
+    if FIN == 2:
+        center = upcast(tl.load(center_ptr + rows, mask=row_mask, other=0.0))
+    else:
+        center = acc
+    tl.store(out_ptr + rows, _finish(acc, center, divisor, FIN).to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@kernel(half=True)
+def reduce_backward(x_ptr, y_ptr, aux_ptr, dy_ptr, dx_ptr, n_out, R, chunk,
+                    ks1, ks2, ks3, kt0, kt1, kt2, kt3, rs1, rs2, rs3, rt0, rt1, rt2, rt3, divisor,
+                    GRAD: tl.constexpr, NK: tl.constexpr, NR: tl.constexpr,
+                    BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dx for every reduction (see the module docstring); aux is the row's mean (var/std) or
+    tie count (amax/amin). Same tiling as reduce_partial; dx has x's contiguous layout."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    row_mask = rows < n_out
+    row_offsets = _group_offsets(rows, ks1, ks2, ks3, kt0, kt1, kt2, kt3, NK)
+    dy = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
+    if GRAD == 0:
+        g = dy / divisor
+    elif GRAD == 1:
+        g = dy / upcast(tl.load(aux_ptr + rows, mask=row_mask, other=1.0))
+    elif GRAD == 2:
+        g = 2.0 * dy / divisor
+    else:
+        g = dy
+    if GRAD == 1 or GRAD >= 3:
+        y = upcast(tl.load(y_ptr + rows, mask=row_mask, other=1.0))
+        if GRAD == 3:
+            g = dy / (divisor * y)
+    if GRAD == 2 or GRAD == 3:
+        mu = upcast(tl.load(aux_ptr + rows, mask=row_mask, other=0.0))
+    start = tl.program_id(1).to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, R)
+    for col0 in range(start, end, BLOCK_R):
+        cols = col0 + tl.arange(0, BLOCK_R)
+        mask = row_mask[:, None] & (cols < end)[None, :]
+        offsets = row_offsets[:, None] + _group_offsets(cols, rs1, rs2, rs3, rt0, rt1, rt2, rt3, NR)[None, :]
+        if GRAD == 0:
+            dx = g[:, None] + tl.zeros([BLOCK_OUT, BLOCK_R], g.dtype)
+        else:
+            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
+            if GRAD == 1:
+                dx = tl.where(x == y[:, None], g[:, None], 0.0)
+            elif GRAD == 4:
+                dx = g[:, None] * tl.exp(x - y[:, None])
+            else:
+                dx = g[:, None] * (x - mu[:, None])
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------ reduction op
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(_bmax(int(n), 1))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_float(name: str, dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point:
+        raise TypeError(f"{name}: expects a floating-point tensor, got {_dtype_name(dtype)}")
+
+
+def _normalize_dims(name: str, dim, ndim: int) -> tuple[int, ...]:
+    """``dim`` (None, int, or list/tuple of ints; negative allowed) as sorted axes; None and
+    an empty list mean every axis, as in PyTorch."""
+    if dim is None:
+        return tuple(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else None
+    if dims is None or not builtins.all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"{name}: dim must be None, an int or a list/tuple of ints, got {dim!r}")
+    if not dims:
+        return tuple(range(ndim))
+    rank = _bmax(ndim, 1)  # a 0-d tensor accepts dim 0 and -1
+    out = []
+    for d in dims:
+        if not -rank <= d < rank:
+            raise ValueError(f"{name}: dim {d} is out of range for a {ndim}-d tensor (expected {-rank}..{rank - 1})")
+        d = d % rank
+        if d in out:
+            raise ValueError(f"{name}: dim {d} appears more than once in {dim!r}")
+        out.append(d)
+    return tuple(sorted(d for d in out if d < ndim))
+
+
+@dataclass(frozen=True)
+class ReductionPlan:
+    """How a reduction of one input shape is tiled (see the module docstring)."""
+
+    kept: tuple[tuple[int, int], ...]  # (size, stride) groups, outermost first
+    reduced: tuple[tuple[int, int], ...]
+    n_out: int
+    R: int
+    block_out: int
+    block_r: int
+    n_split: int
+    chunk: int
+
+    @property
+    def out_programs(self) -> int:
+        return cdiv(self.n_out, self.block_out)
+
+    def geometry(self, visitor: ArgVisitor) -> None:
+        """Visit n_out, R, chunk and the group sizes/strides (kernel arguments n_out..rt3)."""
+        visitor.visit_i64(self.n_out).visit_i64(self.R).visit_i64(self.chunk)
+        for groups in (self.kept, self.reduced):
+            padded = ((1, 0),) * (MAX_GROUPS - len(groups)) + groups
+            for size, _ in padded[1:]:
+                visitor.visit_i64(size)
+            for _, stride in padded:
+                visitor.visit_i64(stride)
+
+    def constexprs(self, visitor: ArgVisitor) -> None:
+        visitor.visit_constexpr(len(self.kept)).visit_constexpr(len(self.reduced))
+        visitor.visit_constexpr(self.block_out).visit_constexpr(self.block_r)
+
+
+def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | None = None) -> ReductionPlan:
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    groups: list[list] = []  # [size, stride, reduced]
+    for axis, (size, stride) in enumerate(zip(shape, strides)):
+        if size == 1:
+            continue
+        reduced = axis in dims
+        if groups and groups[-1][2] == reduced:
+            groups[-1][0] *= size
+            groups[-1][1] = stride
+        else:
+            groups.append([size, stride, reduced])
+    kept = tuple((s, t) for s, t, r in groups if not r) or ((1, 0),)
+    red = tuple((s, t) for s, t, r in groups if r) or ((1, 0),)
+    if len(kept) > MAX_GROUPS or len(red) > MAX_GROUPS:
+        raise ValueError(f"reducing dims {dims} of shape {shape} alternates kept and reduced axes more than "
+                         f"{MAX_GROUPS} times; reduce in two steps")
+    n_out, R = math.prod(s for s, _ in kept), math.prod(s for s, _ in red)
+    if red[-1][1] == 1:  # the innermost axis is reduced: long contiguous rows
+        block_r = _bmin(_pow2(R), block or 1024)
+        block_out = _bmin(_pow2(n_out), _bmax(1, TILE // block_r))
+    else:  # outputs are contiguous: a wide tile of outputs, a few reduced positions
+        block_out = _bmin(_pow2(n_out), 64)
+        block_r = _bmin(_pow2(R), block or _bmax(1, TILE // block_out))
+    chunks = _bmax(cdiv(R, block_r), 1)
+    out_programs = cdiv(n_out, block_out)
+    n_split = 1
+    if out_programs < SPLIT_TARGET and chunks >= 2 * MIN_CHUNKS:
+        n_split = _bmin(cdiv(SPLIT_TARGET, out_programs), cdiv(chunks, MIN_CHUNKS), MAX_SPLIT)
+    chunk = block_r * cdiv(chunks, n_split)
+    n_split = _bmax(cdiv(R, chunk), 1)
+    return ReductionPlan(kept, red, n_out, R, block_out, block_r, n_split, chunk)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_FORWARD_OP = {"sum": _SUM, "mean": _SUM, "max": _MAX, "min": _MIN}
+_GRAD = {"sum": _GRAD_SUM, "mean": _GRAD_SUM, "max": _GRAD_EXTREMUM, "min": _GRAD_EXTREMUM,
+         "var": _GRAD_VAR, "std": _GRAD_STD, "logsumexp": _GRAD_LSE}
+_SAVES = {"sum": (False, False), "mean": (False, False), "max": (True, True), "min": (True, True),
+          "var": (True, False), "std": (True, True), "logsumexp": (True, True)}  # (input, output)
+
+
+class ReduceOp(RuntimeOp):
+    """One reduction of ``dim`` (see the module docstring); ``block`` caps BLOCK_R (tests use
+    a small one to force the looping and split paths)."""
+
+    kernel = reduce_partial
+
+    def __init__(self, kind: str, dim=None, keepdim: bool = False, correction: float = 1, block: int | None = None):
+        if kind not in _GRAD:
+            raise ValueError(f"unknown reduction {kind!r}")
+        if block is not None and (block < 1 or block & (block - 1)):
+            raise ValueError(f"{kind}: block must be a power of two, got {block}")
+        self.name, self.kind, self.dim, self.keepdim = kind, kind, dim, bool(keepdim)
+        self.correction, self.block = correction, block
+        self.saves_inputs, self.saves_output = _SAVES[kind]
+
+    def _dims(self, shape) -> tuple[int, ...]:
+        return _normalize_dims(self.kind, self.dim, len(shape))
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        _check_float(self.kind, input_dtypes[0])
+        if not isinstance(self.keepdim, bool):
+            raise TypeError(f"{self.kind}: keepdim must be a bool")
+        shape = tuple(input_shapes[0])
+        dims = self._dims(shape)
+        if self.kind in ("max", "min"):
+            for d in dims:
+                if shape[d] == 0:
+                    raise ValueError(f"{self.kind}: cannot reduce over dim {d} of size 0 (shape {shape}): "
+                                     "the maximum/minimum of nothing is undefined")
+        plan_reduction(shape, dims)
+
+    def output_shape(self, input_shapes):
+        shape = tuple(input_shapes[0])
+        dims = self._dims(shape)
+        if self.keepdim:
+            return tuple(1 if i in dims else s for i, s in enumerate(shape))
+        return tuple(s for i, s in enumerate(shape) if i not in dims)
+
+    def plan(self, shape) -> ReductionPlan:
+        shape = tuple(shape)
+        return plan_reduction(shape, self._dims(shape), self.block)
+
+    def extra_outputs(self, input_shapes, dtype):
+        if self.kind in ("var", "std"):
+            return {"mean": ((self.plan(input_shapes[0]).n_out,), _acc_dtype(dtype))}
+        return {}
+
+    def _divisor(self, plan: ReductionPlan):
+        if self.kind == "mean":
+            return plan.R
+        if self.kind in ("var", "std"):
+            d = _bmax(0, plan.R - self.correction)
+            return int(d) if float(d).is_integer() else float(d)
+        return 1
+
+    def kernels(self):
+        return (reduce_partial, reduce_finish)
+
+    def _pass(self, ctx, plan, x, center, out, op, fin, divisor):
+        """One reduction of x into out (directly, or through partials and reduce_finish)."""
+        finish_here = plan.n_split == 1
+        acc = _acc_dtype(ctx.dtype)
+        partial = out if finish_here else ctx.empty((plan.n_split, plan.n_out), acc)
+        center = center if center is not None else partial
+        v = ArgVisitor().visit_ptr(x).visit_ptr(center).visit_ptr(partial).visit_ptr(out)
+        plan.geometry(v)
+        v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+        v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(finish_here)
+        plan.constexprs(v)
+        ctx.launch(reduce_partial, (plan.out_programs, plan.n_split, 1), v, work=plan.n_out)
+        if not finish_here:
+            block_out = _bmin(_pow2(plan.n_out), 64)
+            v = ArgVisitor().visit_ptr(partial).visit_ptr(center).visit_ptr(out)
+            v.visit_i64(plan.n_out).visit_i64(plan.n_split)
+            v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+            v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(block_out)
+            v.visit_constexpr(_bmin(_pow2(plan.n_split), _bmax(1, TILE // block_out)))
+            ctx.launch(reduce_finish, (cdiv(plan.n_out, block_out), 1, 1), v, work=plan.n_out)
+
+    def forward(self, ctx):
+        (x,), out = ctx.inputs, ctx.output
+        plan = self.plan(ctx.input_shapes[0])
+        if self.kind in ("var", "std"):
+            mean = ctx.saved["mean"]
+            self._pass(ctx, plan, x, None, mean, _SUM, _FIN_DIV, plan.R)
+            self._pass(ctx, plan, x, mean, out, _SQDEV, _FIN_SQRT if self.kind == "std" else _FIN_DIV,
+                       self._divisor(plan))
+        elif self.kind == "logsumexp":
+            row_max = ctx.empty((plan.n_out,), _acc_dtype(ctx.dtype))
+            self._pass(ctx, plan, x, None, row_max, _MAX, _FIN_DIV, 1)
+            self._pass(ctx, plan, x, row_max, out, _SUMEXP, _FIN_LOG, 1)
+        else:
+            self._pass(ctx, plan, x, None, out, _FORWARD_OP[self.kind], _FIN_DIV, self._divisor(plan))
+
+    def has_backward(self):
+        return True
+
+    def backward_kernels(self):
+        return (reduce_backward, reduce_partial, reduce_finish) if self.kind in ("max", "min") else (reduce_backward,)
+
+    def backward(self, ctx):
+        dx = ctx.grad_inputs[0]
+        if dx is None or dx.numel() == 0:
+            return
+        plan = self.plan(ctx.input_shapes[0])
+        x = ctx.inputs[0] if ctx.inputs[0] is not None else dx
+        y = ctx.output if ctx.output is not None else ctx.grad_output
+        aux = ctx.saved.get("mean", y)
+        if self.kind in ("max", "min"):  # how many elements tie for the extremum
+            aux = ctx.empty((plan.n_out,), _acc_dtype(ctx.dtype))
+            self._pass(ctx, plan, x, y, aux, _COUNT, _FIN_DIV, 1)
+        v = ArgVisitor().visit_ptr(x).visit_ptr(y).visit_ptr(aux).visit_ptr(ctx.grad_output).visit_ptr(dx)
+        plan.geometry(v)
+        divisor = self._divisor(plan)
+        v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+        v.visit_constexpr(_GRAD[self.kind])
+        plan.constexprs(v)
+        ctx.launch(reduce_backward, (plan.out_programs, plan.n_split, 1), v, work=dx.numel())
+
+
+def _reduce(x, kind, dim, keepdim, correction=1):
+    return graph_of(x).apply(ReduceOp(kind, dim, keepdim, correction), [x])
+
+
+# ------------------------------------------------------------------------ softmax kernels
+
+
+@kernel(half=True)
+def softmax_backward(y_ptr, dy_ptr, dx_ptr, n_rows, L, inner, LOG: tl.constexpr, SINGLE: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_L: tl.constexpr):
+    """softmax: dx = y (dy - sum(dy y)); log_softmax: dx = dy - exp(y) sum(dy)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    base = (rows // inner) * L * inner + rows % inner
+    if SINGLE:
+        cols = tl.arange(0, BLOCK_L)
+        mask = row_mask[:, None] & (cols < L)[None, :]
+        offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+        y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
+        dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+        if LOG:
+            dx = dy - tl.exp(y) * tl.sum(dy, 1)[:, None]
+        else:
+            dx = y * (dy - tl.sum(dy * y, 1)[:, None])
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        total = _acc_full([BLOCK_ROWS], 0.0, y_ptr)
+        for col0 in range(0, L, BLOCK_L):
+            cols = col0 + tl.arange(0, BLOCK_L)
+            mask = row_mask[:, None] & (cols < L)[None, :]
+            offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+            dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+            if LOG:
+                total += tl.sum(dy, 1)
+            else:
+                total += tl.sum(dy * upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0)), 1)
+        for col0 in range(0, L, BLOCK_L):
+            cols = col0 + tl.arange(0, BLOCK_L)
+            mask = row_mask[:, None] & (cols < L)[None, :]
+            offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+            y = upcast(tl.load(y_ptr + offsets, mask=mask, other=0.0))
+            dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+            if LOG:
+                dx = dy - tl.exp(y) * total[:, None]
+            else:
+                dx = y * (dy - total[:, None])
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(backward=softmax_backward, half=True)
+def softmax_forward(x_ptr, y_ptr, n_rows, L, inner, LOG: tl.constexpr, SINGLE: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_L: tl.constexpr):
+    """m = max x, s = sum exp(x - m); softmax y = exp(x - m) / s, log_softmax y = x - m - log s.
+    Row r is x[(r // inner) * L * inner + r % inner + j * inner], j < L. Rows longer than
+    BLOCK_L: online (m, s) over column blocks, s <- s exp(m_old - m_new) + sum exp(x - m_new)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    base = (rows // inner) * L * inner + rows % inner
+    if SINGLE:
+        cols = tl.arange(0, BLOCK_L)
+        mask = row_mask[:, None] & (cols < L)[None, :]
+        offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+        x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+        m = tl.max(x, 1)
+        shifted = x - m[:, None]
+        e = tl.exp(shifted)
+        s = tl.sum(e, 1)
+        if LOG:
+            y = shifted - tl.log(s)[:, None]
+        else:
+            y = e / s[:, None]
+        tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        m = _acc_full([BLOCK_ROWS], float("-inf"), x_ptr)
+        s = _acc_full([BLOCK_ROWS], 0.0, x_ptr)
+        for col0 in range(0, L, BLOCK_L):
+            cols = col0 + tl.arange(0, BLOCK_L)
+            mask = row_mask[:, None] & (cols < L)[None, :]
+            offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            m_new = tl.maximum(m, tl.max(x, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while a row is all -inf
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), 1)
+            m = m_new
+        log_s = tl.log(s)
+        for col0 in range(0, L, BLOCK_L):
+            cols = col0 + tl.arange(0, BLOCK_L)
+            mask = row_mask[:, None] & (cols < L)[None, :]
+            offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
+            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            if LOG:
+                y = x - m[:, None] - log_s[:, None]
+            else:
+                y = tl.exp(x - m[:, None]) / s[:, None]
+            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------ softmax op
+
+
+class SoftmaxOp(RuntimeOp):
+    """softmax / log_softmax over ``dim``; ``block`` caps BLOCK_L (rows longer loop)."""
+
+    kernel = softmax_forward
+    saves_inputs = False
+    saves_output = True
+
+    def __init__(self, dim: int, log: bool = False, block: int | None = None):
+        if block is not None and (block < 1 or block & (block - 1)):
+            raise ValueError(f"softmax: block must be a power of two, got {block}")
+        self.name = "log_softmax" if log else "softmax"
+        self.dim, self.log, self.block = dim, log, block
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        _check_float(self.name, input_dtypes[0])
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"{self.name}: dim must be an int, got {self.dim!r}")
+        ndim = len(input_shapes[0])
+        rank = _bmax(ndim, 1)
+        if not -rank <= self.dim < rank:
+            raise ValueError(f"{self.name}: dim {self.dim} is out of range for a {ndim}-d tensor "
+                             f"(expected {-rank}..{rank - 1})")
+
+    def _layout(self, shape):
+        """(n_rows, L, inner, SINGLE, BLOCK_ROWS, BLOCK_L)."""
+        shape = tuple(shape) or (1,)
+        d = self.dim % len(shape)
+        L, inner = shape[d], math.prod(shape[d + 1:])
+        n_rows = math.prod(shape[:d]) * inner
+        cap = self.block or (SOFTMAX_MAX_BLOCK if inner == 1 else 256)
+        block_l = _bmin(_pow2(L), cap)
+        block_rows = _bmin(_pow2(n_rows), _bmax(1, TILE // block_l))
+        return n_rows, L, inner, L <= block_l, block_rows, block_l
+
+    def _launch(self, ctx, kernel_, ptrs):
+        n_rows, L, inner, single, block_rows, block_l = self._layout(ctx.input_shapes[0])
+        v = ArgVisitor()
+        for p in ptrs:
+            v.visit_ptr(p)
+        v.visit_i64(n_rows).visit_i64(L).visit_i64(inner)
+        v.visit_constexpr(self.log).visit_constexpr(single).visit_constexpr(block_rows).visit_constexpr(block_l)
+        ctx.launch(kernel_, (cdiv(n_rows, block_rows), 1, 1), v)
+
+    def forward(self, ctx):
+        self._launch(ctx, softmax_forward, [ctx.inputs[0], ctx.output])
+
+    def has_backward(self):
+        return True
+
+    def backward(self, ctx):
+        if ctx.grad_inputs[0] is not None:
+            self._launch(ctx, softmax_backward, [ctx.output, ctx.grad_output, ctx.grad_inputs[0]])
+
+
+# ------------------------------------------------------------------------ functional ops
+
+
+def sum(x, dim=None, keepdim: bool = False):
+    """torch.sum: the sum over ``dim`` (None or [] : every axis)."""
+    return _reduce(x, "sum", dim, keepdim)
+
+
+def mean(x, dim=None, keepdim: bool = False):
+    """torch.mean over ``dim`` (None: every axis); the mean of nothing is NaN."""
+    return _reduce(x, "mean", dim, keepdim)
+
+
+def max(x, dim=None, keepdim: bool = False):
+    """torch.amax: the largest value over ``dim`` (values only; NaN propagates); the gradient
+    is split evenly among tied maxima."""
+    return _reduce(x, "max", dim, keepdim)
+
+
+def min(x, dim=None, keepdim: bool = False):
+    """torch.amin: the smallest value over ``dim``; gradient split evenly among ties."""
+    return _reduce(x, "min", dim, keepdim)
+
+
+def var(x, dim=None, correction: float = 1, keepdim: bool = False):
+    """torch.var: sum (x - mean)^2 / max(0, N - correction) over ``dim``."""
+    return _reduce(x, "var", dim, keepdim, correction)
+
+
+def std(x, dim=None, correction: float = 1, keepdim: bool = False):
+    """torch.std: sqrt of ``var``."""
+    return _reduce(x, "std", dim, keepdim, correction)
+
+
+def logsumexp(x, dim, keepdim: bool = False):
+    """torch.logsumexp: log sum exp(x) over ``dim``, computed stably."""
+    return _reduce(x, "logsumexp", dim, keepdim)
+
+
+def softmax(x, dim: int = -1):
+    """torch.softmax over ``dim`` (any dim, any row length), computed in float32 for halves."""
+    return graph_of(x).apply(SoftmaxOp(dim), [x])
+
+
+def log_softmax(x, dim: int = -1):
+    """torch.log_softmax over ``dim``."""
+    return graph_of(x).apply(SoftmaxOp(dim, log=True), [x])
+
+
+# ------------------------------------------------------------------------ layers
+
+
+def _implicit_softmax_dim(name: str, ndim: int) -> int:
+    warnings.warn(f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X "
+                  "as an argument.", stacklevel=3)
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+class Softmax(Module):
+    """nn.Softmax(dim); dim=None picks PyTorch's legacy implicit dim (with its warning)."""
+
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return softmax(x, self.dim if self.dim is not None else _implicit_softmax_dim("softmax", x.ndim))
+
+
+class LogSoftmax(Module):
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return log_softmax(x, self.dim if self.dim is not None else _implicit_softmax_dim("log_softmax", x.ndim))
+
+
+# ------------------------------------------------------------------------ registry/tests
+
+# (shape, dim, keepdim): odd shapes, non-adjacent axes, a 1-element and an empty-batch case
+_REDUCE_CASES = [((3, 37), 1, False), ((3, 37), None, False), ((129, 7), 0, True), ((5, 3, 11), (0, 2), False),
+                 ((5, 3, 11), [1], True), ((5, 3, 11), (-1, -2), False), ((1,), 0, False), ((0, 5), 1, False)]
+_GRADCHECK_CASES = [((3, 5), 1, False), ((2, 3, 4), (0, 2), True), ((4,), None, False), ((3, 1, 4), -1, False)]
+
+
+def _reduction_samples(cases, kwargs=None):
+    def samples(dtype, gen):
+        out = []
+        for shape, dim, keepdim in cases:
+            dims = _normalize_dims("sample", dim, len(shape))
+            n = math.prod(shape[d] for d in dims)
+            kw = {"dim": dim, "keepdim": keepdim, **(kwargs or {})}
+            out.append(Sample((make(gen, *shape).to(dtype),), kw, name=f"{shape} dim={dim}", reduction=_bmax(n, 1)))
+        return out
+    return samples
+
+
+def _gradcheck(cases, kwargs=None):
+    return lambda gen: _reduction_samples(cases, kwargs)(torch.float64, gen)
+
+
+_REDUCE_KERNELS = (reduce_partial, reduce_finish, reduce_backward)
+_REFS = {
+    "sum": lambda x, dim=None, keepdim=False: torch.sum(x, dim=dim, keepdim=keepdim),
+    "mean": lambda x, dim=None, keepdim=False: torch.mean(x, dim=dim, keepdim=keepdim),
+    "max": lambda x, dim=None, keepdim=False: torch.amax(x, dim=() if dim is None else dim, keepdim=keepdim),
+    "min": lambda x, dim=None, keepdim=False: torch.amin(x, dim=() if dim is None else dim, keepdim=keepdim),
+    "var": lambda x, dim=None, keepdim=False, correction=1: torch.var(x, dim=dim, correction=correction, keepdim=keepdim),
+    "std": lambda x, dim=None, keepdim=False, correction=1: torch.std(x, dim=dim, correction=correction, keepdim=keepdim),
+    "logsumexp": lambda x, dim=None, keepdim=False: torch.logsumexp(
+        x, dim=tuple(range(x.dim())) if dim is None else dim, keepdim=keepdim),
+}
+_OPS = {"sum": sum, "mean": mean, "max": max, "min": min, "var": var, "std": std, "logsumexp": logsumexp}
+
+for _kind, _fn in _OPS.items():
+    # no NaN results here (mean of nothing, var of one element): test_reduction covers those
+    _cases = [c for c in _REDUCE_CASES if _kind not in ("mean", "var", "std") or math.prod(c[0]) > 1]
+    register(OpInfo(_kind, _fn, _REFS[_kind], _reduction_samples(_cases), family="reduction",
+                    kernels=_REDUCE_KERNELS, gradcheck_samples=_gradcheck(_GRADCHECK_CASES)))
+register(OpInfo("var_correction0", lambda x, **kw: var(x, correction=0, **kw),
+                lambda x, **kw: _REFS["var"](x, correction=0, **kw),
+                _reduction_samples(_REDUCE_CASES[:6]), family="reduction", kernels=_REDUCE_KERNELS,
+                gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2])))
+
+_SOFTMAX_CASES = [((3, 37), -1), ((129, 7), 0), ((5, 3, 11), 1), ((5, 3, 11), -1), ((5, 3, 11), 0), ((1,), 0),
+                  ((0, 5), -1)]
+_SOFTMAX_GRADCHECK = [((3, 7), -1), ((3, 4, 2), 1), ((1,), 0)]
+
+
+def _softmax_samples(cases):
+    def samples(dtype, gen):
+        return [Sample((make(gen, *shape, low=-4, high=4).to(dtype),), {"dim": dim}, name=f"{shape} dim={dim}",
+                       reduction=_bmax(shape[dim], 1)) for shape, dim in cases]
+    return samples
+
+
+_SOFTMAX_KERNELS = (softmax_forward, softmax_backward)
+register(OpInfo("softmax", softmax, lambda x, dim=-1: F.softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
+                family="reduction", kernels=_SOFTMAX_KERNELS,
+                gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))
+register(OpInfo("log_softmax", log_softmax, lambda x, dim=-1: F.log_softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
+                family="reduction", kernels=_SOFTMAX_KERNELS,
+                gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))

@@ -90,12 +90,12 @@ def _lattice(idx, size, start, step, length, dy_stride, dy_off, inside):
 
 
 @kernel(dtypes=SHAPE_DTYPES)
-def slice_scatter(dy_ptr, dx_ptr, n, dy_offset,
+def slice_scatter(dy_ptr, dx_ptr, n,
                   n0, n1, n2, n3, n4, n5, b0, b1, b2, b3, b4, b5, p0, p1, p2, p3, p4, p5,
                   l0, l1, l2, l3, l4, l5, g0, g1, g2, g3, g4, g5, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    rest, off, inside = _lattice(idx, n5, b5, p5, l5, g5, dy_offset + 0 * idx, mask)
+    rest, off, inside = _lattice(idx, n5, b5, p5, l5, g5, tl.zeros_like(idx), mask)
     rest, off, inside = _lattice(rest, n4, b4, p4, l4, g4, off, inside)
     rest, off, inside = _lattice(rest, n3, b3, p3, l3, g3, off, inside)
     rest, off, inside = _lattice(rest, n2, b2, p2, l2, g2, off, inside)
@@ -313,7 +313,7 @@ class GetItemOp(StridedViewOp):
                 out_dim += 1
         dims = _merge_lattice(dims)
         n = dx.numel()
-        visitor = ArgVisitor().visit_ptr(dy).visit_ptr(dx).visit_i64(n).visit_i64(0)
+        visitor = ArgVisitor().visit_ptr(dy).visit_ptr(dx).visit_i64(n)
         for k, fill in enumerate((1, 0, 1, 1, 0)):
             for v in _pad([d[k] for d in dims], fill):
                 visitor.visit_i64(v)
@@ -813,3 +813,101 @@ class Unflatten(Module):
 
     def forward(self, x):
         return unflatten(x, self.dim, self.unflattened_size)
+
+
+# -------------------------------------------------------------------------- registry/tests
+
+
+def _samples(build):
+    """Samples from ``build(t)``, where ``t(*shape)`` makes a random tensor of the dtype."""
+    def samples(dtype, gen):
+        return build(lambda *shape: make(gen, *shape, dtype=dtype))
+    return samples
+
+
+def _tiny(build):
+    """Gradcheck samples (float64, tens of elements)."""
+    return lambda gen: build(lambda *shape: make(gen, *shape, dtype=torch.float64))
+
+
+def _both(build):
+    return dict(samples=_samples(build), gradcheck_samples=_tiny(build))
+
+
+def _register(name, op, ref, samples, gradcheck_samples=None, kernels=(), **kw):
+    register(OpInfo(name, op, ref, samples, family="shape", kernels=kernels, gradcheck_samples=gradcheck_samples,
+                    **kw))
+
+
+_register("reshape", reshape, torch.reshape, _samples(lambda t: [
+    Sample((t(3, 37), (37, -1)), name="3x37->37x-1"), Sample((t(5, 3, 11), (-1,)), name="flat"),
+    Sample((t(1), ()), name="1->scalar"), Sample((t(0, 5), (5, 0, 1)), name="empty")]),
+          _tiny(lambda t: [Sample((t(2, 3, 5), (5, -1)), name="2x3x5")]))
+_register("view", lambda x, shape: view(x, *shape), lambda x, shape: x.view(*shape), **_both(lambda t: [
+    Sample((t(2, 1, 7), (7, 2)), name="2x1x7")]))
+_register("flatten", flatten, torch.flatten, _samples(lambda t: [
+    Sample((t(5, 3, 11), 1), name="5x3x11 from 1"), Sample((t(2, 1, 7, 3), -3, -2), name="neg dims"),
+    Sample((t(3, 37),), name="all"), Sample((t(0, 3, 2), 1), name="empty")]),
+          _tiny(lambda t: [Sample((t(2, 3, 5), 0, 1), name="2x3x5")]))
+_register("unflatten", unflatten, torch.unflatten, **_both(lambda t: [
+    Sample((t(3, 14), -1, (2, -1)), name="3x14"), Sample((t(15,), 0, (3, 5)), name="15")]))
+_register("squeeze", squeeze, torch.squeeze, _samples(lambda t: [
+    Sample((t(2, 1, 7),), name="all"), Sample((t(2, 1, 7), -2), name="dim -2"), Sample((t(2, 1, 7), 0), name="no-op"),
+    Sample((t(1, 3, 1), (0, 2)), name="tuple"), Sample((t(1),), name="1-element")]),
+          _tiny(lambda t: [Sample((t(2, 1, 7),), name="2x1x7")]))
+_register("unsqueeze", unsqueeze, torch.unsqueeze, _samples(lambda t: [
+    Sample((t(3, 37), 1), name="3x37 at 1"), Sample((t(5, 3, 11), -1), name="at -1"), Sample((t(0, 4), 0), name="empty")]),
+          _tiny(lambda t: [Sample((t(3, 7), -3), name="3x7")]))
+_register("transpose", transpose, torch.transpose, _samples(lambda t: [
+    Sample((t(3, 37), 0, 1), name="3x37"), Sample((t(5, 3, 11), -1, 0), name="5x3x11 -1,0"),
+    Sample((t(2, 1, 7), 0, 1), name="size-1 (view)"), Sample((t(4, 0, 3), 0, 2), name="empty")]),
+          _tiny(lambda t: [Sample((t(3, 2, 5), 0, 2), name="3x2x5")]), kernels=(strided_copy,))
+_register("permute", permute, torch.permute, _samples(lambda t: [
+    Sample((t(5, 3, 11), (2, 0, 1)), name="5x3x11"), Sample((t(2, 3, 1, 5, 3), (-1, 2, 0, 3, 1)), name="rank 5"),
+    Sample((t(3, 37), (0, 1)), name="identity")]),
+          _tiny(lambda t: [Sample((t(3, 2, 5), (1, 2, 0)), name="3x2x5")]), kernels=(strided_copy,))
+_register("getitem", getitem, lambda x, index: x[index], _samples(lambda t: [
+    Sample((t(9, 5, 3), (_py_slice(1, 7, 2), _py_slice(None), -1)), name="x[1:7:2, :, -1]"),
+    Sample((t(9, 5, 3), (Ellipsis, None, _py_slice(-4, None))), name="x[..., None, -4:]"),
+    Sample((t(9, 5, 3), (_py_slice(2, 5),)), name="x[2:5] (view)"),
+    Sample((t(9, 5, 3), (1, None, _py_slice(-100, 100, 3))), name="x[1, None, ::3] clamped"),
+    Sample((t(3, 37), (_py_slice(5, 2),)), name="empty slice"),
+    Sample((t(3, 37), (2, 36)), name="scalar"), Sample((t(129, 7), (_py_slice(None, None, 4), 3)), name="129x7")]),
+          _tiny(lambda t: [Sample((t(5, 3, 4), (_py_slice(1, 5, 2), None, Ellipsis, -1)), name="mixed"),
+                           Sample((t(6, 4), (_py_slice(1, 3),)), name="rows")]),
+          kernels=(strided_copy, slice_scatter))
+_register("slice", slice, lambda x, dim, start, end, step=1: torch.ops.aten.slice(x, dim, start, end, step),
+          _samples(lambda t: [Sample((t(5, 3, 11), -1, 2, -1, 3), name="5x3x11 last dim"),
+                              Sample((t(3, 37), 0, 1, None), name="rows"), Sample((t(3, 37), 1, 40, 50), name="empty")]),
+          _tiny(lambda t: [Sample((t(3, 8), 1, -7, 7, 2), name="3x8")]), kernels=(strided_copy, slice_scatter))
+_register("narrow", narrow, torch.narrow, **_both(lambda t: [Sample((t(3, 9), 1, -5, 3), name="3x9")]),
+          kernels=(strided_copy, slice_scatter))
+_register("concat", concat, torch.cat, _samples(lambda t: [
+    Sample(([t(3, 37), t(3, 5), t(3, 1)], -1), name="last dim"), Sample(([t(2, 1, 7), t(5, 1, 7)],), name="dim 0"),
+    Sample(([t(5, 3, 11), t(5, 0, 11), t(5, 2, 11)], 1), name="middle with empty"),
+    Sample(([t(0), t(2, 3)], 0), name="skips 1-d empty"), Sample(([t(4, 3)], 1), name="one tensor")]),
+          _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]),
+          kernels=(strided_copy,))
+_register("stack", stack, torch.stack, _samples(lambda t: [Sample(([t(3, 5), t(3, 5), t(3, 5)], -1), name="3x5")]),
+          _tiny(lambda t: [Sample(([t(2, 3), t(2, 3)], 1), name="2x3")]),
+          kernels=(strided_copy,))
+_register("split", lambda x, s, dim=0: concat(split(x, s, dim)[::-1], dim),
+          lambda x, s, dim=0: torch.cat(torch.split(x, s, dim)[::-1], dim), _samples(lambda t: [
+              Sample((t(5, 3, 11), 4, -1), name="size 4 of 11"), Sample((t(7, 3), [2, 0, 5]), name="sections"),
+              Sample((t(3, 37), 3, 0), name="one part")]),
+          _tiny(lambda t: [Sample((t(3, 7), [2, 5], 1), name="3x7")]), kernels=(strided_copy, slice_scatter),
+          notes="split(x, s, dim) checked through concat(parts reversed)")
+_register("chunk", lambda x, chunks, dim=0: concat(chunk(x, chunks, dim)[::-1], dim),
+          lambda x, chunks, dim=0: torch.cat(torch.chunk(x, chunks, dim)[::-1], dim),
+          **_both(lambda t: [Sample((t(2, 5), 3, 1), name="5 in 3")]), kernels=(strided_copy, slice_scatter))
+_register("expand", lambda x, sizes: expand(x, *sizes), lambda x, sizes: x.expand(*sizes), _samples(lambda t: [
+    Sample((t(3, 1), (3, 37)), name="3x1->3x37", reduction=37), Sample((t(11,), (5, 3, 11)), name="bias-like", reduction=15),
+    Sample((t(2, 1, 7), (4, -1, 9, -1)), name="2x1x7->4x2x9x7", reduction=36),
+    Sample((t(1), (300,)), name="scalar to 300", reduction=300), Sample((t(1, 5), (0, 5)), name="to empty"),
+    Sample((t(3, 1), (3, 1)), name="no-op (view)")]),
+          _tiny(lambda t: [Sample((t(3, 1), (2, 3, 5)), name="3x1->2x3x5", reduction=10)]), kernels=(sum_broadcast,))
+_register("stop_gradient", lambda x: concat([x, stop_gradient(x)]), lambda x: torch.cat([x, x.detach()]),
+          _samples(lambda t: [Sample((t(3, 7),), name="3x7")]),
+          # finite differences see through stop_gradient by design: nothing to gradcheck
+          lambda gen: [Sample((make(gen, 3, 7, dtype=torch.float64),), grad=(), name="3x7")],
+          notes="checked as concat([x, stop_gradient(x)]) against PyTorch autograd")

@@ -1,0 +1,122 @@
+"""embedding family: determinism, padding_idx, layer init, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny import Graph
+from teeny.interop.torch import apply
+
+
+def _embedding_module():
+    import teeny.kernels.embedding as embedding_module
+
+    return embedding_module
+
+
+def _grad(fn, idx, weight, grad_out):
+    w = weight.detach().clone().requires_grad_()
+    out = apply(fn, idx, w)
+    (g,) = torch.autograd.grad(out, (w,), grad_out)
+    return out, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_backward_is_bit_reproducible_and_matches_torch(dtype, gen):
+    idx = torch.randint(0, 5, (6, 7), generator=gen)  # many repeats per row
+    weight = torch.randn(5, 9, generator=gen).to(dtype)
+    grad_out = torch.randn(6, 7, 9, generator=gen).to(dtype)
+
+    def fn(i, w):
+        return teeny.ops.embedding(i, w, deterministic=True)
+
+    _, g1 = _grad(fn, idx, weight, grad_out)
+    _, g2 = _grad(fn, idx, weight, grad_out)
+    assert torch.equal(g1.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       g2.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    # summed in fp32 in position order, rounded once: the same as torch on float64, rounded
+    ref = torch.zeros(5, 9, dtype=torch.float64).index_add_(0, idx.reshape(-1), grad_out.double().reshape(-1, 9))
+    if dtype == torch.float32:
+        torch.testing.assert_close(g1.double(), ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(g1.double(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_set_deterministic_flag_is_read_at_trace_time():
+    module = _embedding_module()
+    g = Graph()
+    idx, w = g.input("i", (3,), torch.int64), g.input("w", (4, 2))
+    assert teeny.ops.embedding(idx, w).value.producer.op.deterministic is False
+    try:
+        module.set_deterministic(True)
+        op = teeny.ops.embedding(idx, w).value.producer.op
+    finally:
+        module.set_deterministic(False)
+    assert op.deterministic
+    assert op.backward_kernels() == (module.embedding_backward_sorted,)
+    assert teeny.ops.embedding(idx, w, deterministic=True).value.producer.op.deterministic
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_padding_row_forward_and_zero_gradient(deterministic, gen):
+    idx = torch.tensor([[0, 2, 2], [1, 2, 3]])
+    weight = torch.randn(4, 3, generator=gen)
+    grad_out = torch.randn(2, 3, 3, generator=gen)
+    out, g = _grad(lambda i, w: teeny.ops.embedding(i, w, padding_idx=-2, deterministic=deterministic),
+                   idx, weight, grad_out)
+    torch.testing.assert_close(out, F.embedding(idx, weight))  # the padding row is still returned
+    assert torch.equal(g[2], torch.zeros(3))
+    w = weight.clone().requires_grad_()
+    F.embedding(idx, w, padding_idx=2).backward(grad_out)
+    torch.testing.assert_close(g, w.grad)
+
+
+def test_unused_rows_get_zero_gradient(gen):
+    idx = torch.tensor([4, 4, 0])
+    weight = torch.randn(6, 2, generator=gen)
+    for deterministic in (False, True):
+        _, g = _grad(lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight,
+                     torch.ones(3, 2))
+        assert torch.equal(g, torch.tensor([[1.0, 1.0], [0, 0], [0, 0], [0, 0], [2, 2], [0, 0]]))
+
+
+def test_int32_indices(gen):
+    idx = torch.randint(0, 5, (4, 3), generator=gen, dtype=torch.int32)
+    weight = torch.randn(5, 7, generator=gen)
+    torch.testing.assert_close(apply(teeny.ops.embedding, idx, weight), F.embedding(idx, weight))
+
+
+def test_embedding_layer_init_and_names():
+    layer = teeny.nn.Embedding(10, 4, padding_idx=3)
+    assert [n for n, _ in layer.named_parameters()] == ["weight"]
+    assert layer.weight.shape == (10, 4)
+    values = layer.weight.init(layer.weight.shape, torch.Generator().manual_seed(0), torch.float32)
+    assert torch.equal(values[3], torch.zeros(4))
+    others = torch.cat([values[:3], values[4:]])
+    assert 0.5 < others.std() < 1.5 and others.abs().max() > 1.0  # N(0, 1)
+    assert teeny.nn.Embedding(5, 2, padding_idx=-1).padding_idx == 4
+
+
+def test_embedding_errors():
+    g = Graph()
+    w = g.input("w", (4, 2))
+    with pytest.raises(teeny.GraphError, match="int64 or int32"):
+        teeny.ops.embedding(g.input("f", (3,)), w)
+    with pytest.raises(ValueError, match="out of range"):
+        teeny.ops.embedding(g.input("i", (3,), torch.int64), w, padding_idx=4)
+    with pytest.raises(ValueError, match="2-D"):
+        teeny.ops.embedding(g.input("j", (3,), torch.int64), g.input("v", (4,)))
+    with pytest.raises(ValueError, match="out of range"):
+        teeny.nn.Embedding(3, 2, padding_idx=-4)
+
+
+def test_out_of_range_index_is_masked():
+    """No device check without a host sync: an out-of-range index reads zeros, adds nothing."""
+    idx = torch.tensor([1, 7, -1])
+    weight = torch.randn(3, 2)
+    for deterministic in (False, True):
+        out, g = _grad(lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight,
+                       torch.ones(3, 2))
+        assert torch.equal(out[0], weight[1]) and torch.equal(out[1:], torch.zeros(2, 2))
+        assert torch.equal(g, torch.tensor([[0.0, 0.0], [1, 1], [0, 0]]))

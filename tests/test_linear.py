@@ -1,0 +1,145 @@
+"""linear family: what the generic harness cannot see (layer, init, tf32 flag, errors, reductions)."""
+
+import math
+
+import pytest
+import torch
+
+import teeny
+from teeny import Graph, LoweringMode, lower
+from teeny.interop.torch import apply
+
+
+def _linear_module():
+    import teeny.kernels.linear as linear_module
+
+    return linear_module
+
+
+def test_linear_layer_parameters_and_init():
+    layer = teeny.nn.Linear(20, 7)
+    names = [name for name, _ in layer.named_parameters()]
+    assert names == ["weight", "bias"]
+    assert layer.weight.shape == (7, 20) and layer.bias.shape == (7,)
+    gen = torch.Generator().manual_seed(0)
+    bound = 1 / math.sqrt(20)
+    for p in layer.parameters():
+        values = p.init(p.shape, gen, torch.float32)
+        assert values.abs().max() <= bound
+        assert values.abs().max() > 0.7 * bound  # spread over the whole interval
+    assert [n for n, _ in teeny.nn.Linear(3, 2, bias=False).named_parameters()] == ["weight"]
+
+
+def test_linear_layer_matches_torch_and_trains():
+    torch.manual_seed(0)
+    g = Graph()
+    x = g.input("x", (4, 3, 5))
+    layer = teeny.nn.Sequential(teeny.nn.Linear(5, 6), teeny.nn.Linear(6, 2, bias=False))
+    g.output(layer(x).sum())
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Linear(6, 2, bias=False)).double()
+    ex.load_params({k: v.detach() for k, v in ref.state_dict().items()})
+    xs = torch.randn(4, 3, 5)
+    out, cache = ex.forward_train({"x": xs})
+    ex.backward(cache)
+    loss = ref(xs.double()).sum()
+    loss.backward()
+    torch.testing.assert_close(out.double(), loss.detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ex.grads["0.weight"].double(), ref[0].weight.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ex.grads["0.bias"].double(), ref[0].bias.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ex.grads["1.weight"].double(), ref[1].weight.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_matmul_operator_and_shapes():
+    g = Graph()
+    a, b = g.input("a", (2, 1, 3, 5)), g.input("b", (4, 5, 2))
+    assert (a @ b).shape == (2, 4, 3, 2)
+    assert teeny.ops.matmul(g.input("v", (5,)), g.input("w", (5,))).shape == ()
+    assert teeny.ops.matmul(g.input("m", (3, 5)), g.input("u", (5,))).shape == (3,)
+    assert teeny.ops.matmul(g.input("t", (5,)), g.input("bb", (2, 5, 4))).shape == (2, 4)
+
+
+def test_matmul_inner_dim_mismatch_names_both_shapes():
+    g = Graph()
+    with pytest.raises(ValueError, match=r"\(3, 4\).*\(5, 2\)"):
+        teeny.ops.matmul(g.input("a", (3, 4)), g.input("b", (5, 2)))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        teeny.ops.matmul(g.input("c", (2, 3, 4)), g.input("d", (3, 4, 2)))
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        teeny.ops.matmul(g.input("e", ()), g.input("f", (3,)))
+
+
+def test_linear_bad_shapes():
+    g = Graph()
+    x = g.input("x", (3, 4))
+    with pytest.raises(ValueError, match=r"\(3, 4\).*\(2, 5\)"):
+        teeny.ops.linear(x, g.input("w", (2, 5)))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        teeny.ops.linear(x, g.input("w2", (2, 4)), g.input("b", (3,)))
+    with pytest.raises(ValueError, match="2-D"):
+        teeny.ops.linear(x, g.input("w3", (4,)))
+
+
+def test_mixed_dtypes_refused():
+    g = Graph()
+    with pytest.raises(ValueError, match="different float dtypes"):
+        teeny.ops.matmul(g.input("a", (3, 4)), g.input("b", (4, 2), dtype=torch.float64))
+
+
+def test_tf32_flag_reaches_the_op():
+    lin = _linear_module()
+    g = Graph()
+    a, b = g.input("a", (3, 4)), g.input("b", (4, 2))
+    assert lin.get_allow_tf32() is False
+    op = teeny.ops.matmul(a, b).value.producer.op
+    assert op.allow_tf32 is False and op.precision(torch.float32) == "ieee"
+    try:
+        lin.set_allow_tf32(True)
+        op = teeny.ops.matmul(a, b).value.producer.op
+        lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
+    finally:
+        lin.set_allow_tf32(False)
+    assert op.allow_tf32 and lin_op.allow_tf32
+    assert op.precision(torch.float32) == "tf32"
+    assert op.precision(torch.float64) == "ieee"  # float64 is never tf32
+    # the flag is read at trace time: ops traced before or after keep full precision
+    assert teeny.ops.matmul(a, b).value.producer.op.precision(torch.float32) == "ieee"
+
+
+def test_matmul_gradient_sums_broadcast_dims(gen):
+    a = torch.randn(2, 1, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = apply(teeny.ops.matmul, a, b)
+    ref = torch.matmul(a.detach(), b.detach())
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ga, gb = torch.autograd.grad(out, (a, b), grad)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch.autograd.backward(torch.matmul(a2, b2), grad)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ga, a2.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gb, b2.grad, atol=1e-12, rtol=1e-12)
+
+
+def test_linear_bias_gradient_two_pass(gen):
+    rows = 200  # more than one chunk of rows: partials, then a second pass
+    x = torch.randn(rows, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = apply(teeny.ops.linear, x, w, b)
+    grad = torch.randn(rows, 2, generator=gen, dtype=torch.float64)
+    gx, gw, gb = torch.autograd.grad(out, (x, w, b), grad)
+    torch.testing.assert_close(gb, grad.sum(0), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gw, grad.T @ x.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gx, grad @ w.detach(), atol=1e-12, rtol=1e-12)
+
+
+def test_linear_zero_in_features_gives_bias():
+    x, w, b = torch.randn(3, 0), torch.randn(2, 0), torch.randn(2)
+    torch.testing.assert_close(apply(teeny.ops.linear, x, w, b), b.expand(3, 2))
+
+
+def test_too_many_broadcast_patterns_is_a_clear_error():
+    g = Graph()
+    a, b = g.input("a", (2, 1, 3, 1, 4, 5)), g.input("b", (1, 2, 1, 3, 5, 4))
+    with pytest.raises(ValueError, match="batch dims"):
+        teeny.ops.matmul(a, b)

@@ -1,0 +1,291 @@
+"""Loss family: what the generic harness (tests/test_ops.py) cannot see: ignore_index edge cases,
+label smoothing and probability targets with weights, long rows that need the column loop,
+out-of-range targets, bad input errors, layers, and what the cross-entropy saves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny import Graph, GraphError, LoweringMode, TeenyError, lower
+from teeny.executor import Executor
+from teeny.interop.torch import apply as _apply
+from teeny.kernels import loss as L
+
+
+def apply(fn, *args, **kwargs):
+    """teeny.interop.torch.apply on teeny's device, differentiably, with the result on the CPU."""
+    move = lambda a: a.to(teeny.DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    return _apply(fn, *map(move, args), **{k: move(v) for k, v in kwargs.items()}).cpu()
+
+
+def _run(fn, ref, *args, grad_out=None, **kwargs):
+    """Forward and gradients of teeny ``fn`` and torch ``ref`` (float64) on the same inputs."""
+    ours = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    theirs = [a.clone().double().requires_grad_(True) if a.is_floating_point() else a.clone() for a in args]
+    ref_kwargs = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
+    out, expected = apply(fn, *ours, **kwargs), ref(*theirs, **ref_kwargs)
+    g = torch.randn(out.shape, dtype=torch.float64) if grad_out is None else grad_out
+    grads = torch.autograd.grad(out, [a for a in ours if a.requires_grad], g.to(out.dtype))
+    ref_grads = torch.autograd.grad(expected, [a for a in theirs if a.requires_grad], g)
+    return out, expected, grads, ref_grads
+
+
+def _assert_matches(fn, ref, *args, atol=1e-5, rtol=1e-5, **kwargs):
+    out, expected, grads, ref_grads = _run(fn, ref, *args, **kwargs)
+    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol, equal_nan=True)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r.double(), atol=atol, rtol=rtol, equal_nan=True)
+    return out, grads
+
+
+# ------------------------------------------------------------------------------ ignore_index
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_all_ignored(reduction, smoothing):
+    x = torch.randn(4, 6)
+    target = torch.full((4,), -100)
+    out, grads = _assert_matches(L.cross_entropy, F.cross_entropy, x, target, reduction=reduction,
+                                 label_smoothing=smoothing, weight=torch.rand(6) + 0.5)
+    if reduction == "mean":
+        assert torch.isnan(out)  # 0 / 0, like torch
+    assert torch.equal(grads[0], torch.zeros_like(x))  # ignored rows get no gradient, not NaN
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_nll_all_ignored(reduction):
+    x = torch.log_softmax(torch.randn(3, 5), 1)
+    out, grads = _assert_matches(L.nll_loss, F.nll_loss, x, torch.full((3,), 1), ignore_index=1, reduction=reduction)
+    assert torch.isnan(out) if reduction == "mean" else out == 0
+    assert torch.equal(grads[0], torch.zeros_like(x))
+
+
+def test_mean_divides_by_weights_of_kept_targets():
+    x, target, weight = torch.randn(7, 5), torch.tensor([0, 4, -100, 2, 2, -100, 1]), torch.rand(5) + 0.1
+    out, _ = _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=weight)
+    kept = target != -100
+    manual = (F.cross_entropy(x, target, weight=weight, reduction="sum")) / weight[target[kept]].sum()
+    torch.testing.assert_close(out, manual)
+
+
+# ---------------------------------------------------- label smoothing, weights, probabilities
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_smoothing_with_weights_and_ignore(reduction):
+    x, target = torch.randn(9, 6), torch.tensor([0, 5, -100, 3, 3, 1, -100, 2, 4])
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(6) + 0.2,
+                    label_smoothing=0.3, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_probability_targets(reduction):
+    x = torch.randn(5, 7)
+    target = torch.softmax(torch.randn(5, 7), 1)
+    out, grads = _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(7) + 0.2,
+                                 label_smoothing=0.15, reduction=reduction)
+    assert len(grads) == 2  # gradient w.r.t. the target too
+
+
+def test_unnormalised_probability_targets_and_spatial_dims():
+    x = torch.randn(2, 4, 3, 2)
+    target = torch.rand(2, 4, 3, 2) * 2  # need not sum to 1
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, target)
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, torch.randint(0, 4, (2, 3, 2)), label_smoothing=0.1)
+
+
+def test_uint8_targets():
+    x = torch.randn(3, 5)
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, torch.tensor([1, 4, 0], dtype=torch.uint8))
+
+
+# -------------------------------------------------------------------------------- long rows
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_long_row_loops_over_column_blocks(monkeypatch, smoothing):
+    monkeypatch.setattr(L, "MAX_BLOCK_C", 512)  # 5000 classes: 10 column blocks
+    x = torch.randn(2, 5000) * 4
+    x[0, 4321] = 60.0  # a large logit in a late block: the online max must rescale
+    target = torch.tensor([4321, 17])
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(5000) + 0.5,
+                    label_smoothing=smoothing)
+    _assert_matches(L.cross_entropy, F.cross_entropy, x[:1], torch.softmax(torch.randn(1, 5000), 1),
+                    reduction="sum")
+
+
+def test_large_logits_are_stable():
+    x = torch.tensor([[1000.0, 0.0, -1000.0], [-1e4, -1e4, -1e4]])
+    _assert_matches(L.cross_entropy, F.cross_entropy, x, torch.tensor([1, 2]), reduction="none")
+
+
+# --------------------------------------------------------------------- out-of-range targets
+
+
+def test_out_of_range_target_gives_nan_without_reading_out_of_bounds():
+    x = torch.randn(3, 4, requires_grad=True)
+    out = apply(L.cross_entropy, x, torch.tensor([0, 7, -3]), reduction="none")
+    assert not torch.isnan(out[0]) and torch.isnan(out[1:]).all()
+    out.sum().backward()
+    assert torch.isnan(x.grad[1:]).all() and not torch.isnan(x.grad[0]).any()
+    assert torch.isnan(apply(L.nll_loss, x.detach(), torch.tensor([0, 4, 1])))
+
+
+# ------------------------------------------------------------------------- element-wise edges
+
+
+def test_bce_log_clamp_and_extremes():
+    x, t = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5]), torch.tensor([0.0, 1.0, 1.0, 0.0, 0.3])
+    out = apply(L.binary_cross_entropy, x, t, reduction="none")
+    torch.testing.assert_close(out, F.binary_cross_entropy(x, t, reduction="none"))  # -log(0) clamped to 100
+
+
+def test_bce_with_logits_extreme_logits():
+    x, t = torch.tensor([-200.0, 200.0, 30.0, -30.0]), torch.tensor([1.0, 0.0, 1.0, 0.5])
+    pos = torch.tensor([2.0, 0.5, 1.0, 3.0])
+    _assert_matches(L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, x, t, pos_weight=pos,
+                    reduction="none", atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 3)])
+def test_kl_div_batchmean_divides_by_first_dim(shape):
+    x, t = torch.log_softmax(torch.randn(shape), -1), torch.softmax(torch.randn(shape), -1)
+    _assert_matches(L.kl_div, F.kl_div, x, t, reduction="batchmean")
+
+
+def test_weight_broadcast_over_trailing_dims():
+    x, t = torch.rand(2, 3, 4) * 0.9 + 0.05, torch.rand(2, 3, 4)
+    for w in (torch.rand(4), torch.rand(3, 4), torch.rand(1, 3, 4), torch.rand(1)):
+        _assert_matches(L.binary_cross_entropy, F.binary_cross_entropy, x, t, weight=w)
+
+
+@pytest.mark.parametrize("fn,ref", [(L.mse_loss, F.mse_loss), (L.l1_loss, F.l1_loss), (L.huber_loss, F.huber_loss)])
+def test_empty_mean_is_nan_like_torch(fn, ref):
+    x = torch.randn(0, 3)
+    out = apply(fn, x, x.clone())
+    assert torch.isnan(out) and torch.isnan(ref(x, x.clone()))
+
+
+def test_long_mean_two_pass_reduction():
+    x, t = torch.randn(3001), torch.randn(3001)  # 3 programs of partials
+    _assert_matches(L.mse_loss, F.mse_loss, x, t)
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+def _graph(*specs):
+    g = Graph()
+    return g, [g.input(f"a{i}", shape, dtype) for i, (shape, dtype) in enumerate(specs)]
+
+
+@pytest.mark.parametrize("target_spec,match", [
+    (((3,), torch.int32), "int64"),
+    (((3,), torch.float32), "class-probability target of shape"),
+    (((4,), torch.int64), "does not match input"),
+    (((3, 5), torch.float64), "different float dtypes"),
+])
+def test_cross_entropy_bad_target(target_spec, match):
+    _, (x, t) = _graph(((3, 5), torch.float32), target_spec)
+    with pytest.raises(GraphError, match=match):
+        L.cross_entropy(x, t)
+
+
+def test_class_loss_errors():
+    _, (x, t, w) = _graph(((3, 5), torch.float32), ((3,), torch.int64), ((4,), torch.float32))
+    with pytest.raises(GraphError, match=r"weight must have shape \(5,\)"):
+        L.cross_entropy(x, t, weight=w)
+    with pytest.raises(ValueError, match="reduction"):
+        L.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        L.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(GraphError, match="class indices"):
+        L.nll_loss(x, x)
+    _, (x0, t0) = _graph(((3, 0), torch.float32), ((3,), torch.int64))
+    with pytest.raises(GraphError, match="no classes"):
+        L.cross_entropy(x0, t0)
+
+
+def test_pointwise_errors():
+    _, (x, t, t_int, w) = _graph(((3, 4), torch.float32), ((4, 3), torch.float32), ((3, 4), torch.int64),
+                                 ((3, 1), torch.float32))
+    with pytest.raises(GraphError, match="target shape"):
+        L.mse_loss(x, t)
+    with pytest.raises(GraphError, match="floating point"):
+        L.l1_loss(x, t_int)
+    with pytest.raises(GraphError, match="weight of shape"):
+        L.binary_cross_entropy(x, x, weight=w)
+    with pytest.raises(ValueError, match="reduction"):
+        L.mse_loss(x, x, reduction="batchmean")
+    with pytest.raises(ValueError, match="beta"):
+        L.smooth_l1_loss(x, x, beta=-1.0)
+
+
+def test_weight_gradient_is_refused_loudly():
+    g, (x, t) = _graph(((3, 4), torch.float32), ((3,), torch.int64))
+    x.value.requires_grad = True
+    w = g.input("w", (4,), requires_grad=True)
+    g.output(L.cross_entropy(x, t, weight=w))
+    with pytest.raises(TeenyError, match="not differentiable with respect to its weight"):
+        lower(g, LoweringMode.TRAINING)
+
+
+# ------------------------------------------------------------------------ layers and graphs
+
+
+def test_layers_match_torch_modules():
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    p, q = torch.rand(3, 4) * 0.9 + 0.05, torch.rand(3, 4)
+    idx, w = torch.tensor([0, 3, -100]), torch.rand(4) + 0.5
+    cases = [
+        (teeny.nn.MSELoss(), torch.nn.MSELoss(), (x, t)),
+        (teeny.nn.L1Loss(reduction="sum"), torch.nn.L1Loss(reduction="sum"), (x, t)),
+        (teeny.nn.SmoothL1Loss(beta=0.5), torch.nn.SmoothL1Loss(beta=0.5), (x, t)),
+        (teeny.nn.HuberLoss(delta=0.5), torch.nn.HuberLoss(delta=0.5), (x, t)),
+        (teeny.nn.BCELoss(weight=w), torch.nn.BCELoss(weight=w), (p, q)),
+        (teeny.nn.BCEWithLogitsLoss(pos_weight=w), torch.nn.BCEWithLogitsLoss(pos_weight=w), (x, q)),
+        (teeny.nn.KLDivLoss(reduction="batchmean"), torch.nn.KLDivLoss(reduction="batchmean"), (x, q)),
+        (teeny.nn.NLLLoss(weight=w), torch.nn.NLLLoss(weight=w), (x, idx)),
+        (teeny.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1), torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1), (x, idx)),
+    ]
+    for ours, theirs, args in cases:
+        assert ours.parameters() == []  # weights are constants, not parameters
+        assert ours.reduction == theirs.reduction
+        out = apply(lambda a, b, m=ours: m(a, b), *args)
+        torch.testing.assert_close(out, theirs(*args), msg=type(ours).__name__)
+
+
+def test_training_graph_with_constant_weight_saves_only_lse():
+    g = Graph()
+    x = g.input("logits", (6, 11), requires_grad=True)
+    t = g.input("target", (6,), torch.int64)
+    weight = torch.rand(11) + 0.5
+    g.output(teeny.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)(x, t))
+    executor = Executor(lower(g, LoweringMode.TRAINING))
+    logits, target = torch.randn(6, 11), torch.tensor([1, 10, 0, -100, 5, 5])
+    loss, cache = executor.forward_train({"logits": logits, "target": target})
+    (entry,) = cache.entries.values()
+    assert {k: tuple(v.shape) for k, v in entry["saved"].items()} == {"lse": (6,), "denominator": ()}
+    grads = executor.backward(cache)
+    ref_x = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_x, target, weight=weight, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss.cpu(), ref.detach())
+    torch.testing.assert_close(grads["logits"].cpu(), ref_x.grad)
+
+
+def test_public_names():
+    assert teeny.ops.mse is teeny.ops.mse_loss
+    for name in L.__all__:
+        assert hasattr(teeny.ops, name)
+    for name in L.NN_LAYERS:
+        assert hasattr(teeny.nn, name)
+    import inspect
+    for ours, theirs in [(L.cross_entropy, F.cross_entropy), (L.nll_loss, F.nll_loss), (L.kl_div, F.kl_div),
+                         (L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits)]:
+        mine = inspect.signature(ours).parameters
+        for name, p in inspect.signature(theirs).parameters.items():
+            if name not in ("size_average", "reduce"):
+                assert name in mine and mine[name].default == p.default, (ours.__name__, name)

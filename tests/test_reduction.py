@@ -1,0 +1,260 @@
+"""Reductions and softmax: what the generic harness does not see (ties, long rows through the
+looping and split paths, NaN/inf semantics, bad input, layers)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny.graph import Graph, GraphError, graph_of
+from teeny.interop.torch import apply
+from teeny.kernels.reduction import ReduceOp, SoftmaxOp, plan_reduction
+
+
+def _grad(fn, x, *args, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out) if out.dim() else torch.ones(()))
+    return out.detach(), g
+
+
+def _teeny(op_fn):
+    return lambda x, *a, **kw: apply(op_fn, x, *a, **kw)
+
+
+def _with_op(op):
+    """A function of a symbolic tensor applying a specific RuntimeOp (e.g. with a small block)."""
+    return lambda x: graph_of(x).apply(op, [x])
+
+
+# ----------------------------------------------------------------------------- max/min ties
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_ties_split_gradient_evenly(kind):
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, -1.0, 0.0, 5.0]], dtype=torch.float64)
+    if kind == "min":
+        x = -x
+    ref_fn = torch.amax if kind == "max" else torch.amin
+    for dim in (1, 0, None):
+        out, g = _grad(_teeny(getattr(teeny.ops, kind)), x, dim=dim)
+        ref, rg = _grad(lambda t, dim: ref_fn(t, dim=() if dim is None else dim), x, dim=dim)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(g, rg)
+    assert g[1].tolist() == [0.0, 0.0, 0.0, 0.0] and g[2, 0] == 0.5 and g[2, 3] == 0.5  # dim=None: the two 5s
+
+
+def test_ties_over_non_adjacent_dims_half():
+    x = torch.randint(0, 3, (4, 3, 5)).to(torch.bfloat16)  # many ties
+    out, g = _grad(_teeny(teeny.ops.max), x, dim=(0, 2), keepdim=True)
+    ref, rg = _grad(lambda t: torch.amax(t.double(), dim=(0, 2), keepdim=True), x)
+    torch.testing.assert_close(out.double(), ref)
+    torch.testing.assert_close(g.double(), rg.double(), atol=1e-2, rtol=1e-2)
+
+
+def test_max_propagates_nan():
+    x = torch.tensor([[1.0, float("nan"), 3.0], [1.0, 2.0, 3.0]])
+    out = apply(teeny.ops.max, x, dim=1)
+    assert math.isnan(out[0]) and out[1] == 3.0
+    assert math.isnan(apply(teeny.ops.min, x, dim=None))
+
+
+# ----------------------------------------------------------------------------- long rows, split
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "max", "var", "std", "logsumexp"])
+def test_split_reduction_of_long_row(kind):
+    """1 x 5000 to a scalar with BLOCK_R = 64: several partials per output and a second pass."""
+    plan = plan_reduction((1, 5000), (0, 1), block=64)
+    assert plan.n_split > 1 and plan.chunk > plan.block_r  # split, and each split loops
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5000, generator=gen)
+    op = ReduceOp(kind, None, False, block=64)
+    out, g = _grad(_teeny(_with_op(op)), x)
+    refs = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "var": torch.var, "std": torch.std,
+            "logsumexp": lambda t: torch.logsumexp(t, dim=(0, 1))}
+    ref, rg = _grad(lambda t: refs[kind](t.double()), x)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g.double(), rg.double(), atol=1e-6, rtol=1e-4)
+
+
+def test_split_reduction_several_outputs_leading_axis():
+    """Reduce dim 0 of (3000, 3) (outputs contiguous) through the split path, keepdim."""
+    x = torch.randn(3000, 3, dtype=torch.float64)
+    op = ReduceOp("var", 0, True, block=16)
+    assert op.plan((3000, 3)).n_split > 1
+    out, g = _grad(_teeny(_with_op(op)), x)
+    ref, rg = _grad(lambda t: torch.var(t, dim=0, keepdim=True), x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, rg)
+
+
+def test_plan_large_scalar_reduction_uses_partials():
+    plan = plan_reduction((4096, 4096), (0, 1))
+    assert plan.n_split > 100 and plan.n_out == 1
+    plan = plan_reduction((100_000_000,), (0,))
+    assert plan.n_split > 100 and plan.chunk * plan.n_split >= 100_000_000
+    small = plan_reduction((3, 37), (1,))
+    assert small.n_split == 1
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_long_row_loops(log):
+    x = torch.randn(2, 5000, dtype=torch.float64) * 3
+    op = SoftmaxOp(-1, log=log, block=256)
+    assert not op._layout((2, 5000))[3]  # not a single block: the online loop runs
+    out, g = _grad(_teeny(_with_op(op)), x)
+    ref_fn = F.log_softmax if log else F.softmax
+    gen = torch.Generator().manual_seed(1)
+    dy = torch.randn(2, 5000, generator=gen, dtype=torch.float64)
+    xt = x.clone().requires_grad_(True)
+    yt = apply(_with_op(op), xt)
+    (gt,) = torch.autograd.grad(yt, xt, dy)
+    xr = x.clone().requires_grad_(True)
+    yr = ref_fn(xr, -1)
+    (gr,) = torch.autograd.grad(yr, xr, dy)
+    torch.testing.assert_close(yt, yr)
+    torch.testing.assert_close(gt, gr)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_non_last_dim_loop_path(log):
+    x = torch.randn(3, 300, 2, dtype=torch.float64)
+    op = SoftmaxOp(1, log=log, block=32)
+    dy = torch.randn(3, 300, 2, dtype=torch.float64)
+    xt = x.clone().requires_grad_(True)
+    yt = apply(_with_op(op), xt)
+    (gt,) = torch.autograd.grad(yt, xt, dy)
+    xr = x.clone().requires_grad_(True)
+    yr = (F.log_softmax if log else F.softmax)(xr, 1)
+    (gr,) = torch.autograd.grad(yr, xr, dy)
+    torch.testing.assert_close(yt, yr)
+    torch.testing.assert_close(gt, gr)
+
+
+def test_softmax_half_long_row():
+    x = torch.randn(1, 3000).to(torch.float16)
+    out = apply(_with_op(SoftmaxOp(-1, block=128)), x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), F.softmax(x.double(), -1), atol=1e-3, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- special values
+
+
+def test_softmax_infinities_match_torch():
+    x = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf")] * 3, [float("inf"), 0.0, 1.0]])
+    for fn, ref in ((teeny.ops.softmax, F.softmax), (teeny.ops.log_softmax, F.log_softmax)):
+        torch.testing.assert_close(apply(fn, x, dim=-1), ref(x, -1), equal_nan=True)
+        torch.testing.assert_close(apply(_with_op(SoftmaxOp(-1, log=fn is teeny.ops.log_softmax, block=2)), x),
+                                   ref(x, -1), equal_nan=True)
+
+
+def test_nan_and_inf_results_match_torch():
+    empty_rows = torch.randn(3, 0)
+    torch.testing.assert_close(apply(teeny.ops.mean, empty_rows, dim=1), torch.mean(empty_rows, 1), equal_nan=True)
+    torch.testing.assert_close(apply(teeny.ops.sum, empty_rows, dim=1), torch.sum(empty_rows, 1))
+    torch.testing.assert_close(apply(teeny.ops.logsumexp, empty_rows, dim=1), torch.logsumexp(empty_rows, 1))
+    one = torch.randn(4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(apply(teeny.ops.var, one, dim=1), torch.var(one, 1), equal_nan=True)
+        torch.testing.assert_close(apply(teeny.ops.std, one, dim=1, correction=0), torch.std(one, 1, correction=0))
+        two = torch.randn(3, 2)
+        torch.testing.assert_close(apply(teeny.ops.var, two, dim=1, correction=2), torch.var(two, 1, correction=2))
+    ninf = torch.full((2, 3), float("-inf"))
+    ninf[1, 0] = 1.0
+    torch.testing.assert_close(apply(teeny.ops.logsumexp, ninf, dim=1), torch.logsumexp(ninf, 1))
+    pinf = torch.tensor([[1.0, float("inf")]])
+    torch.testing.assert_close(apply(teeny.ops.logsumexp, pinf, dim=1), torch.logsumexp(pinf, 1))
+
+
+def test_fractional_correction():
+    x = torch.randn(4, 7, dtype=torch.float64)
+    out, g = _grad(_teeny(teeny.ops.std), x, dim=1, correction=0.5)
+    ref, rg = _grad(lambda t: torch.std(t, dim=1, correction=0.5), x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, rg)
+
+
+# ----------------------------------------------------------------------------- dims and shapes
+
+
+@pytest.mark.parametrize("dim,keepdim", [([], False), ((), True), (None, True), ((0, -1), True), ((2, 0, 1), False)])
+def test_dim_forms_and_keepdim(dim, keepdim):
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    out = apply(teeny.ops.sum, x, dim=dim, keepdim=keepdim)
+    ref = torch.sum(x, dim=dim, keepdim=keepdim)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+
+
+def test_zero_dim_tensor_and_many_groups():
+    s = torch.tensor(2.5, dtype=torch.float64)
+    for kind, ref in (("sum", torch.sum), ("mean", torch.mean), ("max", torch.amax)):
+        out, g = _grad(_teeny(getattr(teeny.ops, kind)), s, dim=0)
+        r, rg = _grad(lambda t: ref(t, 0), s)
+        torch.testing.assert_close(out, r)
+        torch.testing.assert_close(g, rg)
+    x = torch.randn(2, 3, 2, 3, 2, 3, 2, 3, dtype=torch.float64)  # 4 kept and 4 reduced groups
+    out = apply(teeny.ops.mean, x, dim=(1, 3, 5, 7))
+    torch.testing.assert_close(out, x.mean((1, 3, 5, 7)))
+
+
+def test_tensor_methods_sum_and_mean():
+    x = torch.randn(5, 3, 11, dtype=torch.float64)
+    torch.testing.assert_close(apply(lambda t: t.sum(1, True), x), x.sum(1, True))
+    torch.testing.assert_close(apply(lambda t: t.mean((0, 2)), x), x.mean((0, 2)))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _symbolic(shape, dtype=torch.float32):
+    return Graph().input("x", shape, dtype)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: teeny.ops.sum(x, dim=2), "dim 2 is out of range for a 2-d tensor"),
+    (lambda x: teeny.ops.mean(x, dim=(1, -1)), "appears more than once"),
+    (lambda x: teeny.ops.var(x, dim=1.5), "dim must be None, an int or a list/tuple of ints"),
+    (lambda x: teeny.ops.softmax(x, dim=-3), "dim -3 is out of range"),
+    (lambda x: teeny.ops.log_softmax(x, dim=(0,)), "dim must be an int"),
+])
+def test_bad_dims(call, match):
+    with pytest.raises(GraphError, match=match):
+        call(_symbolic((3, 4)))
+
+
+def test_bad_dtype_and_empty_extremum():
+    with pytest.raises(GraphError, match="floating-point tensor, got int64"):
+        teeny.ops.sum(_symbolic((3, 4), torch.int64))
+    with pytest.raises(GraphError, match="softmax: expects a floating-point tensor"):
+        teeny.ops.softmax(_symbolic((3, 4), torch.int32))
+    with pytest.raises(GraphError, match="cannot reduce over dim 0 of size 0"):
+        teeny.ops.max(_symbolic((0, 4)), dim=0)
+    assert teeny.ops.min(_symbolic((0, 4)), dim=1).shape == (0,)  # torch allows this
+    with pytest.raises(GraphError, match="alternates kept and reduced axes"):
+        teeny.ops.sum(_symbolic((2,) * 9), dim=(1, 3, 5, 7))
+    with pytest.raises(ValueError, match="power of two"):
+        SoftmaxOp(-1, block=100)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def test_layers():
+    assert teeny.nn.Softmax is not None and teeny.nn.LogSoftmax is not None
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    layer, log_layer = teeny.nn.Softmax(dim=1), teeny.nn.LogSoftmax(dim=-1)
+    assert list(layer.named_parameters()) == [] and list(log_layer.named_parameters()) == []
+    torch.testing.assert_close(apply(layer, x), torch.nn.Softmax(dim=1)(x))
+    torch.testing.assert_close(apply(log_layer, x), torch.nn.LogSoftmax(dim=-1)(x))
+    with pytest.warns(UserWarning, match="Implicit dimension"):
+        out = apply(teeny.nn.Softmax(), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(out, torch.nn.Softmax()(x))

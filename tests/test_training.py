@@ -1,0 +1,173 @@
+"""End to end: a teeny MLP against the same PyTorch MLP (gradients, and 50 optimizer steps of
+losses), kill-and-resume, checkpoint integrity, and the `teeny train` command's errors."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny import Graph, LoweringMode, lower, nn, ops
+from teeny.models import MLP
+from teeny.optim import SGD, AdamW
+from teeny.train import CheckpointError, TrainConfig, load_checkpoint, save_checkpoint, train
+
+
+class TorchMLP(torch.nn.Module):
+    def __init__(self, d_in, hidden, classes):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden)
+        self.fc2 = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _pair(dtype, batch=13, d_in=11, hidden=17, classes=5):
+    model = MLP(d_in, hidden, classes).to(dtype)
+    g = Graph()
+    x = g.input("x", (batch, d_in), dtype)
+    y = g.input("y", (batch,), torch.int64)
+    logits = model(x)
+    g.output(ops.cross_entropy(logits, y), logits)
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING), seed=0)
+    ref = TorchMLP(d_in, hidden, classes).to(dtype)
+    ref.load_state_dict({k: v.detach().cpu().clone() for k, v in ex.params.items()})
+    return ex, ref
+
+
+def _data(dtype, steps, batch=13, d_in=11, classes=5):
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch, d_in, generator=gen).to(dtype), torch.randint(classes, (batch,), generator=gen))
+            for _ in range(steps)]
+
+
+def test_mlp_parameter_gradients_match_pytorch():
+    ex, ref = _pair(torch.float32)
+    (x, y), = _data(torch.float32, 1)
+    (loss, _), cache = ex.forward_train({"x": x, "y": y})
+    ex.backward(cache)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), atol=1e-6, rtol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(ex.grads[name].cpu(), p.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_mlp_graph_gradcheck_float64():
+    model = MLP(5, 7, 3).to(torch.float64)
+    g = Graph()
+    x = g.input("x", (4, 5), torch.float64)
+    y = g.input("y", (4,), torch.int64)
+    g.output(ops.cross_entropy(model(x), y))
+    gen = torch.Generator().manual_seed(0)
+    teeny.gradcheck_graph(g, {"x": torch.randn(4, 5, dtype=torch.float64, generator=gen),
+                              "y": torch.randint(3, (4,), generator=gen)})
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-4), (torch.float64, 1e-10)], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adamw"])
+def test_fifty_steps_of_losses_match_pytorch(dtype, rel, kind):
+    ex, ref = _pair(dtype)
+    if kind == "sgd_momentum":
+        opt, ref_opt = SGD(ex, lr=0.05, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = AdamW(ex, lr=3e-3, weight_decay=0.05)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
+    for step, (x, y) in enumerate(_data(dtype, 50)):
+        opt.zero_grad()
+        (loss, _), cache = ex.forward_train({"x": x, "y": y})
+        ex.backward(cache)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        diff = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+        assert diff < rel, f"step {step}: teeny {float(loss)} torch {float(ref_loss)}"
+
+
+def _config(tmp_path, name, **kw):
+    return TrainConfig(epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name),
+                       progress=False, **kw)
+
+
+def test_kill_and_resume_gives_the_same_parameters(tmp_path):
+    from teeny.models import make_task
+
+    full = train(make_task("mlp"), _config(tmp_path, "full"), log=lambda *_: None)
+    # "killed" after 7 steps (mid-epoch), then resumed from its checkpoint
+    part = train(make_task("mlp"), _config(tmp_path, "part", max_steps=7), log=lambda *_: None)
+    assert part["step"] == 7
+    resumed = train(make_task("mlp"), _config(tmp_path, "part"), resume=str(tmp_path / "part" / "checkpoint.safetensors"),
+                    log=lambda *_: None)
+    assert resumed["step"] == full["step"]
+    for name, value in full["executor"].params.items():
+        assert torch.equal(value, resumed["executor"].params[name]), name
+    rows = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) > 10 and (tmp_path / "full" / "loss.png").stat().st_size > 1000
+
+
+def test_truncated_or_foreign_checkpoint_is_refused(tmp_path):
+    ex, _ = _pair(torch.float32)
+    opt = AdamW(ex)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, ex, opt, step=3)
+    params, state, meta = load_checkpoint(path)
+    assert meta["step"] == "3" and set(params) == set(ex.params) and int(state["step"]) == 0
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(path)
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, str(other))
+    with pytest.raises(CheckpointError, match="not a teeny checkpoint"):
+        load_checkpoint(other)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_atomic_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    ex, _ = _pair(torch.float32)
+    opt = AdamW(ex)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, ex, opt, step=1)
+    import safetensors.torch
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError):
+        save_checkpoint(path, ex, opt, step=2)
+    assert load_checkpoint(path)[2]["step"] == "1"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "resnet"], "unknown model 'resnet'"),
+    (["train", "mlp", "--epochs", "0"], "must be >= 1"),
+    (["train", "mlp", "--lr", "abc"], "expected a number"),
+    (["train", "mlp", "--optimizer", "rmsprop"], "invalid choice"),
+])
+def test_cli_bad_input_is_a_clear_message(argv, message, capsys):
+    from teeny.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unreadable_checkpoint(tmp_path, capsys):
+    from teeny.cli import main
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a checkpoint")
+    code = main(["train", "mlp", "--resume", str(bad), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert code == 2
+    assert "unreadable" in capsys.readouterr().err
