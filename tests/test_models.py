@@ -75,18 +75,18 @@ class TorchBlock(torch.nn.Module):
         self.heads = heads
         self.ln1 = torch.nn.LayerNorm(d)
         self.attn = torch.nn.Module()
-        self.attn.qkv = torch.nn.Linear(d, 3 * d)
-        self.attn.proj = torch.nn.Linear(d, d)
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self.attn, name, torch.nn.Linear(d, d))
         self.ln2 = torch.nn.LayerNorm(d)
         self.fc = torch.nn.Linear(d, 4 * d)
         self.proj = torch.nn.Linear(4 * d, d)
 
     def attention(self, x):
         B, T, d = x.shape
-        q, k, v = self.attn.qkv(x).split(d, dim=-1)
+        q, k, v = (getattr(self.attn, n)(x) for n in ("q_proj", "k_proj", "v_proj"))
         q, k, v = (t.reshape(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.attn.proj(y.transpose(1, 2).reshape(B, T, d))
+        return self.attn.out_proj(y.transpose(1, 2).reshape(B, T, d))
 
     def forward(self, x):
         x = x + self.attention(self.ln1(x))

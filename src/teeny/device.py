@@ -30,6 +30,8 @@ def _decide() -> torch.device:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+    if choice == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:0, not cuda
     return torch.device(choice)
 
 

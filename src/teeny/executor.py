@@ -57,7 +57,9 @@ class Executor:
     def __init__(self, program: Program, seed: int = 0, device: torch.device | str | None = None,
                  params: Mapping[str, torch.Tensor] | None = None):
         self.program = program
-        self.device = torch.device(device) if device is not None else DEVICE
+        self.device = DEVICE if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.training = program.mode is LoweringMode.TRAINING
         self._build_arenas(seed)
         if params is not None:
@@ -109,7 +111,7 @@ class Executor:
             if name not in self.params:
                 continue
             target = self.params[name]
-            value = torch.as_tensor(value)
+            value = torch.as_tensor(value).detach()
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(f"load_params: parameter '{name}' has shape {tuple(target.shape)}, got {tuple(value.shape)}")
             target.copy_(value.to(device=target.device, dtype=target.dtype))

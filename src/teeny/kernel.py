@@ -125,8 +125,9 @@ class KernelInstance:
     kernel: Kernel
     dtype: torch.dtype
 
-    def launch(self, grid: tuple[int, ...], args: list) -> None:
-        self.kernel.jit[grid](*args)
+    def launch(self, grid: tuple[int, ...], args: list, **options) -> None:
+        """Launch over ``grid``; ``options`` are Triton's launch options (num_warps, num_stages)."""
+        self.kernel.jit[grid](*args, **options)
 
 
 def kernel(fn: Callable | None = None, **options) -> Kernel | Callable[[Callable], Kernel]:

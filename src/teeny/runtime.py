@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .device import INTERPRETER
 from .kernel import Kernel, KernelInstance, kernel_from_source
 
 Shape = tuple[int, ...]
@@ -153,12 +154,14 @@ class OpContext:
         dev = "meta" if self.dry_run else _device_of(self)
         return torch.zeros(tuple(shape), dtype=dtype or self.dtype, device=dev)
 
-    def launch(self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None) -> None:
+    def launch(self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None,
+               **options: Any) -> None:
         """Check and launch ``kernel`` over ``grid`` with the visited arguments.
 
         ``work`` is the number of elements the launch is for (default: the output's size in
         forward, the gradient's in backward); with no work an empty grid is skipped, with work
-        it is an error.
+        it is an error. ``options`` go to Triton (``num_warps=8``, ``num_stages=3``; ignored by
+        the interpreter).
         """
         where = f"op {self.op.name} (node '{self.node_name}', {self.phase})"
         instance = self.instances.get((id(kernel), self.dtype))
@@ -181,7 +184,9 @@ class OpContext:
             raise GridError(f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute")
         if self.dry_run:
             return
-        instance.launch(grid, visitor.args)
+        if options and INTERPRETER:
+            options = {}
+        instance.launch(grid, visitor.args, **options)
 
 
 def _device_of(ctx: OpContext) -> torch.device:

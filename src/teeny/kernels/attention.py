@@ -234,15 +234,21 @@ def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
 
 
 def _blocks(head_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot).
+
+    On the H200 (Triton 3.6), bf16 attention with head dims padded to 32/16 gave wrong results
+    and an illegal memory access while 64/64 was right (cf. triton-lang/triton#11366, wgmma with
+    BLOCK_D=32): half-precision head dims are padded to at least 64 there. float32/float64
+    dots run on FMA units (IEEE precision) and use smaller tiles. Not tuned yet.
+    """
     block_d = max(16, triton.next_power_of_2(max(head_dim, 1)))
     block_dv = max(16, triton.next_power_of_2(max(value_dim, 1)))
     if INTERPRETER:
         return 16, 16, block_d, block_dv
-    widest = max(block_d, block_dv)
-    if dtype == torch.float64 or widest > 128:
+    if dtype in (torch.float32, torch.float64):
         return 32, 32, block_d, block_dv
-    if widest > 64:
+    block_d, block_dv = max(64, block_d), max(64, block_dv)
+    if max(block_d, block_dv) > 64:
         return 64, 32, block_d, block_dv
     return 64, 64, block_d, block_dv
 

@@ -379,8 +379,8 @@ class ConvGeometry:
 
 
 if INTERPRETER:  # few, large program instances
-    _CONV_BLOCK_M, _CONV_MAX_N, _CONV_MAX_K, _WGRAD_BLOCK_P = 128, 64, 64, 128
-    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _SUM_BLOCK, _POOL_BLOCK = 4, 64, 1024, 1024
+    _CONV_BLOCK_M, _CONV_MAX_N, _CONV_MAX_K, _WGRAD_BLOCK_P = 128, 64, 64, 32
+    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _SUM_BLOCK, _POOL_BLOCK = 4, 32, 1024, 1024
 else:
     _CONV_BLOCK_M, _CONV_MAX_N, _CONV_MAX_K, _WGRAD_BLOCK_P = 64, 64, 32, 32
     _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _SUM_BLOCK, _POOL_BLOCK = 1024, 256, 1024, 256
@@ -747,7 +747,7 @@ _CONV_CASES = [
     ((2, 6, 5, 7), (6, 2, 3, 3), True, {"groups": 3, "padding": 1}),
     ((1, 4, 5, 3), (7, 4, 1, 1), False, {}),
     ((1, 2, 5, 6), (3, 2, 2, 3), True, {"padding": "same", "dilation": (1, 2)}),
-    ((3, 6, 5), (2, 3, 2, 2), True, {"stride": (1, 2), "padding": "valid", "groups": 2}),
+    ((4, 5, 6), (2, 2, 2, 2), True, {"stride": (1, 2), "padding": "valid", "groups": 2}),
     ((0, 3, 5, 5), (4, 3, 3, 3), True, {}),
 ]
 _CONV_GRADCHECK = [

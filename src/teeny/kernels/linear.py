@@ -165,7 +165,7 @@ MAX_REDUCED_DIMS = 2  # broadcast batch dims summed inside a program, after coll
 
 def _blocks(dtype: torch.dtype, tf32: bool) -> tuple[int, int, int]:
     if INTERPRETER:
-        return 32, 32, 32  # few, cheap program instances
+        return 128, 128, 64  # the interpreter pays per program instance, not per element: few, wide ones
     if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and tf32):
         return 128, 128, 32
     if dtype == torch.float64:
@@ -377,7 +377,7 @@ def matmul(input, other):
 # ------------------------------------------------------------------------------- linear
 
 if INTERPRETER:
-    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 64, 32, 32
+    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 1024, 64, 128
 else:
     _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 2048, 32, 128
 

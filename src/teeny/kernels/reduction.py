@@ -651,9 +651,12 @@ class SoftmaxOp(RuntimeOp):
         d = self.dim % len(shape)
         L, inner = shape[d], math.prod(shape[d + 1:])
         n_rows = math.prod(shape[:d]) * inner
-        cap = self.block or (SOFTMAX_MAX_BLOCK if inner == 1 else 256)
-        block_l = _bmin(_pow2(L), cap)
-        block_rows = _bmin(_pow2(n_rows), _bmax(1, TILE // block_l))
+        if inner == 1:  # rows are contiguous: long row blocks, few rows
+            block_l = _bmin(_pow2(L), self.block or SOFTMAX_MAX_BLOCK)
+            block_rows = _bmin(_pow2(n_rows), _bmax(1, TILE // block_l))
+        else:  # neighbouring rows are contiguous: a wide tile of rows, short row blocks
+            block_rows = _bmin(_pow2(n_rows), _pow2(inner), 32)
+            block_l = _bmin(_pow2(L), self.block or _bmax(1, SOFTMAX_MAX_BLOCK // block_rows))
         return n_rows, L, inner, L <= block_l, block_rows, block_l
 
     def _launch(self, ctx, kernel_, ptrs):
@@ -759,7 +762,7 @@ class LogSoftmax(Module):
 # (shape, dim, keepdim): odd shapes, non-adjacent axes, a 1-element and an empty-batch case
 _REDUCE_CASES = [((3, 37), 1, False), ((3, 37), None, False), ((129, 7), 0, True), ((5, 3, 11), (0, 2), False),
                  ((5, 3, 11), [1], True), ((5, 3, 11), (-1, -2), False), ((1,), 0, False), ((0, 5), 1, False)]
-_GRADCHECK_CASES = [((3, 5), 1, False), ((2, 3, 4), (0, 2), True), ((4,), None, False), ((3, 1, 4), -1, False)]
+_GRADCHECK_CASES = [((3, 4), 1, False), ((2, 3, 3), (0, 2), True), ((4,), None, False), ((3, 1, 2), -1, False)]
 
 
 def _reduction_samples(cases, kwargs=None):

@@ -375,6 +375,8 @@ class ExpandOp(StridedViewOp):
         kept, (kept_strides, _) = _merge_dims(kept, kept_strides, _contiguous_strides(kept))
         red, (red_strides,) = _merge_dims(red, red_strides)
         M, R = dx.numel(), math.prod(red)
+        if R == 0:  # dy is empty: dx = 0 (no size-0 dim reaches the kernel's index maths)
+            red, red_strides = [], []
         rows_contiguous = bool(kept_strides) and kept_strides[-1] == 1
         bm, br = (self.BLOCK_LONG, self.BLOCK_SHORT) if rows_contiguous else (self.BLOCK_SHORT, self.BLOCK_LONG)
         m_blocks = cdiv(M, bm)

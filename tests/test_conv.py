@@ -1,0 +1,162 @@
+"""conv family: what the generic harness cannot see (layers and init, split weight gradients,
+pooling ties / NaN / overlapping windows, inference lowering, error messages)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny import Graph, LoweringMode, lower
+from teeny.interop.torch import apply
+from teeny.registry import tolerance
+
+
+def _compare(fn, ref, tensors, dtype, reduction, gen, **kwargs):
+    """fn(*tensors, **kwargs) against ref in float64: forward and the gradient of every tensor."""
+    args = [t.to(dtype).to(teeny.DEVICE).requires_grad_(True) for t in tensors]
+    ref_args = [a.detach().double().requires_grad_(True) for a in args]
+    out = apply(fn, *args, **kwargs)
+    expected = ref(*ref_args, **kwargs)
+    atol, rtol = tolerance(dtype, reduction)
+    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(teeny.DEVICE)
+    grads = torch.autograd.grad(out, args, grad.to(dtype))
+    ref_grads = torch.autograd.grad(expected, ref_args, grad)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv2d_weight_gradient_split_over_positions(dtype, gen):
+    # 3*11*11 = 363 output positions: several chunks of fp32 partials and the second pass
+    x = torch.rand(3, 4, 13, 11, generator=gen) * 2 - 1
+    w = torch.rand(6, 2, 3, 3, generator=gen) * 2 - 1
+    b = torch.rand(6, generator=gen)
+    _compare(teeny.ops.conv2d, F.conv2d, [x, w, b], dtype, 363, gen, padding=(0, 1), groups=2)
+
+
+def test_conv2d_layer_parameters_and_init():
+    layer = teeny.nn.Conv2d(6, 4, (3, 2), groups=2)
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+    assert layer.weight.shape == (4, 3, 3, 2) and layer.bias.shape == (4,)
+    bound = 1 / math.sqrt(3 * 3 * 2)  # fan_in = in_channels/groups * kH * kW, like torch
+    gen = torch.Generator().manual_seed(0)
+    for p in layer.parameters():
+        values = p.init(p.shape, gen, torch.float32)
+        assert values.abs().max() <= bound and values.abs().max() > 0.6 * bound
+    assert [n for n, _ in teeny.nn.Conv2d(2, 3, 1, bias=False).named_parameters()] == ["weight"]
+    with pytest.raises(ValueError, match="divisible by groups"):
+        teeny.nn.Conv2d(5, 4, 3, groups=2)
+    with pytest.raises(ValueError, match="divisible by groups"):
+        teeny.nn.Conv2d(4, 3, 3, groups=2)
+
+
+def test_small_cnn_matches_torch_and_trains():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Conv2d(4, 3, 2, stride=1, bias=False), torch.nn.AvgPool2d(2, ceil_mode=True))
+    model = teeny.nn.Sequential(teeny.nn.Conv2d(2, 4, 3, padding=1), teeny.nn.ReLU(), teeny.nn.MaxPool2d(2),
+                                teeny.nn.Conv2d(4, 3, 2, stride=1, bias=False), teeny.nn.AvgPool2d(2, ceil_mode=True))
+    g = Graph()
+    x = g.input("x", (2, 2, 9, 7))
+    g.output(model(x).sum())
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    ex.load_params({k: v.detach() for k, v in ref.state_dict().items()})
+    xs = torch.randn(2, 2, 9, 7)
+    out, cache = ex.forward_train({"x": xs.to(teeny.DEVICE)})
+    ex.backward(cache)
+    loss = ref(xs).sum()
+    loss.backward()
+    torch.testing.assert_close(out.cpu(), loss.detach(), atol=1e-4, rtol=1e-5)
+    for name in ("0.weight", "0.bias", "3.weight"):
+        layer, param = name.split(".")
+        torch.testing.assert_close(ex.grads[name].cpu(), getattr(ref[int(layer)], param).grad, atol=1e-4, rtol=1e-4)
+
+
+def test_pooling_in_inference_program():
+    g = Graph()
+    x = g.input("x", (1, 2, 5, 6))
+    g.output(teeny.ops.max_pool2d(x, 2), teeny.ops.avg_pool2d(x, 3, stride=1, padding=1))
+    ex = teeny.Executor(lower(g, LoweringMode.INFERENCE))
+    xs = torch.randn(1, 2, 5, 6)
+    outs = ex.forward({"x": xs.to(teeny.DEVICE)})
+    torch.testing.assert_close(outs[0].cpu(), F.max_pool2d(xs, 2))
+    torch.testing.assert_close(outs[1].cpu(), F.avg_pool2d(xs, 3, stride=1, padding=1))
+
+
+@pytest.mark.parametrize("kwargs", [{"kernel_size": 2}, {"kernel_size": 3, "stride": 1, "padding": 1},
+                                    {"kernel_size": 2, "stride": 1, "dilation": 2}], ids=str)
+def test_max_pool2d_ties_go_to_the_first_in_scan_order(kwargs, gen):
+    # a few integer levels: many ties inside each window, windows overlapping or not
+    x = torch.randint(0, 3, (2, 3, 7, 8), generator=gen).float()
+    _compare(teeny.ops.max_pool2d, F.max_pool2d, [x], torch.float32, 9, gen, **kwargs)
+    _compare(teeny.ops.max_pool2d, F.max_pool2d, [torch.zeros(1, 2, 5, 5)], torch.float32, 9, gen, **kwargs)
+
+
+def test_max_pool2d_propagates_nan_like_torch(gen):
+    x = torch.randn(1, 1, 4, 6, generator=gen)
+    x[0, 0, 1, 1] = float("nan")
+    x[0, 0, 2, 4] = float("nan")
+    x[0, 0, 3, 5] = float("nan")
+    x = x.to(teeny.DEVICE).requires_grad_(True)
+    out = apply(teeny.ops.max_pool2d, x, 2)
+    ref_x = x.detach().cpu().requires_grad_(True)
+    ref = F.max_pool2d(ref_x, 2)
+    torch.testing.assert_close(out.cpu(), ref, equal_nan=True)
+    grad = torch.randn(out.shape, generator=gen)
+    (dx,) = torch.autograd.grad(out, x, grad.to(teeny.DEVICE))
+    (ref_dx,) = torch.autograd.grad(ref, ref_x, grad)
+    torch.testing.assert_close(dx.cpu(), ref_dx)
+
+
+def test_avg_pool2d_count_include_pad_and_divisor(gen):
+    x = torch.randn(2, 3, 6, 7, generator=gen)
+    for kwargs in ({"kernel_size": 3, "padding": 1, "stride": 2, "count_include_pad": False},
+                   {"kernel_size": (3, 2), "padding": 1, "ceil_mode": True},
+                   {"kernel_size": 2, "divisor_override": 3}):
+        _compare(teeny.ops.avg_pool2d, F.avg_pool2d, [x], torch.float32, 9, gen, **kwargs)
+
+
+def test_conv2d_errors_are_clear():
+    g = Graph()
+    x = g.input("x", (2, 6, 5, 7))
+    with pytest.raises(ValueError, match="has 6 channels, but weight .* groups=4 expects 8"):
+        teeny.ops.conv2d(x, g.input("w", (4, 2, 3, 3)), groups=4)
+    with pytest.raises(ValueError, match="out_channels 5 .* not divisible by groups=3"):
+        teeny.ops.conv2d(x, g.input("w2", (5, 2, 3, 3)), groups=3)
+    with pytest.raises(ValueError, match=r"padded input size per channel \(5 x 7\) is smaller than .* \(6 x 6\)"):
+        teeny.ops.conv2d(x, g.input("w3", (4, 6, 6, 6)))
+    with pytest.raises(ValueError, match="weight must be 4-D"):
+        teeny.ops.conv2d(x, g.input("w4", (4, 6, 3)))
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
+        teeny.ops.conv2d(x, g.input("w5", (4, 6, 3, 3)), g.input("b", (3,)))
+    with pytest.raises(ValueError, match="3-D .* or 4-D"):
+        teeny.ops.conv2d(g.input("flat", (6, 5)), g.input("w6", (4, 6, 3, 3)))
+    with pytest.raises(ValueError, match="'same' is not supported for strided"):
+        teeny.ops.conv2d(x, g.input("w7", (4, 6, 3, 3)), padding="same", stride=2)
+    with pytest.raises(ValueError, match="padding must be 'same', 'valid'"):
+        teeny.ops.conv2d(x, g.input("w8", (4, 6, 3, 3)), padding="full")
+    with pytest.raises(TypeError, match="stride must be an int or a pair"):
+        teeny.ops.conv2d(x, g.input("w9", (4, 6, 3, 3)), stride=(1, 2, 3))
+    # padding makes a kernel that is larger than the input fit, like torch
+    assert teeny.ops.conv2d(x, g.input("w10", (4, 6, 6, 6)), padding=1).shape == (2, 4, 2, 4)
+    assert teeny.ops.conv2d(x, g.input("w11", (4, 6, 2, 4)), padding="same").shape == (2, 4, 5, 7)
+
+
+def test_pool_errors_are_clear():
+    g = Graph()
+    x = g.input("x", (1, 2, 3, 3))
+    with pytest.raises(ValueError, match="pad should be at most half"):
+        teeny.ops.max_pool2d(x, 2, padding=2)
+    with pytest.raises(ValueError, match="pad should be at most half"):
+        teeny.ops.avg_pool2d(x, 3, padding=2)
+    with pytest.raises(ValueError, match="too small"):
+        teeny.ops.max_pool2d(x, 4)
+    with pytest.raises(ValueError, match="return_indices"):
+        teeny.ops.max_pool2d(x, 2, return_indices=True)
+    with pytest.raises(ValueError, match="3-D .* or 4-D"):
+        teeny.ops.avg_pool2d(g.input("flat", (3, 3)), 2)
+    assert teeny.ops.max_pool2d(x, 2, ceil_mode=True).shape == (1, 2, 2, 2)
+    assert teeny.ops.avg_pool2d(g.input("u", (2, 7, 9)), 3, stride=2, padding=1).shape == (2, 4, 5)
