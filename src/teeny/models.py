@@ -219,7 +219,8 @@ class CharTask(Task):
 def make_task(name: str, size: str = "small") -> Task:
     if name == "mlp":
         return DigitsTask("mlp", MLP(), image=False,
-                          defaults=dict(epochs=12, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0))
+                          defaults=dict(epochs=15, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0,
+                                        schedule="cosine"))
     if name == "cnn":
         return DigitsTask("cnn", CNN(), image=True,
                           defaults=dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0))

@@ -153,9 +153,18 @@ class TrainStep:
             device = self.executor.device
             self.static_feed = {k: v.to(device, copy=True) for k, v in feed.items()}
             torch.cuda.synchronize(device)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.static_loss = self._body(self.static_feed)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.static_loss = self._body(self.static_feed)
+            except Exception as exc:  # an op that cannot be captured: say so and run eagerly
+                import warnings
+
+                warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); training eagerly")
+                self.cuda_graph = False
+                torch.cuda.synchronize(device)
+                return self._body(feed)
+            self.graph = graph
         else:
             for k, v in feed.items():
                 self.static_feed[k].copy_(v, non_blocking=True)

@@ -445,9 +445,10 @@ class LinearOp(_ProductOp):
     def _column_sum(self, ctx, go, out, rows, cols):
         """out = sum of go's rows: fp32 partials per chunk of rows, then one pass over them."""
         acc = tl.float64 if ctx.dtype == torch.float64 else tl.float32
-        chunks = max(cdiv(rows, _SUM_ROWS), 1)
+        per_program = min(_SUM_ROWS, max(cdiv(rows, _SUM_BLOCK_R), 1) * _SUM_BLOCK_R)  # no empty loop trips
+        chunks = max(cdiv(rows, per_program), 1)
         partial = out if chunks == 1 else ctx.empty((chunks, cols), torch.float64 if ctx.dtype == torch.float64 else torch.float32)
-        passes = [(go, partial, rows, _SUM_ROWS, chunks)]
+        passes = [(go, partial, rows, per_program, chunks)]
         if chunks > 1:
             passes.append((partial, out, chunks, chunks, 1))
         for src, dst, n_rows, rows_per_program, programs in passes:
