@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .executor import Executor
+from .kernels import optim as K
 from .kernels.optim import (BLOCK, adam_step_kernel, blocks, clip_factor_kernel, scale_by_factor_kernel,
                             sgd_step_kernel, sum_squares_partial_kernel)
 
@@ -35,8 +36,8 @@ class Optimizer:
         self.lr = float(lr)
         self.base_lr = float(lr)
         self.step_count = 0
-        # [lr, step, log(beta1), log(beta2)], read by the kernels from device memory
-        self.hyper = torch.zeros(4, dtype=torch.float64, device=executor.device)
+        # lr, step and the other hyperparameters, read by the kernels from device memory (K.LR, ...)
+        self.hyper = torch.zeros(K.N_HYPER, dtype=torch.float64, device=executor.device)
         self.state: dict[str, dict[torch.dtype, torch.Tensor]] = {
             name: {dtype: torch.zeros_like(arena) for dtype, arena in executor.param_arenas.items()}
             for name in self.state_names
@@ -53,10 +54,15 @@ class Optimizer:
     def prepare(self) -> None:
         """Advance the step count and publish lr and step to the device (host side)."""
         self.step_count += 1
-        betas = getattr(self, "betas", (0.5, 0.5))
-        values = [self.lr, float(self.step_count), math.log(betas[0]) if betas[0] > 0 else -math.inf,
-                  math.log(betas[1]) if betas[1] > 0 else -math.inf]
+        values = [0.0] * K.N_HYPER
+        values[K.LR.value], values[K.STEP.value] = self.lr, float(self.step_count)
+        for slot, value in self.hyperparameters().items():
+            values[slot.value] = float(value)
         self.hyper.copy_(torch.tensor(values, dtype=torch.float64))
+
+    def hyperparameters(self) -> dict:
+        """The constant hyperparameters by buffer slot."""
+        return {}
 
     def launch(self) -> None:
         """The update kernels alone (one launch per arena): what a CUDA graph captures."""
@@ -100,11 +106,13 @@ class SGD(Optimizer):
         self.momentum, self.dampening, self.weight_decay, self.nesterov = momentum, dampening, weight_decay, nesterov
         super().__init__(executor, lr)
 
+    def hyperparameters(self) -> dict:
+        return {K.MOMENTUM: self.momentum, K.DAMPENING: self.dampening, K.WEIGHT_DECAY: self.weight_decay}
+
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
         buf = self.state["momentum_buffer"][dtype]
-        args = [params, grads, buf, self.hyper, n, self.momentum, self.dampening, self.weight_decay,
-                self.nesterov, self.momentum != 0, BLOCK]
+        args = [params, grads, buf, self.hyper, n, self.nesterov, self.momentum != 0, BLOCK]
         sgd_step_kernel.instance(dtype).launch((blocks(n),), args)
 
 
@@ -122,11 +130,13 @@ class Adam(Optimizer):
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         super().__init__(executor, lr)
 
+    def hyperparameters(self) -> dict:
+        return {K.BETA1: self.betas[0], K.BETA2: self.betas[1], K.EPS: self.eps, K.WEIGHT_DECAY: self.weight_decay}
+
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
-        b1, b2 = self.betas
-        args = [params, grads, self.state["exp_avg"][dtype], self.state["exp_avg_sq"][dtype], self.hyper, n, b1, b2,
-                self.eps, self.weight_decay, self.decoupled, BLOCK]
+        args = [params, grads, self.state["exp_avg"][dtype], self.state["exp_avg_sq"][dtype], self.hyper, n,
+                self.decoupled, BLOCK]
         adam_step_kernel.instance(dtype).launch((blocks(n),), args)
 
 

@@ -294,5 +294,7 @@ def train(task, config: TrainConfig, resume: str | None = None, log=print) -> di
     if out and metrics.rows:
         plot_losses(metrics.rows, out / "loss.png")
     result = {"step": step, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9), **last_eval}
+    if getattr(task, "block_size", None):
+        result["tokens_per_s"] = result["samples_per_s"] * task.block_size
     result["executor"] = executor
     return result

@@ -52,20 +52,22 @@ def _executor(fn: Callable, args: tuple, kwargs: dict) -> tuple[Executor, list[s
 
 
 class _TeenyFunction(torch.autograd.Function):
+    """Tensors on another device than teeny's (CPU tensors with a GPU executor) are moved
+    there and the results moved back, so the caller sees its own device."""
+
     @staticmethod
     def forward(ctx, executor: Executor, names: list[str], *tensors: torch.Tensor):
         feed = {name: t.detach() for name, t in zip(names, tensors)}
-        if executor.training:
-            out, cache = executor.forward_train(feed)
-            ctx.executor, ctx.cache, ctx.names = executor, cache, names
-        else:
-            out = executor.forward(feed)
-        return out
+        out, cache = executor.forward_train(feed)
+        ctx.executor, ctx.cache, ctx.names = executor, cache, names
+        ctx.devices = [t.device for t in tensors]
+        return out.to(tensors[0].device) if tensors else out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grads = ctx.executor.backward(ctx.cache, grad_output.contiguous())
-        return (None, None, *[grads.get(name) for name in ctx.names])
+        grads = ctx.executor.backward(ctx.cache, grad_output.to(ctx.executor.device).contiguous())
+        moved = [None if grads.get(n) is None else grads[n].to(d) for n, d in zip(ctx.names, ctx.devices)]
+        return (None, None, *moved)
 
 
 def apply(fn: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -73,7 +75,8 @@ def apply(fn: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
     executor, names = _executor(fn, args, kwargs)
     flat = _tensors(args) + _tensors(list(kwargs.values()))
     if not executor.training:
-        return executor.forward(dict(zip(names, flat)))
+        out = executor.forward(dict(zip(names, flat)))
+        return out.to(flat[0].device) if flat else out
     return _TeenyFunction.apply(executor, names, *flat)
 
 

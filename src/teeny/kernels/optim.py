@@ -10,9 +10,7 @@ Adam / AdamW (PyTorch's rule), step t:
 Global-norm clipping: partial sums of g^2 per program (fp32), a second pass sums them to the
 norm and writes the factor min(1, max_norm / (norm + 1e-6)) to device memory, and a scaling
 pass multiplies every gradient by it, so no step waits on the host.
-Updates compute in float32 (float64 for float64 arenas). The learning rate and the step count
-are read from a small float64 device buffer rather than passed as scalars, so a step captured
-in a CUDA graph uses the values of the step being replayed.
+Updates compute in float32 (float64 for float64 arenas).
 """
 
 import triton
@@ -23,17 +21,25 @@ from .common import ELEMENTWISE_BLOCK, upcast
 
 BLOCK = ELEMENTWISE_BLOCK
 
+# Slots of the float64 hyperparameter buffer every update kernel reads. Kept in device memory,
+# not passed as scalars: a captured CUDA graph then uses the values of the step being replayed,
+# and float64 arenas get float64 hyperparameters (Triton passes Python floats as float32).
+LR, STEP, BETA1, BETA2, EPS, WEIGHT_DECAY, MOMENTUM, DAMPENING = (tl.constexpr(i) for i in range(8))
+N_HYPER = 8
+
 
 @kernel(half=True)
-def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, n, momentum, dampening, weight_decay,
-                    NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
+def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, n, NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
-    lr = tl.load(hyper_ptr).to(p.dtype)
-    first = tl.load(hyper_ptr + 1) == 1.0
-    g = g + weight_decay * p
+    lr = tl.load(hyper_ptr + LR).to(p.dtype)
+    first = tl.load(hyper_ptr + STEP) == 1.0
+    momentum = tl.load(hyper_ptr + MOMENTUM).to(p.dtype)
+    dampening = tl.load(hyper_ptr + DAMPENING).to(p.dtype)
+    g = g + tl.load(hyper_ptr + WEIGHT_DECAY).to(p.dtype) * p
     if USE_MOMENTUM:
         old = upcast(tl.load(buf_ptr + offsets, mask=mask))
         buf = tl.where(first, g, momentum * old + (1.0 - dampening) * g)
@@ -46,25 +52,27 @@ def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, n, momentum, dampening, we
 
 
 @kernel(half=True)
-def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, n, beta1, beta2, eps, weight_decay,
-                     DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, n, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
-    # hyper = [lr, step, log(beta1), log(beta2)] in float64 device memory: a captured CUDA graph
-    # reads the values of the step being replayed
-    lr64 = tl.load(hyper_ptr)
-    t = tl.load(hyper_ptr + 1)
-    step_size = (lr64 / (1.0 - tl.exp(t * tl.load(hyper_ptr + 2)))).to(p.dtype)
-    correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.load(hyper_ptr + 3))).to(p.dtype)
+    lr64 = tl.load(hyper_ptr + LR)
+    t = tl.load(hyper_ptr + STEP)
+    beta1 = tl.load(hyper_ptr + BETA1)
+    beta2 = tl.load(hyper_ptr + BETA2)
+    step_size = (lr64 / (1.0 - tl.exp(t * tl.log(beta1)))).to(p.dtype)
+    correction2_sqrt = tl.sqrt(1.0 - tl.exp(t * tl.log(beta2))).to(p.dtype)
+    weight_decay = tl.load(hyper_ptr + WEIGHT_DECAY).to(p.dtype)
     if DECOUPLED:
         p = p * (1.0 - lr64.to(p.dtype) * weight_decay)
     else:
         g = g + weight_decay * p
-    m = beta1 * upcast(tl.load(m_ptr + offsets, mask=mask)) + (1.0 - beta1) * g
-    v = beta2 * upcast(tl.load(v_ptr + offsets, mask=mask)) + (1.0 - beta2) * g * g
-    denom = tl.sqrt(v) / correction2_sqrt + eps
+    b1 = beta1.to(p.dtype)
+    b2 = beta2.to(p.dtype)
+    m = b1 * upcast(tl.load(m_ptr + offsets, mask=mask)) + (1.0 - b1) * g
+    v = b2 * upcast(tl.load(v_ptr + offsets, mask=mask)) + (1.0 - b2) * g * g
+    denom = tl.sqrt(v) / correction2_sqrt + tl.load(hyper_ptr + EPS).to(p.dtype)
     p = p - step_size * (m / denom)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
