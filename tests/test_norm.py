@@ -72,8 +72,9 @@ def test_batchnorm_eval_uses_running_stats(gen):
 
 
 def test_functional_batch_norm_updates_in_place_and_without_running_stats(gen):
-    x = torch.randn(6, 2, 3, generator=gen)
-    rm, rv = torch.zeros(2), torch.ones(2)
+    x = torch.randn(6, 2, 3, generator=gen).to(teeny.DEVICE)
+    # the running statistics are updated in place: they must live where the kernels run
+    rm, rv = torch.zeros(2, device=teeny.DEVICE), torch.ones(2, device=teeny.DEVICE)
     rm_ref, rv_ref = rm.clone(), rv.clone()
     out = apply(norm.batch_norm, x, rm, rv, training=True, momentum=0.5)
     ref = F.batch_norm(x, rm_ref, rv_ref, training=True, momentum=0.5)

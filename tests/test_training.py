@@ -90,7 +90,7 @@ def test_fifty_steps_of_losses_match_pytorch(dtype, rel, kind):
 
 def _config(tmp_path, name, **kw):
     return TrainConfig(epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name),
-                       progress=False, **kw)
+                       progress=False, log_every=1, **kw)
 
 
 def test_kill_and_resume_gives_the_same_parameters(tmp_path):

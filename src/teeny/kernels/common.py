@@ -33,8 +33,3 @@ DOT_UPCAST_BF16 = INTERPRETER
 # numpy handles a wide block almost as fast as a narrow one: use few, wide programs there.
 ELEMENTWISE_BLOCK = 16384 if INTERPRETER else 1024
 
-
-def row_warps(block: int) -> int:
-    """Warps for a kernel whose program holds one row block of ``block`` elements: enough
-    threads that each keeps a handful of values in registers (ignored by the interpreter)."""
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16

@@ -46,7 +46,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import cdiv, row_warps
+from .common import cdiv
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "batch_norm"]
 NN_LAYERS = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -343,7 +343,7 @@ class NormOp(RuntimeOp):
         for flag in (self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
                      _compute_dtype(ctx.dtype), _block(geo.row_len)):
             v.visit_constexpr(flag)
-        ctx.launch(norm_forward, (geo.rows,), v, work=geo.rows * geo.row_len, num_warps=row_warps(_block(geo.row_len)))
+        ctx.launch(norm_forward, (geo.rows,), v, work=geo.rows * geo.row_len)
 
     def has_backward(self) -> bool:
         return True
@@ -370,8 +370,7 @@ class NormOp(RuntimeOp):
                          row_grads and dw is not None, row_grads and db is not None,
                          _compute_dtype(ctx.dtype), _block(geo.row_len)):
                 v.visit_constexpr(flag)
-            ctx.launch(norm_backward, (geo.rows,), v, work=geo.rows * geo.row_len,
-                       num_warps=row_warps(_block(geo.row_len)))
+            ctx.launch(norm_backward, (geo.rows,), v, work=geo.rows * geo.row_len)
         if not row_grads and (dw is not None or db is not None):
             self._weight_backward(ctx, x, dy, mean, rstd, dw, db, geo.channels, geo.spatial, geo.groups)
 
@@ -390,8 +389,7 @@ class NormOp(RuntimeOp):
         for flag in (spatial, ROWS_PER_WEIGHT_PROGRAM, self.centred, dw is not None, db is not None,
                      _compute_dtype(ctx.dtype), block_c, block_s):
             v.visit_constexpr(flag)
-        ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel(),
-                   num_warps=row_warps(block_c * block_s))
+        ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel())
         for grad, partial in ((dw, partials["dw"]), (db, partials["db"])):
             if grad is None:
                 continue
