@@ -349,3 +349,17 @@ def test_gradcheck_reports_the_wrong_element():
 def test_gradcheck_float32_mode():
     x = torch.randn(3, 7, dtype=torch.float32)
     teeny.gradcheck(ops.gelu, x)  # float32 defaults: h=1e-3 and looser tolerance
+
+
+def test_importing_triton_first_on_the_interpreter_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    if teeny.DEVICE.type != "cpu":
+        pytest.skip("only the interpreter cares about import order")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TEENY_DEVICE"] = "cpu"
+    code = "import triton.language, teeny; teeny.ops"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Import teeny first" in result.stderr

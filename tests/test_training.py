@@ -171,3 +171,32 @@ def test_cli_unreadable_checkpoint(tmp_path, capsys):
     code = main(["train", "mlp", "--resume", str(bad), "--out", str(tmp_path / "o"), "--no-progress"])
     assert code == 2
     assert "unreadable" in capsys.readouterr().err
+
+
+def test_train_your_own_graph_and_data(tmp_path):
+    """The loop with a user's own graph (linear regression, mse loss) and data."""
+    from teeny.train import CallableTask
+
+    gen = torch.Generator().manual_seed(0)
+    true_w = torch.randn(1, 7, generator=gen)
+    xs = torch.randn(96, 7, generator=gen)
+    ys = xs @ true_w.T + 0.5
+
+    def build(batch):
+        g = Graph("regression")
+        x, y = g.input("x", (batch, 7)), g.input("y", (batch, 1))
+        g.output(ops.mse_loss(nn.Linear(7, 1)(x), y))
+        return g
+
+    def batches(epoch, batch, seed):
+        order = torch.randperm(96, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for i in range(0, 96, batch):
+            yield {"x": xs[order[i:i + batch]], "y": ys[order[i:i + batch]]}
+
+    task = CallableTask("regression", build, batches, lambda batch: 96 // batch)
+    config = TrainConfig(epochs=30, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
+    result = train(task, config, log=lambda *_: None)
+    params = result["executor"].params
+    weight = [v for k, v in params.items() if k.endswith("weight")][0]
+    torch.testing.assert_close(weight.cpu(), true_w, atol=1e-3, rtol=1e-3)
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.safetensors").exists()

@@ -10,6 +10,7 @@ environment before importing teeny (the ``teeny`` command's ``--device`` flag do
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -27,6 +28,11 @@ def _decide() -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("TEENY_DEVICE=cuda but torch sees no CUDA device")
     if choice == "cpu":
+        if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ImportError(
+                "triton was imported before teeny on a machine where teeny runs kernels through the Triton "
+                "interpreter; Triton decides interpreter or compiler when it is imported. Import teeny first, "
+                "or set TRITON_INTERPRET=1 in the environment before starting Python.")
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -109,6 +110,30 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
     state = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
     return params, state, metadata
+
+
+# ------------------------------------------------------------------------------ tasks
+
+
+@dataclass
+class CallableTask:
+    """A training task from plain functions, for your own graph and data:
+
+    * ``build(batch_size)`` returns the training ``Graph`` (its first output is the loss),
+    * ``batches(epoch, batch_size, seed)`` yields input feeds (dicts of tensors) in an order
+      fixed by its arguments (so that resuming is exact),
+    * ``steps_per_epoch(batch_size)`` says how many it yields,
+    * ``evaluate(params)`` (optional) returns metrics from the current parameters.
+    """
+
+    name: str
+    build: Callable[[int], "Graph"]
+    batches: Callable[[int, int, int], Iterable[dict]]
+    steps_per_epoch: Callable[[int], int]
+    evaluate: Callable[[dict], dict] = lambda params: {}
+
+    def train_graph(self, batch_size: int, dtype: torch.dtype = torch.float32):
+        return self.build(batch_size)
 
 
 # ------------------------------------------------------------------------- one step
