@@ -47,15 +47,45 @@ def _compare(gen, dtype, tensors, reduction, **kwargs):
     return out.cpu(), [g.cpu() for g in grads]
 
 
-# several query and key blocks (the interpreter uses 16 x 16 tiles), head dims not powers of two
+@pytest.fixture(params=["default", "per-head 16x16", "packed 16x16"])
+def tiling(request, monkeypatch):
+    """The default tiling (the interpreter packs heads into one wide tile), the GPU's per-head
+    tiling with 16 x 16 tiles, and packed 16 x 16 tiles (many blocks straddling head boundaries)."""
+    from teeny.kernels import attention
+
+    if request.param == "per-head 16x16":
+        monkeypatch.setattr(attention, "PACK_HEADS", False)
+        if not teeny.device.INTERPRETER:
+            pytest.skip("the GPU's tiling is the default there")
+    elif request.param == "packed 16x16":
+        if not teeny.device.INTERPRETER:
+            pytest.skip("packing heads is an interpreter tiling")
+        monkeypatch.setattr(attention, "PACKED_TILE", 16)
+    return request.param
+
+
+# several query and key blocks, head dims not powers of two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("lq, lk, causal", [(37, 41, False), (37, 19, True), (19, 37, True)])
-def test_multi_block_matches_torch(gen, dtype, lq, lk, causal):
+def test_multi_block_matches_torch(gen, tiling, dtype, lq, lk, causal):
     q, k, v = _qkv(gen, dtype, (1, 2, lq, 20), (1, 2, lk, 20), (1, 2, lk, 11))
     _compare(gen, dtype, [q, k, v], max(lq, lk), is_causal=causal)
 
 
-def test_multi_block_mask_broadcast_over_batch_and_heads(gen):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_and_odd_lengths_across_tilings(gen, tiling, causal):
+    q, k, v = _qkv(gen, torch.float32, (2, 4, 7, 5), (2, 2, 9, 5), (2, 2, 9, 3))
+    _compare(gen, torch.float32, [q, k, v], 9, is_causal=causal, enable_gqa=True)
+
+
+def test_bool_mask_across_tilings(gen, tiling):
+    q, k, v = _qkv(gen, torch.float32, (2, 3, 11, 4), (2, 3, 13, 4))
+    mask = torch.rand(2, 1, 11, 13, generator=gen) > 0.4
+    mask[0, 0, 3] = False  # a fully masked row
+    _compare(gen, torch.float32, [q, k, v], 13, attn_mask=mask)
+
+
+def test_multi_block_mask_broadcast_over_batch_and_heads(gen, tiling):
     q, k, v = _qkv(gen, torch.float32, (2, 2, 21, 6), (2, 2, 35, 6))
     mask = torch.randn(2, 1, 21, 35, generator=gen) * 2
     _compare(gen, torch.float32, [q, k, v], 35, attn_mask=mask, scale=0.25)

@@ -184,3 +184,64 @@ def test_errors():
         _trace(nn.BatchNorm2d(3), (4, 3))
     with pytest.raises(ValueError, match="divisible"):
         nn.GroupNorm(4, 6)
+
+
+@pytest.mark.parametrize("rows", [37, 1, 0])
+@pytest.mark.parametrize("case", ["layer_norm", "layer_norm no bias", "rms_norm", "group_norm 1 group"])
+def test_multi_row_tiles_and_fused_weight_partials(case, rows, monkeypatch, gen):
+    """Tiles of 4 rows x 16 columns and at most 3 programs: 37 rows are 10 tiles, 4 per program
+    (the last program's tiles lie partly or wholly past the end). dw/db come from the fused
+    per-program partial rows of norm_backward, never from norm_weight_backward."""
+    monkeypatch.setattr(norm, "INTERPRETER_TILE", 64)
+    monkeypatch.setattr(norm, "INTERPRETER_PROGRAMS", 3)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("layer/rms norm over one block must not need norm_weight_backward")
+
+    monkeypatch.setattr(norm.NormOp, "_weight_backward", refuse)
+    x = (torch.randn(rows, 11, generator=gen) * 2 + 3).requires_grad_()
+    w = torch.rand(11, generator=gen).add(0.5).requires_grad_()
+    b = torch.randn(11, generator=gen).requires_grad_()
+    if case == "layer_norm":
+        fn, ref_fn, args = (lambda x, w, b: norm.layer_norm(x, (11,), w, b)), (lambda x, w, b: F.layer_norm(x, (11,), w, b)), (x, w, b)
+    elif case == "layer_norm no bias":
+        fn, ref_fn, args = (lambda x, w: norm.layer_norm(x, (11,), w)), (lambda x, w: F.layer_norm(x, (11,), w)), (x, w)
+    elif case == "rms_norm":
+        fn, ref_fn, args = (lambda x, w: norm.rms_norm(x, (11,), w)), (lambda x, w: F.rms_norm(x, (11,), w)), (x, w)
+    else:
+        fn, ref_fn, args = (lambda x, w, b: norm.group_norm(x, 1, w, b)), (lambda x, w, b: F.group_norm(x, 1, w, b)), (x, w, b)
+    out = apply(fn, *args)
+    ref = ref_fn(*args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, args, dy)
+    ref_grads = torch.autograd.grad(ref, args, dy)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["layer_norm", "group_norm", "batch_norm"])
+def test_multi_row_tiles_of_long_rows(case, monkeypatch, gen):
+    """Several rows per tile AND several column blocks per row: 4 x 16 tiles over rows of 21 (group_norm),
+    63 (layer_norm) and 259 (batch_norm) elements."""
+    monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+    monkeypatch.setattr(norm, "INTERPRETER_TILE", 64)
+    x = (torch.randn(37, 9, 7, generator=gen) * 3 + 5).requires_grad_()
+    w = torch.rand(9, generator=gen).add(0.5).requires_grad_()
+    b = torch.randn(9, generator=gen).requires_grad_()
+    if case == "layer_norm":
+        w = torch.rand(9, 7, generator=gen).add(0.5).requires_grad_()
+        b = torch.randn(9, 7, generator=gen).requires_grad_()
+        fn, ref_fn = (lambda x, w, b: norm.layer_norm(x, (9, 7), w, b)), (lambda x, w, b: F.layer_norm(x, (9, 7), w, b))
+    elif case == "group_norm":
+        fn, ref_fn = (lambda x, w, b: norm.group_norm(x, 3, w, b)), (lambda x, w, b: F.group_norm(x, 3, w, b))
+    else:
+        fn = lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
+        ref_fn = lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
+    args = (x, w, b)
+    out = apply(fn, *args)
+    ref = ref_fn(*args)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    dy = torch.randn(out.shape, generator=gen)
+    for g, r in zip(torch.autograd.grad(out, args, dy), torch.autograd.grad(ref, args, dy)):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)

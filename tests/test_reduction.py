@@ -92,7 +92,11 @@ def test_split_reduction_several_outputs_leading_axis():
     torch.testing.assert_close(g, rg)
 
 
-def test_plan_large_scalar_reduction_uses_partials():
+def test_plan_large_scalar_reduction_uses_partials(monkeypatch):
+    from teeny.kernels import reduction
+
+    monkeypatch.setattr(reduction, "TILE", 2048)  # the GPU's plan (the interpreter's aims at few programs)
+    monkeypatch.setattr(reduction, "SPLIT_TARGET", 256)
     plan = plan_reduction((4096, 4096), (0, 1))
     assert plan.n_split > 100 and plan.n_out == 1
     plan = plan_reduction((100_000_000,), (0,))

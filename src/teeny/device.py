@@ -63,8 +63,20 @@ def _interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _single_threaded_blas() -> None:
+    """Under the interpreter tl.dot is numpy's matmul on small tiles, which multi-threaded OpenBLAS
+    made 100-200x slower on a loaded 2-core machine (10-20 ms for a 256x256x16 product against
+    0.1 ms on one thread): pin the BLAS libraries of this process to one thread."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scikit-learn, a dependency, brings it
+        return
+    threadpool_limits(1, user_api="blas")
+
+
 if INTERPRETER:
     _interpreter_loop_bounds()
+    _single_threaded_blas()
 
 
 def describe() -> str:

@@ -66,6 +66,7 @@ class Executor:
             self.load_params(params)
         self.live_values = 0  # after forward: how many intermediate buffers were still alive at the end
         self._consts = {v.id: v.data.to(self.device) for v in program.graph.values if v.kind == "const"}
+        self._zeroed: set[int] = set(self._grad_by_id)  # the gradient arena starts at zero
 
     # --- parameters ----------------------------------------------------------------------
     def _build_arenas(self, seed: int) -> None:
@@ -120,8 +121,12 @@ class Executor:
         return {name: t.detach().clone() for name, t in self.params.items()}
 
     def zero_grad(self) -> None:
+        """Zero every parameter gradient (one fill per arena). Until the next backward writes
+        them, teeny knows they are zero and lets that backward write them in place instead of
+        adding into them; write into ``grads`` yourself only after a backward."""
         for arena in self.grad_arenas.values():
             arena.zero_()
+        self._zeroed = set(self._grad_by_id)  # gradients known to be zero: a backward may write them directly
 
     # --- forward -------------------------------------------------------------------------
     def _bind_inputs(self, inputs: Any, kwargs: dict) -> dict[int, torch.Tensor]:
@@ -261,7 +266,14 @@ class Executor:
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
         ctx.phase = "backward"
         ctx.grad_output = grad_out
-        buffers = [self._alloc(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
+        buffers = []
+        for v, wanted in zip(node.inputs, p.grad_mask):
+            if not wanted:
+                buffers.append(None)
+            elif v.kind == "param" and v.id in self._zeroed and node.inputs.count(v) == 1:
+                buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
+            else:
+                buffers.append(self._alloc(v.shape, v.dtype))
         ctx.grad_inputs, ctx.grad_params = buffers[:n_act], buffers[n_act:]
         node.op.backward(ctx)
         produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
@@ -273,7 +285,9 @@ class Executor:
                                  f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}")
             if v.kind == "param":
                 target = self._grad_by_id[v.id]
-                accumulate(target, g.contiguous(), target)
+                if g is not target:
+                    accumulate(target, g.contiguous(), target)
+                self._zeroed.discard(v.id)
             elif v.id in grads:
                 total = self._alloc(v.shape, v.dtype)
                 accumulate(grads[v.id], g.contiguous(), total)

@@ -97,12 +97,22 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: backward= must be @kernel functions, got {b!r}")
         self.dtypes = tuple(dtypes) if dtypes is not None else (ALL_FLOAT_DTYPES if half else FLOAT_DTYPES)
         self._instances: dict[torch.dtype, KernelInstance] = {}
+        self.launch_options: dict[torch.dtype | None, dict] = {}  # see tune()
         if register:
             REGISTRY[self.name] = self
 
     @property
     def has_backward(self) -> bool:
         return bool(self.backward)
+
+    def tune(self, dtype: torch.dtype | None = None, **options) -> "Kernel":
+        """Default Triton launch options (``num_warps``, ``num_stages``) for every launch of this
+        kernel, or of its ``dtype`` version; options an op passes to a launch win."""
+        self.launch_options[dtype] = dict(options)
+        return self
+
+    def options_for(self, dtype: torch.dtype) -> dict:
+        return {**self.launch_options.get(None, {}), **self.launch_options.get(dtype, {})}
 
     def instance(self, dtype: torch.dtype) -> "KernelInstance":
         """The kernel built for ``dtype``; refuses a dtype the kernel does not declare."""

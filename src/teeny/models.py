@@ -195,7 +195,8 @@ class CharTask(Task):
             losses.append(float(loss))
         return {"val_loss": sum(losses) / len(losses), "unigram_entropy": self.corpus.unigram_entropy()}
 
-    def sample(self, params, prompt: str = "def ", length: int = 200, temperature: float = 0.8, seed: int = 0) -> str:
+    def sample(self, params, prompt: str = "def ", length: int | None = None, temperature: float = 0.8,
+               seed: int = 0) -> str:
         """Generate text one character at a time (the context is the last block_size characters,
         left-aligned; causal attention makes the padding after it irrelevant)."""
         from .executor import Executor
@@ -205,6 +206,8 @@ class CharTask(Task):
             self._sampler = Executor(lower(self._graph(1, False)))
         self._sampler.load_params(params)
         gen = torch.Generator().manual_seed(seed)
+        if length is None:  # one forward pass per character: keep the interpreter's share short
+            length = 60 if self._sampler.device.type == "cpu" else 300
         ids = self.corpus.encode(prompt).tolist() or [0]
         for _ in range(length):
             context = ids[-self.block_size:]
@@ -231,7 +234,7 @@ def make_task(name: str, size: str = "small") -> Task:
                             defaults=dict(epochs=10, batch_size=64, lr=1e-3, optimizer="adamw", weight_decay=0.01,
                                           epoch_tokens=2_000_000, clip=1.0))
         return CharTask(corpus, block_size=32, d_model=48, n_heads=4, n_layers=2,
-                        defaults=dict(epochs=4, batch_size=16, lr=3e-3, optimizer="adamw", weight_decay=0.01,
-                                      epoch_tokens=40_000, clip=1.0))
+                        defaults=dict(epochs=5, batch_size=32, lr=3e-3, optimizer="adamw", weight_decay=0.01,
+                                      epoch_tokens=40_000, clip=1.0, schedule="cosine"), eval_batches=4)
     raise KeyError(name)
 

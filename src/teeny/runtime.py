@@ -184,8 +184,10 @@ class OpContext:
             raise GridError(f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute")
         if self.dry_run:
             return
-        if options and INTERPRETER:
+        if INTERPRETER:
             options = {}
+        elif kernel.launch_options:
+            options = {**kernel.options_for(self.dtype), **options}
         instance.launch(grid, visitor.args, **options)
 
 

@@ -48,7 +48,15 @@ NN_LAYERS = ["CausalSelfAttention"]
 # ---------------------------------------------------------------------------------- maths
 
 
-@triton.jit
+def _device_fn(fn):
+    """A device function called by the kernels: @triton.jit on the GPU. Under the interpreter
+    a plain Python function (the kernel's tl calls work the same), since the interpreter
+    re-patches triton.language on every call of a jit function (about 0.3-1 ms a call)."""
+    return fn if INTERPRETER else triton.jit(fn)
+
+
+
+@_device_fn
 def _dot(a, b, UPCAST_BF16: tl.constexpr):
     """a @ b accumulated in float32 (float64 for float64); full precision for float32/64."""
     if a.dtype == tl.float64:
@@ -61,16 +69,59 @@ def _dot(a, b, UPCAST_BF16: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
-def _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
-            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_BF16: tl.constexpr):
-    """The masked, scaled scores S of a (BLOCK_M, BLOCK_N) tile; -inf where a key is not seen."""
+@_device_fn
+def _query_rows(start, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M: tl.constexpr, PACKED: tl.constexpr):
+    """A block of query rows: (flat row index into (BH * Lq), in-range flag, (batch, head) index,
+    position in the sequence, offset of the row in the mask). PACKED: rows start..start+BLOCK_M
+    of the flat (BH * Lq) rows, spanning several heads; else positions start.. of head bh."""
+    offs = start + tl.arange(0, BLOCK_M).to(tl.int64)
+    if PACKED:
+        rows = offs
+        row_bh = rows // Lq
+        pos = rows - row_bh * Lq
+        ok = rows < n_bh * Lq
+    else:
+        rows = bh * Lq + offs
+        row_bh = bh
+        pos = offs
+        ok = offs < Lq
+    batch = row_bh // H
+    mask_rows = batch * stride_mb + (row_bh - batch * H) * stride_mh + pos * stride_mq
+    return rows, ok, row_bh, pos, mask_rows
+
+
+@_device_fn
+def _key_cols(start, kv_bh, Lk, col_end, BLOCK_N: tl.constexpr, PACKED: tl.constexpr):
+    """A block of keys: (flat index into (BHkv * Lk), in-range flag, key/value head, position).
+    PACKED: flat keys start.. below col_end, spanning several heads; else positions start.. of kv_bh."""
+    offs = start + tl.arange(0, BLOCK_N).to(tl.int64)
+    if PACKED:
+        cols = offs
+        col_kv = cols // Lk
+        pos = cols - col_kv * Lk
+        ok = cols < col_end
+    else:
+        cols = kv_bh * Lk + offs
+        col_kv = kv_bh
+        pos = offs
+        ok = offs < Lk
+    return cols, ok, col_kv, pos
+
+
+@_device_fn
+def _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
+            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            UPCAST_BF16: tl.constexpr, PACKED: tl.constexpr):
+    """The masked, scaled scores S of a (BLOCK_M, BLOCK_N) tile; -inf where a key is not seen
+    (out of range, masked, later than the query when causal, or another head's key when PACKED)."""
     s = _dot(q, tl.trans(k), UPCAST_BF16) * scale
-    seen = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    seen = row_ok[:, None] & col_ok[None, :]
+    if PACKED:
+        seen = seen & (row_kv[:, None] == col_kv[None, :])
     if IS_CAUSAL:
-        seen = seen & (offs_n[None, :] <= offs_m[:, None])
+        seen = seen & (pos_n[None, :] <= pos_m[:, None])
     if HAS_MASK:
-        mask_ptrs = mask_base + offs_m[:, None].to(tl.int64) * stride_mq + offs_n[None, :].to(tl.int64) * stride_mk
+        mask_ptrs = mask_ptr + mask_rows[:, None] + pos_n[None, :] * stride_mk
         if MASK_BOOL:
             seen = seen & (tl.load(mask_ptrs, mask=seen, other=0) != 0)
         else:
@@ -78,179 +129,219 @@ def _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk
     return tl.where(seen, s, float("-inf"))
 
 
-@triton.jit
-def _load_tile(base, offs_rows, n_rows, offs_cols, n_cols):
-    """rows x cols tile of a row-major (n_rows, n_cols) matrix, zero outside it."""
-    ptrs = base + offs_rows[:, None].to(tl.int64) * n_cols + offs_cols[None, :]
-    return tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols), other=0.0)
+@_device_fn
+def _load_rows(base, rows, row_ok, offs_cols, n_cols):
+    """rows x cols tile of a row-major (*, n_cols) matrix, zero outside it (rows: int64)."""
+    ptrs = base + rows[:, None] * n_cols + offs_cols[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & (offs_cols[None, :] < n_cols), other=0.0)
 
 
-@triton.jit
-def _store_tile(base, value, offs_rows, n_rows, offs_cols, n_cols):
-    ptrs = base + offs_rows[:, None].to(tl.int64) * n_cols + offs_cols[None, :]
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols))
+@_device_fn
+def _store_rows(base, value, rows, row_ok, offs_cols, n_cols):
+    ptrs = base + rows[:, None] * n_cols + offs_cols[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=row_ok[:, None] & (offs_cols[None, :] < n_cols))
 
 
 # -------------------------------------------------------------------------------- kernels
 # Layout: q (BH, Lq, D), k (BHkv, Lk, D), v (BHkv, Lk, DV), out (BH, Lq, DV), lse/delta (BH, Lq),
-# contiguous; program axis 1 is the (batch, head) pair; query head h reads key/value head
-# h // KV_GROUP (grouped-query attention; KV_GROUP = 1 otherwise). The mask is read through
-# broadcast strides (0 along broadcast dimensions).
+# contiguous; query head h reads key/value head h // KV_GROUP (grouped-query attention;
+# KV_GROUP = 1 otherwise). The mask is read through broadcast strides (0 along broadcast dims).
+# Two tilings (constexpr PACKED): per head (program axis 1 is the (batch, head) pair, axis 0
+# a block of positions; the GPU's), or packed: the (BH * Lq) query rows and (BHkv * Lk) keys
+# flattened, a tile spanning several heads and keys of another head masked out (few, wide
+# programs for the interpreter, which pays per program and per operation, not per element).
 
 
 @kernel(half=True)
 def attention_backward_delta(out_ptr, dout_ptr, delta_ptr, n_rows, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_DV)
-    o = upcast(_load_tile(out_ptr, rows, n_rows, cols, DV))
-    do = upcast(_load_tile(dout_ptr, rows, n_rows, cols, DV))
+    o = upcast(_load_rows(out_ptr, rows, rows < n_rows, cols, DV))
+    do = upcast(_load_rows(dout_ptr, rows, rows < n_rows, cols, DV))
     tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
 
 
 @kernel(half=True)
 def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                            Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                            Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
                             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
                             WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr, UPCAST_BF16: tl.constexpr,
-                            ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
+    start_n = tl.program_id(0).to(tl.int64) * BLOCK_N
     kv_bh = tl.program_id(1).to(tl.int64)
-    n_kv_heads = H // KV_GROUP
-    batch = kv_bh // n_kv_heads
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_kv = n_bh // KV_GROUP
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
-    v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
+    cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, n_kv * Lk, BLOCK_N, PACKED)
+    k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
+    v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
-    lo = 0
-    if IS_CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
-    for g in range(0, KV_GROUP):
+    if PACKED:  # the query rows of every head that reads these keys, as one flat range
+        groups = 1
+        lo = (start_n // Lk) * KV_GROUP * Lq
+        hi = tl.minimum((start_n + BLOCK_N - 1) // Lk + 1, n_kv) * KV_GROUP * Lq
+    else:
+        groups = KV_GROUP
+        lo = 0
+        if IS_CAUSAL:
+            lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
+        hi = Lq
+    for g in range(0, groups):
         bh = kv_bh * KV_GROUP + g
-        head = bh - batch * H
-        mask_base = mask_ptr + batch * stride_mb + head * stride_mh
-        for start_m in range(lo, Lq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
-            do = _load_tile(dout_ptr + bh * Lq * DV, offs_m, Lq, offs_dv, DV)
-            lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+        for start_m in range(lo, hi, BLOCK_M):
+            rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh,
+                                                                 stride_mq, BLOCK_M, PACKED)
+            q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
+            do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
+            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0
-            s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
-                        HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+            s = _scores(q, k, row_ok, row_bh // KV_GROUP, pos_m, mask_rows, col_ok, col_kv, pos_n, scale,
+                        mask_ptr, stride_mk, HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
             p = tl.exp(s - lse[:, None])
             if WRITE_DV:
                 dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST_BF16)
             if WRITE_DK:
-                delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+                delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
                 dp = _dot(do, tl.trans(v), UPCAST_BF16)
                 ds = p * (dp - delta[:, None])
                 dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST_BF16)
     if WRITE_DK:
-        _store_tile(dk_ptr + kv_bh * Lk * D, dk * scale, offs_n, Lk, offs_d, D)
+        _store_rows(dk_ptr, dk * scale, cols, col_ok, offs_d, D)
     if WRITE_DV:
-        _store_tile(dv_ptr + kv_bh * Lk * DV, dv, offs_n, Lk, offs_dv, DV)
+        _store_rows(dv_ptr, dv, cols, col_ok, offs_dv, DV)
+
+
+@_device_fn
+def _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               PACKED: tl.constexpr):
+    """(first, end) of the keys a query block needs: flat keys of every head it spans when PACKED,
+    else positions of its own head (up to the block's last query when causal)."""
+    if PACKED:
+        first = (start_m // Lq) // KV_GROUP * Lk
+        end = (tl.minimum((start_m + BLOCK_M - 1) // Lq, n_bh - 1) // KV_GROUP + 1) * Lk
+    else:
+        first = start_m * 0
+        end = first + Lk
+        if IS_CAUSAL:
+            end = tl.minimum(end, start_m + BLOCK_M)  # later keys are masked for every row of the block
+    return first, end
 
 
 @kernel(half=True)
 def attention_backward_dq(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
-                          Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                          Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
                           HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                          UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     kv_bh = bh // KV_GROUP
-    batch = bh // H
-    mask_base = mask_ptr + batch * stride_mb + (bh - batch * H) * stride_mh
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
-    do = _load_tile(dout_ptr + bh * Lq * DV, offs_m, Lq, offs_dv, DV)
-    lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq,
+                                                         BLOCK_M, PACKED)
+    row_kv = row_bh // KV_GROUP
+    q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
+    do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    hi = Lk
-    if IS_CAUSAL:
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
-        v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
-        s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
-                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+    first, end = _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL, BLOCK_M, PACKED)
+    for start_n in range(first, end, BLOCK_N):
+        cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
+        k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
+        v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
+        s = _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
+                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
         p = tl.exp(s - lse[:, None])
         ds = p * (_dot(do, tl.trans(v), UPCAST_BF16) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST_BF16)
-    _store_tile(dq_ptr + bh * Lq * D, dq * scale, offs_m, Lq, offs_d, D)
+    _store_rows(dq_ptr, dq * scale, rows, row_ok, offs_d, D)
 
 
 @kernel(backward=(attention_backward_delta, attention_backward_dkdv, attention_backward_dq), half=True)
 def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
-                      Lq, Lk, D, DV, H, KV_GROUP, scale, stride_mb, stride_mh, stride_mq, stride_mk,
+                      Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
                       HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                      UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     kv_bh = bh // KV_GROUP
-    batch = bh // H
-    mask_base = mask_ptr + batch * stride_mb + (bh - batch * H) * stride_mh
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(q_ptr + bh * Lq * D, offs_m, Lq, offs_d, D)
+    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq,
+                                                         BLOCK_M, PACKED)
+    row_kv = row_bh // KV_GROUP
+    q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     row_sum = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    hi = Lk
-    if IS_CAUSAL:
-        hi = tl.minimum(Lk, start_m + BLOCK_M)  # later keys are masked for every row of the block
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr + kv_bh * Lk * D, offs_n, Lk, offs_d, D)
-        s = _scores(q, k, offs_m, offs_n, Lq, Lk, scale, mask_base, stride_mq, stride_mk,
-                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16)
+    first, end = _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL, BLOCK_M, PACKED)
+    for start_n in range(first, end, BLOCK_N):
+        cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
+        k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
+        s = _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
+                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet: avoid inf - inf
         p = tl.exp(s - shift[:, None])
         rescale = tl.exp(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = _load_tile(v_ptr + kv_bh * Lk * DV, offs_n, Lk, offs_dv, DV)
+        v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
         acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST_BF16)
         row_max = new_max
     seen_any = row_sum > 0
     safe_sum = tl.where(seen_any, row_sum, 1.0)
-    _store_tile(out_ptr + bh * Lq * DV, acc / safe_sum[:, None], offs_m, Lq, offs_dv, DV)
+    _store_rows(out_ptr, acc / safe_sum[:, None], rows, row_ok, offs_dv, DV)
     lse = tl.where(seen_any, row_max + tl.log(safe_sum), float("-inf"))
-    tl.store(lse_ptr + bh * Lq + offs_m, lse, mask=offs_m < Lq)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
 # ------------------------------------------------------------------------------ RuntimeOp
 
 
-def _blocks(head_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot).
+# Under the interpreter the heads are packed into tiles of up to PACKED_TILE query rows and keys
+# (tests set PACK_HEADS / PACKED_TILE to run the per-head tiling and many packed tiles on the CPU).
+PACK_HEADS = INTERPRETER
+PACKED_TILE = 512
+
+
+def _blocks(g: dict, dtype: torch.dtype) -> tuple[bool, int, int, int, int]:
+    """(PACKED, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot).
 
     On the H200 (Triton 3.6), bf16 attention with head dims padded to 32/16 gave wrong results
     and an illegal memory access while 64/64 was right (cf. triton-lang/triton#11366, wgmma with
     BLOCK_D=32): half-precision head dims are padded to at least 64 there. float32/float64
-    dots run on FMA units (IEEE precision) and use smaller tiles. Not tuned yet.
+    dots run on FMA units (IEEE precision) and use smaller tiles. Not tuned yet. The
+    interpreter packs heads (few, wide programs: it pays per program and per operation).
     """
-    block_d = max(16, triton.next_power_of_2(max(head_dim, 1)))
-    block_dv = max(16, triton.next_power_of_2(max(value_dim, 1)))
+    block_d = max(16, triton.next_power_of_2(max(g["d"], 1)))
+    block_dv = max(16, triton.next_power_of_2(max(g["dv"], 1)))
+    if PACK_HEADS:
+        bh = g["batch"] * g["heads"]
+        block_m = min(PACKED_TILE, max(16, triton.next_power_of_2(max(bh * g["lq"], 1))))
+        block_n = min(PACKED_TILE, max(16, triton.next_power_of_2(max(bh // g["group"] * g["lk"], 1))))
+        return True, block_m, block_n, block_d, block_dv
     if INTERPRETER:
-        return 16, 16, block_d, block_dv
+        return False, 16, 16, block_d, block_dv
     if dtype in (torch.float32, torch.float64):
-        return 32, 32, block_d, block_dv
+        return False, 32, 32, block_d, block_dv
     block_d, block_dv = max(64, block_d), max(64, block_dv)
     if max(block_d, block_dv) > 64:
-        return 64, 32, block_d, block_dv
-    return 64, 64, block_d, block_dv
+        return False, 64, 32, block_d, block_dv
+    return False, 64, 64, block_d, block_dv
+
+
+def _grid(g: dict, blocks, keys: bool) -> tuple[int, int, int]:
+    """Programs over query blocks (keys=False) or key blocks (keys=True): per head, or packed."""
+    packed, block_m, block_n = blocks[:3]
+    heads = g["batch"] * g["heads"] // (g["group"] if keys else 1)
+    length, block = (g["lk"], block_n) if keys else (g["lq"], block_m)
+    return (cdiv(heads * length, block), 1, 1) if packed else (cdiv(length, block), heads, 1)
 
 
 def _broadcast_strides(mask_shape, target) -> tuple[int, ...]:
@@ -328,7 +419,7 @@ class AttentionOp(RuntimeOp):
 
     def _common(self, visitor: ArgVisitor, g: dict) -> None:
         visitor.visit_i32(g["lq"]).visit_i32(g["lk"]).visit_i32(g["d"]).visit_i32(g["dv"])
-        visitor.visit_i32(g["heads"]).visit_i32(g["group"]).visit_f32(g["scale"])
+        visitor.visit_i32(g["heads"]).visit_i32(g["group"]).visit_i64(g["batch"] * g["heads"]).visit_f32(g["scale"])
         for s in g["strides"]:
             visitor.visit_i64(s)
 
@@ -339,7 +430,7 @@ class AttentionOp(RuntimeOp):
 
     def _tail(self, visitor: ArgVisitor, g: dict, dtype: torch.dtype) -> None:
         visitor.visit_constexpr(DOT_UPCAST_BF16).visit_constexpr(_tl_acc(dtype))
-        for b in _blocks(g["d"], g["dv"], dtype):
+        for b in _blocks(g, dtype):
             visitor.visit_constexpr(b)
 
     # --- forward ---------------------------------------------------------------------------
@@ -353,8 +444,7 @@ class AttentionOp(RuntimeOp):
         self._common(visitor, g)
         self._flags(visitor, mask)
         self._tail(visitor, g, ctx.dtype)
-        block_m = _blocks(g["d"], g["dv"], ctx.dtype)[0]
-        ctx.launch(attention_forward, (cdiv(g["lq"], block_m), g["batch"] * g["heads"], 1), visitor)
+        ctx.launch(attention_forward, _grid(g, _blocks(g, ctx.dtype), keys=False), visitor)
 
     # --- backward --------------------------------------------------------------------------
     def has_backward(self):
@@ -369,11 +459,14 @@ class AttentionOp(RuntimeOp):
         dq, dk, dv = ctx.grad_inputs[:3]
         out, dout, lse = ctx.output, ctx.grad_output, ctx.saved["lse"]
         g = self._geometry(ctx.input_shapes)
-        block_m, block_n, _, block_dv = _blocks(g["d"], g["dv"], ctx.dtype)
+        blocks = _blocks(g, ctx.dtype)
+        packed, block_m, _, _, block_dv = blocks
         bh = g["batch"] * g["heads"]
         delta = ctx.empty(lse.shape, lse.dtype)
         if dq is not None or dk is not None:
             rows = bh * g["lq"]
+            if packed:  # one wide program where the interpreter runs it
+                block_m = min(max(16, triton.next_power_of_2(max(rows, 1))), max(16, 2 * PACKED_TILE**2 // block_dv))
             visitor = ArgVisitor().visit_ptr(out).visit_ptr(dout).visit_ptr(delta).visit_i64(rows).visit_i32(g["dv"])
             visitor.visit_constexpr(block_m).visit_constexpr(block_dv)
             ctx.launch(attention_backward_delta, (cdiv(rows, block_m), 1, 1), visitor, work=rows)
@@ -391,12 +484,11 @@ class AttentionOp(RuntimeOp):
             visitor.visit_constexpr(dk is not None).visit_constexpr(dv is not None)
             self._tail(visitor, g, ctx.dtype)
             target = dk if dk is not None else dv
-            ctx.launch(attention_backward_dkdv, (cdiv(g["lk"], block_n), bh // g["group"], 1), visitor,
-                       work=target.numel())
+            ctx.launch(attention_backward_dkdv, _grid(g, blocks, keys=True), visitor, work=target.numel())
         if dq is not None:
             visitor = start((dq,))
             self._tail(visitor, g, ctx.dtype)
-            ctx.launch(attention_backward_dq, (cdiv(g["lq"], block_m), bh, 1), visitor, work=dq.numel())
+            ctx.launch(attention_backward_dq, _grid(g, blocks, keys=False), visitor, work=dq.numel())
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -41,14 +41,16 @@ from ..kernel import kernel
 from ..registry import OpInfo, Sample, away_from, make, register
 from ..runtime import ArgVisitor, RuntimeOp
 from .activation import ActivationOp, activation_backward, activation_forward
-from .common import cdiv, upcast
+from .common import ELEMENTWISE_BLOCK, cdiv, upcast
 
 __all__ = ["add", "sub", "mul", "div", "pow", "minimum", "maximum", "where", "clamp",
            "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "square", "sin", "cos", "erf"]
 NN_LAYERS: list[str] = []
 
-BLOCK = 1024
+BLOCK = ELEMENTWISE_BLOCK  # 16K elements under the interpreter (few, wide programs), 1024 on the GPU
 MAX_DIMS = 6
+# reduce_to_shape: elements per tile and programs to aim for (the interpreter: few, wide programs)
+_REDUCE_TILE, _REDUCE_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (2048, 512)
 NONE, VALUE, SCALAR, FULL, STRIDED = 0, 1, 2, 3, 4
 _POW_LIBDEVICE = tl.constexpr(not INTERPRETER)  # the interpreter has no libdevice
 
@@ -404,12 +406,12 @@ def reduce_to_shape(ctx, grad: torch.Tensor, out_shape: Shape, target: torch.Ten
     inner_kept = bool(out_shape) and out_shape[-1] != 1 and strides[-1] != 0
     if inner_kept:  # targets contiguous: wide along them
         block_m = min(_pow2(m), 64)
-        block_r = min(_pow2(r), max(1, 2048 // block_m))
+        block_r = min(_pow2(r), max(1, _REDUCE_TILE // block_m))
     else:
         block_r = min(_pow2(r), 256)
-        block_m = min(_pow2(m), max(1, 2048 // block_r))
+        block_m = min(_pow2(m), max(1, _REDUCE_TILE // block_r))
     programs_m = cdiv(m, block_m)
-    split = max(1, min(cdiv(r, 4 * block_r), cdiv(512, programs_m)))
+    split = max(1, min(cdiv(r, 4 * block_r), cdiv(_REDUCE_TARGET_PROGRAMS, programs_m)))
     r_per_split = cdiv(cdiv(r, split), block_r) * block_r if r else 1
     split = max(1, cdiv(r, r_per_split))
     partial_dtype = torch.float64 if target.dtype == torch.float64 else torch.float32
@@ -418,7 +420,7 @@ def reduce_to_shape(ctx, grad: torch.Tensor, out_shape: Shape, target: torch.Ten
                    block_m, block_r, (programs_m, split, 1))
     if split > 1:
         block_m = min(_pow2(m), 64)
-        block_r = min(_pow2(split), max(1, 2048 // block_m))
+        block_r = min(_pow2(split), max(1, _REDUCE_TILE // block_m))
         _launch_reduce(ctx, first_out, target, m, split, split, [m], [1], [split], [m],
                        block_m, block_r, (cdiv(m, block_m), 1, 1))
 

@@ -47,9 +47,10 @@ def get_deterministic() -> bool:
     return _DETERMINISTIC
 
 
-BLOCK_I = 16 if INTERPRETER else 32
-BLOCK_D = 32 if INTERPRETER else 128
-CAST_BLOCK = 1024
+# the interpreter pays per program instance and per operation, not per element: wide tiles there
+BLOCK_I = 256 if INTERPRETER else 32
+BLOCK_D = 64 if INTERPRETER else 128
+CAST_BLOCK = 16384 if INTERPRETER else 1024
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -165,7 +165,7 @@ MAX_REDUCED_DIMS = 2  # broadcast batch dims summed inside a program, after coll
 
 def _blocks(dtype: torch.dtype, tf32: bool) -> tuple[int, int, int]:
     if INTERPRETER:
-        return 128, 128, 64  # the interpreter pays per program instance, not per element: few, wide ones
+        return 256, 256, 64  # the interpreter pays per program instance, not per element: few, wide ones
     if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and tf32):
         return 128, 128, 32
     if dtype == torch.float64:

@@ -43,12 +43,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..device import INTERPRETER
 from ..graph import Tensor, graph_of
 from ..kernel import kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, away_from, make, register
 from ..runtime import ArgVisitor, RuntimeOp, TeenyError
-from .common import cdiv, upcast
+from .common import ELEMENTWISE_BLOCK, cdiv, upcast
 
 __all__ = [
     "mse_loss", "mse", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
@@ -59,9 +60,10 @@ NN_LAYERS = [
     "CrossEntropyLoss",
 ]
 
-BLOCK = 1024  # element-wise losses and the final sum of partials
+BLOCK = ELEMENTWISE_BLOCK  # element-wise losses and the final sum of partials
 MAX_BLOCK_C = 4096  # widest column block of the row kernels (longer rows loop)
-ROW_TILE = 4096  # rows x columns handled by one program of the row kernels
+# rows x columns handled by one program of the row kernels (the interpreter pays per program, not per element)
+ROW_TILE = 65536 if INTERPRETER else 4096
 
 _REDUCTIONS = ("none", "mean", "sum")
 

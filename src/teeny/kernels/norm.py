@@ -16,21 +16,29 @@ Backward, with xhat = (x - mean) * rstd and g = dy * w, per row of length L:
     dx = rstd * g                                          (batch_norm on running statistics)
     dw[c] = sum over the elements of channel c of dy * xhat,   db[c] = sum of dy
 
-``norm_forward`` and ``norm_backward`` run one program per statistics row and loop over
-column blocks, so rows of any length work; the forward merges per-block means and M2 with
-Chan's formula (one read of x for the statistics) and saves mean/rstd per row, from which the
-backward recomputes xhat. For ``CHANNELS`` a row is a whole channel, so ``norm_backward``
-also writes dw/db directly. For ``ROWS`` dw/db reduce across rows: ``norm_weight_backward``
-writes one fp32 partial row per program over a (outer, channels, spatial) view of x, and
-``sum_partials`` adds the partial rows (no locks, no atomics: bit-reproducible).
-Half-precision inputs compute in float32, float64 in float64. Loop bounds (ROW_LEN, SPATIAL,
-...) are compile-time constants: the Triton 3.6 interpreter with numpy 2.4 cannot run a
-``range`` to a runtime scalar, and shapes are static per program anyway (one compile per
-shape on the GPU).
+The kernels work on 2-D tiles of ROWS statistics rows x BLOCK columns (``_tile``): under the
+interpreter, which pays per program and per tl operation, a tile holds thousands of elements
+so that a small problem is a handful of programs; on the GPU a tile is about ``GPU_TILE``
+elements (one long row, or several short ones). A row that fits one block is loaded once and
+kept in registers; a longer row loops over column blocks (forward: per-block means and M2
+merged with Chan's formula; backward: a pass for the row sums, a pass for dx). The forward
+saves mean/rstd per row, from which the backward recomputes xhat.
+
+dw/db: for ``CHANNELS`` a row is a whole channel, so ``norm_backward`` writes its sums
+directly (``PER_ROW``). When the channel of column j is j (layer_norm, rms_norm) and a row
+fits one block, ``norm_backward`` also reduces dw/db (``PER_PROGRAM``, as in Liger-Kernel and
+the Triton layer-norm tutorial): each program loops over its ``tiles_per_program`` tiles,
+accumulates dy * xhat and dy in fp32 registers and writes ONE partial row; ``sum_partials``
+adds the partial rows. Then backward reads x and dy once. Otherwise (group_norm, rows longer
+than one block) ``norm_weight_backward`` writes partial rows over a (outer, channels,
+spatial) view of x. No locks, no atomics: bit-reproducible.
+Half-precision inputs compute in float32, float64 in float64. Column loop bounds (ROW_LEN,
+SPATIAL, ...) are compile-time constants (one compile per row length on the GPU).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -41,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .. import init
+from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
@@ -51,73 +60,152 @@ from .common import cdiv
 __all__ = ["layer_norm", "rms_norm", "group_norm", "batch_norm"]
 NN_LAYERS = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
 
-MAX_BLOCK = 4096  # longest column block of one row; longer rows loop (tests lower it)
+MAX_BLOCK = 4096 if INTERPRETER else 16384  # longest column block of one row; longer rows loop (tests lower it)
+INTERPRETER_TILE = 1 << 15  # elements of one tile under the interpreter (few, wide programs)
+GPU_TILE = 4096  # elements of one tile on the GPU (short rows: several rows per program)
+PROGRAMS_PER_SM = 2  # programs (= dw/db partial rows) of the fused backward on the GPU
+INTERPRETER_PROGRAMS = 4  # the same under the interpreter
 ROWS_PER_WEIGHT_PROGRAM = 32  # rows reduced by one program of norm_weight_backward
 
 # where the statistics come from (a compile-time constant of the kernels)
 BATCH_STATS, RUNNING_STATS = 0, 1
+# the affine channel of column j of statistics row r (compile-time constant CHANNEL)
+COLUMN_CHANNEL, ROW_CHANNEL, GROUP_CHANNEL = 0, 1, 2  # j; r; (r % groups) * channels_per_group + j // SPATIAL
+# where norm_backward writes dw / db (compile-time constants DW, DB)
+NO_GRAD, PER_ROW, PER_PROGRAM = 0, 1, 2
 
 # Index maths, written inline in every kernel (a @triton.jit helper call costs milliseconds
 # per call under the interpreter). Column j of statistics row r lies at
 #     r * row_stride + (j // INNER) * outer_stride + j % INNER
-# (ROWS: row_stride = INNER = ROW_LEN; CHANNELS: row_stride = INNER = SPATIAL, outer_stride =
-# C * SPATIAL), and its affine channel is r (CHANNEL_IS_ROW) or
-# (r % groups) * channels_per_group + j // SPATIAL.
+# (ROWS: row_stride = INNER = ROW_LEN, so it is r * ROW_LEN + j; CHANNELS: row_stride = INNER =
+# SPATIAL, outer_stride = C * SPATIAL).
 
 
 @kernel(half=True)
 def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
-                  row_stride, outer_stride, channels_per_group, groups,
-                  ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL_IS_ROW: tl.constexpr,
+                  n_rows, tiles_per_program, row_stride, outer_stride, channels_per_group, groups,
+                  ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL: tl.constexpr,
                   CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STATS: tl.constexpr, WRITE_DX: tl.constexpr,
-                  ROW_DW: tl.constexpr, ROW_DB: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * row_stride
+                  DW: tl.constexpr, DB: tl.constexpr, COMPUTE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (WRITE_DX), and dw/db
+    PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over its rows of dy * xhat;
+    needs ROW_LEN <= BLOCK and CHANNEL == COLUMN_CHANNEL)."""
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    rstd = tl.load(rstd_ptr + row).to(COMPUTE)
-    mean = tl.load(mean_ptr + row).to(COMPUTE) if CENTRED else rstd * 0
-    zeros = tl.zeros([BLOCK], dtype=COMPUTE)
-    sum_g, sum_g_xhat, sum_dy, sum_dy_xhat = zeros, zeros, zeros, zeros
-    if STATS == 0 or ROW_DW or ROW_DB:
-        for start in range(0, ROW_LEN, BLOCK):
-            c = start + cols
-            mask = c < ROW_LEN
-            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+    col_mask = cols < ROW_LEN
+    if INNER == ROW_LEN:
+        col_offs = cols.to(tl.int64)
+    else:
+        col_offs = (cols // INNER).to(tl.int64) * outer_stride + cols % INNER
+    w_cols = tl.zeros([BLOCK], dtype=COMPUTE)
+    if HAS_WEIGHT and CHANNEL == 0 and ROW_LEN <= BLOCK:  # the same weights for every row: load them once
+        w_cols = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    dw_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)  # PER_PROGRAM sums, reduced over rows at the end
+    db_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)
+    for tile in range(0, tiles_per_program):
+        rows = (pid * tiles_per_program + tile) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        base = rows.to(tl.int64) * row_stride
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None] if CENTRED else rstd * 0
+        if ROW_LEN <= BLOCK:  # one block: x and dy stay in registers
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = base[:, None] + col_offs[None, :]
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy
             if HAS_WEIGHT:
-                channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
-                g = dy * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
-            sum_g += g
-            sum_g_xhat += g * xhat
-            sum_dy += dy
-            sum_dy_xhat += dy * xhat
-    if ROW_DW:
-        tl.store(dw_ptr + row, tl.sum(sum_dy_xhat, 0).to(dw_ptr.dtype.element_ty))
-    if ROW_DB:
-        tl.store(db_ptr + row, tl.sum(sum_dy, 0).to(db_ptr.dtype.element_ty))
-    if WRITE_DX:
-        mean_g = tl.sum(sum_g, 0) / ROW_LEN
-        mean_g_xhat = tl.sum(sum_g_xhat, 0) / ROW_LEN
-        for start in range(0, ROW_LEN, BLOCK):
-            c = start + cols
-            mask = c < ROW_LEN
-            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
-            g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-            if HAS_WEIGHT:
-                channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
-                g = g * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
-            if STATS == 0:
-                xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd
-                if CENTRED:
-                    dx = rstd * (g - mean_g - xhat * mean_g_xhat)
+                if CHANNEL == 0:
+                    g = dy * w_cols[None, :]
+                elif CHANNEL == 1:
+                    g = dy * tl.load(w_ptr + rows[:, None], mask=row_mask[:, None], other=0.0).to(COMPUTE)
                 else:
-                    dx = rstd * (g - xhat * mean_g_xhat)
-            else:
-                dx = rstd * g
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                    channel = ((rows % groups) * channels_per_group)[:, None] + (cols // SPATIAL)[None, :]
+                    g = dy * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
+            xhat = dy * 0
+            if STATS == 0 or DW != 0:
+                xhat = tl.where(mask, (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd, 0.0)
+            if WRITE_DX:
+                if STATS == 0:
+                    mean_g_xhat = tl.sum(g * xhat, 1)[:, None] / ROW_LEN
+                    if CENTRED:
+                        dx = rstd * (g - tl.sum(g, 1)[:, None] / ROW_LEN - xhat * mean_g_xhat)
+                    else:
+                        dx = rstd * (g - xhat * mean_g_xhat)
+                else:
+                    dx = rstd * g
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if DW == 1:
+                tl.store(dw_ptr + rows, tl.sum(dy * xhat, 1).to(dw_ptr.dtype.element_ty), mask=row_mask)
+            if DB == 1:
+                tl.store(db_ptr + rows, tl.sum(dy, 1).to(db_ptr.dtype.element_ty), mask=row_mask)
+            if DW == 2:
+                dw_acc += dy * xhat
+            if DB == 2:
+                db_acc += dy
+        else:  # a pass for the row sums (and PER_ROW dw/db), a pass for dx
+            zero = tl.zeros([ROWS], dtype=COMPUTE)
+            sum_g, sum_g_xhat, sum_dy, sum_dy_xhat = zero, zero, zero, zero
+            if STATS == 0 or DW != 0 or DB != 0:
+                for start in range(0, ROW_LEN, BLOCK):
+                    c = start + cols
+                    mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
+                    if INNER == ROW_LEN:
+                        offs = base[:, None] + c[None, :]
+                    else:
+                        offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
+                    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                    xhat = tl.where(mask, (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd, 0.0)
+                    g = dy
+                    if HAS_WEIGHT:
+                        if CHANNEL == 0:
+                            channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
+                        elif CHANNEL == 1:
+                            channel, channel_mask = rows[:, None], row_mask[:, None]
+                        else:
+                            channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
+                            channel_mask = mask
+                        g = dy * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
+                    sum_g += tl.sum(g, 1)
+                    sum_g_xhat += tl.sum(g * xhat, 1)
+                    sum_dy += tl.sum(dy, 1)
+                    sum_dy_xhat += tl.sum(dy * xhat, 1)
+            if DW == 1:
+                tl.store(dw_ptr + rows, sum_dy_xhat.to(dw_ptr.dtype.element_ty), mask=row_mask)
+            if DB == 1:
+                tl.store(db_ptr + rows, sum_dy.to(db_ptr.dtype.element_ty), mask=row_mask)
+            if WRITE_DX:
+                mean_g = (sum_g / ROW_LEN)[:, None]
+                mean_g_xhat = (sum_g_xhat / ROW_LEN)[:, None]
+                for start in range(0, ROW_LEN, BLOCK):
+                    c = start + cols
+                    mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
+                    if INNER == ROW_LEN:
+                        offs = base[:, None] + c[None, :]
+                    else:
+                        offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
+                    g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                    if HAS_WEIGHT:
+                        if CHANNEL == 0:
+                            channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
+                        elif CHANNEL == 1:
+                            channel, channel_mask = rows[:, None], row_mask[:, None]
+                        else:
+                            channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
+                            channel_mask = mask
+                        g = g * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
+                    if STATS == 0:
+                        xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd
+                        if CENTRED:
+                            dx = rstd * (g - mean_g - xhat * mean_g_xhat)
+                        else:
+                            dx = rstd * (g - xhat * mean_g_xhat)
+                    else:
+                        dx = rstd * g
+                    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if DW == 2:
+        tl.store(dw_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(dw_acc, 0), mask=col_mask)
+    if DB == 2:
+        tl.store(db_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(db_acc, 0), mask=col_mask)
 
 
 @kernel(half=True)
@@ -160,73 +248,103 @@ def norm_weight_backward(x_ptr, dy_ptr, mean_ptr, rstd_ptr, dw_partial_ptr, db_p
 
 
 @kernel(half=True)
-def sum_partials(partial_ptr, out_ptr, n, NUM_PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[j] = sum over p of partial[p, j] (the second pass of a cross-program reduction)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    total = tl.zeros([BLOCK], dtype=partial_ptr.dtype.element_ty)
-    ptrs = partial_ptr + offs
-    for _ in range(0, NUM_PARTIALS):
-        total += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += n
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+def sum_partials(partial_ptr, out_ptr, n, num_partials, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[j] = sum over p of partial[p, j] (the second pass of a cross-program reduction),
+    BLOCK_P partial rows at a time."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    parts = tl.arange(0, BLOCK_P)
+    total = tl.zeros([BLOCK_P, BLOCK_N], dtype=partial_ptr.dtype.element_ty)
+    for start in range(0, num_partials, BLOCK_P):
+        p = start + parts
+        mask = (p < num_partials)[:, None] & col_mask[None, :]
+        total += tl.load(partial_ptr + p.to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(total, 0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @kernel(backward=(norm_backward, norm_weight_backward, sum_partials), half=True)
 def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, running_mean_ptr, running_var_ptr,
-                 row_stride, outer_stride, channels_per_group, groups, eps, momentum,
-                 ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL_IS_ROW: tl.constexpr,
+                 n_rows, row_stride, outer_stride, channels_per_group, groups, eps, momentum,
+                 ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL: tl.constexpr,
                  CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
-                 UPDATE_RUNNING: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * row_stride
+                 UPDATE_RUNNING: tl.constexpr, COMPUTE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One tile of ROWS rows per program: mean, rstd (saved), y, and the running statistics."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    base = rows.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK)
     if STATS == 1:  # RUNNING_STATS: batch_norm in inference
-        mean = tl.load(running_mean_ptr + row).to(COMPUTE)
-        rstd = 1.0 / tl.sqrt(tl.load(running_var_ptr + row).to(COMPUTE) + eps)
+        mean = tl.load(running_mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
+        rstd = 1.0 / tl.sqrt(tl.load(running_var_ptr + rows, mask=row_mask, other=1.0).to(COMPUTE) + eps)
     else:
-        zero = tl.zeros([], dtype=COMPUTE)
-        count, mean, m2 = zero, zero, zero
-        for start in range(0, ROW_LEN, BLOCK):
-            c = start + cols
-            mask = c < ROW_LEN
-            offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-            if CENTRED:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
-                n_block = tl.minimum(ROW_LEN - start, BLOCK).to(COMPUTE)
-                mean_block = tl.sum(x, 0) / n_block
-                d = tl.where(mask, x - mean_block, 0.0)
-                delta = mean_block - mean
-                total = count + n_block
-                mean += delta * (n_block / total)
-                m2 += tl.sum(d * d, 0) + delta * delta * (count * n_block / total)
-                count = total
+        if ROW_LEN <= BLOCK:  # one block: x stays in registers for y
+            mask = row_mask[:, None] & (cols < ROW_LEN)[None, :]
+            if INNER == ROW_LEN:
+                offs = base[:, None] + cols[None, :]
             else:
-                m2 += tl.sum(x * x, 0)
-        var = m2 / ROW_LEN
-        rstd = 1.0 / tl.sqrt(var + eps)
+                offs = base[:, None] + ((cols // INNER).to(tl.int64) * outer_stride + cols % INNER)[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+            if CENTRED:
+                mean = tl.sum(x, 1) / ROW_LEN
+                d = tl.where(mask, x - mean[:, None], 0.0)
+                m2 = tl.sum(d * d, 1)
+            else:
+                m2 = tl.sum(x * x, 1)
+        else:
+            count = tl.zeros([], dtype=COMPUTE)
+            mean = tl.zeros([ROWS], dtype=COMPUTE)
+            m2 = tl.zeros([ROWS], dtype=COMPUTE)
+            for start in range(0, ROW_LEN, BLOCK):
+                c = start + cols
+                mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
+                if INNER == ROW_LEN:
+                    offs = base[:, None] + c[None, :]
+                else:
+                    offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                if CENTRED:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
+                    n_block = tl.minimum(ROW_LEN - start, BLOCK).to(COMPUTE)
+                    mean_block = tl.sum(x, 1) / n_block
+                    d = tl.where(mask, x - mean_block[:, None], 0.0)
+                    delta = mean_block - mean
+                    total = count + n_block
+                    mean += delta * (n_block / total)
+                    m2 += tl.sum(d * d, 1) + delta * delta * (count * n_block / total)
+                    count = total
+                else:
+                    m2 += tl.sum(x * x, 1)
+        rstd = 1.0 / tl.sqrt(m2 / ROW_LEN + eps)
         if UPDATE_RUNNING:  # running_var takes the unbiased variance, as in PyTorch
-            running_mean = tl.load(running_mean_ptr + row).to(COMPUTE)
-            running_var = tl.load(running_var_ptr + row).to(COMPUTE)
+            running_mean = tl.load(running_mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
+            running_var = tl.load(running_var_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
             new_mean = (1.0 - momentum) * running_mean + momentum * mean
             new_var = (1.0 - momentum) * running_var + momentum * (m2 / (ROW_LEN - 1))
-            tl.store(running_mean_ptr + row, new_mean.to(running_mean_ptr.dtype.element_ty))
-            tl.store(running_var_ptr + row, new_var.to(running_var_ptr.dtype.element_ty))
+            tl.store(running_mean_ptr + rows, new_mean.to(running_mean_ptr.dtype.element_ty), mask=row_mask)
+            tl.store(running_var_ptr + rows, new_var.to(running_var_ptr.dtype.element_ty), mask=row_mask)
     if CENTRED:
-        tl.store(mean_ptr + row, mean.to(mean_ptr.dtype.element_ty))
-    tl.store(rstd_ptr + row, rstd.to(rstd_ptr.dtype.element_ty))
+        tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_mask)
     for start in range(0, ROW_LEN, BLOCK):
         c = start + cols
-        mask = c < ROW_LEN
-        offs = base + (c // INNER).to(tl.int64) * outer_stride + c % INNER
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-        y = (x - mean) * rstd if CENTRED else x * rstd
+        mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
+        if INNER == ROW_LEN:
+            offs = base[:, None] + c[None, :]
+        else:
+            offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
+        if STATS == 1 or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+        y = (x - mean[:, None]) * rstd[:, None] if CENTRED else x * rstd[:, None]
         if HAS_WEIGHT or HAS_BIAS:
-            channel = row + c * 0 if CHANNEL_IS_ROW else (row % groups) * channels_per_group + c // SPATIAL
+            if CHANNEL == 0:  # the affine channels as a row, a column or a tile (broadcast against y)
+                channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
+            elif CHANNEL == 1:
+                channel, channel_mask = rows[:, None], row_mask[:, None]
+            else:
+                channel, channel_mask = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :], mask
             if HAS_WEIGHT:
-                y = y * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
+                y = y * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
             if HAS_BIAS:
-                y = y + tl.load(b_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
+                y = y + tl.load(b_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -239,6 +357,37 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _block(n: int) -> int:
     return max(16, min(triton.next_power_of_2(max(n, 1)), MAX_BLOCK))
+
+
+def _tile(rows: int, row_len: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(ROWS, BLOCK) of a tile: a block of the row, and as many rows as fill the tile budget
+    (on the GPU, half as many float64 elements: they take two registers each)."""
+    block = _block(row_len)
+    budget = INTERPRETER_TILE if INTERPRETER else GPU_TILE // (2 if dtype == torch.float64 else 1)
+    return max(1, min(budget // block, triton.next_power_of_2(max(rows, 1)))), block
+
+
+def _num_warps(tile: int, elements_per_warp: int) -> int:
+    """Warps for a tile of ``tile`` elements: about ``elements_per_warp`` each, 4 to 16."""
+    return max(4, min(16, tile // elements_per_warp))
+
+
+def _launch_options(kernel, tile: int, elements_per_warp: int) -> dict:
+    """num_warps for the tile, unless the kernel was tuned (Kernel.tune, bench/tune_launch.py)."""
+    if INTERPRETER or kernel.launch_options:
+        return {}
+    return {"num_warps": _num_warps(tile, elements_per_warp)}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+
+def _max_programs() -> int:
+    """Programs (and dw/db partial rows) of the fused backward: a few per SM on the GPU, so
+    that every SM streams rows while the partial rows stay few."""
+    return INTERPRETER_PROGRAMS if INTERPRETER else PROGRAMS_PER_SM * _sm_count()
 
 
 def _dims(shape) -> str:
@@ -263,14 +412,31 @@ class Rows:
     groups: int
     channel_is_row: bool = False
 
+    @property
+    def channel(self) -> int:
+        """The CHANNEL constant of the kernels."""
+        if self.channel_is_row:
+            return ROW_CHANNEL
+        return COLUMN_CHANNEL if self.groups == 1 and self.spatial == 1 else GROUP_CHANNEL
+
     def pack(self, v: ArgVisitor) -> None:
-        """The runtime index arguments, then the compile-time ones (ROW_LEN ... CHANNEL_IS_ROW)."""
+        """The runtime index arguments, then the compile-time ones (ROW_LEN ... CHANNEL)."""
         v.visit_i64(self.row_stride).visit_i64(self.outer_stride)
         v.visit_i64(self.channels // max(self.groups, 1)).visit_i64(self.groups)
 
     def pack_constexprs(self, v: ArgVisitor) -> None:
-        for value in (self.row_len, max(self.inner, 1), self.spatial, self.channel_is_row):
+        for value in (self.row_len, max(self.inner, 1), self.spatial, self.channel):
             v.visit_constexpr(value)
+
+
+def _sum_partials(ctx: OpContext, partial: torch.Tensor, out: torch.Tensor) -> None:
+    """out = partial.sum(0) with ``sum_partials``."""
+    num_partials, n = partial.shape
+    block_n = min(triton.next_power_of_2(max(n, 1)), 1024 if INTERPRETER else 64)
+    block_p = min(triton.next_power_of_2(max(num_partials, 1)), 64 if INTERPRETER else 32)
+    v = ArgVisitor().visit_ptr(partial).visit_ptr(out).visit_i64(n).visit_i64(num_partials)
+    v.visit_constexpr(block_p).visit_constexpr(block_n)
+    ctx.launch(sum_partials, (cdiv(n, block_n),), v, work=n)
 
 
 class NormOp(RuntimeOp):
@@ -332,18 +498,21 @@ class NormOp(RuntimeOp):
         (x,) = ctx.inputs
         w, b = self._affine([x, *ctx.params])
         geo = self.geometry(x.shape)
+        rows_per_tile, block = _tile(geo.rows, geo.row_len, ctx.dtype)
         running_mean, running_var = self.running_stats(ctx)
         mean = ctx.saved.get("mean", ctx.saved["rstd"])  # rms_norm keeps no mean: never read
         v = ArgVisitor()
         for ptr in (x, w, b, ctx.output, mean, ctx.saved["rstd"], running_mean, running_var):
             v.visit_ptr(x if ptr is None else ptr)  # x stands in for absent tensors (never read)
+        v.visit_i64(geo.rows)
         geo.pack(v)
         v.visit_f32(self.eps).visit_f32(self.momentum())
         geo.pack_constexprs(v)
         for flag in (self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
-                     _compute_dtype(ctx.dtype), _block(geo.row_len)):
+                     _compute_dtype(ctx.dtype), rows_per_tile, block):
             v.visit_constexpr(flag)
-        ctx.launch(norm_forward, (geo.rows,), v, work=geo.rows * geo.row_len)
+        ctx.launch(norm_forward, (cdiv(geo.rows, rows_per_tile),), v, work=geo.rows * geo.row_len,
+                   **_launch_options(norm_forward, rows_per_tile * block, 1024))
 
     def has_backward(self) -> bool:
         return True
@@ -358,20 +527,39 @@ class NormOp(RuntimeOp):
         dw, db = self._affine([dx, *ctx.grad_params])
         dy = ctx.grad_output
         geo = self.geometry(x.shape)
+        rows_per_tile, block = _tile(geo.rows, geo.row_len, ctx.dtype)
         mean, rstd = ctx.saved.get("mean", ctx.saved["rstd"]), ctx.saved["rstd"]
-        row_grads = geo.channel_is_row  # a row is a whole channel: its sums are dw, db
-        if dx is not None or (row_grads and (dw is not None or db is not None)):
+        if geo.channel_is_row:  # a row is a whole channel: its sums are dw, db
+            target = PER_ROW
+        elif geo.channel == COLUMN_CHANNEL and geo.row_len <= block:  # fused: partial rows per program
+            target = PER_PROGRAM
+        else:
+            target = None  # norm_weight_backward
+        dw_target = NO_GRAD if dw is None or target is None else target
+        db_target = NO_GRAD if db is None or target is None else target
+        n_tiles = cdiv(geo.rows, rows_per_tile)
+        tiles_per_program = 1
+        if PER_PROGRAM in (dw_target, db_target):
+            tiles_per_program = max(1, cdiv(n_tiles, _max_programs()))
+        n_programs = cdiv(n_tiles, tiles_per_program)
+        partials = {name: ctx.empty((n_programs, geo.row_len), _stats_dtype(ctx.dtype)) if t == PER_PROGRAM else g
+                    for name, g, t in (("dw", dw, dw_target), ("db", db, db_target))}
+        if dx is not None or dw_target != NO_GRAD or db_target != NO_GRAD:
             v = ArgVisitor()
-            for ptr in (x, w, dy, dx, mean, rstd, dw if row_grads else None, db if row_grads else None):
+            for ptr in (x, w, dy, dx, mean, rstd, partials["dw"], partials["db"]):
                 v.visit_ptr(x if ptr is None else ptr)
+            v.visit_i64(geo.rows).visit_i64(tiles_per_program)
             geo.pack(v)
             geo.pack_constexprs(v)
-            for flag in (self.centred, self.has_weight, self.stats_source(), dx is not None,
-                         row_grads and dw is not None, row_grads and db is not None,
-                         _compute_dtype(ctx.dtype), _block(geo.row_len)):
+            for flag in (self.centred, self.has_weight, self.stats_source(), dx is not None, dw_target, db_target,
+                         _compute_dtype(ctx.dtype), rows_per_tile, block):
                 v.visit_constexpr(flag)
-            ctx.launch(norm_backward, (geo.rows,), v, work=geo.rows * geo.row_len)
-        if not row_grads and (dw is not None or db is not None):
+            ctx.launch(norm_backward, (n_programs,), v, work=geo.rows * geo.row_len,
+                       **_launch_options(norm_backward, rows_per_tile * block, 512))
+        for grad, t, name in ((dw, dw_target, "dw"), (db, db_target, "db")):
+            if t == PER_PROGRAM:
+                _sum_partials(ctx, partials[name], grad)
+        if target is None and (dw is not None or db is not None):
             self._weight_backward(ctx, x, dy, mean, rstd, dw, db, geo.channels, geo.spatial, geo.groups)
 
     def _weight_backward(self, ctx, x, dy, mean, rstd, dw, db, channels, spatial, groups) -> None:
@@ -391,11 +579,8 @@ class NormOp(RuntimeOp):
             v.visit_constexpr(flag)
         ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel())
         for grad, partial in ((dw, partials["dw"]), (db, partials["db"])):
-            if grad is None:
-                continue
-            v = ArgVisitor().visit_ptr(partial).visit_ptr(grad).visit_i64(channels)
-            v.visit_constexpr(n_partials).visit_constexpr(1024)
-            ctx.launch(sum_partials, (cdiv(channels, 1024),), v, work=channels)
+            if grad is not None:
+                _sum_partials(ctx, partial, grad)
 
 
 class LayerNormOp(NormOp):

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module
@@ -74,11 +75,12 @@ _GRAD_STD: tl.constexpr = 3  # dy (x - mu) / (divisor y)
 _GRAD_LSE: tl.constexpr = 4  # dy exp(x - y)
 
 MAX_GROUPS = 4
-TILE = 2048  # elements per reduction tile
-SPLIT_TARGET = 256  # programs to aim for when a reduction is split
+# The interpreter pays per program instance and per operation, not per element: few, wide programs.
+TILE = 16384 if INTERPRETER else 2048  # elements per reduction tile
+SPLIT_TARGET = 4 if INTERPRETER else 256  # programs to aim for when a reduction is split
 MIN_CHUNKS = 4  # a split program reduces at least this many BLOCK_R blocks
 MAX_SPLIT = 1024
-SOFTMAX_MAX_BLOCK = 4096  # longer rows take the looping path
+SOFTMAX_MAX_BLOCK = 16384 if INTERPRETER else 4096  # longer rows take the looping path
 
 
 # ------------------------------------------------------------------------ kernel helpers

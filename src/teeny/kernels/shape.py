@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import INTERPRETER
 from ..graph import GraphError, graph_of
 from ..kernel import kernel
 from ..module import Module
@@ -44,7 +45,7 @@ __all__ = ["reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "t
 NN_LAYERS = ["Flatten", "Unflatten"]
 
 MAX_RANK = 6
-COPY_BLOCK = 1024
+COPY_BLOCK = 16384 if INTERPRETER else 1024  # the interpreter pays per program, not per element
 SHAPE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
                 torch.int8, torch.uint8, torch.bool)
 _py_slice = builtins.slice  # `slice` is an op of this module
@@ -342,8 +343,10 @@ def _merge_lattice(dims):
 class ExpandOp(StridedViewOp):
     """y = x.expand(shape) (a stride-0 view); dx = dy summed over the broadcast dims."""
 
-    BLOCK_LONG, BLOCK_SHORT = 128, 8
-    MAX_SPLITS = 128
+    if INTERPRETER:  # few, wide programs
+        BLOCK_LONG, BLOCK_SHORT, MAX_SPLITS, TARGET_PROGRAMS = 1024, 16, 4, 4
+    else:
+        BLOCK_LONG, BLOCK_SHORT, MAX_SPLITS, TARGET_PROGRAMS = 128, 8, 128, 256
 
     def __init__(self, name: str, shape: Sequence[int]):
         self.name, self.shape = name, tuple(shape)
@@ -380,7 +383,7 @@ class ExpandOp(StridedViewOp):
         rows_contiguous = bool(kept_strides) and kept_strides[-1] == 1
         bm, br = (self.BLOCK_LONG, self.BLOCK_SHORT) if rows_contiguous else (self.BLOCK_SHORT, self.BLOCK_LONG)
         m_blocks = cdiv(M, bm)
-        splits = max(1, min(self.MAX_SPLITS, cdiv(R, br * 8), cdiv(256, max(m_blocks, 1))))
+        splits = max(1, min(self.MAX_SPLITS, cdiv(R, br * 8), cdiv(self.TARGET_PROGRAMS, max(m_blocks, 1))))
         chunk = cdiv(cdiv(R, splits), br) * br
         splits = max(1, cdiv(R, chunk)) if chunk else 1
         chunk = max(chunk, br)
