@@ -157,6 +157,13 @@ def matmul_forward(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K, sxm, sxk, syk, syn, s
              HAS_BIAS, ACC, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
+# H200, bf16 4096^3 forward+backward (bench/tune_launch.py): 8 warps and 4 stages for the 128x128
+# half-precision tiles, 0.93 ms against 1.12 ms for Triton's default 4 warps / 3 stages.
+for _k in (matmul_forward, matmul_backward):
+    for _half in (torch.float16, torch.bfloat16):
+        _k.tune(_half, num_warps=8, num_stages=4)
+
+
 # ------------------------------------------------------------------- launch description
 
 MAX_KEPT_DIMS = 3  # batch dims of the result, after collapsing

@@ -373,10 +373,12 @@ def _num_warps(tile: int, elements_per_warp: int) -> int:
 
 
 def _launch_options(kernel, tile: int, elements_per_warp: int) -> dict:
-    """num_warps for the tile, unless the kernel was tuned (Kernel.tune, bench/tune_launch.py)."""
+    """num_warps for the tile and two pipeline stages for the row loop (bench/NOTES.md: on the H200
+    stages=2 beat 1 and the default 3 for bf16 16384x4096), unless the kernel was tuned
+    (Kernel.tune, bench/tune_launch.py)."""
     if INTERPRETER or kernel.launch_options:
         return {}
-    return {"num_warps": _num_warps(tile, elements_per_warp)}
+    return {"num_warps": _num_warps(tile, elements_per_warp), "num_stages": 2}
 
 
 @functools.lru_cache(maxsize=None)
