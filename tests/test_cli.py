@@ -53,3 +53,14 @@ def test_gradcheck_command_fails_loudly(capsys, monkeypatch):
     assert "FAIL" in out and "numerical" in out and "0 passed, 1 failed" in out
     assert main(["gradcheck", "nonexistent_op"]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+def test_command_runs_in_a_fresh_process():
+    """As a user runs it: a new interpreter, nothing imported first (catches import-order bugs)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "teeny.cli", "ops", "--json"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)) == len(all_ops())

@@ -200,3 +200,20 @@ def test_train_your_own_graph_and_data(tmp_path):
     weight = [v for k, v in params.items() if k.endswith("weight")][0]
     torch.testing.assert_close(weight.cpu(), true_w, atol=1e-3, rtol=1e-3)
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.safetensors").exists()
+
+
+def test_train_step_refuses_to_capture_per_run_state():
+    """A CUDA graph would freeze dropout's per-run seed: such a step is never captured."""
+    from teeny.optim import SGD
+    from teeny.train import TrainStep
+
+    g = Graph()
+    x = g.input("x", (4, 6))
+    w = g.parameter("w", (6,), init=teeny.init.ones())
+    g.output(ops.sum(ops.dropout(ops.mul(x, w), p=0.5)))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    with pytest.warns(UserWarning, match="dropout_.* change per run"):
+        step = TrainStep(ex, SGD(ex, lr=0.0), cuda_graph=True)  # lr 0: only the mask can change the loss
+    assert step.cuda_graph is False
+    losses = [float(step({"x": torch.ones(4, 6)})) for _ in range(2)]
+    assert losses[0] != losses[1]  # a fresh mask each step

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
-import triton
 
-from . import device as _device  # noqa: F401  (chooses interpreter or GPU before any @triton.jit)
+from . import device as _device  # noqa: F401,I001  (first: chooses interpreter or GPU before triton loads)
+import triton
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)

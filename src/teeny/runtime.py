@@ -212,6 +212,7 @@ class RuntimeOp:
     saves_inputs: bool | tuple[int, ...] = True  # which inputs (indices over inputs+params) backward reads
     saves_output: bool = False
     stops_gradient: bool = False
+    capturable: bool = True  # False: its launches depend on host state that changes per run (a CUDA graph would freeze it)
     differentiable_inputs: tuple[int, ...] | None = None  # None: every float input
 
     # --- shapes and dtypes -------------------------------------------------------------

@@ -151,6 +151,12 @@ class TrainStep:
     """
 
     def __init__(self, executor: Executor, optimizer: Optimizer, clip: float | None = None, cuda_graph: bool = False):
+        blockers = [p.node.name for p in executor.program.nodes if not p.op.capturable]
+        if cuda_graph and blockers:
+            import warnings
+
+            warnings.warn(f"not capturing the step as a CUDA graph: {', '.join(blockers)} change per run; training eagerly")
+            cuda_graph = False
         if cuda_graph and executor.device.type != "cuda":
             raise ValueError("CUDA graphs need the GPU")
         self.executor, self.optimizer, self.clip, self.cuda_graph = executor, optimizer, clip, cuda_graph

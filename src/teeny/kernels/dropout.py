@@ -108,6 +108,8 @@ def _draw_trace_seed() -> int:
 class DropoutOp(RuntimeOp):
     """Dropout with base seed ``seed``; ``identity`` (eval mode or p == 0) answers with a view."""
 
+    capturable = False  # the per-run seed comes from the host: a replayed CUDA graph would repeat the mask
+
     name = "dropout"
     saves_inputs = False
 
