@@ -6,24 +6,14 @@ import torch
 
 import teeny
 from teeny.interop.torch import apply
-from teeny.registry import all_ops, tolerance
+from teeny.registry import Sample, all_ops, tolerance
 
 OPS = all_ops()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _wants_grad(sample, index, tensor):
-    return tensor.is_floating_point() and (sample.grad is None or index in sample.grad)
-
-
 def _flat(args):
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_flat(a))
-    return out
+    return Sample(tuple(args)).tensors()
 
 
 def _rebuild(args, fn):
@@ -47,11 +37,8 @@ def test_gradcheck_float64(info, gen):
     if not info.has_backward:
         pytest.skip("inference-only op")
     for sample in info.gradcheck_inputs(gen):
-        tensors = _flat(sample.args) + _flat(list(sample.kwargs.values()))
-        if not any(_wants_grad(sample, i, t) and t.numel() for i, t in enumerate(tensors)):
-            continue
-        teeny.gradcheck(info.op, *sample.args, kwargs=sample.kwargs,
-                        requires_grad=lambda i, t, s=sample: _wants_grad(s, i, t))
+        if sample.has_gradient_to_check():
+            teeny.gradcheck(info.op, *sample.args, kwargs=sample.kwargs, requires_grad=sample.wants_grad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
@@ -60,7 +47,7 @@ def test_matches_torch(info, dtype, gen):
     if dtype not in info.dtypes:
         pytest.skip(f"{info.name} has no {dtype} version")
     for sample in info.samples(dtype, gen):
-        args = _rebuild(sample.args, lambda i, t: t.detach().clone().to(teeny.DEVICE).requires_grad_(_wants_grad(sample, i, t)))
+        args = _rebuild(sample.args, lambda i, t: t.detach().clone().to(teeny.DEVICE).requires_grad_(sample.wants_grad(i, t)))
         kwargs = {k: (v.to(teeny.DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in sample.kwargs.items()}
         ref_args = _rebuild(args, lambda i, t: (t.detach().double() if t.is_floating_point() else t.detach()).requires_grad_(t.requires_grad))
         ref_kwargs = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}

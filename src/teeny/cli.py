@@ -118,14 +118,17 @@ def cmd_gradcheck(args) -> int:
     rows, failed = [], 0
     for info in selected:
         if not info.has_backward:
-            rows.append({"op": info.name, "status": "no backward", "samples": 0, "max_error": None})
+            rows.append({"op": info.name, "status": "n/a", "samples": 0, "max_error": None,
+                         "detail": "inference-only op: no backward to check"})
             continue
         gen = torch.Generator().manual_seed(0)
         status, detail, max_err, count = "ok", "", 0.0, 0
         for sample in info.gradcheck_inputs(gen):
-            wants = (lambda s: lambda i, t: t.is_floating_point() and (s.grad is None or i in s.grad))(sample)
+            if not sample.has_gradient_to_check():
+                continue  # e.g. stop_gradient: nothing differentiable to check in this sample
             try:
-                result = gradcheck(info.op, *sample.args, kwargs=sample.kwargs, requires_grad=wants, raise_on_failure=False)
+                result = gradcheck(info.op, *sample.args, kwargs=sample.kwargs, requires_grad=sample.wants_grad,
+                                   raise_on_failure=False)
             except Exception as exc:  # an op that cannot even run is a failure, reported, not a crash
                 status, detail = "error", f"{sample.name}: {type(exc).__name__}: {exc}"
                 break
@@ -134,7 +137,9 @@ def cmd_gradcheck(args) -> int:
             if not result.ok:
                 status, detail = "FAIL", f"{sample.name}: " + result.report(limit=3)
                 break
-        failed += status not in ("ok",)
+        if status == "ok" and count == 0:
+            status = "n/a"  # no sample has a gradient to check (stop_gradient)
+        failed += status not in ("ok", "n/a")
         rows.append({"op": info.name, "status": status, "samples": count, "max_error": max_err, "detail": detail})
     if args.json:
         print(json.dumps(rows, indent=1))

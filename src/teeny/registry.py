@@ -27,6 +27,27 @@ class Sample:
     grad: tuple[int, ...] | None = None  # indices of tensor args to differentiate (None: every float one)
     reduction: int = 1  # length of the longest reduction in the op, for the tolerance rule
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among the arguments (nested lists too), in the order gradcheck numbers them."""
+        return _flat(list(self.args) + list(self.kwargs.values()))
+
+    def wants_grad(self, index: int, tensor: torch.Tensor) -> bool:
+        """Whether tensor number ``index`` is differentiated in checks."""
+        return tensor.is_floating_point() and (self.grad is None or index in self.grad)
+
+    def has_gradient_to_check(self) -> bool:
+        return any(self.wants_grad(i, t) and t.numel() for i, t in enumerate(self.tensors()))
+
+
+def _flat(args) -> list[torch.Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_flat(a))
+    return out
+
 
 @dataclass
 class OpInfo:
