@@ -231,6 +231,8 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     evals = [r for r in rows if "val_loss" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss")
+        if "unigram_entropy" in evals[-1]:
+            ax.axhline(evals[-1]["unigram_entropy"], color="gray", linestyle="--", label="unigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
