@@ -35,15 +35,7 @@ def test_gradcheck_command_fails_loudly(capsys, monkeypatch):
     import torch
 
     from teeny.registry import OPS, OpInfo, Sample
-    from test_core import ScaledSquare
-
-    class WrongGradSquare(ScaledSquare):
-        name = "wrong_grad_square"
-
-        def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                               grad_inputs, grad_params, visitor, saved=None):
-            visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
-            visitor.visit_i32(grad_output.numel()).visit_f32(2 * self.scale).visit_constexpr(self.BLOCK)
+    from test_core import WrongGradSquare  # its backward is twice too large
 
     bad = OpInfo("wrong_grad_square", lambda x: x.graph.apply(WrongGradSquare(), [x]), lambda x: 1.5 * x * x,
                  lambda dtype, gen: [Sample((torch.randn(3, 4, dtype=dtype, generator=gen),), name="3x4")])

@@ -324,16 +324,17 @@ def test_mixed_dtypes_are_refused_when_tracing():
         ops.add(a, b)
 
 
+class WrongGradSquare(ScaledSquare):
+    name = "wrong_grad_square"
+
+    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
+                           grad_inputs, grad_params, visitor, saved=None):
+        # passes 2*scale instead of scale: the gradient is twice too large
+        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
+        visitor.visit_i32(grad_output.numel()).visit_f32(2 * self.scale).visit_constexpr(self.BLOCK)
+
+
 def test_gradcheck_reports_the_wrong_element():
-    class WrongGradSquare(ScaledSquare):
-        name = "wrong_grad_square"
-
-        def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                               grad_inputs, grad_params, visitor, saved=None):
-            # passes 2*scale instead of scale: the gradient is twice too large
-            visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
-            visitor.visit_i32(grad_output.numel()).visit_f32(2 * self.scale).visit_constexpr(self.BLOCK)
-
     x = torch.randn(2, 3, dtype=torch.float64) + 3
     result = teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), x, raise_on_failure=False)
     assert not result.ok and len(result.mismatches) == 6
