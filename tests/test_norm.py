@@ -142,14 +142,7 @@ def test_rows_longer_than_one_block(case, monkeypatch, gen):
     else:
         fn = lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
         ref_fn, args = (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)), (x, w, b)
-    out = apply(fn, *args)
-    ref = ref_fn(*args)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    dy = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad(out, args, dy)
-    ref_grads = torch.autograd.grad(ref, args, dy)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+    _forward_and_grads_match(fn, ref_fn, args, gen, tol=1e-4)
 
 
 def test_rms_norm_default_eps_is_dtype_eps():
@@ -210,14 +203,7 @@ def test_multi_row_tiles_and_fused_weight_partials(case, rows, monkeypatch, gen)
         fn, ref_fn, args = (lambda x, w: norm.rms_norm(x, (11,), w)), (lambda x, w: F.rms_norm(x, (11,), w)), (x, w)
     else:
         fn, ref_fn, args = (lambda x, w, b: norm.group_norm(x, 1, w, b)), (lambda x, w, b: F.group_norm(x, 1, w, b)), (x, w, b)
-    out = apply(fn, *args)
-    ref = ref_fn(*args)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    dy = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad(out, args, dy)
-    ref_grads = torch.autograd.grad(ref, args, dy)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    _forward_and_grads_match(fn, ref_fn, args, gen, tol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["layer_norm", "group_norm", "batch_norm"])
@@ -245,3 +231,15 @@ def test_multi_row_tiles_of_long_rows(case, monkeypatch, gen):
     dy = torch.randn(out.shape, generator=gen)
     for g, r in zip(torch.autograd.grad(out, args, dy), torch.autograd.grad(ref, args, dy)):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def _forward_and_grads_match(fn, ref_fn, args, gen, tol):
+    """teeny's fn (through the torch interop) against PyTorch's ref_fn: output and every gradient."""
+    out = apply(fn, *args)
+    ref = ref_fn(*args)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    dy = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, args, dy)
+    ref_grads = torch.autograd.grad(ref, args, dy)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=tol, rtol=tol)
