@@ -215,5 +215,6 @@ def test_train_step_refuses_to_capture_per_run_state():
     with pytest.warns(UserWarning, match="dropout_.* change per run"):
         step = TrainStep(ex, SGD(ex, lr=0.0), cuda_graph=True)  # lr 0: only the mask can change the loss
     assert step.cuda_graph is False
-    losses = [float(step({"x": torch.ones(4, 6)})) for _ in range(2)]
+    x = (2.0 ** torch.arange(24.0)).reshape(4, 6)  # every subset of kept elements has its own sum
+    losses = [float(step({"x": x})) for _ in range(2)]
     assert losses[0] != losses[1]  # a fresh mask each step
