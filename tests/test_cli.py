@@ -3,7 +3,7 @@
 import json
 
 from teeny.cli import main
-from teeny.registry import all_ops
+from teeny.ops import all_ops
 
 
 def test_ops_lists_every_registered_op_with_backward_and_dtypes(capsys):

@@ -6,7 +6,8 @@ import torch
 
 import teeny
 from teeny.interop.torch import apply
-from teeny.registry import Sample, all_ops, tolerance
+from teeny.ops import all_ops
+from teeny.registry import Sample, tolerance
 
 OPS = all_ops()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_ops(args) -> int:
-    from .registry import all_ops
+    from .ops import all_ops
 
     rows = []
     for info in all_ops():
@@ -107,7 +107,7 @@ def cmd_gradcheck(args) -> int:
     import torch
 
     from .gradcheck import gradcheck
-    from .registry import all_ops
+    from .ops import all_ops
 
     infos = {i.name: i for i in all_ops()}
     unknown = [name for name in args.ops if name not in infos]

@@ -22,7 +22,7 @@ import torch
 from .device import DEVICE
 from .graph import Value
 from .kernels.accumulate import accumulate
-from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context
+from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context, row_stride
 from .runtime import TeenyError
 
 
@@ -240,7 +240,9 @@ class Executor:
             grad_out = grads.pop(node.output.id, None)
             if grad_out is None:
                 continue  # the output does not reach the loss through differentiable ops
-            self._node_backward(p, entry, grad_out.contiguous(), grads)
+            if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
+                grad_out = grad_out.contiguous()
+            self._node_backward(p, entry, grad_out, grads)
         result = {}
         for v in program.inputs:
             if v.requires_grad:
@@ -258,7 +260,7 @@ class Executor:
             raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, but the output '{loss.name}' has shape {loss.shape}")
         if grad_output.dtype != loss.dtype:
             raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{loss.name}' is {loss.dtype}")
-        return grad_output.to(self.device).contiguous()
+        return grad_output.to(self.device)
 
     def _node_backward(self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
         node = p.node
@@ -266,6 +268,7 @@ class Executor:
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
         ctx.phase = "backward"
         ctx.grad_output = grad_out
+        ctx.grad_output_row_stride = row_stride(grad_out)
         buffers = []
         for v, wanted in zip(node.inputs, p.grad_mask):
             if not wanted:
@@ -294,3 +297,18 @@ class Executor:
                 grads[v.id] = total
             else:
                 grads[v.id] = g
+
+
+def _rows_with_one_stride(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (rows, last dim) with unit stride along the last dim and one stride
+    between rows (what a kernel reading dy by rows through ``grad_output_row_stride`` needs)."""
+    if t.dim() < 2:
+        return t.is_contiguous()
+    if t.stride(-1) != 1 and t.size(-1) > 1:
+        return False
+    expected = t.stride(-2)
+    for dim in range(t.dim() - 3, -1, -1):
+        expected *= t.size(dim + 1)
+        if t.size(dim) > 1 and t.stride(dim) != expected:
+            return False
+    return True

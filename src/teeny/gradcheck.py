@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .graph import Graph, Tensor
+from .graph import Graph, Tensor, trace_function
 from .lowering import LoweringMode, lower
 from .runtime import TeenyError
 
@@ -164,32 +164,6 @@ def _compare(result: GradcheckResult, what: str, numeric: torch.Tensor, analytic
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), numeric.shape))
         result.mismatches.append(Mismatch(what, index, float(numeric.view(-1)[flat_index]),
                                           float(analytic.reshape(-1)[flat_index])))
-
-
-def trace_function(fn: Callable[..., Tensor], args: tuple, kwargs: dict | None = None,
-                   requires_grad: Callable[[int, torch.Tensor], bool] | None = None) -> tuple[Graph, dict[str, torch.Tensor]]:
-    """Trace ``fn`` with a graph input for every tensor in ``args`` (nested lists too);
-    other arguments pass through. Float tensors require a gradient unless ``requires_grad``
-    says otherwise. Returns the graph (with ``fn``'s result as output) and the input feed."""
-    graph = Graph(getattr(fn, "__name__", "fn"))
-    feed: dict[str, torch.Tensor] = {}
-    counter = [0]
-
-    def symbolic(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            index = counter[0]
-            counter[0] += 1
-            name = f"arg{index}"
-            wants = a.is_floating_point() and (requires_grad(index, a) if requires_grad else True)
-            feed[name] = a
-            return graph.input(name, tuple(a.shape), a.dtype, requires_grad=wants)
-        if isinstance(a, (list, tuple)):
-            return type(a)(symbolic(b) for b in a)
-        return a
-
-    out = fn(*[symbolic(a) for a in args], **{k: symbolic(v) for k, v in (kwargs or {}).items()})
-    graph.output(out)
-    return graph, feed
 
 
 def gradcheck(fn: Callable[..., Tensor], *args: Any, requires_grad=None, **options: Any) -> GradcheckResult:

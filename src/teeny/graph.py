@@ -227,90 +227,88 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.value.name!r}, shape={self.shape}, dtype={str(self.dtype).replace('torch.', '')})"
 
-    # Operators dispatch to teeny.ops, imported lazily (ops imports this module).
+    # Operators call the functional ops that ``teeny.ops`` binds here (``bind_operators``):
+    # the graph does not import the op families that build on it.
     def __add__(self, other):
-        from . import ops
-        return ops.add(self, other)
+        return _operator("add")(self, other)
 
     def __radd__(self, other):
-        from . import ops
-        return ops.add(other, self)
+        return _operator("add")(other, self)
 
     def __sub__(self, other):
-        from . import ops
-        return ops.sub(self, other)
+        return _operator("sub")(self, other)
 
     def __rsub__(self, other):
-        from . import ops
-        return ops.sub(other, self)
+        return _operator("sub")(other, self)
 
     def __mul__(self, other):
-        from . import ops
-        return ops.mul(self, other)
+        return _operator("mul")(self, other)
 
     def __rmul__(self, other):
-        from . import ops
-        return ops.mul(other, self)
+        return _operator("mul")(other, self)
 
     def __truediv__(self, other):
-        from . import ops
-        return ops.div(self, other)
+        return _operator("div")(self, other)
 
     def __rtruediv__(self, other):
-        from . import ops
-        return ops.div(other, self)
+        return _operator("div")(other, self)
 
     def __neg__(self):
-        from . import ops
-        return ops.neg(self)
+        return _operator("neg")(self)
 
     def __pow__(self, other):
-        from . import ops
-        return ops.pow(self, other)
+        return _operator("pow")(self, other)
 
     def __rpow__(self, other):
-        from . import ops
-        return ops.pow(other, self)
+        return _operator("pow")(other, self)
 
     def __matmul__(self, other):
-        from . import ops
-        return ops.matmul(self, other)
+        return _operator("matmul")(self, other)
 
     def __getitem__(self, index):
-        from . import ops
-        return ops.getitem(self, index)
+        return _operator("getitem")(self, index)
 
     @property
     def T(self):
-        from . import ops
-        return ops.transpose(self, -2, -1)
+        return _operator("transpose")(self, -2, -1)
 
     def reshape(self, *shape):
-        from . import ops
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return ops.reshape(self, shape)
+        return _operator("reshape")(self, shape)
 
     def view(self, *shape):
         return self.reshape(*shape)
 
     def transpose(self, dim0: int, dim1: int):
-        from . import ops
-        return ops.transpose(self, dim0, dim1)
+        return _operator("transpose")(self, dim0, dim1)
 
     def permute(self, *dims):
-        from . import ops
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = tuple(dims[0])
-        return ops.permute(self, dims)
+        return _operator("permute")(self, dims)
 
     def sum(self, dim=None, keepdim: bool = False):
-        from . import ops
-        return ops.sum(self, dim, keepdim)
+        return _operator("sum")(self, dim, keepdim)
 
     def mean(self, dim=None, keepdim: bool = False):
-        from . import ops
-        return ops.mean(self, dim, keepdim)
+        return _operator("mean")(self, dim, keepdim)
+
+
+_OPERATORS: dict[str, Callable] = {}
+
+
+def bind_operators(**functions: Callable) -> None:
+    """Give symbolic tensors their operators (``x + y`` -> ``functions["add"](x, y)``, ...);
+    ``teeny.ops`` calls this once with the functional ops."""
+    _OPERATORS.update(functions)
+
+
+def _operator(name: str) -> Callable:
+    fn = _OPERATORS.get(name)
+    if fn is None:
+        raise GraphError(f"tensor operator {name!r} is not bound: import teeny.ops (the op families) first")
+    return fn
 
 
 def graph_of(*args: Any) -> Graph:
@@ -323,3 +321,30 @@ def graph_of(*args: Any) -> Graph:
                 if isinstance(b, Tensor):
                     return b.graph
     raise GraphError("no teeny Tensor among the arguments: trace with symbolic tensors from a Graph")
+
+
+def trace_function(fn: Callable[..., Tensor], args: tuple, kwargs: dict | None = None,
+                   requires_grad: Callable[[int, torch.Tensor], bool] | None = None) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """Trace ``fn`` with a graph input for every tensor in ``args`` (nested lists too);
+    other arguments pass through. Float tensors require a gradient unless ``requires_grad``
+    says otherwise. Returns the graph (with ``fn``'s result as output) and the input feed."""
+    graph = Graph(getattr(fn, "__name__", "fn"))
+    feed: dict[str, torch.Tensor] = {}
+    counter = [0]
+
+    def symbolic(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            index = counter[0]
+            counter[0] += 1
+            name = f"arg{index}"
+            wants = a.is_floating_point() and (requires_grad(index, a) if requires_grad else True)
+            feed[name] = a
+            return graph.input(name, tuple(a.shape), a.dtype, requires_grad=wants)
+        if isinstance(a, (list, tuple)):
+            return type(a)(symbolic(b) for b in a)
+        return a
+
+    out = fn(*[symbolic(a) for a in args], **{k: symbolic(v) for k, v in (kwargs or {}).items()})
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    graph.output(*outs)
+    return graph, feed

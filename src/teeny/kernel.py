@@ -8,43 +8,61 @@
 
 Parameter kinds come from the signature: a name ending in ``_ptr`` is a pointer, a
 ``tl.constexpr`` annotation is a compile-time constant, ``tl.int32`` / ``tl.int64`` /
-``tl.float32`` annotations fix a scalar's kind, and any other parameter is a scalar of
-either kind. The packed arguments of every launch are checked against these kinds.
+``tl.float32`` annotations fix a scalar's kind, and any other parameter is a scalar (an int,
+or a float in the kernel's compute precision). Pointers named in ``optional=`` may be passed
+``None``; the kernel tests ``if bias_ptr is not None:`` (Triton specialises on it). The packed
+arguments of every launch are checked against these kinds (``runtime.check_packing``).
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
-bfloat16. ``kernel.instance(dtype)`` is the kernel built for one dtype; lowering creates the
-instances a program needs, and ``built_instances()`` records every one (tests count them to
-prove that inference builds no backward kernel).
+bfloat16; ``dtypes=`` names any other set (integer and bool tensors for shape ops).
+``kernel.instance(dtype)`` is the kernel built for one dtype; lowering creates the instances a
+program needs, and ``built_instances()`` records every one (tests count them to prove that
+inference builds no backward kernel).
+
+float64 means float64 all the way: Triton types every Python float argument as float32, so the
+float64 instance of a kernel launches a copy of the function whose float scalar parameters are
+annotated ``tl.float64`` (``KernelInstance.scalar_types`` says what each launch passes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import textwrap
-from dataclasses import dataclass
-from typing import Callable, Iterable
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import device as _device  # noqa: F401,I001  (first: chooses interpreter or GPU before triton loads)
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 ALL_FLOAT_DTYPES = FLOAT_DTYPES + HALF_DTYPES
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+ANY_DTYPES = ALL_FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
 
 PARAM_KINDS = ("ptr", "i32", "i64", "f32", "scalar", "constexpr")
 _ANNOTATION_KINDS = {"i32": "i32", "i64": "i64", "fp32": "f32", "int32": "i32", "int64": "i64", "float32": "f32"}
 
-REGISTRY: dict[str, "Kernel"] = {}
+REGISTRY: dict[str, Kernel] = {}
 _BUILT: list[tuple[str, torch.dtype]] = []
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: how teeny names a dtype in messages."""
+    return str(dtype).replace("torch.", "")
 
 
 @dataclass(frozen=True)
 class KernelParam:
     name: str
     kind: str  # one of PARAM_KINDS
+    optional: bool = False  # a pointer that may be None
 
 
 def _param_kind(param: inspect.Parameter) -> str:
@@ -73,9 +91,10 @@ class Kernel:
         self,
         fn: Callable,
         *,
-        backward: "Kernel | Iterable[Kernel] | None" = None,
+        backward: Kernel | Iterable[Kernel] | None = None,
         half: bool = False,
         dtypes: Iterable[torch.dtype] | None = None,
+        optional: Iterable[str] = (),
         source: str | None = None,
         name: str | None = None,
         register: bool = True,
@@ -83,8 +102,13 @@ class Kernel:
         python_fn = getattr(fn, "fn", fn)  # accept an already-jitted function
         self.name = name or python_fn.__name__
         self.source = source if source is not None else textwrap.dedent(inspect.getsource(python_fn))
+        self.python_fn = python_fn
         signature = inspect.signature(python_fn)
-        self.params = tuple(KernelParam(p.name, _param_kind(p)) for p in signature.parameters.values())
+        optional = set(optional)
+        self.params = tuple(KernelParam(p.name, _param_kind(p), p.name in optional) for p in signature.parameters.values())
+        unknown = optional - {p.name for p in self.params if p.kind == "ptr"}
+        if unknown:
+            raise TypeError(f"kernel {self.name}: optional= names {sorted(unknown)}, which are not pointer parameters")
         self.jit = fn if hasattr(fn, "fn") else triton.jit(fn)
         if backward is None:
             self.backward: tuple[Kernel, ...] = ()
@@ -97,6 +121,7 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: backward= must be @kernel functions, got {b!r}")
         self.dtypes = tuple(dtypes) if dtypes is not None else (ALL_FLOAT_DTYPES if half else FLOAT_DTYPES)
         self._instances: dict[torch.dtype, KernelInstance] = {}
+        self._float64_variants: dict[frozenset[str], Any] = {}
         self.launch_options: dict[torch.dtype | None, dict] = {}  # see tune()
         if register:
             REGISTRY[self.name] = self
@@ -105,20 +130,23 @@ class Kernel:
     def has_backward(self) -> bool:
         return bool(self.backward)
 
-    def tune(self, dtype: torch.dtype | None = None, **options) -> "Kernel":
+    def param(self, name: str) -> KernelParam | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    def tune(self, dtype: torch.dtype | None = None, **options: Any) -> Kernel:
         """Default Triton launch options (``num_warps``, ``num_stages``) for every launch of this
-        kernel, or of its ``dtype`` version; options an op passes to a launch win."""
+        kernel, or of its ``dtype`` version; options a launch passes win."""
         self.launch_options[dtype] = dict(options)
         return self
 
     def options_for(self, dtype: torch.dtype) -> dict:
         return {**self.launch_options.get(None, {}), **self.launch_options.get(dtype, {})}
 
-    def instance(self, dtype: torch.dtype) -> "KernelInstance":
+    def instance(self, dtype: torch.dtype) -> KernelInstance:
         """The kernel built for ``dtype``; refuses a dtype the kernel does not declare."""
         if dtype not in self.dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
-            raise TypeError(f"kernel {self.name} has no {str(dtype).replace('torch.', '')} version (it dispatches to {names})")
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            raise TypeError(f"kernel {self.name} has no {dtype_name(dtype)} version (it dispatches to {names})")
         inst = self._instances.get(dtype)
         if inst is None:
             inst = KernelInstance(self, dtype)
@@ -126,8 +154,44 @@ class Kernel:
             _BUILT.append((self.name, dtype))
         return inst
 
+    def jit_with_float64(self, names: frozenset[str]) -> Any:
+        """The jitted function with the scalar parameters ``names`` typed ``tl.float64``."""
+        jit = self._float64_variants.get(names)
+        if jit is None:
+            fn = self.python_fn
+            copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+            copy.__annotations__ = {**fn.__annotations__, **{n: tl.float64 for n in names}}
+            copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
+            jit = triton.jit(copy)
+            self._float64_variants[names] = jit
+        return jit
+
     def __repr__(self) -> str:
         return f"<kernel {self.name}>"
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """What one launch ran: the kernel, its dtype, grid, and the Triton type of each scalar."""
+
+    kernel: str
+    dtype: torch.dtype
+    grid: tuple[int, ...]
+    scalar_types: dict[str, str] = field(default_factory=dict)
+
+
+_RECORDERS: list[list[LaunchRecord]] = []
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[LaunchRecord]]:
+    """Collect a ``LaunchRecord`` for every kernel launch inside the ``with`` block."""
+    log: list[LaunchRecord] = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
 
 
 @dataclass(frozen=True)
@@ -135,13 +199,33 @@ class KernelInstance:
     kernel: Kernel
     dtype: torch.dtype
 
-    def launch(self, grid: tuple[int, ...], args: list, **options) -> None:
-        """Launch over ``grid``; ``options`` are Triton's launch options (num_warps, num_stages)."""
-        self.kernel.jit[grid](*args, **options)
+    def scalar_types(self, params: Iterable[KernelParam], values: Iterable[Any]) -> dict[str, str]:
+        """The Triton type each float and int scalar reaches the kernel as."""
+        out = {}
+        for p, v in zip(params, values):
+            if p.kind in ("ptr", "constexpr") or isinstance(v, bool):
+                continue
+            if isinstance(v, float):
+                out[p.name] = "fp64" if self.dtype == torch.float64 and p.kind == "scalar" else "fp32"
+            elif isinstance(v, int):
+                out[p.name] = "i64" if p.kind == "i64" or not -(2**31) <= v < 2**31 else "i32"
+        return out
+
+    def launch(self, grid: tuple[int, ...], args: list, **options: Any) -> None:
+        """Launch over ``grid`` with ``args`` in signature order; ``options`` are Triton's
+        launch options (num_warps, num_stages). Float scalars of a float64 instance are float64."""
+        jit = self.kernel.jit
+        types_ = self.scalar_types(self.kernel.params, args) if (_RECORDERS or self.dtype == torch.float64) else {}
+        wide = frozenset(name for name, t in types_.items() if t == "fp64")
+        if wide:
+            jit = self.kernel.jit_with_float64(wide)
+        for log in _RECORDERS:
+            log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
+        jit[grid](*args, **options)
 
 
-def kernel(fn: Callable | None = None, **options) -> Kernel | Callable[[Callable], Kernel]:
-    """Decorator: ``@kernel`` or ``@kernel(backward=..., half=True, dtypes=...)``."""
+def kernel(fn: Callable | None = None, **options: Any) -> Kernel | Callable[[Callable], Kernel]:
+    """Decorator: ``@kernel`` or ``@kernel(backward=..., half=True, dtypes=..., optional=...)``."""
     if fn is not None:
         return Kernel(fn, **options)
     return lambda f: Kernel(f, **options)
@@ -155,15 +239,13 @@ def built_instances() -> list[tuple[str, torch.dtype]]:
 _SOURCE_COUNTER = [0]
 
 
-def kernel_from_source(source: str, name: str | None = None, **options) -> Kernel:
+def kernel_from_source(source: str, name: str | None = None, **options: Any) -> Kernel:
     """Build a ``@kernel`` from Triton source text defining one function.
 
     The text may start with ``@triton.jit`` or not, and may use ``tl`` and ``triton``.
     It is registered in ``linecache`` so that Triton (which reads source through
     ``inspect``) and tracebacks can see it.
     """
-    import triton.language as tl
-
     text = textwrap.dedent(source).strip("\n") + "\n"
     _SOURCE_COUNTER[0] += 1
     filename = f"<teeny-source-{_SOURCE_COUNTER[0]}>"
@@ -178,7 +260,8 @@ def kernel_from_source(source: str, name: str | None = None, **options) -> Kerne
     if not defined:
         raise ValueError(f"kernel source{' for ' + name if name else ''} defines no function")
     if name is not None:
-        chosen = [f for f in defined if getattr(f, "__name__", None) == name or getattr(getattr(f, "fn", None), "__name__", None) == name]
+        chosen = [f for f in defined if getattr(f, "__name__", None) == name
+                  or getattr(getattr(f, "fn", None), "__name__", None) == name]
         if not chosen:
             raise ValueError(f"kernel source defines no function named {name!r}")
         target = chosen[0]

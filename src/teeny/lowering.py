@@ -1,18 +1,20 @@
-"""``lower(graph, mode) -> Program``: kernels built, gradients planned, every launch checked.
+"""``lower(graph, mode) -> Program``: gradients planned, every launch checked, kernels built.
 
-Inference builds the forward kernels only and plans to free each value after its last
-consumer. Training also
+Inference plans the forward only and frees each value after its last consumer. Training also
 
 * works out which values need a gradient (trainable parameters, inputs marked
   ``requires_grad``, and whatever is computed from them, except through ``stop_gradient``),
 * refuses an op without a backward on a path from such a value to the loss (naming the op,
   the node and the parameter; mark the parameter non-trainable or use ``stop_gradient`` to
   opt out), and
-* builds the backward kernels.
+* plans the backward of every node on the path to the loss.
 
 Both modes then run every op once on meta tensors (no data, no launch): a packed argument
 list that does not match its kernel's signature, or an empty grid where there is work, is
-reported here, naming the op, node, kernel and argument, instead of inside a launch.
+reported here, naming the op, node, kernel and argument, instead of inside a launch. The
+kernel instances a program builds are the ones these launches use: inference builds no
+backward kernel, and a backward launch may use only the kernels its op's forward kernel
+declares with ``@kernel(backward=...)``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .graph import Graph, GraphError, Node, Value
-from .kernel import Kernel, KernelInstance
+from .kernel import KernelInstance
 from .kernels.accumulate import accumulate_kernel
 from .runtime import MissingBackwardError, OpContext, RuntimeOp, TeenyError
 
@@ -76,44 +78,26 @@ class Program:
 
 
 def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=None) -> Program:
+    """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring)."""
     if not isinstance(mode, LoweringMode):
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)
-    instances: dict[tuple[int, torch.dtype], KernelInstance] = {}
-
-    def build(kernels, dtype: torch.dtype, node: Node, what: str) -> None:
-        for k in kernels:
-            if not isinstance(k, Kernel):
-                raise TeenyError(f"op {node.op.name} (node '{node.name}') lists {k!r} as a {what} kernel; expected a @kernel")
-            try:
-                instances[(id(k), dtype)] = k.instance(dtype)
-            except TypeError as exc:
-                raise TeenyError(f"op {node.op.name} (node '{node.name}'): {exc}") from None
-
     needed = _ancestors(outs)
-    planned = []
-    for node in graph.nodes:
-        if node.output.id not in needed:
-            continue
-        build(node.op.kernels(), node.dtype, node, "forward")
-        planned.append(PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs)))
-
+    planned = [PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs))
+               for node in graph.nodes if node.output.id in needed]
     requires_grad = {v.id: False for v in graph.values}
     if mode is LoweringMode.TRAINING:
         _plan_training(graph, planned, outs[0], requires_grad)
-        for p in planned:
-            if p.needs_backward:
-                build(p.op.backward_kernels(), p.node.dtype, p.node, "backward")
-        for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
-            if dtype.is_floating_point:
-                instances[(id(accumulate_kernel), dtype)] = accumulate_kernel.instance(dtype)
-
     last_use = {}
     for index, p in enumerate(planned):
         for v in p.node.inputs:
             last_use[v.id] = index
-    program = Program(graph, mode, planned, outs, instances, requires_grad, last_use)
-    _dry_run(program)
+    program = Program(graph, mode, planned, outs, {}, requires_grad, last_use)
+    _dry_run(program)  # builds exactly the kernel instances the launches use
+    if mode is LoweringMode.TRAINING:
+        for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
+            if dtype.is_floating_point:
+                program.instances[(id(accumulate_kernel), dtype)] = accumulate_kernel.instance(dtype)
     return program
 
 
@@ -224,10 +208,17 @@ def _dry_run(program: Program) -> None:
             bctx = make_context(program, p, [t if keep else None for t, keep in zip(inputs, p.saved_inputs)],
                                 output if node.op.saves_output else None, saved, dry_run=True)
             bctx.phase = "backward"
+            bctx.allowed_kernels = {id(k) for k in node.op.backward_kernels()}
             bctx.grad_output = _meta(node.output.shape, node.output.dtype)
+            bctx.grad_output_row_stride = row_stride(bctx.grad_output)
             grads = [_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
             bctx.grad_inputs, bctx.grad_params = grads[:n_act], grads[n_act:]
             _run_checked(node, "backward", lambda: node.op.backward(bctx))
+
+
+def row_stride(grad_output: torch.Tensor) -> int:
+    """The distance between rows of ``grad_output`` viewed as (rows, last dim)."""
+    return grad_output.stride(-2) if grad_output.dim() >= 2 else max(grad_output.numel(), 1)
 
 
 def _run_checked(node: Node, phase: str, fn) -> None:

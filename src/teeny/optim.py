@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .executor import Executor
+from .runtime import ArgVisitor, Launch, launch_kernel
 from .kernels import optim as K
 from .kernels.optim import (BLOCK, adam_step_kernel, blocks, clip_factor_kernel, scale_by_factor_kernel,
                             sgd_step_kernel, sum_squares_partial_kernel)
@@ -112,8 +113,9 @@ class SGD(Optimizer):
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
         buf = self.state["momentum_buffer"][dtype]
-        args = [params, grads, buf, self.hyper, n, self.nesterov, self.momentum != 0, BLOCK]
-        sgd_step_kernel.instance(dtype).launch((blocks(n),), args)
+        args = ArgVisitor().visit(p_ptr=params, g_ptr=grads, buf_ptr=buf, hyper_ptr=self.hyper, n=n,
+                                  NESTEROV=self.nesterov, USE_MOMENTUM=self.momentum != 0, BLOCK=BLOCK)
+        launch_kernel(Launch(sgd_step_kernel, (blocks(n),), args), dtype, "optimizer SGD")
 
 
 class Adam(Optimizer):
@@ -135,9 +137,10 @@ class Adam(Optimizer):
 
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
-        args = [params, grads, self.state["exp_avg"][dtype], self.state["exp_avg_sq"][dtype], self.hyper, n,
-                self.decoupled, BLOCK]
-        adam_step_kernel.instance(dtype).launch((blocks(n),), args)
+        args = ArgVisitor().visit(p_ptr=params, g_ptr=grads, m_ptr=self.state["exp_avg"][dtype],
+                                  v_ptr=self.state["exp_avg_sq"][dtype], hyper_ptr=self.hyper, n=n,
+                                  DECOUPLED=self.decoupled, BLOCK=BLOCK)
+        launch_kernel(Launch(adam_step_kernel, (blocks(n),), args), dtype, f"optimizer {type(self).__name__}")
 
 
 class AdamW(Adam):
@@ -163,12 +166,17 @@ def clip_grad_norm(executor: Executor, max_norm: float) -> torch.Tensor:
     norm = torch.zeros(1, dtype=torch.float32, device=device)
     factor = torch.ones(1, dtype=torch.float32, device=device)
     offset = 0
+    where = "clip_grad_norm"
     for grads, count in zip(arenas, counts):
-        sum_squares_partial_kernel.instance(grads.dtype).launch((count,), [grads, partials[offset:], grads.numel(), BLOCK])
+        args = ArgVisitor().visit(g_ptr=grads, partial_ptr=partials[offset:], n=grads.numel(), BLOCK=BLOCK)
+        launch_kernel(Launch(sum_squares_partial_kernel, (count,), args), grads.dtype, where)
         offset += count
-    clip_factor_kernel.instance(torch.float32).launch((1,), [partials, offset, norm, factor, float(max_norm), BLOCK])
+    args = ArgVisitor().visit(partial_ptr=partials, n_partials=offset, norm_ptr=norm, factor_ptr=factor,
+                              max_norm=float(max_norm), BLOCK=BLOCK)
+    launch_kernel(Launch(clip_factor_kernel, (1,), args), torch.float32, where)
     for grads in arenas:
-        scale_by_factor_kernel.instance(grads.dtype).launch((blocks(grads.numel()),), [grads, factor, grads.numel(), BLOCK])
+        args = ArgVisitor().visit(g_ptr=grads, factor_ptr=factor, n=grads.numel(), BLOCK=BLOCK)
+        launch_kernel(Launch(scale_by_factor_kernel, (blocks(grads.numel()),), args), grads.dtype, where)
     return norm[0]
 
 

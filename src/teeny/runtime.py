@@ -1,15 +1,23 @@
-"""How an op is launched: ``RuntimeOp``, ``ArgVisitor``, ``OpContext`` and ``CustomOp``.
+"""How an op is launched: ``RuntimeOp``, ``ArgVisitor``, ``Launch``, ``OpContext`` and ``CustomOp``.
 
-A ``RuntimeOp`` describes one op of the graph. Its forward half says how to launch the
-forward kernel (``pack_args``, ``block``, ``grid``); its training half says how to launch the
-backward kernel (``has_backward``, ``pack_backward_args``, ``backward_block``,
-``backward_grid``) and what the backward needs saved from the forward (``saves_inputs``,
-``saves_output``, ``extra_outputs``). Simple ops only fill these in: the default
-``forward(ctx)`` / ``backward(ctx)`` pack the arguments, check them and launch one kernel.
-Ops that need several launches (a matmul's dA and dB, a two-pass reduction) override
-``forward`` / ``backward`` and call ``ctx.launch`` once per kernel; every launch is checked
-the same way, and lowering runs each op once on meta tensors so that packing mistakes and
-zero grids are reported before any real launch.
+A ``RuntimeOp`` describes one op of the graph. Its forward half says how to launch the forward
+kernel (``pack_args``, ``block``, ``grid``); its training half says how to launch the backward
+kernel (``has_backward``, ``pack_backward_args``, ``backward_block``, ``backward_grid``) and
+what the backward needs saved from the forward (``saves_inputs``, ``saves_output``,
+``extra_outputs``). That is the whole contract for an op with one kernel each way, and what a
+``CustomOp`` implements.
+
+An op that needs several launches (a matmul's dA and dB, a two-pass reduction) says so in the
+same vocabulary: ``forward_launches(ctx)`` / ``backward_launches(ctx)`` return a list of
+``Launch(kernel, grid, args, block)`` records, whose arguments are packed through the same
+``ArgVisitor``. (The defaults build the one launch from ``pack_args``/``grid``/``block`` and
+``pack_backward_args``/``backward_grid``/``backward_block``.) Every launch, also the
+optimizers' and the executor's gradient accumulation, runs through ``run_launch``, which
+checks the packing against the kernel's signature (by parameter name where the visit names
+one), refuses an empty grid where there is work, and launches. Lowering runs each op once on
+meta tensors, so packing mistakes and zero grids are reported before any real launch; the
+kernels a program builds are the kernels its launches use (``@kernel(backward=...)`` says which
+kernels are the backward of which).
 
 The inputs of a node are its activation inputs followed by its parameters: the first
 ``n_activation_inputs`` tensors are ``inputs``, the rest ``params`` (checked against
@@ -18,13 +26,14 @@ The inputs of a node are its activation inputs followed by its parameters: the f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from .device import INTERPRETER
-from .kernel import Kernel, KernelInstance, kernel_from_source
+from .kernel import Kernel, KernelInstance, KernelParam, dtype_name, kernel_from_source
 
 Shape = tuple[int, ...]
 
@@ -45,75 +54,228 @@ class MissingBackwardError(TeenyError):
     """An op that gradients must flow through has no backward."""
 
 
+class KernelLaunchError(TeenyError):
+    """A kernel failed to compile or launch (the message names op, node, dtype and shapes)."""
+
+
 # ----------------------------------------------------------------------------- ArgVisitor
+
+AUTO = "auto"  # a named visit whose kind the kernel's signature decides
+
+
+@dataclass(frozen=True)
+class Visit:
+    name: str | None
+    kind: str  # ptr, i32, i64, float, constexpr or AUTO
+    value: Any
 
 
 class ArgVisitor:
-    """Collects a launch's arguments in order, with the kind of each."""
+    """Collects a launch's arguments, each with its kind and, optionally, the name of the kernel
+    parameter it fills.
+
+    Named visits (``visitor.visit(x_ptr=x, n=n, BLOCK=1024)`` or ``visit_ptr(x, "x_ptr")``) are
+    matched to the signature by name, so an order mistake cannot happen; positional visits fill
+    the parameters in order. A float scalar (``visit_float``) reaches the kernel in its compute
+    precision: float64 for float64 instances, float32 otherwise.
+    """
 
     def __init__(self) -> None:
-        self.args: list[Any] = []
-        self.kinds: list[str] = []
+        self.visits: list[Visit] = []
 
-    def visit_ptr(self, tensor: torch.Tensor | None) -> "ArgVisitor":
-        if tensor is not None and not isinstance(tensor, torch.Tensor):
-            raise PackingError(f"visit_ptr expects a torch.Tensor, got {type(tensor).__name__}")
-        self.args.append(tensor)
-        self.kinds.append("ptr")
+    def _add(self, name: str | None, kind: str, value: Any) -> ArgVisitor:
+        self.visits.append(Visit(name, kind, value))
         return self
 
-    def visit_i32(self, value: int) -> "ArgVisitor":
+    def visit_ptr(self, tensor: torch.Tensor | None, name: str | None = None) -> ArgVisitor:
+        """A tensor's address; ``None`` only for a pointer the kernel declares ``optional``."""
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise PackingError(f"visit_ptr{_named(name)} expects a torch.Tensor, got {type(tensor).__name__}")
+        return self._add(name, "ptr", tensor)
+
+    def visit_i32(self, value: int, name: str | None = None) -> ArgVisitor:
         value = int(value)
         if not -(2**31) <= value < 2**31:
-            raise PackingError(f"visit_i32: {value} does not fit in int32 (use visit_i64)")
-        self.args.append(value)
-        self.kinds.append("i32")
+            raise PackingError(f"visit_i32{_named(name)}: {value} does not fit in int32 (use visit_i64)")
+        return self._add(name, "i32", value)
+
+    def visit_i64(self, value: int, name: str | None = None) -> ArgVisitor:
+        return self._add(name, "i64", int(value))
+
+    def visit_float(self, value: float, name: str | None = None) -> ArgVisitor:
+        return self._add(name, "float", float(value))
+
+    def visit_constexpr(self, value: Any, name: str | None = None) -> ArgVisitor:
+        return self._add(name, "constexpr", value)
+
+    def visit(self, **named: Any) -> ArgVisitor:
+        """Named arguments; each one's kind comes from the kernel parameter of that name."""
+        for name, value in named.items():
+            self._add(name, AUTO, value)
         return self
 
-    def visit_i64(self, value: int) -> "ArgVisitor":
-        self.args.append(int(value))
-        self.kinds.append("i64")
-        return self
-
-    def visit_f32(self, value: float) -> "ArgVisitor":
-        self.args.append(float(value))
-        self.kinds.append("f32")
-        return self
-
-    def visit_constexpr(self, value: Any) -> "ArgVisitor":
-        self.args.append(value)
-        self.kinds.append("constexpr")
-        return self
+    @property
+    def kinds(self) -> list[str]:
+        return [v.kind for v in self.visits]
 
 
-def _kind_fits(param_kind: str, visited: str) -> bool:
-    if param_kind == visited:
-        return True
-    if param_kind == "scalar":
-        return visited in ("i32", "i64", "f32")
-    if param_kind == "i64":
-        return visited == "i32"
-    return False
+def _named(name: str | None) -> str:
+    return f" ({name!r})" if name else ""
 
 
-def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str) -> None:
-    """Raise ``PackingError`` unless the visited arguments match ``kernel``'s signature."""
+_FITS = {
+    "ptr": ("ptr",),
+    "i32": ("i32",),
+    "i64": ("i32", "i64"),
+    "f32": ("float",),
+    "scalar": ("i32", "i64", "float"),
+    "constexpr": ("constexpr",),
+}
+
+
+def _resolve(param: KernelParam, visit: Visit, where: str, kernel: Kernel, index: int) -> Any:
+    """The value to pass for ``param``, after checking the visit's kind (and value) against it."""
+    what = f"{where}: kernel {kernel.name} argument {index} '{param.name}'"
+    value, kind = visit.value, visit.kind
+    if kind == AUTO:
+        if param.kind == "constexpr":
+            return value
+        if param.kind == "ptr":
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise PackingError(f"{what} is a pointer, but a {type(value).__name__} was packed there")
+            kind = "ptr"
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PackingError(f"{what} is a {param.kind} scalar, but {value!r} was packed there")
+        elif param.kind == "f32" or isinstance(value, float):
+            kind, value = "float", float(value)
+        else:
+            kind = "i32" if param.kind == "i32" else "i64"
+            if kind == "i32" and not -(2**31) <= value < 2**31:
+                raise PackingError(f"{what} is int32, but {value} does not fit")
+    if kind not in _FITS[param.kind]:
+        raise PackingError(f"{what} is {param.kind}, but a {kind} was packed there")
+    if kind == "ptr" and value is None and not param.optional:
+        raise PackingError(f"{what} got None, but the pointer is not declared optional (@kernel(optional=...))")
+    return value
+
+
+def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: int | None = None) -> list[Any]:
+    """The argument values in signature order; ``PackingError`` unless the visits match
+    ``kernel``'s signature. When every visit is named, a ``BLOCK`` constexpr nobody visited
+    takes ``block_size`` and an optional pointer nobody visited is ``None``."""
     params = kernel.params
-    if len(visitor.kinds) != len(params):
+    visits = visitor.visits
+    named = [v for v in visits if v.name is not None]
+    if named and len(named) == len(visits):  # every visit named: place them by name
+        by_name: dict[str, Visit] = {}
+        for v in visits:
+            if kernel.param(v.name) is None:
+                raise PackingError(f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
+                                   f"(its parameters: {', '.join(p.name for p in params)})")
+            if v.name in by_name:
+                raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
+            by_name[v.name] = v
+        values = []
+        for p in params:
+            v = by_name.get(p.name)
+            if v is None:
+                if p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
+                    v = Visit(p.name, "constexpr", block_size)
+                elif p.optional:
+                    v = Visit(p.name, "ptr", None)
+                else:
+                    raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
+            values.append(_resolve(p, v, where, kernel, params.index(p)))
+        return values
+    if len(visits) != len(params):
         expected = ", ".join(f"{p.name}:{p.kind}" for p in params)
-        got = ", ".join(visitor.kinds)
-        raise PackingError(
-            f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
-            f"but {len(visitor.kinds)} were packed ({got})"
-        )
-    for index, (param, kind, value) in enumerate(zip(params, visitor.kinds, visitor.args)):
-        if not _kind_fits(param.kind, kind):
-            raise PackingError(
-                f"{where}: kernel {kernel.name} argument {index} '{param.name}' is {param.kind}, "
-                f"but a {kind} was packed there"
-            )
-        if kind == "ptr" and value is None:
-            raise PackingError(f"{where}: kernel {kernel.name} argument {index} '{param.name}' got None for a pointer")
+        got = ", ".join(v.kind for v in visits)
+        raise PackingError(f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
+                           f"but {len(visits)} were packed ({got})")
+    values = []
+    for index, (p, v) in enumerate(zip(params, visits)):
+        if v.name is not None and v.name != p.name:
+            raise PackingError(f"{where}: kernel {kernel.name} argument {index} is '{p.name}', "
+                               f"but the visit there names '{v.name}'")
+        values.append(_resolve(p, v, where, kernel, index))
+    return values
+
+
+# ----------------------------------------------------------------------------- Launch
+
+
+@dataclass(frozen=True)
+class Block:
+    """A launch's block: the ``BLOCK`` constexpr (``size``) and Triton's ``num_warps`` /
+    ``num_stages``; any left ``None`` keeps the kernel's default."""
+
+    size: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def as_block(block: Block | int | None) -> Block:
+    if block is None:
+        return Block()
+    return block if isinstance(block, Block) else Block(size=int(block))
+
+
+@dataclass
+class Launch:
+    """One kernel launch: ``kernel`` over ``grid`` with the arguments packed in ``args``.
+
+    ``work`` is how many elements the launch computes (default: the output's size in forward,
+    the gradient's in backward); with no work an empty grid is skipped, with work it is an error.
+    """
+
+    kernel: Kernel
+    grid: Sequence[int]
+    args: ArgVisitor
+    block: Block | int | None = None
+    work: int | None = None
+
+
+def run_launch(launch: Launch, instance: KernelInstance, where: str, work: int, dry_run: bool = False,
+               shapes: str = "") -> None:
+    """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the one path every
+    kernel launch in teeny takes."""
+    kernel = launch.kernel
+    block = as_block(launch.block)
+    values = check_packing(kernel, launch.args, where, block.size)
+    grid = tuple(int(g) for g in launch.grid)
+    if len(grid) == 0 or len(grid) > 3:
+        raise GridError(f"{where}: kernel {kernel.name} grid {grid} must have 1 to 3 dimensions")
+    if launch.work is not None:
+        work = launch.work
+    if any(g <= 0 for g in grid):
+        if work == 0:
+            return
+        raise GridError(f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute")
+    if dry_run:
+        return
+    options: dict[str, Any] = {}
+    if not INTERPRETER:
+        options = kernel.options_for(instance.dtype) if kernel.launch_options else {}
+        if block.num_warps is not None:
+            options["num_warps"] = block.num_warps
+        if block.num_stages is not None:
+            options["num_stages"] = block.num_stages
+    try:
+        instance.launch(grid, values, **options)
+    except TeenyError:
+        raise
+    except Exception as exc:  # Triton's compile or launch failed: say where, in which dtype, on what
+        raise KernelLaunchError(f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed"
+                                f"{' on ' + shapes if shapes else ''}: {type(exc).__name__}: {exc}") from exc
+
+
+def launch_kernel(launch: Launch, dtype: torch.dtype, where: str) -> None:
+    """Launch outside a graph node (optimizer steps, gradient accumulation), checked the same way."""
+    try:
+        instance = launch.kernel.instance(dtype)
+    except TypeError as exc:
+        raise TeenyError(f"{where}: {exc}") from None
+    run_launch(launch, instance, where, work=1)
 
 
 # ----------------------------------------------------------------------------- OpContext
@@ -126,10 +288,12 @@ class OpContext:
     ``inputs`` / ``params`` are the node's tensors (in backward: only those the op declared
     saved; the others are ``None``). ``saved`` holds the op's extra outputs (e.g. rstd).
     In backward, ``grad_inputs`` / ``grad_params`` hold a buffer for each input that needs a
-    gradient and ``None`` for the others; the op writes (not adds) into them.
+    gradient and ``None`` for the others; the op writes (not adds) into them, or replaces one
+    by a view of ``grad_output``. ``grad_output`` has unit stride along its last dim and rows
+    ``grad_output_row_stride`` apart (contiguous unless the op sets ``strided_grad_output``).
     """
 
-    op: "RuntimeOp"
+    op: RuntimeOp
     node_name: str
     dtype: torch.dtype
     inputs: list
@@ -139,11 +303,17 @@ class OpContext:
     instances: dict[tuple[int, torch.dtype], KernelInstance]
     dry_run: bool = False
     grad_output: torch.Tensor | None = None
+    grad_output_row_stride: int = 0
     grad_inputs: list = field(default_factory=list)
     grad_params: list = field(default_factory=list)
     input_shapes: list = field(default_factory=list)
     output_shape: Shape = ()
     phase: str = "forward"
+    allowed_kernels: set[int] | None = None  # backward dry run: the kernels the op's pairs declare
+
+    @property
+    def where(self) -> str:
+        return f"op {self.op.name} (node '{self.node_name}', {self.phase})"
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A scratch buffer on the right device (a meta tensor during lowering's dry run)."""
@@ -154,41 +324,42 @@ class OpContext:
         dev = "meta" if self.dry_run else _device_of(self)
         return torch.zeros(tuple(shape), dtype=dtype or self.dtype, device=dev)
 
+    def instance(self, kernel: Kernel) -> KernelInstance:
+        """The built instance of ``kernel`` for this node's dtype. Lowering's dry run builds it
+        (so a program builds exactly the kernels its launches use); a real run finds it."""
+        key = (id(kernel), self.dtype)
+        instance = self.instances.get(key)
+        if instance is not None:
+            return instance
+        if not self.dry_run:
+            raise TeenyError(f"{self.where}: kernel {kernel.name} for {dtype_name(self.dtype)} was not built for this "
+                             "program (a launch that lowering's dry run did not see)")
+        if self.allowed_kernels is not None and id(kernel) not in self.allowed_kernels:
+            raise TeenyError(f"{self.where}: launches kernel {kernel.name}, which is not declared as a backward of "
+                             f"the op's forward kernel (list it in @kernel(backward=...))")
+        try:
+            instance = kernel.instance(self.dtype)
+        except TypeError as exc:
+            raise TeenyError(f"{self.where}: {exc}") from None
+        self.instances[key] = instance
+        return instance
+
+    def run(self, launches: Sequence[Launch]) -> None:
+        """Check and launch each of ``launches`` in order."""
+        if self.phase == "backward":
+            ref = self.grad_output
+        else:
+            ref = self.output
+        work = 1 if ref is None else ref.numel()
+        shapes = "inputs " + ", ".join(str(tuple(s)) for s in self.input_shapes)
+        for launch in launches:
+            run_launch(launch, self.instance(launch.kernel), self.where, work, self.dry_run, shapes)
+
     def launch(self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None,
                **options: Any) -> None:
-        """Check and launch ``kernel`` over ``grid`` with the visited arguments.
-
-        ``work`` is the number of elements the launch is for (default: the output's size in
-        forward, the gradient's in backward); with no work an empty grid is skipped, with work
-        it is an error. ``options`` go to Triton (``num_warps=8``, ``num_stages=3``; ignored by
-        the interpreter).
-        """
-        where = f"op {self.op.name} (node '{self.node_name}', {self.phase})"
-        instance = self.instances.get((id(kernel), self.dtype))
-        if instance is None:
-            mode = "training" if self.phase == "backward" else "this program"
-            raise TeenyError(
-                f"{where}: kernel {kernel.name} for {str(self.dtype).replace('torch.', '')} was not built "
-                f"for {mode}; an op must declare every kernel it launches in kernels()/backward_kernels()"
-            )
-        check_packing(kernel, visitor, where)
-        grid = tuple(int(g) for g in grid)
-        if len(grid) == 0 or len(grid) > 3:
-            raise GridError(f"{where}: kernel {kernel.name} grid {grid} must have 1 to 3 dimensions")
-        if work is None:
-            ref = self.grad_output if self.phase == "backward" else self.output
-            work = 1 if ref is None else ref.numel()
-        if any(g <= 0 for g in grid):
-            if work == 0:
-                return
-            raise GridError(f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute")
-        if self.dry_run:
-            return
-        if INTERPRETER:
-            options = {}
-        elif kernel.launch_options:
-            options = {**kernel.options_for(self.dtype), **options}
-        instance.launch(grid, visitor.args, **options)
+        """One launch (transitional spelling of ``run([Launch(...)])`` for ops not yet converted)."""
+        block = Block(num_warps=options.get("num_warps"), num_stages=options.get("num_stages"))
+        self.run([Launch(kernel, grid, visitor, block, work)])
 
 
 def _device_of(ctx: OpContext) -> torch.device:
@@ -207,13 +378,14 @@ class RuntimeOp:
     """How one op is launched forwards and, for training, backwards (see module docstring)."""
 
     name: str = "op"
-    kernel: Kernel | None = None  # the forward kernel of the default single-launch path
+    kernel: Kernel | None = None  # the forward kernel; its @kernel(backward=...) are the backward kernels
     n_activation_inputs: int = 1
     saves_inputs: bool | tuple[int, ...] = True  # which inputs (indices over inputs+params) backward reads
     saves_output: bool = False
     stops_gradient: bool = False
     capturable: bool = True  # False: its launches depend on host state that changes per run (a CUDA graph would freeze it)
     differentiable_inputs: tuple[int, ...] | None = None  # None: every float input
+    strided_grad_output: bool = False  # True: the backward reads dy by rows through grad_output_row_stride
 
     # --- shapes and dtypes -------------------------------------------------------------
     def output_shape(self, input_shapes: list[Shape]) -> Shape:
@@ -239,58 +411,74 @@ class RuntimeOp:
         no copy); ``None`` means: launch the forward kernel."""
         return None
 
-    def kernels(self) -> tuple[Kernel, ...]:
-        return (self.kernel,) if self.kernel is not None else ()
-
     def pack_args(self, inputs, params, output, output_shape, visitor: ArgVisitor, saved=None) -> None:
-        raise NotImplementedError(f"op {self.name} must implement pack_args or forward")
+        raise NotImplementedError(f"op {self.name} must implement pack_args or forward_launches")
 
-    def block(self) -> int:
+    def block(self) -> Block | int:
+        """The forward launch's block: its ``BLOCK`` size (given to the kernel's ``BLOCK``
+        constexpr when the packing leaves it out) and, optionally, warps and stages."""
         return 1024
 
     def grid(self, input_shapes: list[Shape], output_shape: Shape) -> tuple[int, int, int]:
-        n = _numel(output_shape)
-        return (-(-n // self.block()), 1, 1)
+        size = as_block(self.block()).size or 1024
+        return (-(-_numel(output_shape) // size), 1, 1)
 
-    def forward(self, ctx: OpContext) -> None:
+    def forward_launches(self, ctx: OpContext) -> list[Launch]:
+        """The forward's launches; the default is one, from ``pack_args``, ``grid`` and ``block``."""
+        if self.kernel is None:
+            raise NotImplementedError(f"op {self.name} has no forward kernel: set `kernel` or implement forward_launches")
         visitor = ArgVisitor()
         self.pack_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, visitor, ctx.saved)
-        ctx.launch(self.kernel, self.grid(ctx.input_shapes, ctx.output_shape), visitor)
+        return [Launch(self.kernel, self.grid(ctx.input_shapes, ctx.output_shape), visitor, self.block())]
+
+    def forward(self, ctx: OpContext) -> None:
+        ctx.run(self.forward_launches(ctx))
 
     # --- backward ----------------------------------------------------------------------
     def has_backward(self) -> bool:
-        return False
+        """Whether gradients flow through the op: by default, whether its forward kernel
+        declares a backward (``@kernel(backward=...)``)."""
+        return self.kernel is not None and self.kernel.has_backward
 
     def backward_kernels(self) -> tuple[Kernel, ...]:
-        return self.kernel.backward if self.kernel is not None else ()
+        """The kernels a backward launch may use: those the forward kernel declares as its
+        backward, and the forward kernel itself (a copy whose adjoint is the inverse copy)."""
+        if self.kernel is None:
+            return ()
+        return (*self.kernel.backward, self.kernel)
 
     def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
                            grad_inputs, grad_params, visitor: ArgVisitor, saved=None) -> None:
-        raise NotImplementedError(f"op {self.name} must implement pack_backward_args or backward")
+        raise NotImplementedError(f"op {self.name} must implement pack_backward_args or backward_launches")
 
-    def backward_block(self) -> int:
+    def backward_block(self) -> Block | int:
         return self.block()
 
     def backward_grid(self, input_shapes: list[Shape], output_shape: Shape) -> tuple[int, int, int]:
         return (0, 0, 0)
 
-    def backward(self, ctx: OpContext) -> None:
-        """Default: one launch of the single backward kernel. Inputs that need no gradient get
-        a scratch buffer so that the kernel can write all of them."""
-        kernels = self.backward_kernels()
+    def backward_launches(self, ctx: OpContext) -> list[Launch]:
+        """The backward's launches; the default is one of the single backward kernel, from
+        ``pack_backward_args``, ``backward_grid`` and ``backward_block``. Inputs that need no
+        gradient get a scratch buffer so that the kernel can write all of them."""
+        kernels = self.kernel.backward if self.kernel is not None else ()
         if len(kernels) != 1:
-            raise TeenyError(f"op {self.name} has {len(kernels)} backward kernels; it must override backward()")
+            raise TeenyError(f"op {self.name} has {len(kernels)} backward kernels; it must implement backward_launches()")
+        if type(self).backward_grid is RuntimeOp.backward_grid:
+            raise GridError(f"op {self.name} has a backward kernel but no backward_grid(): the default (0, 0, 0) "
+                            "would launch nothing and leave every gradient unwritten")
         n_act = len(ctx.grad_inputs)
         shapes = ctx.input_shapes
         grad_inputs = [g if g is not None else (ctx.empty(shapes[i]) if self._float_input(ctx, i) else None)
                        for i, g in enumerate(ctx.grad_inputs)]
         grad_params = [g if g is not None else ctx.empty(shapes[n_act + i]) for i, g in enumerate(ctx.grad_params)]
-        go = ctx.grad_output
-        row_stride = go.stride(-2) if go.dim() >= 2 else max(go.numel(), 1)
         visitor = ArgVisitor()
-        self.pack_backward_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, go, row_stride,
-                                grad_inputs, grad_params, visitor, ctx.saved)
-        ctx.launch(kernels[0], self.backward_grid(ctx.input_shapes, ctx.output_shape), visitor)
+        self.pack_backward_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, ctx.grad_output,
+                                ctx.grad_output_row_stride, grad_inputs, grad_params, visitor, ctx.saved)
+        return [Launch(kernels[0], self.backward_grid(ctx.input_shapes, ctx.output_shape), visitor, self.backward_block())]
+
+    def backward(self, ctx: OpContext) -> None:
+        ctx.run(self.backward_launches(ctx))
 
     def _float_input(self, ctx: OpContext, index: int) -> bool:
         t = ctx.inputs[index] if index < len(ctx.inputs) else None
@@ -333,20 +521,26 @@ class CustomOp(RuntimeOp):
         """Dtypes the kernels dispatch to (``None``: float32 and float64)."""
         return None
 
+    def optional_pointers(self) -> tuple[str, ...]:
+        """Pointer parameters (of either kernel) that may be packed as ``None``."""
+        return ()
+
     def _kernels_built(self) -> tuple[Kernel, Kernel | None]:
         key = type(self)
         if key not in CustomOp._built:
             back_src = (self.lower_backward_source() or "").strip()
             options = {"dtypes": self.dtypes(), "register": False}
-            backward = kernel_from_source(back_src, **options) if back_src else None
-            forward = kernel_from_source(self.lower_source(), backward=backward, **options)
+            backward = None
+            if back_src:
+                backward = kernel_from_source(back_src, optional=self._optional_in(back_src), **options)
+            src = self.lower_source()
+            forward = kernel_from_source(src, backward=backward, optional=self._optional_in(src), **options)
             CustomOp._built[key] = (forward, backward)
         return CustomOp._built[key]
+
+    def _optional_in(self, source: str) -> tuple[str, ...]:
+        return tuple(n for n in self.optional_pointers() if re.search(rf"\b{re.escape(n)}\b", source))
 
     @property
     def kernel(self) -> Kernel:  # type: ignore[override]
         return self._kernels_built()[0]
-
-    def has_backward(self) -> bool:
-        return self._kernels_built()[1] is not None
-

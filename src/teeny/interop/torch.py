@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..executor import Executor
-from ..gradcheck import trace_function
+from ..graph import trace_function
 from ..lowering import LoweringMode, lower
 
 _CACHE: dict[Any, tuple[Executor, list[str]]] = {}
@@ -65,7 +65,7 @@ class _TeenyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grads = ctx.executor.backward(ctx.cache, grad_output.to(ctx.executor.device).contiguous())
+        grads = ctx.executor.backward(ctx.cache, grad_output.to(ctx.executor.device))
         moved = [None if grads.get(n) is None else grads[n].to(d) for n, d in zip(ctx.names, ctx.devices)]
         return (None, None, *moved)
 

@@ -5,10 +5,12 @@ parameter's gradient accumulates across backward passes until ``zero_grad``. ``o
 ``a`` itself (in-place accumulation into the gradient arena).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from ..kernel import kernel
+from ..runtime import ArgVisitor, Launch, launch_kernel
 from .common import ELEMENTWISE_BLOCK
 
 BLOCK = ELEMENTWISE_BLOCK
@@ -23,8 +25,9 @@ def accumulate_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, a + b, mask=mask)
 
 
-def accumulate(a, b, out) -> None:
+def accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``out = a + b`` (contiguous tensors of one dtype and size)."""
     n = out.numel()
     if n:
-        accumulate_kernel.instance(out.dtype).launch((triton.cdiv(n, BLOCK),), [a, b, out, n, BLOCK])
+        args = ArgVisitor().visit(a_ptr=a, b_ptr=b, out_ptr=out, n=n)
+        launch_kernel(Launch(accumulate_kernel, (triton.cdiv(n, BLOCK),), args, BLOCK), out.dtype, "gradient accumulation")

@@ -16,6 +16,7 @@ gradient reduced per channel with fp32 partials and a second pass.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -28,8 +29,8 @@ from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, away_from, make, register
-from ..runtime import ArgVisitor, RuntimeOp
-from .common import ELEMENTWISE_BLOCK, cdiv, elementwise_grid, upcast
+from ..runtime import ArgVisitor, Launch, RuntimeOp
+from .common import ELEMENTWISE_BLOCK, acc_dtype, cdiv, sum_partials, sum_to_shape_kernel, upcast
 
 __all__ = [
     "relu", "leaky_relu", "elu", "selu", "celu", "gelu", "silu", "mish", "sigmoid", "tanh", "softplus",
@@ -66,33 +67,29 @@ def activation_forward(x_ptr, y_ptr, n, a, b, FN: tl.constexpr, BLOCK: tl.conste
 
 
 class ActivationOp(RuntimeOp):
-    """An element-wise activation: ``fn``/``grad`` are its @triton.jit maths."""
+    """An element-wise activation: ``fn``/``grad`` are its @triton.jit maths, ``a``/``b`` its
+    scalar arguments (float64 in float64 kernels)."""
 
+    kernel = activation_forward
     saves_inputs = True
 
     def __init__(self, name: str, fn, grad, a: float = 0.0, b: float = 0.0):
         self.name, self.fn, self.grad, self.a, self.b = name, fn, grad, float(a), float(b)
-        self.kernel = activation_forward
+
+    def block(self):
+        return BLOCK
 
     def pack_args(self, inputs, params, output, output_shape, visitor: ArgVisitor, saved=None):
         (x,) = inputs
-        visitor.visit_ptr(x).visit_ptr(output).visit_i64(x.numel()).visit_f32(self.a).visit_f32(self.b)
-        visitor.visit_constexpr(self.fn).visit_constexpr(BLOCK)
-
-    def grid(self, input_shapes, output_shape):
-        return elementwise_grid(math.prod(output_shape), BLOCK)
-
-    def has_backward(self):
-        return True
+        visitor.visit(x_ptr=x, y_ptr=output, n=x.numel(), a=self.a, b=self.b, FN=self.fn)
 
     def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
                            grad_inputs, grad_params, visitor: ArgVisitor, saved=None):
         (x,), (dx,) = inputs, grad_inputs
-        visitor.visit_ptr(x).visit_ptr(grad_output).visit_ptr(dx).visit_i64(x.numel())
-        visitor.visit_f32(self.a).visit_f32(self.b).visit_constexpr(self.grad).visit_constexpr(BLOCK)
+        visitor.visit(x_ptr=x, dy_ptr=grad_output, dx_ptr=dx, n=x.numel(), a=self.a, b=self.b, GRAD=self.grad)
 
     def backward_grid(self, input_shapes, output_shape):
-        return elementwise_grid(math.prod(output_shape), BLOCK)
+        return self.grid(input_shapes, output_shape)
 
 
 def _activation(x, name, fn, grad, a=0.0, b=0.0):
@@ -170,8 +167,8 @@ def _elu(x, a, b):  # a = alpha, b = scale (1 for elu; selu's constants for selu
 
 
 @triton.jit
-def _elu_grad(x, dy, a, b):
-    return tl.where(x <= 0, dy * (b * a) * tl.exp(x), dy * b)
+def _elu_grad(x, dy, a, b):  # NaN in, NaN out (exp(NaN)), as PyTorch
+    return tl.where(x > 0, dy * b, dy * (b * a) * tl.exp(x))
 
 
 @triton.jit
@@ -181,7 +178,7 @@ def _celu(x, a, b):  # a = alpha: x > 0 ? x : alpha * (exp(x / alpha) - 1)
 
 @triton.jit
 def _celu_grad(x, dy, a, b):
-    return tl.where(x <= 0, dy * tl.exp(x / a), dy)
+    return tl.where(x > 0, dy, dy * tl.exp(x / a))
 
 
 @triton.jit
@@ -283,8 +280,8 @@ def _hardtanh(x, a, b):  # a = min_val, b = max_val
 
 
 @triton.jit
-def _hardtanh_grad(x, dy, a, b):
-    return tl.where((x <= a) | (x >= b), 0.0, dy)
+def _hardtanh_grad(x, dy, a, b):  # 0 at and beyond both bounds, and at NaN, as PyTorch
+    return tl.where((x > a) & (x < b), dy, 0.0)
 
 
 @triton.jit
@@ -334,8 +331,8 @@ def _softshrink(x, a, b):  # a = lambd
 
 
 @triton.jit
-def _softshrink_grad(x, dy, a, b):
-    return tl.where((x >= -a) & (x <= a), 0.0, dy)
+def _softshrink_grad(x, dy, a, b):  # 0 inside [-lambd, lambd] and at NaN
+    return tl.where((x > a) | (x < -a), dy, 0.0)
 
 
 @triton.jit
@@ -345,7 +342,7 @@ def _hardshrink(x, a, b):  # a = lambd
 
 @triton.jit
 def _hardshrink_grad(x, dy, a, b):
-    return tl.where((x >= -a) & (x <= a), 0.0, dy)
+    return tl.where((x > a) | (x < -a), dy, 0.0)
 
 
 @triton.jit
@@ -485,22 +482,27 @@ def threshold(x, threshold: float, value: float, inplace: bool = False):
 # -------------------------------------------------------------- gated: glu and swiglu
 
 
-@kernel(half=True)
+@triton.jit
+def _gated_sources(offsets, half_row, row_stride, SPLIT: tl.constexpr):
+    """Where output element i reads u: the halves of a row (SPLIT) or the same index."""
+    if SPLIT:
+        return (offsets // half_row) * row_stride + offsets % half_row
+    else:
+        return offsets
+
+
+@kernel(half=True, optional=("du_ptr", "dg_ptr"))
 def gated_backward(u_ptr, g_ptr, dy_ptr, du_ptr, dg_ptr, n, half_row, row_stride, g_offset, ACT: tl.constexpr,
-                   ACT_GRAD: tl.constexpr, SPLIT: tl.constexpr, WRITE_DU: tl.constexpr, WRITE_DG: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   ACT_GRAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    if SPLIT:
-        src = (offsets // half_row) * row_stride + offsets % half_row
-    else:
-        src = offsets
+    src = _gated_sources(offsets, half_row, row_stride, SPLIT)
     u = upcast(tl.load(u_ptr + src, mask=mask, other=0.0))
     g = upcast(tl.load(g_ptr + g_offset + src, mask=mask, other=0.0))
     dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
-    if WRITE_DU:
+    if du_ptr is not None:
         tl.store(du_ptr + src, (dy * ACT(g, 0.0, 0.0)).to(du_ptr.dtype.element_ty), mask=mask)
-    if WRITE_DG:
+    if dg_ptr is not None:
         tl.store(dg_ptr + g_offset + src, ACT_GRAD(g, dy * u, 0.0, 0.0).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
@@ -512,10 +514,7 @@ def gated_forward(u_ptr, g_ptr, y_ptr, n, half_row, row_stride, g_offset, ACT: t
     src(i) = i, and g at src(i) + g_offset."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    if SPLIT:
-        src = (offsets // half_row) * row_stride + offsets % half_row
-    else:
-        src = offsets
+    src = _gated_sources(offsets, half_row, row_stride, SPLIT)
     u = upcast(tl.load(u_ptr + src, mask=mask, other=0.0))
     g = upcast(tl.load(g_ptr + g_offset + src, mask=mask, other=0.0))
     tl.store(y_ptr + offsets, (u * ACT(g, 0.0, 0.0)).to(y_ptr.dtype.element_ty), mask=mask)
@@ -553,43 +552,38 @@ class GatedOp(RuntimeOp):
             shape[self.dim % len(shape)] //= 2
         return tuple(shape)
 
-    def _layout(self, input_shapes, output_shape):
-        """(half_row, row_stride, g_offset, split) of the launch."""
-        n = math.prod(output_shape)
+    def block(self):
+        return BLOCK
+
+    def _layout(self, ctx) -> dict:
+        """The kernel's layout arguments: half_row, row_stride, g_offset and SPLIT."""
+        n = math.prod(ctx.output_shape)
         if self.dim is None:
-            return max(n, 1), max(n, 1), 0, False
-        shape = input_shapes[0]
+            return dict(half_row=max(n, 1), row_stride=max(n, 1), g_offset=0, SPLIT=False)
+        shape = ctx.input_shapes[0]
         dim = self.dim % len(shape)
         half_row = (shape[dim] // 2) * math.prod(shape[dim + 1:])
-        return max(half_row, 1), 2 * half_row, half_row, True
+        return dict(half_row=max(half_row, 1), row_stride=2 * half_row, g_offset=half_row, SPLIT=True)
 
-    def _sources(self, inputs):
-        return (inputs[0], inputs[0]) if self.dim is not None else (inputs[1], inputs[0])  # (u, g)
+    def _sources(self, inputs) -> dict:
+        u, g = (inputs[0], inputs[0]) if self.dim is not None else (inputs[1], inputs[0])
+        return dict(u_ptr=u, g_ptr=g)
 
-    def forward(self, ctx):
-        half_row, row_stride, g_offset, split = self._layout(ctx.input_shapes, ctx.output_shape)
-        u, g = self._sources(ctx.inputs)
-        visitor = ArgVisitor().visit_ptr(u).visit_ptr(g).visit_ptr(ctx.output).visit_i64(ctx.output.numel())
-        visitor.visit_i64(half_row).visit_i64(row_stride).visit_i64(g_offset)
-        visitor.visit_constexpr(self.act).visit_constexpr(split).visit_constexpr(BLOCK)
-        ctx.launch(gated_forward, elementwise_grid(ctx.output.numel(), BLOCK), visitor)
+    def forward_launches(self, ctx):
+        n = ctx.output.numel()
+        args = ArgVisitor().visit(**self._sources(ctx.inputs), y_ptr=ctx.output, n=n, ACT=self.act,
+                                  **self._layout(ctx))
+        return [Launch(gated_forward, self.grid(ctx.input_shapes, ctx.output_shape), args, BLOCK)]
 
-    def has_backward(self):
-        return True
-
-    def backward(self, ctx):
-        half_row, row_stride, g_offset, split = self._layout(ctx.input_shapes, ctx.output_shape)
-        u, g = self._sources(ctx.inputs)
+    def backward_launches(self, ctx):
         if self.dim is not None:
             du = dg = ctx.grad_inputs[0]
         else:
             dg, du = ctx.grad_inputs
-        visitor = ArgVisitor().visit_ptr(u).visit_ptr(g).visit_ptr(ctx.grad_output)
-        visitor.visit_ptr(du if du is not None else dg).visit_ptr(dg if dg is not None else du)
-        visitor.visit_i64(ctx.grad_output.numel()).visit_i64(half_row).visit_i64(row_stride).visit_i64(g_offset)
-        visitor.visit_constexpr(self.act).visit_constexpr(self.act_grad).visit_constexpr(split)
-        visitor.visit_constexpr(du is not None).visit_constexpr(dg is not None).visit_constexpr(BLOCK)
-        ctx.launch(gated_backward, elementwise_grid(ctx.grad_output.numel(), BLOCK), visitor)
+        args = ArgVisitor().visit(**self._sources(ctx.inputs), dy_ptr=ctx.grad_output, du_ptr=du, dg_ptr=dg,
+                                  n=ctx.grad_output.numel(), ACT=self.act, ACT_GRAD=self.act_grad,
+                                  **self._layout(ctx))
+        return [Launch(gated_backward, self.grid(ctx.input_shapes, ctx.output_shape), args, BLOCK)]
 
 
 def glu(x, dim: int = -1):
@@ -606,17 +600,17 @@ def swiglu(gate, up):
 # --------------------------------------------------------------------------------- prelu
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("dx_ptr", "partial_ptr"))
 def prelu_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, per_channel, channels, inner, splits,
-                   WRITE_DX: tl.constexpr, WRITE_DW: tl.constexpr, BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr):
     """Program (c, s) walks the elements of channel c (x viewed as (outer, C, inner)) in
     BLOCK-wide steps s, s + splits, ...: writes dx = dy if x > 0 else w[c] * dy and the
-    partial sum of dw[c] = sum(x * dy where x <= 0) (float32, float64 for float64) into
-    partial[c, s]; ``prelu_weight_reduce`` sums the partials over s."""
+    partial sum of dw[c] = sum(x * dy where x <= 0) into partial[s, c] (float32, float64 for
+    float64); ``sum_partials`` adds the partials over s."""
     c = tl.program_id(0)
     s = tl.program_id(1)
     w = upcast(tl.load(w_ptr + c))
-    acc = tl.zeros([BLOCK], dtype=partial_ptr.dtype.element_ty)
+    acc = upcast(tl.zeros([BLOCK], dtype=w_ptr.dtype.element_ty))
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     for start in range(s.to(tl.int64) * BLOCK, per_channel, splits * BLOCK):
         j = start + lanes
@@ -624,26 +618,15 @@ def prelu_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, per_channel, chann
         offsets = (j // inner) * (channels * inner) + c * inner + j % inner
         x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
         dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
-        if WRITE_DX:
+        if dx_ptr is not None:
             tl.store(dx_ptr + offsets, tl.where(x > 0, dy, w * dy).to(dx_ptr.dtype.element_ty), mask=mask)
-        if WRITE_DW:
-            acc += tl.where(x > 0, 0.0, x * dy).to(acc.dtype)
-    if WRITE_DW:
-        tl.store(partial_ptr + c * splits + s, tl.sum(acc, axis=0))
+        if partial_ptr is not None:
+            acc += tl.where(x > 0, 0.0, x * dy)
+    if partial_ptr is not None:
+        tl.store(partial_ptr + s * channels + c, tl.sum(acc, axis=0))
 
 
-@kernel(half=True)
-def prelu_weight_reduce(partial_ptr, dw_ptr, splits, BLOCK: tl.constexpr):
-    """dw[c] = sum over s of partial[c, s] (the second pass of prelu's weight gradient)."""
-    c = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=partial_ptr.dtype.element_ty)
-    for start in range(0, splits, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        acc += tl.load(partial_ptr + c * splits + idx, mask=idx < splits, other=0.0)
-    tl.store(dw_ptr + c, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty))
-
-
-@kernel(backward=(prelu_backward, prelu_weight_reduce), half=True)
+@kernel(backward=(prelu_backward, sum_to_shape_kernel), half=True)
 def prelu_forward(x_ptr, w_ptr, y_ptr, n, channels, inner, BLOCK: tl.constexpr):
     """y = x if x > 0 else w[c] * x, with c = (i // inner) % channels the channel (dim 1) of
     element i. Backward: see prelu_backward."""
@@ -655,7 +638,6 @@ def prelu_forward(x_ptr, w_ptr, y_ptr, n, channels, inner, BLOCK: tl.constexpr):
 
 
 PRELU_TARGET_PROGRAMS = 1024  # backward: split channels until about this many programs run
-REDUCE_BLOCK = 128
 
 
 class PReLUOp(RuntimeOp):
@@ -688,36 +670,26 @@ class PReLUOp(RuntimeOp):
         channels, inner = x[1], math.prod(x[2:])
         return channels, inner, n // channels if channels else 0
 
-    def forward(self, ctx):
-        channels, inner, _ = self._layout(ctx.input_shapes)
-        (x,), (w,) = ctx.inputs, ctx.params
-        n = x.numel()
-        visitor = ArgVisitor().visit_ptr(x).visit_ptr(w).visit_ptr(ctx.output).visit_i64(n)
-        visitor.visit_i64(channels).visit_i64(inner).visit_constexpr(BLOCK)
-        ctx.launch(prelu_forward, elementwise_grid(n, BLOCK), visitor)
+    def block(self):
+        return BLOCK
 
-    def has_backward(self):
-        return True
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        channels, inner, _ = self._layout([tuple(inputs[0].shape), tuple(params[0].shape)])
+        visitor.visit(x_ptr=inputs[0], w_ptr=params[0], y_ptr=output, n=output.numel(), channels=channels, inner=inner)
 
-    def backward_kernels(self):
-        return (prelu_backward, prelu_weight_reduce)
-
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         channels, inner, per_channel = self._layout(ctx.input_shapes)
         (x,), (w,) = ctx.inputs, ctx.params
         (dx,), (dw,) = ctx.grad_inputs, ctx.grad_params
         splits = max(1, min(cdiv(per_channel, BLOCK), cdiv(PRELU_TARGET_PROGRAMS, max(channels, 1))))
-        acc_dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        partial = ctx.empty((channels * splits if dw is not None else 1,), acc_dtype)
-        visitor = ArgVisitor().visit_ptr(x).visit_ptr(w).visit_ptr(ctx.grad_output)
-        visitor.visit_ptr(dx if dx is not None else partial).visit_ptr(partial)
-        visitor.visit_i64(per_channel).visit_i64(channels).visit_i64(inner).visit_i64(splits)
-        visitor.visit_constexpr(dx is not None).visit_constexpr(dw is not None).visit_constexpr(BLOCK)
+        partials = ctx.empty((splits, channels), acc_dtype(ctx.dtype)) if dw is not None else None
+        args = ArgVisitor().visit(x_ptr=x, w_ptr=w, dy_ptr=ctx.grad_output, dx_ptr=dx, partial_ptr=partials,
+                                  per_channel=per_channel, channels=channels, inner=inner, splits=splits)
         # the weight gradient has work (zeros) even for an empty input
-        ctx.launch(prelu_backward, (channels, splits, 1), visitor, work=channels if dw is not None else None)
+        launches = [Launch(prelu_backward, (channels, splits, 1), args, BLOCK, work=channels if dw is not None else None)]
         if dw is not None:
-            reduce = ArgVisitor().visit_ptr(partial).visit_ptr(dw).visit_i64(splits).visit_constexpr(REDUCE_BLOCK)
-            ctx.launch(prelu_weight_reduce, (channels, 1, 1), reduce, work=channels)
+            launches += sum_partials(partials, dw)
+        return launches
 
 
 def prelu(x, weight):
@@ -728,159 +700,55 @@ def prelu(x, weight):
 # ---------------------------------------------------------------------------------- layers
 
 
-class _Activation(Module):
-    """A layer applying ``FN`` with the keyword arguments given at construction."""
+def activation_layer(name: str, fn) -> type[Module]:
+    """The ``nn`` layer of ``fn``: its constructor takes ``fn``'s arguments after the input (the
+    names and defaults of PyTorch's layer, ``inplace`` accepted and ignored) and its forward
+    applies ``fn``."""
+    signature = inspect.signature(fn)
+    options = inspect.Signature(list(signature.parameters.values())[1:])
 
-    FN = None
-
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.kwargs = kwargs
+    def __init__(self, *args, **kwargs):
+        Module.__init__(self)
+        try:
+            bound = options.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc}") from None
+        bound.apply_defaults()
+        self.kwargs = {k: v for k, v in bound.arguments.items() if k != "inplace"}
 
     def forward(self, x):
-        return type(self).FN(x, **self.kwargs)
+        return fn(x, **self.kwargs)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
+    def __repr__(self):
+        return f"{name}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
 
-
-class ReLU(_Activation):
-    FN = relu
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
+    doc = f"Layer applying ``{fn.__name__}``: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}"
+    return type(name, (Module,), {"__init__": __init__, "forward": forward, "__repr__": __repr__, "__doc__": doc,
+                                  "__module__": __name__})
 
 
-class LeakyReLU(_Activation):
-    FN = leaky_relu
-
-    def __init__(self, negative_slope: float = 0.01, inplace: bool = False):
-        super().__init__(negative_slope=negative_slope)
-
-
-class ELU(_Activation):
-    FN = elu
-
-    def __init__(self, alpha: float = 1.0, inplace: bool = False):
-        super().__init__(alpha=alpha)
-
-
-class SELU(_Activation):
-    FN = selu
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class CELU(_Activation):
-    FN = celu
-
-    def __init__(self, alpha: float = 1.0, inplace: bool = False):
-        super().__init__(alpha=alpha)
-
-
-class GELU(_Activation):
-    FN = gelu
-
-    def __init__(self, approximate: str = "none"):
-        super().__init__(approximate=approximate)
-
-
-class SiLU(_Activation):
-    FN = silu
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class Mish(_Activation):
-    FN = mish
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class Sigmoid(_Activation):
-    FN = sigmoid
-
-
-class Tanh(_Activation):
-    FN = tanh
-
-
-class Softplus(_Activation):
-    FN = softplus
-
-    def __init__(self, beta: float = 1.0, threshold: float = 20.0):
-        super().__init__(beta=beta, threshold=threshold)
-
-
-class Softsign(_Activation):
-    FN = softsign
-
-
-class Hardtanh(_Activation):
-    FN = hardtanh
-
-    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
-        super().__init__(min_val=min_val, max_val=max_val)
-
-
-class ReLU6(_Activation):
-    FN = relu6
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class Hardsigmoid(_Activation):
-    FN = hardsigmoid
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class Hardswish(_Activation):
-    FN = hardswish
-
-    def __init__(self, inplace: bool = False):
-        super().__init__()
-
-
-class LogSigmoid(_Activation):
-    FN = logsigmoid
-
-
-class Tanhshrink(_Activation):
-    FN = tanhshrink
-
-
-class Softshrink(_Activation):
-    FN = softshrink
-
-    def __init__(self, lambd: float = 0.5):
-        super().__init__(lambd=lambd)
-
-
-class Hardshrink(_Activation):
-    FN = hardshrink
-
-    def __init__(self, lambd: float = 0.5):
-        super().__init__(lambd=lambd)
-
-
-class Threshold(_Activation):
-    FN = threshold
-
-    def __init__(self, threshold: float, value: float, inplace: bool = False):
-        super().__init__(threshold=threshold, value=value)
-
-
-class GLU(_Activation):
-    FN = glu
-
-    def __init__(self, dim: int = -1):
-        super().__init__(dim=dim)
+ReLU = activation_layer("ReLU", relu)
+LeakyReLU = activation_layer("LeakyReLU", leaky_relu)
+ELU = activation_layer("ELU", elu)
+SELU = activation_layer("SELU", selu)
+CELU = activation_layer("CELU", celu)
+GELU = activation_layer("GELU", gelu)
+SiLU = activation_layer("SiLU", silu)
+Mish = activation_layer("Mish", mish)
+Sigmoid = activation_layer("Sigmoid", sigmoid)
+Tanh = activation_layer("Tanh", tanh)
+Softplus = activation_layer("Softplus", softplus)
+Softsign = activation_layer("Softsign", softsign)
+Hardtanh = activation_layer("Hardtanh", hardtanh)
+ReLU6 = activation_layer("ReLU6", relu6)
+Hardsigmoid = activation_layer("Hardsigmoid", hardsigmoid)
+Hardswish = activation_layer("Hardswish", hardswish)
+LogSigmoid = activation_layer("LogSigmoid", logsigmoid)
+Tanhshrink = activation_layer("Tanhshrink", tanhshrink)
+Softshrink = activation_layer("Softshrink", softshrink)
+Hardshrink = activation_layer("Hardshrink", hardshrink)
+Threshold = activation_layer("Threshold", threshold)
+GLU = activation_layer("GLU", glu)
 
 
 class PReLU(Module):
@@ -912,7 +780,6 @@ def _unary_samples(kinks=(), low=-3.0, high=3.0, kwargs=({},), shapes=_SHAPES):
 
 def _register_unary(name, fn, ref, kinks=(), low=-3.0, high=3.0, kwargs=({},)):
     register(OpInfo(name, fn, ref, _unary_samples(kinks, low, high, kwargs), family="activation",
-                    kernels=(activation_forward, activation_backward),
                     gradcheck_samples=lambda gen: _unary_samples(kinks, low, high, kwargs, _GRADCHECK_SHAPES)(torch.float64, gen)))
 
 
@@ -959,8 +826,7 @@ def _prelu_samples(shapes):
 register(OpInfo("prelu", prelu, F.prelu,
                 _prelu_samples([((3, 5, 7), (5,)), ((37, 3), (1,)), ((4, 3), (3,)), ((6,), (1,)), ((0, 3), (3,)),
                                 ((), (1,)), ((2, 3), ())]),
-                family="activation", kernels=(prelu_forward, prelu_backward, prelu_weight_reduce),
-                gradcheck_samples=lambda gen: _prelu_samples([((2, 3, 3), (3,)), ((5,), (1,))])(torch.float64, gen)))
+                family="activation", gradcheck_samples=lambda gen: _prelu_samples([((2, 3, 3), (3,)), ((5,), (1,))])(torch.float64, gen)))
 
 
 def _glu_samples(cases):
@@ -970,8 +836,7 @@ def _glu_samples(cases):
 
 
 register(OpInfo("glu", glu, F.glu, _glu_samples([((3, 38), -1), ((4, 6, 5), 1), ((6,), 0), ((2, 0, 4), 2)]),
-                family="activation", kernels=(gated_forward, gated_backward),
-                gradcheck_samples=lambda gen: _glu_samples([((3, 4), -1), ((2, 4, 3), 1)])(torch.float64, gen)))
+                family="activation", gradcheck_samples=lambda gen: _glu_samples([((3, 4), -1), ((2, 4, 3), 1)])(torch.float64, gen)))
 
 
 def _swiglu_samples(shapes):
@@ -981,5 +846,4 @@ def _swiglu_samples(shapes):
 
 
 register(OpInfo("swiglu", swiglu, lambda gate, up: F.silu(gate) * up, _swiglu_samples(_SHAPES),
-                family="activation", kernels=(gated_forward, gated_backward),
-                gradcheck_samples=lambda gen: _swiglu_samples(_GRADCHECK_SHAPES)(torch.float64, gen)))
+                family="activation", gradcheck_samples=lambda gen: _swiglu_samples(_GRADCHECK_SHAPES)(torch.float64, gen)))

@@ -1,11 +1,34 @@
-"""Small pieces shared by kernels and ops: compute dtypes, launch sizes, scalar constants."""
+"""Pieces every op family shares, each stated once.
+
+* The accumulation dtype: float64 stays float64, everything else sums in float32
+  (``acc_dtype`` on the host, ``tl_acc_dtype`` for a ``tl.constexpr``, ``upcast`` in a kernel).
+* ``sum_to_shape``: the sum of an ``out_shape``-shaped gradient over the dims along which a
+  smaller shape was broadcast (bias and broadcast-operand gradients, ``expand``'s backward,
+  column sums). One kernel, ``sum_to_shape_kernel``: a tile of target elements per program,
+  looping over the broadcast elements; a long broadcast range is split across programs into
+  float32 partials [splits, targets] that a second launch of the same kernel sums
+  (``sum_partials``). No atomics, so every result is bit-reproducible.
+* Launch sizes for the interpreter and the GPU, and ``strided_offsets`` (a flat index
+  unravelled over up to ``MAX_DIMS`` dims, innermost first, into an element offset).
+"""
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import torch
 import triton
 import triton.language as tl
 
 from ..device import INTERPRETER
+from ..kernel import kernel
+from ..runtime import ArgVisitor, Launch
+
+if TYPE_CHECKING:
+    from ..runtime import OpContext
+
+Shape = tuple[int, ...]
 
 
 @triton.jit
@@ -17,8 +40,23 @@ def upcast(x):
         return x.to(tl.float32)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and partials are kept in for ``dtype`` data (the host side of ``upcast``)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_acc_dtype(dtype: torch.dtype) -> tl.dtype:
+    """``acc_dtype`` as a Triton dtype, for a ``tl.constexpr`` argument."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def elementwise_grid(n: int, block: int) -> tuple[int, int, int]:
@@ -33,3 +71,143 @@ DOT_UPCAST_BF16 = INTERPRETER
 # numpy handles a wide block almost as fast as a narrow one: use few, wide programs there.
 ELEMENTWISE_BLOCK = 16384 if INTERPRETER else 1024
 
+MAX_DIMS = 6  # dims of a strided layout after merging (see strided_offsets)
+
+
+@triton.jit
+def _peel(off, rem, size, stride, K: tl.constexpr, NDIM: tl.constexpr):
+    """Add dimension K's share (K = 0 innermost) of the flat index ``rem`` to ``off``."""
+    if K < NDIM - 1:
+        off += (rem % size) * stride
+        rem = rem // size
+    elif K == NDIM - 1:
+        off += rem * stride
+    return off, rem
+
+
+@triton.jit
+def strided_offsets(index, d0, d1, d2, d3, d4, t0, t1, t2, t3, t4, t5, NDIM: tl.constexpr):
+    """sum_k index_k * t_k, where index_k is the k-th digit (innermost first, sizes d_k) of index."""
+    off = index * 0
+    off, rem = _peel(off, index, d0, t0, 0, NDIM)
+    off, rem = _peel(off, rem, d1, t1, 1, NDIM)
+    off, rem = _peel(off, rem, d2, t2, 2, NDIM)
+    off, rem = _peel(off, rem, d3, t3, 3, NDIM)
+    off, rem = _peel(off, rem, d4, t4, 4, NDIM)
+    off, rem = _peel(off, rem, 1, t5, 5, NDIM)
+    return off
+
+
+def visit_layout(visitor: ArgVisitor, prefix: str, sizes: Sequence[int], strides: Sequence[int]) -> None:
+    """Visit a layout for ``strided_offsets`` as ``{prefix}d0..d4`` and ``{prefix}t0..t5``."""
+    sizes = list(sizes) + [1] * (MAX_DIMS - len(sizes))
+    strides = list(strides) + [0] * (MAX_DIMS - len(strides))
+    visitor.visit(**{f"{prefix}d{k}": sizes[k] for k in range(MAX_DIMS - 1)})
+    visitor.visit(**{f"{prefix}t{k}": strides[k] for k in range(MAX_DIMS)})
+
+
+# ----------------------------------------------------------------------- sum_to_shape
+
+# elements per tile and programs to aim for (the interpreter: few, wide programs)
+_SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (2048, 512)
+
+
+@kernel(half=True)
+def sum_to_shape_kernel(g_ptr, out_ptr, m, r, r_per_split,
+                        kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5,
+                        rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5,
+                        KEPT_NDIM: tl.constexpr, RED_NDIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[s, t] = sum over j in split s of g[kept(t) + reduced(j)], summed in float32 (float64
+    for float64). Program (i, s): targets i*BLOCK_M ..., reduced range split s."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    targets = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    target_mask = targets < m
+    base = strided_offsets(targets, kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5, KEPT_NDIM)
+    acc = upcast(tl.zeros([BLOCK_M, BLOCK_R], dtype=g_ptr.dtype.element_ty))
+    start = pid_s.to(tl.int64) * r_per_split
+    end = tl.minimum(start + r_per_split, r)
+    for j0 in range(start, end, BLOCK_R):
+        j = j0 + tl.arange(0, BLOCK_R)
+        reduced = strided_offsets(j, rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5, RED_NDIM)
+        tile_mask = target_mask[:, None] & (j < end)[None, :]
+        acc += upcast(tl.load(g_ptr + base[:, None] + reduced[None, :], mask=tile_mask, other=0))
+    total = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pid_s.to(tl.int64) * m + targets, total.to(out_ptr.dtype.element_ty), mask=target_mask)
+
+
+def _split_dims(shape: Shape, out_shape: Shape, strides: Sequence[int]) -> tuple[list, list, list, list]:
+    """Kept and reduced dims of ``out_shape`` (sizes and element strides into the gradient,
+    innermost first, same-kind neighbours merged); ``strides`` is 0 along broadcast dims."""
+    kept, kept_strides, red, red_strides = [], [], [], []
+    step, last_kind = 1, None
+    for k in reversed(range(len(out_shape))):
+        size = out_shape[k]
+        if size != 1:
+            kind = strides[k] != 0
+            sizes, st = (kept, kept_strides) if kind else (red, red_strides)
+            if kind == last_kind:
+                sizes[-1] *= size
+            else:
+                sizes.append(size)
+                st.append(step)
+            last_kind = kind
+        step *= size
+    return kept or [1], kept_strides or [0], red or [1], red_strides or [0]
+
+
+def broadcast_strides(shape: Shape, out_shape: Shape) -> list[int]:
+    """Element strides of a contiguous ``shape`` read as ``out_shape`` (0 along broadcast dims)."""
+    strides, step = [0] * len(out_shape), 1
+    for k in range(1, len(shape) + 1):
+        size = shape[-k]
+        strides[-k] = step if size != 1 else 0
+        step *= size
+    return strides
+
+
+def sum_to_shape(ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: torch.Tensor) -> list[Launch]:
+    """Launches writing into ``target`` the sum of the ``out_shape``-shaped, contiguous ``grad``
+    over the dims along which ``target``'s shape broadcasts to ``out_shape``."""
+    shape = tuple(target.shape)
+    kept, kept_strides, red, red_strides = _split_dims(shape, out_shape, broadcast_strides(shape, out_shape))
+    m, r = math.prod(shape), math.prod(out_shape)
+    r = r // m if m else 0
+    if len(kept) > MAX_DIMS or len(red) > MAX_DIMS:
+        raise ValueError(f"sum_to_shape: {shape} -> {out_shape} has too many dimensions")
+    inner_kept = bool(out_shape) and out_shape[-1] != 1 and broadcast_strides(shape, out_shape)[-1] != 0
+    if inner_kept:  # targets contiguous: wide along them
+        block_m = min(pow2(m), 64)
+        block_r = min(pow2(r), max(1, _SUM_TILE // block_m))
+    else:
+        block_r = min(pow2(r), 256)
+        block_m = min(pow2(m), max(1, _SUM_TILE // block_r))
+    programs_m = cdiv(m, block_m)
+    split = max(1, min(cdiv(r, 4 * block_r), cdiv(_SUM_TARGET_PROGRAMS, programs_m)))
+    r_per_split = cdiv(cdiv(r, split), block_r) * block_r if r else 1
+    split = max(1, cdiv(r, r_per_split))
+    first_out = target if split == 1 else ctx.empty((split, m), acc_dtype(target.dtype))
+    launches = [_sum_launch(grad, first_out, m, r, r_per_split, kept, kept_strides, red, red_strides,
+                            block_m, block_r, (programs_m, split, 1))]
+    if split > 1:
+        launches += sum_partials(first_out, target)
+    return launches
+
+
+def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+    """The second pass of a split sum: ``out[t] = sum_s partials[s, t]`` for a contiguous
+    (splits, targets) buffer of float32 (float64) partials."""
+    splits, m = partials.shape
+    block_m = min(pow2(m), 64)
+    block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
+    return [_sum_launch(partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r,
+                        (cdiv(m, block_m), 1, 1))]
+
+
+def _sum_launch(grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid) -> Launch:
+    visitor = ArgVisitor().visit(g_ptr=grad, out_ptr=out, m=m, r=r, r_per_split=r_per_split)
+    visit_layout(visitor, "k", kept, kept_strides)
+    visit_layout(visitor, "r", red, red_strides)
+    visitor.visit(KEPT_NDIM=len(kept), RED_NDIM=len(red), BLOCK_M=block_m, BLOCK_R=block_r)
+    return Launch(sum_to_shape_kernel, grid, visitor, work=m)

@@ -756,7 +756,6 @@ _CONV_GRADCHECK = [
 ]
 
 register(OpInfo("conv2d", conv2d, F.conv2d, _conv_samples(_CONV_CASES), family="conv",
-                kernels=(conv2d_forward, conv2d_input_backward, conv2d_weight_backward, split_sum),
                 gradcheck_samples=lambda gen: _conv_samples(_CONV_GRADCHECK)(torch.float64, gen)))
 
 
@@ -798,10 +797,8 @@ _POOL_GRADCHECK = [
 ]
 
 register(OpInfo("max_pool2d", max_pool2d, F.max_pool2d, _pool_samples(_MAX_POOL_CASES, True), family="conv",
-                kernels=(pool2d_forward, pool2d_backward),
                 gradcheck_samples=lambda gen: _pool_samples(_POOL_GRADCHECK, True)(torch.float64, gen)))
 register(OpInfo("avg_pool2d", avg_pool2d, F.avg_pool2d, _pool_samples(_AVG_POOL_CASES, False), family="conv",
-                kernels=(pool2d_forward, pool2d_backward),
                 gradcheck_samples=lambda gen: _pool_samples(
                     _POOL_GRADCHECK + [((1, 2, 5, 4), {"kernel_size": 3, "stride": 2, "padding": 1,
                                                        "count_include_pad": False})], False)(torch.float64, gen)))

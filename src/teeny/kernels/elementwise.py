@@ -860,8 +860,6 @@ def erf(input):
 
 # ------------------------------------------------------------------------------ registry/tests
 
-_BINARY_KERNELS = (elementwise_forward, elementwise_backward, reduce_to_shape_kernel)
-_UNARY_KERNELS = (activation_forward, activation_backward)
 _BROADCASTS = [((3, 37), (37,)), ((5, 1, 7), (1, 4, 7)), ((1,), (129, 7)), ((0, 5), (5,)), ((13, 1), (13, 1))]
 _TINY_BROADCASTS = [((3, 4), (4,)), ((2, 1, 3), (1, 2, 3)), ((1,), (2, 3))]
 
@@ -900,7 +898,7 @@ def _gradcheck(sampler):
 
 def _register_binary(name, fn, ref, notes="", **ranges):
     register(OpInfo(name, fn, ref, _binary_samples(_BROADCASTS, **ranges), family="elementwise",
-                    kernels=_BINARY_KERNELS, gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS, scalar_shape=(5,), **ranges)),
+                    gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS, scalar_shape=(5,), **ranges)),
                     notes=notes))
 
 
@@ -917,10 +915,10 @@ def _torch_binary(fn):
 _register_binary("add", add, lambda a, b: a + b)
 _register_binary("sub", sub, lambda a, b: a - b)
 register(OpInfo("add_alpha", lambda a, b: add(a, b, alpha=-0.75), lambda a, b: torch.add(a, b, alpha=-0.75),
-                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise", kernels=_BINARY_KERNELS,
+                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise",
                 gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=()))))
 register(OpInfo("sub_alpha", lambda a, b: sub(a, b, alpha=2), lambda a, b: torch.sub(a, b, alpha=2),
-                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise", kernels=_BINARY_KERNELS,
+                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise",
                 gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=()))))
 _register_binary("mul", mul, lambda a, b: a * b)
 _register_binary("div", div, lambda a, b: a / b, y_range=(0.5, 2.0), y_sign=True, scalars=(2.5, -1.5))
@@ -928,11 +926,11 @@ _register_binary("pow", pow, lambda a, b: torch.pow(a, b), x_range=(0.5, 2.0), y
                  scalars=(1.7, 1.5))
 register(OpInfo("pow_scalar_exponent", lambda x: pow(x, 3), lambda x: torch.pow(x, 3),
                 lambda dtype, gen: [Sample((make(gen, *s).to(dtype),), name=str(s)) for s in ((3, 37), (0, 5))],
-                family="elementwise", kernels=_BINARY_KERNELS,
+                family="elementwise",
                 gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))]))
 register(OpInfo("pow_square", lambda x: x ** 2, lambda x: x ** 2,
                 lambda dtype, gen: [Sample((make(gen, 3, 37).to(dtype),))], family="elementwise",
-                kernels=_UNARY_KERNELS, gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))]))
+                gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))]))
 _register_binary("maximum", maximum, _torch_binary(torch.maximum), ties=True, scalars=())
 _register_binary("minimum", minimum, _torch_binary(torch.minimum), ties=True, scalars=())
 
@@ -960,7 +958,7 @@ def _where_ref(cond, a, b):
 
 register(OpInfo("where", where, _where_ref,
                 _where_samples([((3, 37), (3, 37), (37,)), ((5, 1, 7), (1, 4, 7), (5, 4, 1)), ((0, 5), (5,), (1,))]),
-                family="elementwise", kernels=_BINARY_KERNELS,
+                family="elementwise",
                 gradcheck_samples=_gradcheck(_where_samples([((2, 3), (2, 3), (3,)), ((2, 1, 3), (1, 2, 3), (2, 2, 1))],
                                                             scalar_shape=(2, 3)))))
 
@@ -989,7 +987,7 @@ def _clamp_fn(x, min=None, max=None):
 
 register(OpInfo("clamp", _clamp_fn, lambda x, min=None, max=None: torch.clamp(x, min, max),
                 _clamp_samples([(3, 37), (1,), (0, 5)], [((3, 37), (37,), (3, 1)), ((5, 4, 7), (1,), (4, 7))]),
-                family="elementwise", kernels=_BINARY_KERNELS,
+                family="elementwise",
                 gradcheck_samples=_gradcheck(_clamp_samples([(2, 4)], [((2, 4), (4,), (2, 1))]))))
 
 
@@ -1000,7 +998,7 @@ def _unary_samples(low=-3.0, high=3.0, kinks=(), shapes=((3, 37), (129, 7), (1,)
 
 
 def _register_unary(name, fn, ref, **domain):
-    register(OpInfo(name, fn, ref, _unary_samples(**domain), family="elementwise", kernels=_UNARY_KERNELS,
+    register(OpInfo(name, fn, ref, _unary_samples(**domain), family="elementwise",
                     gradcheck_samples=_gradcheck(_unary_samples(shapes=((3, 7), (1,)), **domain))))
 
 

@@ -325,7 +325,7 @@ class PointwiseLossOp(RuntimeOp):
         dest = ctx.empty((max(programs, 1),), _acc_dtype(ctx.dtype)) if reduce else ctx.output  # partials or loss
         v = ArgVisitor()
         v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(dest)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_f32(self.a).visit_f32(self.b)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(self.b)
         v.visit_constexpr(self.loss).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
         v.visit_constexpr(reduce).visit_constexpr(BLOCK)
         ctx.launch(pointwise_loss_forward, (programs, 1, 1), v, work=n)
@@ -357,7 +357,7 @@ class PointwiseLossOp(RuntimeOp):
         v = ArgVisitor()
         v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(ctx.grad_output)
         v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_f32(self.a).visit_f32(self.b)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(self.b)
         v.visit_i64(self._divisor(x.shape))
         v.visit_constexpr(self.grad).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
         v.visit_constexpr(self.reduction != "none").visit_constexpr(dx is not None).visit_constexpr(dt is not None)
@@ -620,7 +620,7 @@ class ClassLossOp(RuntimeOp):
     def _common(self, ctx, v):
         n_rows, n_classes, inner = self._dims(ctx.input_shapes[0])
         v.visit_i64(n_rows).visit_i64(n_classes).visit_i64(inner).visit_i64(self.ignore_index)
-        v.visit_f32(self.label_smoothing)
+        v.visit_float(self.label_smoothing)
         return n_rows, n_classes
 
     def _flags(self, v):
@@ -937,7 +937,6 @@ def _register_pointwise(name, fn, ref, make_pair, cases=_POINTWISE_CASES, gradch
                         extra=lambda shape, kwargs, dtype, gen: {}):
     gradcheck = _pointwise_samples(make_pair, gradcheck_cases, extra)
     register(OpInfo(name, fn, ref, _pointwise_samples(make_pair, cases, extra), family="loss",
-                    kernels=(pointwise_loss_forward, pointwise_loss_backward, finish_loss_sum),
                     gradcheck_samples=lambda gen: gradcheck(torch.float64, gen)))
 
 
@@ -1025,10 +1024,9 @@ def _class_samples(cases, log_probs):
     return samples
 
 
-_CLASS_KERNELS = (class_loss_forward, class_loss_backward, finish_loss_sum)
 register(OpInfo("cross_entropy", cross_entropy, F.cross_entropy, _class_samples(_CE_CASES, False), family="loss",
-                kernels=_CLASS_KERNELS,
+               
                 gradcheck_samples=lambda gen: _class_samples(_CE_GRADCHECK, False)(torch.float64, gen)))
 register(OpInfo("nll_loss", nll_loss, F.nll_loss, _class_samples(_NLL_CASES, True), family="loss",
-                kernels=_CLASS_KERNELS,
+               
                 gradcheck_samples=lambda gen: _class_samples(_NLL_GRADCHECK, True)(torch.float64, gen)))

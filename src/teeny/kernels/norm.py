@@ -508,7 +508,7 @@ class NormOp(RuntimeOp):
             v.visit_ptr(x if ptr is None else ptr)  # x stands in for absent tensors (never read)
         v.visit_i64(geo.rows)
         geo.pack(v)
-        v.visit_f32(self.eps).visit_f32(self.momentum())
+        v.visit_float(self.eps).visit_float(self.momentum())
         geo.pack_constexprs(v)
         for flag in (self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
                      _compute_dtype(ctx.dtype), rows_per_tile, block):
@@ -798,7 +798,6 @@ class BatchNorm2d(_BatchNorm):
 
 # -------------------------------------------------------------------------- registry/tests
 
-_KERNELS = (norm_forward, norm_backward, norm_weight_backward, sum_partials)
 
 
 def _affine(gen, dtype, shape):
@@ -868,11 +867,11 @@ def _batch_gradcheck(gen):
     return _batch_samples(torch.float64, gen, shapes=((5, 3), (3, 2, 2)))
 
 
-register(OpInfo("layer_norm", layer_norm, F.layer_norm, _layer_samples, family="norm", kernels=_KERNELS,
+register(OpInfo("layer_norm", layer_norm, F.layer_norm, _layer_samples, family="norm",
                 gradcheck_samples=_layer_gradcheck))
-register(OpInfo("rms_norm", rms_norm, F.rms_norm, _rms_samples, family="norm", kernels=_KERNELS,
+register(OpInfo("rms_norm", rms_norm, F.rms_norm, _rms_samples, family="norm",
                 gradcheck_samples=_rms_gradcheck))
-register(OpInfo("group_norm", group_norm, F.group_norm, _group_samples, family="norm", kernels=_KERNELS,
+register(OpInfo("group_norm", group_norm, F.group_norm, _group_samples, family="norm",
                 gradcheck_samples=_group_gradcheck))
-register(OpInfo("batch_norm", batch_norm, F.batch_norm, _batch_samples, family="norm", kernels=_KERNELS,
+register(OpInfo("batch_norm", batch_norm, F.batch_norm, _batch_samples, family="norm",
                 gradcheck_samples=_batch_gradcheck))

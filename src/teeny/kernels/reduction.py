@@ -470,7 +470,7 @@ class ReduceOp(RuntimeOp):
         center = center if center is not None else partial
         v = ArgVisitor().visit_ptr(x).visit_ptr(center).visit_ptr(partial).visit_ptr(out)
         plan.geometry(v)
-        v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+        v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
         v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(finish_here)
         plan.constexprs(v)
         ctx.launch(reduce_partial, (plan.out_programs, plan.n_split, 1), v, work=plan.n_out)
@@ -478,7 +478,7 @@ class ReduceOp(RuntimeOp):
             block_out = _bmin(_pow2(plan.n_out), 64)
             v = ArgVisitor().visit_ptr(partial).visit_ptr(center).visit_ptr(out)
             v.visit_i64(plan.n_out).visit_i64(plan.n_split)
-            v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+            v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
             v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(block_out)
             v.visit_constexpr(_bmin(_pow2(plan.n_split), _bmax(1, TILE // block_out)))
             ctx.launch(reduce_finish, (cdiv(plan.n_out, block_out), 1, 1), v, work=plan.n_out)
@@ -518,7 +518,7 @@ class ReduceOp(RuntimeOp):
         v = ArgVisitor().visit_ptr(x).visit_ptr(y).visit_ptr(aux).visit_ptr(ctx.grad_output).visit_ptr(dx)
         plan.geometry(v)
         divisor = self._divisor(plan)
-        v.visit_f32(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
+        v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
         v.visit_constexpr(_GRAD[self.kind])
         plan.constexprs(v)
         ctx.launch(reduce_backward, (plan.out_programs, plan.n_split, 1), v, work=dx.numel())
@@ -783,7 +783,6 @@ def _gradcheck(cases, kwargs=None):
     return lambda gen: _reduction_samples(cases, kwargs)(torch.float64, gen)
 
 
-_REDUCE_KERNELS = (reduce_partial, reduce_finish, reduce_backward)
 _REFS = {
     "sum": lambda x, dim=None, keepdim=False: torch.sum(x, dim=dim, keepdim=keepdim),
     "mean": lambda x, dim=None, keepdim=False: torch.mean(x, dim=dim, keepdim=keepdim),
@@ -800,10 +799,10 @@ for _kind, _fn in _OPS.items():
     # no NaN results here (mean of nothing, var of one element): test_reduction covers those
     _cases = [c for c in _REDUCE_CASES if _kind not in ("mean", "var", "std") or math.prod(c[0]) > 1]
     register(OpInfo(_kind, _fn, _REFS[_kind], _reduction_samples(_cases), family="reduction",
-                    kernels=_REDUCE_KERNELS, gradcheck_samples=_gradcheck(_GRADCHECK_CASES)))
+                    gradcheck_samples=_gradcheck(_GRADCHECK_CASES)))
 register(OpInfo("var_correction0", lambda x, **kw: var(x, correction=0, **kw),
                 lambda x, **kw: _REFS["var"](x, correction=0, **kw),
-                _reduction_samples(_REDUCE_CASES[:6]), family="reduction", kernels=_REDUCE_KERNELS,
+                _reduction_samples(_REDUCE_CASES[:6]), family="reduction",
                 gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2])))
 
 _SOFTMAX_CASES = [((3, 37), -1), ((129, 7), 0), ((5, 3, 11), 1), ((5, 3, 11), -1), ((5, 3, 11), 0), ((1,), 0),
@@ -818,10 +817,9 @@ def _softmax_samples(cases):
     return samples
 
 
-_SOFTMAX_KERNELS = (softmax_forward, softmax_backward)
 register(OpInfo("softmax", softmax, lambda x, dim=-1: F.softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
-                family="reduction", kernels=_SOFTMAX_KERNELS,
+                family="reduction",
                 gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))
 register(OpInfo("log_softmax", log_softmax, lambda x, dim=-1: F.log_softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
-                family="reduction", kernels=_SOFTMAX_KERNELS,
+                family="reduction",
                 gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))

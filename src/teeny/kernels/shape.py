@@ -839,8 +839,8 @@ def _both(build):
     return dict(samples=_samples(build), gradcheck_samples=_tiny(build))
 
 
-def _register(name, op, ref, samples, gradcheck_samples=None, kernels=(), **kw):
-    register(OpInfo(name, op, ref, samples, family="shape", kernels=kernels, gradcheck_samples=gradcheck_samples,
+def _register(name, op, ref, samples, gradcheck_samples=None, **kw):
+    register(OpInfo(name, op, ref, samples, family="shape", gradcheck_samples=gradcheck_samples,
                     **kw))
 
 
@@ -866,11 +866,11 @@ _register("unsqueeze", unsqueeze, torch.unsqueeze, _samples(lambda t: [
 _register("transpose", transpose, torch.transpose, _samples(lambda t: [
     Sample((t(3, 37), 0, 1), name="3x37"), Sample((t(5, 3, 11), -1, 0), name="5x3x11 -1,0"),
     Sample((t(2, 1, 7), 0, 1), name="size-1 (view)"), Sample((t(4, 0, 3), 0, 2), name="empty")]),
-          _tiny(lambda t: [Sample((t(3, 2, 5), 0, 2), name="3x2x5")]), kernels=(strided_copy,))
+          _tiny(lambda t: [Sample((t(3, 2, 5), 0, 2), name="3x2x5")]))
 _register("permute", permute, torch.permute, _samples(lambda t: [
     Sample((t(5, 3, 11), (2, 0, 1)), name="5x3x11"), Sample((t(2, 3, 1, 5, 3), (-1, 2, 0, 3, 1)), name="rank 5"),
     Sample((t(3, 37), (0, 1)), name="identity")]),
-          _tiny(lambda t: [Sample((t(3, 2, 5), (1, 2, 0)), name="3x2x5")]), kernels=(strided_copy,))
+          _tiny(lambda t: [Sample((t(3, 2, 5), (1, 2, 0)), name="3x2x5")]))
 _register("getitem", getitem, lambda x, index: x[index], _samples(lambda t: [
     Sample((t(9, 5, 3), (_py_slice(1, 7, 2), _py_slice(None), -1)), name="x[1:7:2, :, -1]"),
     Sample((t(9, 5, 3), (Ellipsis, None, _py_slice(-4, None))), name="x[..., None, -4:]"),
@@ -879,38 +879,33 @@ _register("getitem", getitem, lambda x, index: x[index], _samples(lambda t: [
     Sample((t(3, 37), (_py_slice(5, 2),)), name="empty slice"),
     Sample((t(3, 37), (2, 36)), name="scalar"), Sample((t(129, 7), (_py_slice(None, None, 4), 3)), name="129x7")]),
           _tiny(lambda t: [Sample((t(5, 3, 4), (_py_slice(1, 5, 2), None, Ellipsis, -1)), name="mixed"),
-                           Sample((t(6, 4), (_py_slice(1, 3),)), name="rows")]),
-          kernels=(strided_copy, slice_scatter))
+                           Sample((t(6, 4), (_py_slice(1, 3),)), name="rows")]))
 _register("slice", slice, lambda x, dim, start, end, step=1: torch.ops.aten.slice(x, dim, start, end, step),
           _samples(lambda t: [Sample((t(5, 3, 11), -1, 2, -1, 3), name="5x3x11 last dim"),
                               Sample((t(3, 37), 0, 1, None), name="rows"), Sample((t(3, 37), 1, 40, 50), name="empty")]),
-          _tiny(lambda t: [Sample((t(3, 8), 1, -7, 7, 2), name="3x8")]), kernels=(strided_copy, slice_scatter))
-_register("narrow", narrow, torch.narrow, **_both(lambda t: [Sample((t(3, 9), 1, -5, 3), name="3x9")]),
-          kernels=(strided_copy, slice_scatter))
+          _tiny(lambda t: [Sample((t(3, 8), 1, -7, 7, 2), name="3x8")]))
+_register("narrow", narrow, torch.narrow, **_both(lambda t: [Sample((t(3, 9), 1, -5, 3), name="3x9")]))
 _register("concat", concat, torch.cat, _samples(lambda t: [
     Sample(([t(3, 37), t(3, 5), t(3, 1)], -1), name="last dim"), Sample(([t(2, 1, 7), t(5, 1, 7)],), name="dim 0"),
     Sample(([t(5, 3, 11), t(5, 0, 11), t(5, 2, 11)], 1), name="middle with empty"),
     Sample(([t(0), t(2, 3)], 0), name="skips 1-d empty"), Sample(([t(4, 3)], 1), name="one tensor")]),
-          _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]),
-          kernels=(strided_copy,))
+          _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]))
 _register("stack", stack, torch.stack, _samples(lambda t: [Sample(([t(3, 5), t(3, 5), t(3, 5)], -1), name="3x5")]),
-          _tiny(lambda t: [Sample(([t(2, 3), t(2, 3)], 1), name="2x3")]),
-          kernels=(strided_copy,))
+          _tiny(lambda t: [Sample(([t(2, 3), t(2, 3)], 1), name="2x3")]))
 _register("split", lambda x, s, dim=0: concat(split(x, s, dim)[::-1], dim),
           lambda x, s, dim=0: torch.cat(torch.split(x, s, dim)[::-1], dim), _samples(lambda t: [
               Sample((t(5, 3, 11), 4, -1), name="size 4 of 11"), Sample((t(7, 3), [2, 0, 5]), name="sections"),
               Sample((t(3, 37), 3, 0), name="one part")]),
-          _tiny(lambda t: [Sample((t(3, 7), [2, 5], 1), name="3x7")]), kernels=(strided_copy, slice_scatter),
-          notes="split(x, s, dim) checked through concat(parts reversed)")
+          _tiny(lambda t: [Sample((t(3, 7), [2, 5], 1), name="3x7")]), notes="split(x, s, dim) checked through concat(parts reversed)")
 _register("chunk", lambda x, chunks, dim=0: concat(chunk(x, chunks, dim)[::-1], dim),
           lambda x, chunks, dim=0: torch.cat(torch.chunk(x, chunks, dim)[::-1], dim),
-          **_both(lambda t: [Sample((t(2, 5), 3, 1), name="5 in 3")]), kernels=(strided_copy, slice_scatter))
+          **_both(lambda t: [Sample((t(2, 5), 3, 1), name="5 in 3")]))
 _register("expand", lambda x, sizes: expand(x, *sizes), lambda x, sizes: x.expand(*sizes), _samples(lambda t: [
     Sample((t(3, 1), (3, 37)), name="3x1->3x37", reduction=37), Sample((t(11,), (5, 3, 11)), name="bias-like", reduction=15),
     Sample((t(2, 1, 7), (4, -1, 9, -1)), name="2x1x7->4x2x9x7", reduction=36),
     Sample((t(1), (300,)), name="scalar to 300", reduction=300), Sample((t(1, 5), (0, 5)), name="to empty"),
     Sample((t(3, 1), (3, 1)), name="no-op (view)")]),
-          _tiny(lambda t: [Sample((t(3, 1), (2, 3, 5)), name="3x1->2x3x5", reduction=10)]), kernels=(sum_broadcast,))
+          _tiny(lambda t: [Sample((t(3, 1), (2, 3, 5)), name="3x1->2x3x5", reduction=10)]))
 _register("stop_gradient", lambda x: concat([x, stop_gradient(x)]), lambda x: torch.cat([x, x.detach()]),
           _samples(lambda t: [Sample((t(3, 7),), name="3x7")]),
           # finite differences see through stop_gradient by design: nothing to gradcheck
