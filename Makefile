@@ -1,16 +1,18 @@
 # Two commands for a fresh machine: `make train` trains a model, `make test` runs the tests.
-# Both create (or reuse) a virtual environment in .venv and install what they need.
+# Both create (or reuse) a virtual environment in .venv and install what they need, with the
+# versions pinned in constraints.txt. `make gpu-test` and `make bench` are for the GPU machine,
+# which has torch and triton installed: they run from the source tree without installing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.teeny-installed
+GPU_PY ?= python3
 
-.PHONY: train test gpu-test bench install clean
+.PHONY: train test lint gpu-test bench install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -18,8 +20,18 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/teeny train mlp
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+test: lint
 	$(PY) -m pytest -q -n 2
+
+gpu-test:
+	PYTHONPATH=src $(GPU_PY) -m pytest -q -n 8 -p no:cacheprovider tests
+
+bench:
+	PYTHONPATH=src $(GPU_PY) bench/bench_ops.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -11,15 +11,18 @@ import itertools
 import torch
 import triton
 
+import bench_ops  # noqa: E402  (same folder)
 from teeny.interop.torch import apply
 from teeny.kernel import REGISTRY
 
-import bench_ops  # noqa: E402  (same folder)
-
 GROUPS = {
     "matmul bf16": (["matmul_forward", "matmul_backward"], torch.bfloat16, (4, 8), (3, 4)),
-    "causal attention bf16": (["attention_forward", "attention_backward_dkdv", "attention_backward_dq"],
-                              torch.bfloat16, (4, 8), (2, 3)),
+    "causal attention bf16": (
+        ["attention_forward", "attention_backward_dkdv", "attention_backward_dq"],
+        torch.bfloat16,
+        (4, 8),
+        (2, 3),
+    ),
     "layer_norm bf16": (["norm_forward", "norm_backward", "norm_weight_backward"], torch.bfloat16, (4, 8, 16), (1, 2)),
     "rms_norm bf16": (["norm_forward", "norm_backward", "norm_weight_backward"], torch.bfloat16, (4, 8, 16), (1, 2)),
     "cross_entropy bf16": (["class_loss_forward", "class_loss_backward"], torch.bfloat16, (4, 8, 16), (1, 2)),
@@ -41,9 +44,13 @@ def main():
             for k in kernels:
                 k.tune(dtype, num_warps=w, num_stages=s)
             try:
-                ms = triton.testing.do_bench(bench_ops.fwd_bwd(lambda *a: apply(case["teeny"], *a), xs, grad),
-                                             warmup=25, rep=100, return_mode="median",
-                                             grad_to_none=[t for t in xs if t.requires_grad])
+                ms = triton.testing.do_bench(
+                    bench_ops.fwd_bwd(lambda *a: apply(case["teeny"], *a), xs, grad),
+                    warmup=25,
+                    rep=100,
+                    return_mode="median",
+                    grad_to_none=[t for t in xs if t.requires_grad],
+                )
             except Exception as exc:  # a variant that does not compile (too many registers, ...)
                 print(f"{prefix} warps={w} stages={s}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue

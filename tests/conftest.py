@@ -34,6 +34,7 @@ def _on_one_device(fn):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
             a, b = a.cpu(), b.cpu()
         return fn(a, b, *args, **kwargs)
+
     return wrapper
 
 

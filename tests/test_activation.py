@@ -7,24 +7,39 @@ import torch.nn.functional as F
 
 import teeny
 import teeny.nn as tnn
+from teeny import ops
 from teeny.executor import Executor
 from teeny.graph import Graph, GraphError
 from teeny.interop.torch import apply
 from teeny.kernels import activation
 from teeny.lowering import LoweringMode, lower
-from teeny import ops
 
 # (teeny op, torch op, kwargs): the kink points below are exact inputs for all of them
 UNARY = [
-    (ops.relu, F.relu, {}), (ops.leaky_relu, F.leaky_relu, {"negative_slope": 0.2}), (ops.elu, F.elu, {"alpha": 0.5}),
-    (ops.selu, F.selu, {}), (ops.celu, F.celu, {"alpha": 2.0}), (ops.gelu, F.gelu, {}),
-    (ops.gelu, F.gelu, {"approximate": "tanh"}), (ops.silu, F.silu, {}), (ops.mish, F.mish, {}),
-    (ops.sigmoid, torch.sigmoid, {}), (ops.tanh, torch.tanh, {}), (ops.softplus, F.softplus, {}),
-    (ops.softplus, F.softplus, {"beta": 2.0, "threshold": 1.0}), (ops.softsign, F.softsign, {}),
-    (ops.hardtanh, F.hardtanh, {}), (ops.hardtanh, F.hardtanh, {"min_val": -0.5, "max_val": 3.0}),
-    (ops.relu6, F.relu6, {}), (ops.hardsigmoid, F.hardsigmoid, {}), (ops.hardswish, F.hardswish, {}),
-    (ops.logsigmoid, F.logsigmoid, {}), (ops.tanhshrink, F.tanhshrink, {}), (ops.softshrink, F.softshrink, {}),
-    (ops.hardshrink, F.hardshrink, {"lambd": 1.0}), (ops.threshold, F.threshold, {"threshold": 0.5, "value": -2.0}),
+    (ops.relu, F.relu, {}),
+    (ops.leaky_relu, F.leaky_relu, {"negative_slope": 0.2}),
+    (ops.elu, F.elu, {"alpha": 0.5}),
+    (ops.selu, F.selu, {}),
+    (ops.celu, F.celu, {"alpha": 2.0}),
+    (ops.gelu, F.gelu, {}),
+    (ops.gelu, F.gelu, {"approximate": "tanh"}),
+    (ops.silu, F.silu, {}),
+    (ops.mish, F.mish, {}),
+    (ops.sigmoid, torch.sigmoid, {}),
+    (ops.tanh, torch.tanh, {}),
+    (ops.softplus, F.softplus, {}),
+    (ops.softplus, F.softplus, {"beta": 2.0, "threshold": 1.0}),
+    (ops.softsign, F.softsign, {}),
+    (ops.hardtanh, F.hardtanh, {}),
+    (ops.hardtanh, F.hardtanh, {"min_val": -0.5, "max_val": 3.0}),
+    (ops.relu6, F.relu6, {}),
+    (ops.hardsigmoid, F.hardsigmoid, {}),
+    (ops.hardswish, F.hardswish, {}),
+    (ops.logsigmoid, F.logsigmoid, {}),
+    (ops.tanhshrink, F.tanhshrink, {}),
+    (ops.softshrink, F.softshrink, {}),
+    (ops.hardshrink, F.hardshrink, {"lambd": 1.0}),
+    (ops.threshold, F.threshold, {"threshold": 0.5, "value": -2.0}),
 ]
 KINKS = [-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 6.0, -0.0]
 
@@ -56,8 +71,11 @@ def test_kinks_nan_and_extremes_match_torch(case):
 def test_kink_gradients_explicitly():
     x = torch.tensor([0.0, -1.0, 1.0, 6.0, -3.0, 3.0])
     expect = {
-        ops.relu: [0, 0, 1, 1, 0, 1], ops.relu6: [0, 0, 1, 0, 0, 1], ops.hardtanh: [1, 0, 0, 0, 0, 0],
-        ops.hardsigmoid: [1 / 6, 1 / 6, 1 / 6, 0, 0, 0], ops.hardswish: [0.5, 1 / 6, 5 / 6, 1, 0, 1],
+        ops.relu: [0, 0, 1, 1, 0, 1],
+        ops.relu6: [0, 0, 1, 0, 0, 1],
+        ops.hardtanh: [1, 0, 0, 0, 0, 0],
+        ops.hardsigmoid: [1 / 6, 1 / 6, 1 / 6, 0, 0, 0],
+        ops.hardswish: [0.5, 1 / 6, 5 / 6, 1, 0, 1],
     }
     for fn, want in expect.items():
         xt = x.clone().to(teeny.DEVICE).requires_grad_()
@@ -74,24 +92,28 @@ def test_half_precision_extremes_are_finite(dtype):
     for fn in (ops.sigmoid, ops.tanh, ops.softplus, ops.logsigmoid, ops.silu, ops.mish, ops.elu, ops.selu, ops.celu):
         y = apply(fn, x.to(teeny.DEVICE))
         ref = {ops.sigmoid: torch.sigmoid, ops.tanh: torch.tanh}.get(fn) or getattr(F, fn.__name__)
-        torch.testing.assert_close(y.cpu().float(), ref(x.float()).to(dtype).float(), atol=1e-2, rtol=1e-2,
-                                   msg=fn.__name__)
+        torch.testing.assert_close(
+            y.cpu().float(), ref(x.float()).to(dtype).float(), atol=1e-2, rtol=1e-2, msg=fn.__name__
+        )
 
 
 def _graph_input(shape, dtype=torch.float32):
     return Graph().input("x", shape, dtype)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: ops.glu(_graph_input((3, 5))), "halving dimension must be even, but dimension 1 is size 5"),
-    (lambda: ops.glu(_graph_input(())), "does not support scalars"),
-    (lambda: ops.glu(_graph_input((4, 2)), dim=2), "dim 2 is out of range"),
-    (lambda: ops.celu(_graph_input((3,)), alpha=0.0), "alpha cannot be 0"),
-    (lambda: ops.softshrink(_graph_input((3,)), lambd=-1.0), "lambd must be greater or equal to 0"),
-    (lambda: ops.hardtanh(_graph_input((3,)), 2.0, 1.0), "min_val cannot be greater than max_val"),
-    (lambda: ops.gelu(_graph_input((3,)), approximate="fast"), "approximate must be 'none' or 'tanh'"),
-    (lambda: ops.softplus(_graph_input((3,)), beta=0.0), "beta cannot be 0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: ops.glu(_graph_input((3, 5))), "halving dimension must be even, but dimension 1 is size 5"),
+        (lambda: ops.glu(_graph_input(())), "does not support scalars"),
+        (lambda: ops.glu(_graph_input((4, 2)), dim=2), "dim 2 is out of range"),
+        (lambda: ops.celu(_graph_input((3,)), alpha=0.0), "alpha cannot be 0"),
+        (lambda: ops.softshrink(_graph_input((3,)), lambd=-1.0), "lambd must be greater or equal to 0"),
+        (lambda: ops.hardtanh(_graph_input((3,)), 2.0, 1.0), "min_val cannot be greater than max_val"),
+        (lambda: ops.gelu(_graph_input((3,)), approximate="fast"), "approximate must be 'none' or 'tanh'"),
+        (lambda: ops.softplus(_graph_input((3,)), beta=0.0), "beta cannot be 0"),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -160,16 +182,30 @@ def test_swiglu_gradient_of_one_input_only():
 
 
 LAYERS = [
-    (tnn.ReLU(), torch.nn.ReLU()), (tnn.LeakyReLU(0.3), torch.nn.LeakyReLU(0.3)), (tnn.ELU(0.7), torch.nn.ELU(0.7)),
-    (tnn.SELU(), torch.nn.SELU()), (tnn.CELU(1.5), torch.nn.CELU(1.5)), (tnn.GELU("tanh"), torch.nn.GELU("tanh")),
-    (tnn.SiLU(), torch.nn.SiLU()), (tnn.Mish(), torch.nn.Mish()), (tnn.Sigmoid(), torch.nn.Sigmoid()),
-    (tnn.Tanh(), torch.nn.Tanh()), (tnn.Softplus(2.0, 3.0), torch.nn.Softplus(2.0, 3.0)),
-    (tnn.Softsign(), torch.nn.Softsign()), (tnn.Hardtanh(-2.0, 0.5), torch.nn.Hardtanh(-2.0, 0.5)),
-    (tnn.ReLU6(), torch.nn.ReLU6()), (tnn.Hardsigmoid(), torch.nn.Hardsigmoid()), (tnn.Hardswish(), torch.nn.Hardswish()),
-    (tnn.LogSigmoid(), torch.nn.LogSigmoid()), (tnn.Tanhshrink(), torch.nn.Tanhshrink()),
-    (tnn.Softshrink(0.3), torch.nn.Softshrink(0.3)), (tnn.Hardshrink(0.3), torch.nn.Hardshrink(0.3)),
-    (tnn.Threshold(0.1, 20.0), torch.nn.Threshold(0.1, 20.0)), (tnn.GLU(1), torch.nn.GLU(1)),
-    (tnn.PReLU(), torch.nn.PReLU()), (tnn.PReLU(4, init=0.1), torch.nn.PReLU(4, init=0.1)),
+    (tnn.ReLU(), torch.nn.ReLU()),
+    (tnn.LeakyReLU(0.3), torch.nn.LeakyReLU(0.3)),
+    (tnn.ELU(0.7), torch.nn.ELU(0.7)),
+    (tnn.SELU(), torch.nn.SELU()),
+    (tnn.CELU(1.5), torch.nn.CELU(1.5)),
+    (tnn.GELU("tanh"), torch.nn.GELU("tanh")),
+    (tnn.SiLU(), torch.nn.SiLU()),
+    (tnn.Mish(), torch.nn.Mish()),
+    (tnn.Sigmoid(), torch.nn.Sigmoid()),
+    (tnn.Tanh(), torch.nn.Tanh()),
+    (tnn.Softplus(2.0, 3.0), torch.nn.Softplus(2.0, 3.0)),
+    (tnn.Softsign(), torch.nn.Softsign()),
+    (tnn.Hardtanh(-2.0, 0.5), torch.nn.Hardtanh(-2.0, 0.5)),
+    (tnn.ReLU6(), torch.nn.ReLU6()),
+    (tnn.Hardsigmoid(), torch.nn.Hardsigmoid()),
+    (tnn.Hardswish(), torch.nn.Hardswish()),
+    (tnn.LogSigmoid(), torch.nn.LogSigmoid()),
+    (tnn.Tanhshrink(), torch.nn.Tanhshrink()),
+    (tnn.Softshrink(0.3), torch.nn.Softshrink(0.3)),
+    (tnn.Hardshrink(0.3), torch.nn.Hardshrink(0.3)),
+    (tnn.Threshold(0.1, 20.0), torch.nn.Threshold(0.1, 20.0)),
+    (tnn.GLU(1), torch.nn.GLU(1)),
+    (tnn.PReLU(), torch.nn.PReLU()),
+    (tnn.PReLU(4, init=0.1), torch.nn.PReLU(4, init=0.1)),
 ]
 
 

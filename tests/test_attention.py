@@ -139,7 +139,9 @@ def test_training_saves_output_and_logsumexp_but_no_attention_matrix(gen):
     v = g.input("v", (1, 2, 29, 4), requires_grad=True)
     g.output(ops.scaled_dot_product_attention(q, k, v))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
-    feed = {n: torch.randn(s, generator=gen) for n, s in (("q", (1, 2, 23, 4)), ("k", (1, 2, 29, 4)), ("v", (1, 2, 29, 4)))}
+    feed = {
+        n: torch.randn(s, generator=gen) for n, s in (("q", (1, 2, 23, 4)), ("k", (1, 2, 29, 4)), ("v", (1, 2, 29, 4)))
+    }
     out, cache = ex.forward_train(feed)
     (entry,) = cache.entries.values()
     assert set(entry["saved"]) == {"lse"} and entry["saved"]["lse"].shape == (1, 2, 23)
@@ -176,18 +178,26 @@ def _trace(shapes, dtypes=None, **kwargs):
     return ops.scaled_dot_product_attention(ts[0], ts[1], ts[2], attn_mask=mask, **kwargs)
 
 
-@pytest.mark.parametrize("shapes, dtypes, kwargs, message", [
-    ([(1, 2, 5, 4), (1, 2, 6, 3), (1, 2, 6, 4)], None, {}, "same head dim"),
-    ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 7, 4)], None, {}, "key and value must agree"),
-    ([(1, 2, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {}, "same batch dims"),
-    ([(1, 4, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {"enable_gqa": True}, "must divide query heads"),
-    ([(5, 4), (6, 4, 1, 1, 1), (6, 4, 1, 1, 1)], None, {}, "2 to 4 dimensions"),
-    ([(2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4)], None, {}, "same number of dimensions"),
-    ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 7)], None, {}, "not broadcastable"),
-    ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (1, 1, 1, 5, 6)], None, {}, "not broadcastable"),
-    ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)], [torch.float32] * 3 + [torch.int64], {}, "bool or have"),
-    ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)], [torch.float32] * 3 + [torch.float64], {}, "different float dtypes"),
-])
+@pytest.mark.parametrize(
+    "shapes, dtypes, kwargs, message",
+    [
+        ([(1, 2, 5, 4), (1, 2, 6, 3), (1, 2, 6, 4)], None, {}, "same head dim"),
+        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 7, 4)], None, {}, "key and value must agree"),
+        ([(1, 2, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {}, "same batch dims"),
+        ([(1, 4, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {"enable_gqa": True}, "must divide query heads"),
+        ([(5, 4), (6, 4, 1, 1, 1), (6, 4, 1, 1, 1)], None, {}, "2 to 4 dimensions"),
+        ([(2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4)], None, {}, "same number of dimensions"),
+        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 7)], None, {}, "not broadcastable"),
+        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (1, 1, 1, 5, 6)], None, {}, "not broadcastable"),
+        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)], [torch.float32] * 3 + [torch.int64], {}, "bool or have"),
+        (
+            [(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)],
+            [torch.float32] * 3 + [torch.float64],
+            {},
+            "different float dtypes",
+        ),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(shapes, dtypes, kwargs, message):
     with pytest.raises(GraphError, match=message):
         _trace(shapes, dtypes, **kwargs)
@@ -210,20 +220,22 @@ def _layer_parts_exist():
 def test_causal_self_attention_parameters():
     if not _layer_parts_exist():
         pytest.skip("linear/shape families not available")
-    layer = teeny.nn.CausalSelfAttention(12, 3)
+    layer = teeny.models.CausalSelfAttention(12, 3)
     names = dict(layer.named_parameters())
-    assert sorted(names) == sorted(f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias"))
+    assert sorted(names) == sorted(
+        f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")
+    )
     assert names["q_proj.weight"].shape == (12, 12) and names["out_proj.bias"].shape == (12,)
-    assert len(list(teeny.nn.CausalSelfAttention(12, 3, bias=False).named_parameters())) == 4
+    assert len(list(teeny.models.CausalSelfAttention(12, 3, bias=False).named_parameters())) == 4
     with pytest.raises(ValueError, match="multiple of n_heads"):
-        teeny.nn.CausalSelfAttention(10, 3)
+        teeny.models.CausalSelfAttention(10, 3)
 
 
 def test_causal_self_attention_matches_torch(gen):
     if not _layer_parts_exist():
         pytest.skip("linear/shape families not available")
     batch, length, d_model, n_heads = 2, 7, 12, 3
-    layer = teeny.nn.CausalSelfAttention(d_model, n_heads)
+    layer = teeny.models.CausalSelfAttention(d_model, n_heads)
     g = Graph()
     x = g.input("x", (batch, length, d_model), requires_grad=True)
     g.output(layer(x))
@@ -239,8 +251,9 @@ def test_causal_self_attention_matches_torch(gen):
         def heads(t):
             return t.view(batch, length, n_heads, d_model // n_heads).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(heads(proj("q_proj", x)), heads(proj("k_proj", x)),
-                                           heads(proj("v_proj", x)), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            heads(proj("q_proj", x)), heads(proj("k_proj", x)), heads(proj("v_proj", x)), is_causal=True
+        )
         return proj("out_proj", y.transpose(1, 2).reshape(batch, length, d_model))
 
     x_ref = xs.double().requires_grad_()
@@ -251,4 +264,6 @@ def test_causal_self_attention_matches_torch(gen):
     ref.backward(grad_out)
     torch.testing.assert_close(grads["x"].cpu().double(), x_ref.grad, atol=1e-5, rtol=1e-5)
     for name, p in params.items():
-        torch.testing.assert_close(ex.grads[name].cpu().double(), p.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            ex.grads[name].cpu().double(), p.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )

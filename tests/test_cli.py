@@ -11,8 +11,26 @@ def test_ops_lists_every_registered_op_with_backward_and_dtypes(capsys):
     rows = json.loads(capsys.readouterr().out)
     names = {r["name"] for r in rows}
     assert names == {i.name for i in all_ops()}
-    expected = {"relu", "gelu", "softmax", "linear", "matmul", "cross_entropy", "layer_norm", "sum", "mean", "mse_loss",
-                "add", "mul", "sub", "scaled_dot_product_attention", "conv2d", "embedding", "dropout", "max_pool2d"}
+    expected = {
+        "relu",
+        "gelu",
+        "softmax",
+        "linear",
+        "matmul",
+        "cross_entropy",
+        "layer_norm",
+        "sum",
+        "mean",
+        "mse_loss",
+        "add",
+        "mul",
+        "sub",
+        "scaled_dot_product_attention",
+        "conv2d",
+        "embedding",
+        "dropout",
+        "max_pool2d",
+    }
     assert expected <= names, expected - names
     for r in rows:
         assert r["backward"] is True, r
@@ -37,8 +55,12 @@ def test_gradcheck_command_fails_loudly(capsys, monkeypatch):
     from teeny.registry import OPS, OpInfo, Sample
     from test_core import WrongGradSquare  # its backward is twice too large
 
-    bad = OpInfo("wrong_grad_square", lambda x: x.graph.apply(WrongGradSquare(), [x]), lambda x: 1.5 * x * x,
-                 lambda dtype, gen: [Sample((torch.randn(3, 4, dtype=dtype, generator=gen),), name="3x4")])
+    bad = OpInfo(
+        "wrong_grad_square",
+        lambda x: x.graph.apply(WrongGradSquare(), [x]),
+        lambda x: 1.5 * x * x,
+        lambda dtype, gen: [Sample((torch.randn(3, 4, dtype=dtype, generator=gen),), name="3x4")],
+    )
     monkeypatch.setitem(OPS, "wrong_grad_square", bad)
     assert main(["gradcheck", "wrong_grad_square"]) == 1
     out = capsys.readouterr().out
@@ -52,7 +74,8 @@ def test_command_runs_in_a_fresh_process():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "teeny.cli", "ops", "--json"], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "teeny.cli", "ops", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)) == len(all_ops())

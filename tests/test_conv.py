@@ -55,10 +55,20 @@ def test_conv2d_layer_parameters_and_init():
 
 def test_small_cnn_matches_torch_and_trains():
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                              torch.nn.Conv2d(4, 3, 2, stride=1, bias=False), torch.nn.AvgPool2d(2, ceil_mode=True))
-    model = teeny.nn.Sequential(teeny.nn.Conv2d(2, 4, 3, padding=1), teeny.nn.ReLU(), teeny.nn.MaxPool2d(2),
-                                teeny.nn.Conv2d(4, 3, 2, stride=1, bias=False), teeny.nn.AvgPool2d(2, ceil_mode=True))
+    ref = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(4, 3, 2, stride=1, bias=False),
+        torch.nn.AvgPool2d(2, ceil_mode=True),
+    )
+    model = teeny.nn.Sequential(
+        teeny.nn.Conv2d(2, 4, 3, padding=1),
+        teeny.nn.ReLU(),
+        teeny.nn.MaxPool2d(2),
+        teeny.nn.Conv2d(4, 3, 2, stride=1, bias=False),
+        teeny.nn.AvgPool2d(2, ceil_mode=True),
+    )
     g = Graph()
     x = g.input("x", (2, 2, 9, 7))
     g.output(model(x).sum())
@@ -86,8 +96,11 @@ def test_pooling_in_inference_program():
     torch.testing.assert_close(outs[1].cpu(), F.avg_pool2d(xs, 3, stride=1, padding=1))
 
 
-@pytest.mark.parametrize("kwargs", [{"kernel_size": 2}, {"kernel_size": 3, "stride": 1, "padding": 1},
-                                    {"kernel_size": 2, "stride": 1, "dilation": 2}], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"kernel_size": 2}, {"kernel_size": 3, "stride": 1, "padding": 1}, {"kernel_size": 2, "stride": 1, "dilation": 2}],
+    ids=str,
+)
 def test_max_pool2d_ties_go_to_the_first_in_scan_order(kwargs, gen):
     # a few integer levels: many ties inside each window, windows overlapping or not
     x = torch.randint(0, 3, (2, 3, 7, 8), generator=gen).float()
@@ -113,9 +126,11 @@ def test_max_pool2d_propagates_nan_like_torch(gen):
 
 def test_avg_pool2d_count_include_pad_and_divisor(gen):
     x = torch.randn(2, 3, 6, 7, generator=gen)
-    for kwargs in ({"kernel_size": 3, "padding": 1, "stride": 2, "count_include_pad": False},
-                   {"kernel_size": (3, 2), "padding": 1, "ceil_mode": True},
-                   {"kernel_size": 2, "divisor_override": 3}):
+    for kwargs in (
+        {"kernel_size": 3, "padding": 1, "stride": 2, "count_include_pad": False},
+        {"kernel_size": (3, 2), "padding": 1, "ceil_mode": True},
+        {"kernel_size": 2, "divisor_override": 3},
+    ):
         _compare(teeny.ops.avg_pool2d, F.avg_pool2d, [x], torch.float32, 9, gen, **kwargs)
 
 

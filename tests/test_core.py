@@ -6,23 +6,22 @@ import pytest
 import torch
 
 import teeny
-from teeny import ArgVisitor, CustomOp, Graph, LoweringMode, RuntimeOp, lower, ops
+from teeny import CustomOp, Graph, LoweringMode, RuntimeOp, lower, ops
 from teeny.kernel import built_instances
 from teeny.kernels.activation import activation_backward, activation_forward
 
-
 # ------------------------------------------------------------------------------ custom op
 
-SQUARE_FORWARD = '''
+SQUARE_FORWARD = """
 @triton.jit
 def scaled_square_forward(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask)
     tl.store(y_ptr + offs, scale * x * x, mask=mask)
-'''
+"""
 
-SQUARE_BACKWARD = '''
+SQUARE_BACKWARD = """
 @triton.jit
 def scaled_square_backward(x_ptr, dy_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -30,7 +29,7 @@ def scaled_square_backward(x_ptr, dy_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr)
     x = tl.load(x_ptr + offs, mask=mask)
     dy = tl.load(dy_ptr + offs, mask=mask)
     tl.store(dx_ptr + offs, 2.0 * scale * x * dy, mask=mask)
-'''
+"""
 
 
 class ScaledSquare(CustomOp):
@@ -55,8 +54,19 @@ class ScaledSquare(CustomOp):
     def grid(self, input_shapes, output_shape):
         return (math.ceil(math.prod(output_shape) / self.BLOCK), 1, 1)
 
-    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                           grad_inputs, grad_params, visitor, saved=None):
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor,
+        saved=None,
+    ):
         visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
         visitor.visit_i32(grad_output.numel()).visit_float(self.scale).visit_constexpr(self.BLOCK)
 
@@ -204,6 +214,7 @@ class NoBackwardGelu(RuntimeOp):
 
     def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
         from teeny.kernels.activation import _gelu_erf
+
         visitor.visit_ptr(inputs[0]).visit_ptr(output).visit_i64(output.numel()).visit_float(0).visit_float(0)
         visitor.visit_constexpr(_gelu_erf).visit_constexpr(1024)
 
@@ -257,8 +268,19 @@ class ZeroGridSquare(ScaledSquare):
 class MisPackedSquare(ScaledSquare):
     name = "mispacked_square"
 
-    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                           grad_inputs, grad_params, visitor, saved=None):
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor,
+        saved=None,
+    ):
         visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
         visitor.visit_i32(grad_output.numel()).visit_constexpr(self.BLOCK)  # forgot the scale
 
@@ -284,7 +306,9 @@ def test_zero_backward_grid_is_an_error():
 
 
 def test_wrong_argument_count_is_an_error():
-    with pytest.raises(teeny.PackingError, match=r"mispacked_square \(node 'the_node', backward\).*takes 6 arguments.*5 were packed"):
+    with pytest.raises(
+        teeny.PackingError, match=r"mispacked_square \(node 'the_node', backward\).*takes 6 arguments.*5 were packed"
+    ):
         lower(_train_graph(MisPackedSquare()), LoweringMode.TRAINING)
 
 
@@ -330,8 +354,19 @@ def test_mixed_dtypes_are_refused_when_tracing():
 class WrongGradSquare(ScaledSquare):
     name = "wrong_grad_square"
 
-    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                           grad_inputs, grad_params, visitor, saved=None):
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor,
+        saved=None,
+    ):
         # passes 2*scale instead of scale: the gradient is twice too large
         visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
         visitor.visit_i32(grad_output.numel()).visit_float(2 * self.scale).visit_constexpr(self.BLOCK)
@@ -345,7 +380,9 @@ def test_gradcheck_reports_the_wrong_element():
     with pytest.raises(teeny.GradcheckError, match="numerical .* analytical"):
         teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), x)
     big = torch.randn(40, 30, dtype=torch.float64) + 3
-    result = teeny.gradcheck(lambda t: t.graph.apply(WrongGradSquare(), [t]), big, mode="directional", raise_on_failure=False)
+    result = teeny.gradcheck(
+        lambda t: t.graph.apply(WrongGradSquare(), [t]), big, mode="directional", raise_on_failure=False
+    )
     assert not result.ok and result.checked == {"input 'arg0'": 1}
     teeny.gradcheck(scaled_square, big, mode="directional")
 

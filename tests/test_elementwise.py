@@ -9,7 +9,6 @@ from teeny import ops
 from teeny.graph import Graph, GraphError
 from teeny.interop.torch import apply
 
-
 DEV = teeny.DEVICE
 
 
@@ -29,14 +28,17 @@ def _compare(fn, ref, *tensors, atol=1e-6, rtol=1e-6):
             torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("sa,sb", [
-    ((2, 1, 3, 1), (1, 4, 1, 5)),   # alternating broadcast, 4 merged dimensions
-    ((3, 1), (1, 3)),               # outer product
-    ((), (4, 3)),                   # 0-d tensor operand
-    ((1, 1, 5), (3, 2, 1)),
-    ((1,), (3000,)),                # long reduction: split over programs, second pass
-    ((6, 1), (6, 700)),             # reduction along the inner dimension
-])
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((2, 1, 3, 1), (1, 4, 1, 5)),  # alternating broadcast, 4 merged dimensions
+        ((3, 1), (1, 3)),  # outer product
+        ((), (4, 3)),  # 0-d tensor operand
+        ((1, 1, 5), (3, 2, 1)),
+        ((1,), (3000,)),  # long reduction: split over programs, second pass
+        ((6, 1), (6, 700)),  # reduction along the inner dimension
+    ],
+)
 def test_broadcasting_matches_torch(sa, sb, gen):
     a = torch.randn(sa, generator=gen)
     b = torch.randn(sb, generator=gen)
@@ -57,22 +59,25 @@ def test_where_broadcasts_three_ways(gen):
         torch.testing.assert_close(g, r)
 
 
-@pytest.mark.parametrize("fn,ref", [
-    (lambda x: x + 1.5, lambda x: x + 1.5),
-    (lambda x: 1.5 + x, lambda x: 1.5 + x),
-    (lambda x: x - 0.25, lambda x: x - 0.25),
-    (lambda x: 1.0 - x, lambda x: 1.0 - x),
-    (lambda x: x * 3, lambda x: x * 3),
-    (lambda x: 2 * x, lambda x: 2 * x),
-    (lambda x: x / 4.0, lambda x: x / 4.0),
-    (lambda x: 3.0 / x, lambda x: 3.0 / x),
-    (lambda x: -x, lambda x: -x),
-    (lambda x: x ** 2, lambda x: x ** 2),
-    (lambda x: x ** 3, lambda x: x ** 3),
-    (lambda x: x ** -1, lambda x: x ** -1),
-    (lambda x: 2 ** x, lambda x: 2 ** x),
-    (lambda x: x * x, lambda x: x * x),  # one tensor feeding both operands
-])
+@pytest.mark.parametrize(
+    "fn,ref",
+    [
+        (lambda x: x + 1.5, lambda x: x + 1.5),
+        (lambda x: 1.5 + x, lambda x: 1.5 + x),
+        (lambda x: x - 0.25, lambda x: x - 0.25),
+        (lambda x: 1.0 - x, lambda x: 1.0 - x),
+        (lambda x: x * 3, lambda x: x * 3),
+        (lambda x: 2 * x, lambda x: 2 * x),
+        (lambda x: x / 4.0, lambda x: x / 4.0),
+        (lambda x: 3.0 / x, lambda x: 3.0 / x),
+        (lambda x: -x, lambda x: -x),
+        (lambda x: x**2, lambda x: x**2),
+        (lambda x: x**3, lambda x: x**3),
+        (lambda x: x**-1, lambda x: x**-1),
+        (lambda x: 2**x, lambda x: 2**x),
+        (lambda x: x * x, lambda x: x * x),  # one tensor feeding both operands
+    ],
+)
 def test_python_number_operands(fn, ref, gen):
     x = torch.randn(3, 5, generator=gen, dtype=torch.float64)
     x = torch.where(x.abs() < 0.1, x + 0.3, x)
@@ -92,7 +97,10 @@ def test_pow_negative_base_and_zero():
     torch.testing.assert_close(apply(ops.pow, base, exponent), torch.pow(base, exponent))
     assert torch.isnan(apply(ops.pow, torch.tensor([-2.0], device=DEV), torch.tensor([0.5], device=DEV))).all()
     # gradients where torch defines them specially: exponent 0, base 0
-    b, e = _leaf(torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64)), _leaf(torch.tensor([0.0, 2.0, 0.0], dtype=torch.float64))
+    b, e = (
+        _leaf(torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64)),
+        _leaf(torch.tensor([0.0, 2.0, 0.0], dtype=torch.float64)),
+    )
     rb, re = _leaf(b), _leaf(e)
     gb, ge = torch.autograd.grad(apply(ops.pow, b, e).sum(), [b, e])
     rgb, rge = torch.autograd.grad(torch.pow(rb, re).sum(), [rb, re])

@@ -33,8 +33,10 @@ def test_deterministic_backward_is_bit_reproducible_and_matches_torch(dtype, gen
 
     _, g1 = _grad(fn, idx, weight, grad_out)
     _, g2 = _grad(fn, idx, weight, grad_out)
-    assert torch.equal(g1.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       g2.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        g1.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        g2.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
     # summed in fp32 in position order, rounded once: the same as torch on float64, rounded
     ref = torch.zeros(5, 9, dtype=torch.float64).index_add_(0, idx.reshape(-1), grad_out.double().reshape(-1, 9))
     if dtype == torch.float32:
@@ -63,8 +65,9 @@ def test_padding_row_forward_and_zero_gradient(deterministic, gen):
     idx = torch.tensor([[0, 2, 2], [1, 2, 3]])
     weight = torch.randn(4, 3, generator=gen)
     grad_out = torch.randn(2, 3, 3, generator=gen)
-    out, g = _grad(lambda i, w: teeny.ops.embedding(i, w, padding_idx=-2, deterministic=deterministic),
-                   idx, weight, grad_out)
+    out, g = _grad(
+        lambda i, w: teeny.ops.embedding(i, w, padding_idx=-2, deterministic=deterministic), idx, weight, grad_out
+    )
     torch.testing.assert_close(out, F.embedding(idx, weight))  # the padding row is still returned
     assert torch.equal(g[2], torch.zeros(3))
     w = weight.clone().requires_grad_()
@@ -76,8 +79,7 @@ def test_unused_rows_get_zero_gradient(gen):
     idx = torch.tensor([4, 4, 0])
     weight = torch.randn(6, 2, generator=gen)
     for deterministic in (False, True):
-        _, g = _grad(lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight,
-                     torch.ones(3, 2))
+        _, g = _grad(lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight, torch.ones(3, 2))
         assert torch.equal(g, torch.tensor([[1.0, 1.0], [0, 0], [0, 0], [0, 0], [2, 2], [0, 0]]))
 
 
@@ -116,7 +118,8 @@ def test_out_of_range_index_is_masked():
     idx = torch.tensor([1, 7, -1])
     weight = torch.randn(3, 2)
     for deterministic in (False, True):
-        out, g = _grad(lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight,
-                       torch.ones(3, 2))
+        out, g = _grad(
+            lambda i, w: teeny.ops.embedding(i, w, deterministic=deterministic), idx, weight, torch.ones(3, 2)
+        )
         assert torch.equal(out[0], weight[1]) and torch.equal(out[1:], torch.zeros(2, 2))
         assert torch.equal(g, torch.tensor([[0.0, 0.0], [1, 1], [0, 0]]))

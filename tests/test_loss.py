@@ -23,7 +23,9 @@ def _run(fn, ref, *args, grad_out=None, **kwargs):
     """Forward and gradients of teeny ``fn`` and torch ``ref`` (float64) on the same inputs."""
     ours = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     theirs = [a.clone().double().requires_grad_(True) if a.is_floating_point() else a.clone() for a in args]
-    ref_kwargs = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
+    ref_kwargs = {
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()
+    }
     out, expected = apply(fn, *ours, **kwargs), ref(*theirs, **ref_kwargs)
     g = torch.randn(out.shape, dtype=torch.float64) if grad_out is None else grad_out
     grads = torch.autograd.grad(out, [a for a in ours if a.requires_grad], g.to(out.dtype))
@@ -47,8 +49,15 @@ def _assert_matches(fn, ref, *args, atol=1e-5, rtol=1e-5, **kwargs):
 def test_cross_entropy_all_ignored(reduction, smoothing):
     x = torch.randn(4, 6)
     target = torch.full((4,), -100)
-    out, grads = _assert_matches(L.cross_entropy, F.cross_entropy, x, target, reduction=reduction,
-                                 label_smoothing=smoothing, weight=torch.rand(6) + 0.5)
+    out, grads = _assert_matches(
+        L.cross_entropy,
+        F.cross_entropy,
+        x,
+        target,
+        reduction=reduction,
+        label_smoothing=smoothing,
+        weight=torch.rand(6) + 0.5,
+    )
     if reduction == "mean":
         assert torch.isnan(out)  # 0 / 0, like torch
     assert torch.equal(grads[0], torch.zeros_like(x))  # ignored rows get no gradient, not NaN
@@ -76,16 +85,30 @@ def test_mean_divides_by_weights_of_kept_targets():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_label_smoothing_with_weights_and_ignore(reduction):
     x, target = torch.randn(9, 6), torch.tensor([0, 5, -100, 3, 3, 1, -100, 2, 4])
-    _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(6) + 0.2,
-                    label_smoothing=0.3, reduction=reduction)
+    _assert_matches(
+        L.cross_entropy,
+        F.cross_entropy,
+        x,
+        target,
+        weight=torch.rand(6) + 0.2,
+        label_smoothing=0.3,
+        reduction=reduction,
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_probability_targets(reduction):
     x = torch.randn(5, 7)
     target = torch.softmax(torch.randn(5, 7), 1)
-    out, grads = _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(7) + 0.2,
-                                 label_smoothing=0.15, reduction=reduction)
+    out, grads = _assert_matches(
+        L.cross_entropy,
+        F.cross_entropy,
+        x,
+        target,
+        weight=torch.rand(7) + 0.2,
+        label_smoothing=0.15,
+        reduction=reduction,
+    )
     assert len(grads) == 2  # gradient w.r.t. the target too
 
 
@@ -110,10 +133,10 @@ def test_long_row_loops_over_column_blocks(monkeypatch, smoothing):
     x = torch.randn(2, 5000) * 4
     x[0, 4321] = 60.0  # a large logit in a late block: the online max must rescale
     target = torch.tensor([4321, 17])
-    _assert_matches(L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(5000) + 0.5,
-                    label_smoothing=smoothing)
-    _assert_matches(L.cross_entropy, F.cross_entropy, x[:1], torch.softmax(torch.randn(1, 5000), 1),
-                    reduction="sum")
+    _assert_matches(
+        L.cross_entropy, F.cross_entropy, x, target, weight=torch.rand(5000) + 0.5, label_smoothing=smoothing
+    )
+    _assert_matches(L.cross_entropy, F.cross_entropy, x[:1], torch.softmax(torch.randn(1, 5000), 1), reduction="sum")
 
 
 def test_large_logits_are_stable():
@@ -145,8 +168,15 @@ def test_bce_log_clamp_and_extremes():
 def test_bce_with_logits_extreme_logits():
     x, t = torch.tensor([-200.0, 200.0, 30.0, -30.0]), torch.tensor([1.0, 0.0, 1.0, 0.5])
     pos = torch.tensor([2.0, 0.5, 1.0, 3.0])
-    _assert_matches(L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, x, t, pos_weight=pos,
-                    reduction="none", atol=1e-4)
+    _assert_matches(
+        L.binary_cross_entropy_with_logits,
+        F.binary_cross_entropy_with_logits,
+        x,
+        t,
+        pos_weight=pos,
+        reduction="none",
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("shape", [(5,), (4, 3)])
@@ -181,12 +211,15 @@ def _graph(*specs):
     return g, [g.input(f"a{i}", shape, dtype) for i, (shape, dtype) in enumerate(specs)]
 
 
-@pytest.mark.parametrize("target_spec,match", [
-    (((3,), torch.int32), "int64"),
-    (((3,), torch.float32), "class-probability target of shape"),
-    (((4,), torch.int64), "does not match input"),
-    (((3, 5), torch.float64), "different float dtypes"),
-])
+@pytest.mark.parametrize(
+    "target_spec,match",
+    [
+        (((3,), torch.int32), "int64"),
+        (((3,), torch.float32), "class-probability target of shape"),
+        (((4,), torch.int64), "does not match input"),
+        (((3, 5), torch.float64), "different float dtypes"),
+    ],
+)
 def test_cross_entropy_bad_target(target_spec, match):
     _, (x, t) = _graph(((3, 5), torch.float32), target_spec)
     with pytest.raises(GraphError, match=match):
@@ -209,8 +242,9 @@ def test_class_loss_errors():
 
 
 def test_pointwise_errors():
-    _, (x, t, t_int, w) = _graph(((3, 4), torch.float32), ((4, 3), torch.float32), ((3, 4), torch.int64),
-                                 ((3, 1), torch.float32))
+    _, (x, t, t_int, w) = _graph(
+        ((3, 4), torch.float32), ((4, 3), torch.float32), ((3, 4), torch.int64), ((3, 1), torch.float32)
+    )
     with pytest.raises(GraphError, match="target shape"):
         L.mse_loss(x, t)
     with pytest.raises(GraphError, match="floating point"):
@@ -248,7 +282,11 @@ def test_layers_match_torch_modules():
         (teeny.nn.BCEWithLogitsLoss(pos_weight=w), torch.nn.BCEWithLogitsLoss(pos_weight=w), (x, q)),
         (teeny.nn.KLDivLoss(reduction="batchmean"), torch.nn.KLDivLoss(reduction="batchmean"), (x, q)),
         (teeny.nn.NLLLoss(weight=w), torch.nn.NLLLoss(weight=w), (x, idx)),
-        (teeny.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1), torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1), (x, idx)),
+        (
+            teeny.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1),
+            torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1),
+            (x, idx),
+        ),
     ]
     for ours, theirs, args in cases:
         assert ours.parameters() == []  # weights are constants, not parameters
@@ -283,8 +321,13 @@ def test_public_names():
     for name in L.NN_LAYERS:
         assert hasattr(teeny.nn, name)
     import inspect
-    for ours, theirs in [(L.cross_entropy, F.cross_entropy), (L.nll_loss, F.nll_loss), (L.kl_div, F.kl_div),
-                         (L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits)]:
+
+    for ours, theirs in [
+        (L.cross_entropy, F.cross_entropy),
+        (L.nll_loss, F.nll_loss),
+        (L.kl_div, F.kl_div),
+        (L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits),
+    ]:
         mine = inspect.signature(ours).parameters
         for name, p in inspect.signature(theirs).parameters.items():
             if name not in ("size_average", "reduce"):

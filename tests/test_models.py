@@ -3,7 +3,6 @@ inputs must give the same loss and the same gradient for every parameter."""
 
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +32,9 @@ def _load(ref: torch.nn.Module, params: dict):
 def _compare(ex, ref, loss, ref_loss, atol=1e-5, rtol=1e-4):
     torch.testing.assert_close(loss.cpu(), ref_loss.detach(), atol=atol, rtol=rtol)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(ex.grads[name].cpu(), p.grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            ex.grads[name].cpu(), p.grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 class TorchCNN(torch.nn.Module):

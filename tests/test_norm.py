@@ -6,11 +6,11 @@ import torch.nn.functional as F
 
 import teeny
 from teeny import nn
+from teeny.executor import Executor
 from teeny.graph import Graph, GraphError
 from teeny.interop.torch import apply
 from teeny.kernels import norm
 from teeny.lowering import LoweringMode, lower
-from teeny.executor import Executor
 from teeny.module import Module
 
 
@@ -34,8 +34,10 @@ def _run_layer(layer, x, mode, params=None):
     return ex, ex.forward({"x": x}), None
 
 
-@pytest.mark.parametrize("shape,cls,torch_cls", [((7, 3), nn.BatchNorm1d, torch.nn.BatchNorm1d),
-                                                 ((4, 3, 5, 2), nn.BatchNorm2d, torch.nn.BatchNorm2d)])
+@pytest.mark.parametrize(
+    "shape,cls,torch_cls",
+    [((7, 3), nn.BatchNorm1d, torch.nn.BatchNorm1d), ((4, 3, 5, 2), nn.BatchNorm2d, torch.nn.BatchNorm2d)],
+)
 def test_batchnorm_running_stats_follow_torch(shape, cls, torch_cls, gen):
     x = torch.randn(shape, generator=gen)
     net = _Net(cls(3, momentum=0.3))
@@ -86,14 +88,18 @@ def test_functional_batch_norm_updates_in_place_and_without_running_stats(gen):
 
 
 def test_layer_parameters_match_torch():
-    cases = [(nn.LayerNorm((3, 4)), torch.nn.LayerNorm((3, 4))),
-             (nn.LayerNorm(5, bias=False), torch.nn.LayerNorm(5, bias=False)),
-             (nn.LayerNorm(5, elementwise_affine=False), torch.nn.LayerNorm(5, elementwise_affine=False)),
-             (nn.RMSNorm(6), torch.nn.RMSNorm(6)),
-             (nn.GroupNorm(2, 4), torch.nn.GroupNorm(2, 4)),
-             (nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)),
-             (nn.BatchNorm1d(3, affine=False, track_running_stats=False),
-              torch.nn.BatchNorm1d(3, affine=False, track_running_stats=False))]
+    cases = [
+        (nn.LayerNorm((3, 4)), torch.nn.LayerNorm((3, 4))),
+        (nn.LayerNorm(5, bias=False), torch.nn.LayerNorm(5, bias=False)),
+        (nn.LayerNorm(5, elementwise_affine=False), torch.nn.LayerNorm(5, elementwise_affine=False)),
+        (nn.RMSNorm(6), torch.nn.RMSNorm(6)),
+        (nn.GroupNorm(2, 4), torch.nn.GroupNorm(2, 4)),
+        (nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)),
+        (
+            nn.BatchNorm1d(3, affine=False, track_running_stats=False),
+            torch.nn.BatchNorm1d(3, affine=False, track_running_stats=False),
+        ),
+    ]
     gen = torch.Generator().manual_seed(0)
     for ours, ref in cases:
         expected = {k: v for k, v in ref.state_dict().items() if k != "num_batches_tracked"}
@@ -105,11 +111,14 @@ def test_layer_parameters_match_torch():
             assert p.trainable == (name in dict(ref.named_parameters()))
 
 
-@pytest.mark.parametrize("layer,torch_layer,shape", [
-    (nn.LayerNorm((3, 5)), torch.nn.LayerNorm((3, 5)), (4, 3, 5)),
-    (nn.RMSNorm(7), torch.nn.RMSNorm(7), (5, 7)),
-    (nn.GroupNorm(3, 6), torch.nn.GroupNorm(3, 6), (2, 6, 5)),
-])
+@pytest.mark.parametrize(
+    "layer,torch_layer,shape",
+    [
+        (nn.LayerNorm((3, 5)), torch.nn.LayerNorm((3, 5)), (4, 3, 5)),
+        (nn.RMSNorm(7), torch.nn.RMSNorm(7), (5, 7)),
+        (nn.GroupNorm(3, 6), torch.nn.GroupNorm(3, 6), (2, 6, 5)),
+    ],
+)
 def test_layers_train_like_torch(layer, torch_layer, shape, gen):
     x = torch.randn(shape, generator=gen)
     ex, out, cache = _run_layer(_Net(layer), x, LoweringMode.TRAINING)
@@ -133,12 +142,20 @@ def test_rows_longer_than_one_block(case, monkeypatch, gen):
     if case == "layer_norm":
         w = torch.rand(31, generator=gen).add(0.5).requires_grad_()
         b = torch.randn(31, generator=gen).requires_grad_()
-        fn, ref_fn, args = (lambda x, w, b: norm.layer_norm(x, (31,), w, b)), (lambda x, w, b: F.layer_norm(x, (31,), w, b)), (x, w, b)
+        fn, ref_fn, args = (
+            (lambda x, w, b: norm.layer_norm(x, (31,), w, b)),
+            (lambda x, w, b: F.layer_norm(x, (31,), w, b)),
+            (x, w, b),
+        )
     elif case == "rms_norm":
         w = torch.rand(6, 31, generator=gen).add(0.5).requires_grad_()
         fn, ref_fn, args = (lambda x, w: norm.rms_norm(x, (6, 31), w)), (lambda x, w: F.rms_norm(x, (6, 31), w)), (x, w)
     elif case == "group_norm":
-        fn, ref_fn, args = (lambda x, w, b: norm.group_norm(x, 2, w, b)), (lambda x, w, b: F.group_norm(x, 2, w, b)), (x, w, b)
+        fn, ref_fn, args = (
+            (lambda x, w, b: norm.group_norm(x, 2, w, b)),
+            (lambda x, w, b: F.group_norm(x, 2, w, b)),
+            (x, w, b),
+        )
     else:
         fn = lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
         ref_fn, args = (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)), (x, w, b)
@@ -196,13 +213,21 @@ def test_multi_row_tiles_and_fused_weight_partials(case, rows, monkeypatch, gen)
     w = torch.rand(11, generator=gen).add(0.5).requires_grad_()
     b = torch.randn(11, generator=gen).requires_grad_()
     if case == "layer_norm":
-        fn, ref_fn, args = (lambda x, w, b: norm.layer_norm(x, (11,), w, b)), (lambda x, w, b: F.layer_norm(x, (11,), w, b)), (x, w, b)
+        fn, ref_fn, args = (
+            (lambda x, w, b: norm.layer_norm(x, (11,), w, b)),
+            (lambda x, w, b: F.layer_norm(x, (11,), w, b)),
+            (x, w, b),
+        )
     elif case == "layer_norm no bias":
         fn, ref_fn, args = (lambda x, w: norm.layer_norm(x, (11,), w)), (lambda x, w: F.layer_norm(x, (11,), w)), (x, w)
     elif case == "rms_norm":
         fn, ref_fn, args = (lambda x, w: norm.rms_norm(x, (11,), w)), (lambda x, w: F.rms_norm(x, (11,), w)), (x, w)
     else:
-        fn, ref_fn, args = (lambda x, w, b: norm.group_norm(x, 1, w, b)), (lambda x, w, b: F.group_norm(x, 1, w, b)), (x, w, b)
+        fn, ref_fn, args = (
+            (lambda x, w, b: norm.group_norm(x, 1, w, b)),
+            (lambda x, w, b: F.group_norm(x, 1, w, b)),
+            (x, w, b),
+        )
     _forward_and_grads_match(fn, ref_fn, args, gen, tol=1e-5)
 
 

@@ -48,17 +48,25 @@ def test_matches_torch(info, dtype, gen):
     if dtype not in info.dtypes:
         pytest.skip(f"{info.name} has no {dtype} version")
     for sample in info.samples(dtype, gen):
-        args = _rebuild(sample.args, lambda i, t: t.detach().clone().to(teeny.DEVICE).requires_grad_(sample.wants_grad(i, t)))
+        args = _rebuild(
+            sample.args, lambda i, t: t.detach().clone().to(teeny.DEVICE).requires_grad_(sample.wants_grad(i, t))
+        )
         kwargs = {k: (v.to(teeny.DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in sample.kwargs.items()}
-        ref_args = _rebuild(args, lambda i, t: (t.detach().double() if t.is_floating_point() else t.detach()).requires_grad_(t.requires_grad))
-        ref_kwargs = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
+        ref_args = _rebuild(
+            args,
+            lambda i, t: (t.detach().double() if t.is_floating_point() else t.detach()).requires_grad_(t.requires_grad),
+        )
+        ref_kwargs = {
+            k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()
+        }
 
         out = apply(info.op, *args, **kwargs)
         ref = info.ref(*ref_args, **ref_kwargs)
         atol, rtol = tolerance(dtype, sample.reduction)
         assert out.dtype == dtype if ref.is_floating_point() else True
-        torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{info.name} {sample.name} forward: {m}")
+        torch.testing.assert_close(
+            out.double(), ref.double(), atol=atol, rtol=rtol, msg=lambda m: f"{info.name} {sample.name} forward: {m}"
+        )
         inputs = [t for t in _flat(args) if t.requires_grad]
         if not info.has_backward or not inputs or out.numel() == 0 or not ref.requires_grad:
             continue
@@ -70,5 +78,10 @@ def test_matches_torch(info, dtype, gen):
             if r is None:
                 r = torch.zeros_like(ref_inputs[index])
             assert g is not None, f"{info.name} {sample.name}: no gradient for input {index}"
-            torch.testing.assert_close(g.double(), r.double(), atol=atol, rtol=rtol,
-                                       msg=lambda m, i=index: f"{info.name} {sample.name} grad of input {i}: {m}")
+            torch.testing.assert_close(
+                g.double(),
+                r.double(),
+                atol=atol,
+                rtol=rtol,
+                msg=lambda m, i=index: f"{info.name} {sample.name} grad of input {i}: {m}",
+            )

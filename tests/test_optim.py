@@ -56,7 +56,11 @@ def test_step_is_one_launch_over_the_arena(monkeypatch):
     from teeny.kernel import KernelInstance
 
     original = KernelInstance.launch
-    monkeypatch.setattr(KernelInstance, "launch", lambda self, grid, args: (launches.append(self.kernel.name), original(self, grid, args)))
+    monkeypatch.setattr(
+        KernelInstance,
+        "launch",
+        lambda self, grid, args: (launches.append(self.kernel.name), original(self, grid, args)),
+    )
     AdamW(ex, lr=1e-3).step()
     assert launches == ["adam_step_kernel"]
 

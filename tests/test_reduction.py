@@ -74,8 +74,14 @@ def test_split_reduction_of_long_row(kind):
     x = torch.randn(1, 5000, generator=gen)
     op = ReduceOp(kind, None, False, block=64)
     out, g = _grad(_teeny(_with_op(op)), x)
-    refs = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "var": torch.var, "std": torch.std,
-            "logsumexp": lambda t: torch.logsumexp(t, dim=(0, 1))}
+    refs = {
+        "sum": torch.sum,
+        "mean": torch.mean,
+        "max": torch.amax,
+        "var": torch.var,
+        "std": torch.std,
+        "logsumexp": lambda t: torch.logsumexp(t, dim=(0, 1)),
+    }
     ref, rg = _grad(lambda t: refs[kind](t.double()), x)
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(g.double(), rg.double(), atol=1e-6, rtol=1e-4)
@@ -153,8 +159,9 @@ def test_softmax_infinities_match_torch():
     x = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf")] * 3, [float("inf"), 0.0, 1.0]])
     for fn, ref in ((teeny.ops.softmax, F.softmax), (teeny.ops.log_softmax, F.log_softmax)):
         torch.testing.assert_close(apply(fn, x, dim=-1), ref(x, -1), equal_nan=True)
-        torch.testing.assert_close(apply(_with_op(SoftmaxOp(-1, log=fn is teeny.ops.log_softmax, block=2)), x),
-                                   ref(x, -1), equal_nan=True)
+        torch.testing.assert_close(
+            apply(_with_op(SoftmaxOp(-1, log=fn is teeny.ops.log_softmax, block=2)), x), ref(x, -1), equal_nan=True
+        )
 
 
 def test_nan_and_inf_results_match_torch():
@@ -221,13 +228,16 @@ def _symbolic(shape, dtype=torch.float32):
     return Graph().input("x", shape, dtype)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda x: teeny.ops.sum(x, dim=2), "dim 2 is out of range for a 2-d tensor"),
-    (lambda x: teeny.ops.mean(x, dim=(1, -1)), "appears more than once"),
-    (lambda x: teeny.ops.var(x, dim=1.5), "dim must be None, an int or a list/tuple of ints"),
-    (lambda x: teeny.ops.softmax(x, dim=-3), "dim -3 is out of range"),
-    (lambda x: teeny.ops.log_softmax(x, dim=(0,)), "dim must be an int"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: teeny.ops.sum(x, dim=2), "dim 2 is out of range for a 2-d tensor"),
+        (lambda x: teeny.ops.mean(x, dim=(1, -1)), "appears more than once"),
+        (lambda x: teeny.ops.var(x, dim=1.5), "dim must be None, an int or a list/tuple of ints"),
+        (lambda x: teeny.ops.softmax(x, dim=-3), "dim -3 is out of range"),
+        (lambda x: teeny.ops.log_softmax(x, dim=(0,)), "dim must be an int"),
+    ],
+)
 def test_bad_dims(call, match):
     with pytest.raises(GraphError, match=match):
         call(_symbolic((3, 4)))

@@ -1,8 +1,6 @@
 """End to end: a teeny MLP against the same PyTorch MLP (gradients, and 50 optimizer steps of
 losses), kill-and-resume, checkpoint integrity, and the `teeny train` command's errors."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,13 +37,15 @@ def _pair(dtype, batch=13, d_in=11, hidden=17, classes=5):
 
 def _data(dtype, steps, batch=13, d_in=11, classes=5):
     gen = torch.Generator().manual_seed(7)
-    return [(torch.randn(batch, d_in, generator=gen).to(dtype), torch.randint(classes, (batch,), generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randn(batch, d_in, generator=gen).to(dtype), torch.randint(classes, (batch,), generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def test_mlp_parameter_gradients_match_pytorch():
     ex, ref = _pair(torch.float32)
-    (x, y), = _data(torch.float32, 1)
+    ((x, y),) = _data(torch.float32, 1)
     (loss, _), cache = ex.forward_train({"x": x, "y": y})
     ex.backward(cache)
     ref_loss = F.cross_entropy(ref(x), y)
@@ -62,8 +62,9 @@ def test_mlp_graph_gradcheck_float64():
     y = g.input("y", (4,), torch.int64)
     g.output(ops.cross_entropy(model(x), y))
     gen = torch.Generator().manual_seed(0)
-    teeny.gradcheck_graph(g, {"x": torch.randn(4, 5, dtype=torch.float64, generator=gen),
-                              "y": torch.randint(3, (4,), generator=gen)})
+    teeny.gradcheck_graph(
+        g, {"x": torch.randn(4, 5, dtype=torch.float64, generator=gen), "y": torch.randint(3, (4,), generator=gen)}
+    )
 
 
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-4), (torch.float64, 1e-10)], ids=["float32", "float64"])
@@ -89,8 +90,9 @@ def test_fifty_steps_of_losses_match_pytorch(dtype, rel, kind):
 
 
 def _config(tmp_path, name, **kw):
-    return TrainConfig(epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name),
-                       progress=False, log_every=1, **kw)
+    return TrainConfig(
+        epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name), progress=False, log_every=1, **kw
+    )
 
 
 def test_kill_and_resume_gives_the_same_parameters(tmp_path):
@@ -100,8 +102,12 @@ def test_kill_and_resume_gives_the_same_parameters(tmp_path):
     # "killed" after 7 steps (mid-epoch), then resumed from its checkpoint
     part = train(make_task("mlp"), _config(tmp_path, "part", max_steps=7), log=lambda *_: None)
     assert part["step"] == 7
-    resumed = train(make_task("mlp"), _config(tmp_path, "part"), resume=str(tmp_path / "part" / "checkpoint.safetensors"),
-                    log=lambda *_: None)
+    resumed = train(
+        make_task("mlp"),
+        _config(tmp_path, "part"),
+        resume=str(tmp_path / "part" / "checkpoint.safetensors"),
+        log=lambda *_: None,
+    )
     assert resumed["step"] == full["step"]
     for name, value in full["executor"].params.items():
         assert torch.equal(value, resumed["executor"].params[name]), name
@@ -146,12 +152,15 @@ def test_atomic_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert load_checkpoint(path)[2]["step"] == "1"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["train", "resnet"], "unknown model 'resnet'"),
-    (["train", "mlp", "--epochs", "0"], "must be >= 1"),
-    (["train", "mlp", "--lr", "abc"], "expected a number"),
-    (["train", "mlp", "--optimizer", "rmsprop"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "resnet"], "unknown model 'resnet'"),
+        (["train", "mlp", "--epochs", "0"], "must be >= 1"),
+        (["train", "mlp", "--lr", "abc"], "expected a number"),
+        (["train", "mlp", "--optimizer", "rmsprop"], "invalid choice"),
+    ],
+)
 def test_cli_bad_input_is_a_clear_message(argv, message, capsys):
     from teeny.cli import main
 
@@ -191,7 +200,7 @@ def test_train_your_own_graph_and_data(tmp_path):
     def batches(epoch, batch, seed):
         order = torch.randperm(96, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         for i in range(0, 96, batch):
-            yield {"x": xs[order[i:i + batch]], "y": ys[order[i:i + batch]]}
+            yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
 
     task = CallableTask("regression", build, batches, lambda batch: 96 // batch)
     config = TrainConfig(epochs=30, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)

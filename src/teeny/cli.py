@@ -36,8 +36,12 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="teeny", description="Triton kernel pairs that train models.")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
-                        help="where kernels run (default: the GPU if there is one, else the Triton interpreter)")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="where kernels run (default: the GPU if there is one, else the Triton interpreter)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_ops = sub.add_parser("ops", help="list every registered op with its dtypes and whether it has a backward")
@@ -62,8 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--out", default="runs/latest", help="folder for checkpoint, metrics.jsonl and loss.png")
     p_train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint file")
     p_train.add_argument("--no-progress", action="store_true")
-    p_train.add_argument("--device", dest="train_device", choices=["auto", "cpu", "cuda"], default=None,
-                         help="same as the global --device")
+    p_train.add_argument(
+        "--device",
+        dest="train_device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="same as the global --device",
+    )
     return parser
 
 
@@ -89,10 +98,15 @@ def cmd_ops(args) -> int:
 
     rows = []
     for info in all_ops():
-        rows.append({"name": info.name, "family": info.family,
-                     "dtypes": [str(d).replace("torch.", "") for d in info.dtypes],
-                     "backward": info.has_backward,
-                     "kernels": [k.name for k in info.kernels]})
+        rows.append(
+            {
+                "name": info.name,
+                "family": info.family,
+                "dtypes": [str(d).replace("torch.", "") for d in info.dtypes],
+                "backward": info.has_backward,
+                "kernels": [k.name for k in info.kernels],
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -118,8 +132,15 @@ def cmd_gradcheck(args) -> int:
     rows, failed = [], 0
     for info in selected:
         if not info.has_backward:
-            rows.append({"op": info.name, "status": "n/a", "samples": 0, "max_error": None,
-                         "detail": "inference-only op: no backward to check"})
+            rows.append(
+                {
+                    "op": info.name,
+                    "status": "n/a",
+                    "samples": 0,
+                    "max_error": None,
+                    "detail": "inference-only op: no backward to check",
+                }
+            )
             continue
         gen = torch.Generator().manual_seed(0)
         status, detail, max_err, count = "ok", "", 0.0, 0
@@ -127,8 +148,9 @@ def cmd_gradcheck(args) -> int:
             if not sample.has_gradient_to_check():
                 continue  # e.g. stop_gradient: nothing differentiable to check in this sample
             try:
-                result = gradcheck(info.op, *sample.args, kwargs=sample.kwargs, requires_grad=sample.wants_grad,
-                                   raise_on_failure=False)
+                result = gradcheck(
+                    info.op, *sample.args, kwargs=sample.kwargs, requires_grad=sample.wants_grad, raise_on_failure=False
+                )
             except Exception as exc:  # an op that cannot even run is a failure, reported, not a crash
                 status, detail = "error", f"{sample.name}: {type(exc).__name__}: {exc}"
                 break
@@ -172,8 +194,10 @@ def cmd_train(args, parser) -> int:
         if value is not None:
             settings[key] = value
     config = TrainConfig(**settings, seed=args.seed, out=args.out, max_steps=args.steps, progress=not args.no_progress)
-    print(f"teeny train {args.model} on {device.describe()}: {config.epochs} epochs, batch {config.batch_size}, "
-          f"{config.optimizer} lr {config.lr}")
+    print(
+        f"teeny train {args.model} on {device.describe()}: {config.epochs} epochs, batch {config.batch_size}, "
+        f"{config.optimizer} lr {config.lr}"
+    )
     try:
         result = train(task, config, resume=args.resume)
     except (CheckpointError, ValueError) as exc:

@@ -26,7 +26,7 @@ class ArrayDataset:
         order = torch.randperm(len(self), generator=generator) if generator is not None else torch.arange(len(self))
         stop = len(self) - (len(self) % batch_size if drop_last else 0)
         for start in range(0, stop, batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             yield self.x[idx], self.y[idx]
 
 
@@ -95,6 +95,6 @@ class CharCorpus:
         """Random windows: inputs (B, T) and next-character targets (B, T)."""
         data = self.train if split == "train" else self.val
         starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
-        x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
-        y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts.tolist()])
+        x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
+        y = torch.stack([data[s + 1 : s + 1 + block_size] for s in starts.tolist()])
         return x, y

@@ -33,7 +33,8 @@ def _decide() -> torch.device:
             raise ImportError(
                 "triton was imported before teeny on a machine where teeny runs kernels through the Triton "
                 "interpreter; Triton decides interpreter or compiler when it is imported. Import teeny first, "
-                "or set TRITON_INTERPRET=1 in the environment before starting Python.")
+                "or set TRITON_INTERPRET=1 in the environment before starting Python."
+            )
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)

@@ -15,7 +15,8 @@ as soon as its backward has run.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -54,8 +55,13 @@ class ActivationCache:
 
 
 class Executor:
-    def __init__(self, program: Program, seed: int = 0, device: torch.device | str | None = None,
-                 params: Mapping[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        program: Program,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ):
         self.program = program
         self.device = DEVICE if device is None else torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -86,15 +92,17 @@ class Executor:
             grads = torch.zeros(total, dtype=dtype, device=self.device) if self.training else None
             offset = 0
             for v in values:
-                view = arena[offset:offset + v.numel].view(v.shape)
+                view = arena[offset : offset + v.numel].view(v.shape)
                 init = v.init(tuple(v.shape), generator, dtype)
                 if tuple(init.shape) != tuple(v.shape):
-                    raise TeenyError(f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}")
+                    raise TeenyError(
+                        f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}"
+                    )
                 view.copy_(init)
                 self.params[v.name] = view
                 self._param_by_id[v.id] = view
                 if grads is not None:
-                    gview = grads[offset:offset + v.numel].view(v.shape)
+                    gview = grads[offset : offset + v.numel].view(v.shape)
                     self.grads[v.name] = gview
                     self._grad_by_id[v.id] = gview
                 offset += v.numel
@@ -114,7 +122,9 @@ class Executor:
             target = self.params[name]
             value = torch.as_tensor(value).detach()
             if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"load_params: parameter '{name}' has shape {tuple(target.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"load_params: parameter '{name}' has shape {tuple(target.shape)}, got {tuple(value.shape)}"
+                )
             target.copy_(value.to(device=target.device, dtype=target.dtype))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -139,7 +149,8 @@ class Executor:
             given = {graph_inputs[0].name: inputs} if graph_inputs else {"?": inputs}
         elif isinstance(inputs, Sequence):
             if len(inputs) != len(graph_inputs):
-                raise TypeError(f"expected {len(graph_inputs)} inputs ({', '.join(v.name for v in graph_inputs)}), got {len(inputs)}")
+                names = ", ".join(v.name for v in graph_inputs)
+                raise TypeError(f"expected {len(graph_inputs)} inputs ({names}), got {len(inputs)}")
             given = {v.name: t for v, t in zip(graph_inputs, inputs)}
         else:
             raise TypeError(f"inputs must be a dict, a list or a tensor, got {type(inputs).__name__}")
@@ -156,11 +167,15 @@ class Executor:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"input '{v.name}' must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != tuple(v.shape):
-                raise ValueError(f"input '{v.name}' has shape {tuple(t.shape)}, but the program was lowered for {v.shape} "
-                                 "(shapes are static: lower again for another shape)")
+                raise ValueError(
+                    f"input '{v.name}' has shape {tuple(t.shape)}, but the program was lowered for {v.shape} "
+                    "(shapes are static: lower again for another shape)"
+                )
             if t.dtype != v.dtype:
-                raise TypeError(f"input '{v.name}' has dtype {str(t.dtype).replace('torch.', '')}, expected "
-                                f"{str(v.dtype).replace('torch.', '')}")
+                raise TypeError(
+                    f"input '{v.name}' has dtype {str(t.dtype).replace('torch.', '')}, expected "
+                    f"{str(v.dtype).replace('torch.', '')}"
+                )
             if t.device != self.device:
                 if t.device.type != "cpu":
                     raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
@@ -183,8 +198,10 @@ class Executor:
             saved = extra_buffers(p, self._alloc)
             out = node.op.view(args)
             if out is not None and not out.is_contiguous():
-                raise TeenyError(f"op {node.op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
-                                 "kernels read contiguous buffers, so return None and copy with a kernel instead")
+                raise TeenyError(
+                    f"op {node.op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
+                    "kernels read contiguous buffers, so return None and copy with a kernel instead"
+                )
             if out is None:
                 out = self._alloc(node.output.shape, node.output.dtype)
                 ctx = make_context(program, p, args, out, saved, dry_run=False)
@@ -254,15 +271,21 @@ class Executor:
     def _seed(self, loss: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
         if grad_output is None:
             if loss.numel != 1:
-                raise ValueError(f"backward() without grad_output needs a scalar loss, but '{loss.name}' has shape {loss.shape}")
+                raise ValueError(
+                    f"backward() without grad_output needs a scalar loss, but '{loss.name}' has shape {loss.shape}"
+                )
             return torch.ones(loss.shape, dtype=loss.dtype, device=self.device)
         if tuple(grad_output.shape) != tuple(loss.shape):
-            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, but the output '{loss.name}' has shape {loss.shape}")
+            raise ValueError(
+                f"grad_output has shape {tuple(grad_output.shape)}, but the output '{loss.name}' has shape {loss.shape}"
+            )
         if grad_output.dtype != loss.dtype:
             raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{loss.name}' is {loss.dtype}")
         return grad_output.to(self.device)
 
-    def _node_backward(self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
+    def _node_backward(
+        self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]
+    ) -> None:
         node = p.node
         n_act = node.op.n_activation_inputs
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
@@ -284,8 +307,10 @@ class Executor:
             if not wanted:
                 continue
             if g is None or tuple(g.shape) != tuple(v.shape):
-                raise TeenyError(f"op {node.op.name} (node '{node.name}') backward left the gradient of '{v.name}' "
-                                 f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}")
+                raise TeenyError(
+                    f"op {node.op.name} (node '{node.name}') backward left the gradient of '{v.name}' "
+                    f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}"
+                )
             if v.kind == "param":
                 target = self._grad_by_id[v.id]
                 if g is not target:

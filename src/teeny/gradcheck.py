@@ -17,8 +17,9 @@ analytical one. A NaN or inf on either side is a failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,7 +60,8 @@ class GradcheckResult:
 
     def report(self, limit: int = 10) -> str:
         if self.ok:
-            return f"gradcheck passed ({', '.join(f'{k}: {v}' for k, v in self.checked.items())}; max error {self.max_abs_error:.3g})"
+            checked = ", ".join(f"{k}: {v}" for k, v in self.checked.items())
+            return f"gradcheck passed ({checked}; max error {self.max_abs_error:.3g})"
         lines = [f"gradcheck failed: {len(self.mismatches)} mismatches"]
         lines += [f"  {m}" for m in self.mismatches[:limit]]
         if len(self.mismatches) > limit:
@@ -67,10 +69,20 @@ class GradcheckResult:
         return "\n".join(lines)
 
 
-def gradcheck_graph(graph: Graph, inputs: dict[str, torch.Tensor], *, params: dict[str, torch.Tensor] | None = None,
-                    dtype: torch.dtype | None = None, eps: float | None = None, atol: float | None = None,
-                    rtol: float | None = None, mode: str = "auto", max_elements: int = 400, seed: int = 0,
-                    raise_on_failure: bool = True) -> GradcheckResult:
+def gradcheck_graph(
+    graph: Graph,
+    inputs: dict[str, torch.Tensor],
+    *,
+    params: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    eps: float | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    mode: str = "auto",
+    max_elements: int = 400,
+    seed: int = 0,
+    raise_on_failure: bool = True,
+) -> GradcheckResult:
     """Check every gradient of ``graph``'s first output: w.r.t. inputs marked ``requires_grad``
     and trainable parameters. ``mode``: "full" (every element), "directional" (one random
     direction per tensor), or "auto" (full up to ``max_elements`` elements, else directional)."""
@@ -91,7 +103,9 @@ def gradcheck_graph(graph: Graph, inputs: dict[str, torch.Tensor], *, params: di
 
     gen = torch.Generator().manual_seed(seed + 1)
     inputs = {k: v.to(executor.device) for k, v in inputs.items()}
-    projection = torch.randn(out_value.shape, generator=gen, dtype=torch.float64).to(out_value.dtype).to(executor.device)
+    projection = (
+        torch.randn(out_value.shape, generator=gen, dtype=torch.float64).to(out_value.dtype).to(executor.device)
+    )
 
     def objective() -> float:
         out = executor.forward(inputs)
@@ -147,8 +161,15 @@ def gradcheck_graph(graph: Graph, inputs: dict[str, torch.Tensor], *, params: di
     return result
 
 
-def _compare(result: GradcheckResult, what: str, numeric: torch.Tensor, analytic: torch.Tensor,
-             atol: float, rtol: float, index_name: str | None = None) -> None:
+def _compare(
+    result: GradcheckResult,
+    what: str,
+    numeric: torch.Tensor,
+    analytic: torch.Tensor,
+    atol: float,
+    rtol: float,
+    index_name: str | None = None,
+) -> None:
     if numeric.shape != analytic.shape:
         result.mismatches.append(Mismatch(what, "shape", float("nan"), float("nan")))
         return
@@ -162,8 +183,9 @@ def _compare(result: GradcheckResult, what: str, numeric: torch.Tensor, analytic
             index: tuple | str = index_name
         else:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), numeric.shape))
-        result.mismatches.append(Mismatch(what, index, float(numeric.view(-1)[flat_index]),
-                                          float(analytic.reshape(-1)[flat_index])))
+        result.mismatches.append(
+            Mismatch(what, index, float(numeric.view(-1)[flat_index]), float(analytic.reshape(-1)[flat_index]))
+        )
 
 
 def gradcheck(fn: Callable[..., Tensor], *args: Any, requires_grad=None, **options: Any) -> GradcheckResult:

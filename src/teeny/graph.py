@@ -13,8 +13,9 @@ dtype, so a shape mistake is reported at the line that made it, naming the node.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class Value:
     requires_grad: bool = False  # inputs: whether gradients w.r.t. it are wanted; params: trainable
     init: Init | None = None  # params
     data: torch.Tensor | None = None  # consts
-    producer: "Node | None" = None
+    producer: Node | None = None
 
     @property
     def numel(self) -> int:
@@ -65,7 +66,7 @@ class Graph:
     values: list[Value] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
-    _bound: dict[int, "Tensor"] = field(default_factory=dict)
+    _bound: dict[int, Tensor] = field(default_factory=dict)
 
     # --- sources -------------------------------------------------------------------------
     def _new_value(self, name: str, shape: Sequence[int], dtype: torch.dtype, kind: str, **kw) -> Value:
@@ -76,23 +77,39 @@ class Graph:
         self.values.append(value)
         return value
 
-    def input(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32,
-              requires_grad: bool = False) -> "Tensor":
+    def input(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32, requires_grad: bool = False
+    ) -> Tensor:
         if requires_grad and not dtype.is_floating_point:
             raise GraphError(f"input {name!r}: a {dtype} input cannot require a gradient")
         return Tensor(self, self._new_value(name, shape, dtype, "input", requires_grad=requires_grad))
 
-    def parameter(self, name: str, shape: Sequence[int], init: Init | None = None,
-                  dtype: torch.dtype = torch.float32, trainable: bool = True) -> "Tensor":
+    def parameter(
+        self,
+        name: str,
+        shape: Sequence[int],
+        init: Init | None = None,
+        dtype: torch.dtype = torch.float32,
+        trainable: bool = True,
+    ) -> Tensor:
         if not dtype.is_floating_point:
             raise GraphError(f"parameter {name!r} must be floating point, got {dtype}")
-        return Tensor(self, self._new_value(name, shape, dtype, "param", requires_grad=trainable,
-                                            init=init or zeros_init))
+        return Tensor(
+            self, self._new_value(name, shape, dtype, "param", requires_grad=trainable, init=init or zeros_init)
+        )
 
-    def constant(self, data: Any, dtype: torch.dtype | None = None, name: str | None = None) -> "Tensor":
+    def constant(self, data: Any, dtype: torch.dtype | None = None, name: str | None = None) -> Tensor:
         tensor = torch.as_tensor(data, dtype=dtype)
-        return Tensor(self, self._new_value(name or f"const{len(self.values)}", tuple(tensor.shape), tensor.dtype,
-                                            "const", data=tensor.detach().clone()))
+        return Tensor(
+            self,
+            self._new_value(
+                name or f"const{len(self.values)}",
+                tuple(tensor.shape),
+                tensor.dtype,
+                "const",
+                data=tensor.detach().clone(),
+            ),
+        )
 
     @property
     def inputs(self) -> list[Value]:
@@ -103,7 +120,7 @@ class Graph:
         return [v for v in self.values if v.kind == "param"]
 
     # --- ops ---------------------------------------------------------------------------
-    def apply(self, op: RuntimeOp, inputs: Sequence[Any], name: str | None = None) -> "Tensor":
+    def apply(self, op: RuntimeOp, inputs: Sequence[Any], name: str | None = None) -> Tensor:
         """Add a node running ``op`` on ``inputs``; returns its symbolic output."""
         values = [self._as_value(t) for t in inputs]
         node_name = name or f"{op.name}_{len(self.nodes)}"
@@ -113,7 +130,7 @@ class Graph:
         if len(values) < op.n_activation_inputs:
             raise GraphError(f"{where}: needs {op.n_activation_inputs} inputs, got {len(values)}")
         expected = op.param_shapes(shapes)
-        params = shapes[op.n_activation_inputs:]
+        params = shapes[op.n_activation_inputs :]
         if expected and len(params) != len(expected):
             raise GraphError(f"{where}: expects {len(expected)} parameters, got {len(params)}")
         for i, (want, got) in enumerate(zip(expected, params)):
@@ -137,7 +154,7 @@ class Graph:
         self.nodes.append(node)
         return Tensor(self, out)
 
-    def output(self, *tensors: "Tensor") -> None:
+    def output(self, *tensors: Tensor) -> None:
         """Mark the graph's outputs (the first is the loss in training)."""
         for t in tensors:
             if not isinstance(t, Tensor) or t.graph is not self:
@@ -157,7 +174,7 @@ class Graph:
             raise GraphError("python scalars must be turned into constants by the op (graph.constant)")
         raise GraphError(f"expected a teeny Tensor, got {type(t).__name__}")
 
-    def bind_parameter(self, p: Any) -> "Tensor":
+    def bind_parameter(self, p: Any) -> Tensor:
         """The graph tensor of a ``teeny.nn.Parameter`` (registered on first use)."""
         tensor = self._bound.get(id(p))
         if tensor is None:
@@ -166,7 +183,9 @@ class Graph:
         return tensor
 
     def summary(self) -> str:
-        lines = [f"graph {self.name}: {len(self.inputs)} inputs, {len(self.params)} parameters, {len(self.nodes)} nodes"]
+        lines = [
+            f"graph {self.name}: {len(self.inputs)} inputs, {len(self.params)} parameters, {len(self.nodes)} nodes"
+        ]
         for v in self.values:
             if v.kind in ("input", "param"):
                 lines.append(f"  {v.kind:5} {v.name:30} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}")
@@ -323,8 +342,12 @@ def graph_of(*args: Any) -> Graph:
     raise GraphError("no teeny Tensor among the arguments: trace with symbolic tensors from a Graph")
 
 
-def trace_function(fn: Callable[..., Tensor], args: tuple, kwargs: dict | None = None,
-                   requires_grad: Callable[[int, torch.Tensor], bool] | None = None) -> tuple[Graph, dict[str, torch.Tensor]]:
+def trace_function(
+    fn: Callable[..., Tensor],
+    args: tuple,
+    kwargs: dict | None = None,
+    requires_grad: Callable[[int, torch.Tensor], bool] | None = None,
+) -> tuple[Graph, dict[str, torch.Tensor]]:
     """Trace ``fn`` with a graph input for every tensor in ``args`` (nested lists too);
     other arguments pass through. Float tensors require a gradient unless ``requires_grad``
     says otherwise. Returns the graph (with ``fn``'s result as output) and the input feed."""

@@ -21,7 +21,9 @@ def constant(value: float):
 
 def uniform(bound: float):
     """U(-bound, bound)."""
-    return lambda shape, gen, dtype: (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul(bound).to(dtype)
+    return lambda shape, gen, dtype: (
+        (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul(bound).to(dtype)
+    )
 
 
 def normal(std: float = 1.0, mean: float = 0.0):

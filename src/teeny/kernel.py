@@ -31,14 +31,15 @@ import inspect
 import linecache
 import textwrap
 import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-
-from . import device as _device  # noqa: F401,I001  (first: chooses interpreter or GPU before triton loads)
 import triton
 import triton.language as tl
+
+from . import device as _device  # noqa: F401,I001  (first: chooses interpreter or GPU before triton loads)
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -105,7 +106,9 @@ class Kernel:
         self.python_fn = python_fn
         signature = inspect.signature(python_fn)
         optional = set(optional)
-        self.params = tuple(KernelParam(p.name, _param_kind(p), p.name in optional) for p in signature.parameters.values())
+        self.params = tuple(
+            KernelParam(p.name, _param_kind(p), p.name in optional) for p in signature.parameters.values()
+        )
         unknown = optional - {p.name for p in self.params if p.kind == "ptr"}
         if unknown:
             raise TypeError(f"kernel {self.name}: optional= names {sorted(unknown)}, which are not pointer parameters")
@@ -160,7 +163,7 @@ class Kernel:
         if jit is None:
             fn = self.python_fn
             copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-            copy.__annotations__ = {**fn.__annotations__, **{n: tl.float64 for n in names}}
+            copy.__annotations__ = {**fn.__annotations__, **dict.fromkeys(names, tl.float64)}
             copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
             jit = triton.jit(copy)
             self._float64_variants[names] = jit
@@ -255,13 +258,19 @@ def kernel_from_source(source: str, name: str | None = None, **options: Any) -> 
         exec(compile(text, filename, "exec"), namespace)
     except SyntaxError as exc:
         raise SyntaxError(f"kernel source{' for ' + name if name else ''} does not parse: {exc}") from exc
-    defined = [v for k, v in namespace.items() if k not in ("triton", "tl", "__builtins__")
-               and (inspect.isfunction(v) or hasattr(v, "fn"))]
+    defined = [
+        v
+        for k, v in namespace.items()
+        if k not in ("triton", "tl", "__builtins__") and (inspect.isfunction(v) or hasattr(v, "fn"))
+    ]
     if not defined:
         raise ValueError(f"kernel source{' for ' + name if name else ''} defines no function")
     if name is not None:
-        chosen = [f for f in defined if getattr(f, "__name__", None) == name
-                  or getattr(getattr(f, "fn", None), "__name__", None) == name]
+        chosen = [
+            f
+            for f in defined
+            if getattr(f, "__name__", None) == name or getattr(getattr(f, "fn", None), "__name__", None) == name
+        ]
         if not chosen:
             raise ValueError(f"kernel source defines no function named {name!r}")
         target = chosen[0]

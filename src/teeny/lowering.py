@@ -74,7 +74,9 @@ class Program:
         return self.graph.inputs
 
     def kernel_names(self) -> list[str]:
-        return sorted({f"{inst.kernel.name}[{str(inst.dtype).replace('torch.', '')}]" for inst in self.instances.values()})
+        return sorted(
+            {f"{inst.kernel.name}[{str(inst.dtype).replace('torch.', '')}]" for inst in self.instances.values()}
+        )
 
 
 def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=None) -> Program:
@@ -83,8 +85,11 @@ def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=Non
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)
     needed = _ancestors(outs)
-    planned = [PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs))
-               for node in graph.nodes if node.output.id in needed]
+    planned = [
+        PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs))
+        for node in graph.nodes
+        if node.output.id in needed
+    ]
     requires_grad = {v.id: False for v in graph.values}
     if mode is LoweringMode.TRAINING:
         _plan_training(graph, planned, outs[0], requires_grad)
@@ -111,7 +116,10 @@ def _resolve_outputs(graph: Graph, outputs) -> list[Value]:
     else:
         from .graph import Tensor
 
-        outs = [o.value if isinstance(o, Tensor) else o for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])]
+        outs = [
+            o.value if isinstance(o, Tensor) else o
+            for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+        ]
     return outs
 
 
@@ -183,10 +191,17 @@ def make_context(program: Program, p: PlannedNode, inputs: list, output, saved: 
     node = p.node
     n_act = node.op.n_activation_inputs
     return OpContext(
-        op=node.op, node_name=node.name, dtype=node.dtype,
-        inputs=list(inputs[:n_act]), params=list(inputs[n_act:]), output=output, saved=saved,
-        instances=program.instances, dry_run=dry_run,
-        input_shapes=[v.shape for v in node.inputs], output_shape=node.output.shape,
+        op=node.op,
+        node_name=node.name,
+        dtype=node.dtype,
+        inputs=list(inputs[:n_act]),
+        params=list(inputs[n_act:]),
+        output=output,
+        saved=saved,
+        instances=program.instances,
+        dry_run=dry_run,
+        input_shapes=[v.shape for v in node.inputs],
+        output_shape=node.output.shape,
     )
 
 
@@ -205,8 +220,14 @@ def _dry_run(program: Program) -> None:
         _run_checked(node, "forward", lambda: node.op.view(inputs) is not None or node.op.forward(ctx))
         if p.needs_backward:
             n_act = node.op.n_activation_inputs
-            bctx = make_context(program, p, [t if keep else None for t, keep in zip(inputs, p.saved_inputs)],
-                                output if node.op.saves_output else None, saved, dry_run=True)
+            bctx = make_context(
+                program,
+                p,
+                [t if keep else None for t, keep in zip(inputs, p.saved_inputs)],
+                output if node.op.saves_output else None,
+                saved,
+                dry_run=True,
+            )
             bctx.phase = "backward"
             bctx.allowed_kernels = {id(k) for k in node.op.backward_kernels()}
             bctx.grad_output = _meta(node.output.shape, node.output.dtype)
@@ -229,5 +250,7 @@ def _run_checked(node: Node, phase: str, fn) -> None:
     except NotImplementedError as exc:
         raise TeenyError(f"op {node.op.name} (node '{node.name}', {phase}): {exc}") from None
     except Exception as exc:  # an op's Python launch code failed: say which op
-        raise TeenyError(f"op {node.op.name} (node '{node.name}', {phase}) failed while packing its launch: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        raise TeenyError(
+            f"op {node.op.name} (node '{node.name}', {phase}) failed while packing its launch: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc

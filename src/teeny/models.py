@@ -8,11 +8,41 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import nn, ops
+from . import init, nn, ops
 from .data import CharCorpus, digits
 from .graph import Graph
 from .module import Module, ModuleList, Parameter
-from . import init
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention on x (batch, length, d_model), GPT style:
+    q, k, v = x W_q^T + b_q, ...; heads of size d_model / n_heads; y = attn W_o^T + b_o.
+    Parameters q_proj, k_proj, v_proj, out_proj (each a teeny.nn.Linear, PyTorch's init)."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool = True, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if n_heads <= 0 or d_model % n_heads != 0:
+            raise ValueError(f"CausalSelfAttention: d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+        self.d_model, self.n_heads = d_model, n_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        if len(x.shape) != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"CausalSelfAttention expects (batch, length, {self.d_model}), got {tuple(x.shape)}")
+        batch, length, _ = x.shape
+        head_dim = self.d_model // self.n_heads
+
+        def heads(t):  # (B, T, C) -> (B, nh, T, hd)
+            return ops.transpose(ops.reshape(t, (batch, length, self.n_heads, head_dim)), 1, 2)
+
+        y = ops.scaled_dot_product_attention(
+            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), is_causal=True
+        )
+        y = ops.reshape(ops.transpose(y, 1, 2), (batch, length, self.d_model))
+        return self.out_proj(y)
 
 
 class MLP(Module):
@@ -44,7 +74,7 @@ class Block(Module):
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = nn.CausalSelfAttention(d_model, n_heads)
+        self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.proj = nn.Linear(4 * d_model, d_model)
@@ -145,8 +175,16 @@ class DigitsTask(Task):
 
 
 class CharTask(Task):
-    def __init__(self, corpus: CharCorpus, block_size: int, d_model: int, n_heads: int, n_layers: int, defaults: dict,
-                 eval_batches: int = 8):
+    def __init__(
+        self,
+        corpus: CharCorpus,
+        block_size: int,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        defaults: dict,
+        eval_batches: int = 8,
+    ):
         model = GPT(corpus.vocab_size, block_size, d_model, n_heads, n_layers)
         super().__init__("gpt", model, defaults)
         self.corpus, self.block_size, self.eval_batches = corpus, block_size, eval_batches
@@ -161,8 +199,12 @@ class CharTask(Task):
         if with_loss:
             y = g.input("y", (batch, self.block_size), torch.int64)
             v = self.corpus.vocab_size
-            g.output(ops.cross_entropy(ops.reshape(logits, (batch * self.block_size, v)),
-                                       ops.reshape(y, (batch * self.block_size,))), logits)
+            g.output(
+                ops.cross_entropy(
+                    ops.reshape(logits, (batch * self.block_size, v)), ops.reshape(y, (batch * self.block_size,))
+                ),
+                logits,
+            )
         else:
             g.output(logits)
         return g
@@ -195,8 +237,9 @@ class CharTask(Task):
             losses.append(float(loss))
         return {"val_loss": sum(losses) / len(losses), "unigram_entropy": self.corpus.unigram_entropy()}
 
-    def sample(self, params, prompt: str = "def ", length: int | None = None, temperature: float = 0.8,
-               seed: int = 0) -> str:
+    def sample(
+        self, params, prompt: str = "def ", length: int | None = None, temperature: float = 0.8, seed: int = 0
+    ) -> str:
         """Generate text one character at a time (the context is the last block_size characters,
         left-aligned; causal attention makes the padding after it irrelevant)."""
         from .executor import Executor
@@ -210,9 +253,9 @@ class CharTask(Task):
             length = 60 if self._sampler.device.type == "cpu" else 300
         ids = self.corpus.encode(prompt).tolist() or [0]
         for _ in range(length):
-            context = ids[-self.block_size:]
+            context = ids[-self.block_size :]
             window = torch.zeros(1, self.block_size, dtype=torch.int64)
-            window[0, :len(context)] = torch.tensor(context)
+            window[0, : len(context)] = torch.tensor(context)
             logits = self._sampler.forward({"x": window})[0, len(context) - 1].float().cpu()
             probs = torch.softmax(logits / max(temperature, 1e-4), dim=-1)
             ids.append(int(torch.multinomial(probs, 1, generator=gen)))
@@ -221,20 +264,54 @@ class CharTask(Task):
 
 def make_task(name: str, size: str = "small") -> Task:
     if name == "mlp":
-        return DigitsTask("mlp", MLP(), image=False,
-                          defaults=dict(epochs=15, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0,
-                                        schedule="cosine"))
+        return DigitsTask(
+            "mlp",
+            MLP(),
+            image=False,
+            defaults=dict(epochs=15, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0, schedule="cosine"),
+        )
     if name == "cnn":
-        return DigitsTask("cnn", CNN(), image=True,
-                          defaults=dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0))
+        return DigitsTask(
+            "cnn",
+            CNN(),
+            image=True,
+            defaults=dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0),
+        )
     if name == "gpt":
         corpus = CharCorpus()
         if size == "large":
-            return CharTask(corpus, block_size=128, d_model=256, n_heads=8, n_layers=4,
-                            defaults=dict(epochs=10, batch_size=64, lr=1e-3, optimizer="adamw", weight_decay=0.01,
-                                          epoch_tokens=2_000_000, clip=1.0))
-        return CharTask(corpus, block_size=32, d_model=48, n_heads=4, n_layers=2,
-                        defaults=dict(epochs=5, batch_size=32, lr=3e-3, optimizer="adamw", weight_decay=0.01,
-                                      epoch_tokens=40_000, clip=1.0, schedule="cosine"), eval_batches=4)
+            return CharTask(
+                corpus,
+                block_size=128,
+                d_model=256,
+                n_heads=8,
+                n_layers=4,
+                defaults=dict(
+                    epochs=10,
+                    batch_size=64,
+                    lr=1e-3,
+                    optimizer="adamw",
+                    weight_decay=0.01,
+                    epoch_tokens=2_000_000,
+                    clip=1.0,
+                ),
+            )
+        return CharTask(
+            corpus,
+            block_size=32,
+            d_model=48,
+            n_heads=4,
+            n_layers=2,
+            defaults=dict(
+                epochs=5,
+                batch_size=32,
+                lr=3e-3,
+                optimizer="adamw",
+                weight_decay=0.01,
+                epoch_tokens=40_000,
+                clip=1.0,
+                schedule="cosine",
+            ),
+            eval_batches=4,
+        )
     raise KeyError(name)
-

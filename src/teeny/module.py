@@ -7,7 +7,8 @@ graph on first use and runs ``forward``, which adds op nodes.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ class Module:
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 
-    def to(self, dtype: torch.dtype) -> "Module":
+    def to(self, dtype: torch.dtype) -> Module:
         """Give every parameter ``dtype`` (before tracing), like ``torch.nn.Module.to``."""
         if not dtype.is_floating_point:
             raise TypeError(f"parameters must be floating point, got {dtype}")
@@ -72,13 +73,13 @@ class Module:
             p.dtype = dtype
         return self
 
-    def train(self, mode: bool = True) -> "Module":
+    def train(self, mode: bool = True) -> Module:
         object.__setattr__(self, "training", mode)
         for child in self._children.values():
             child.train(mode)
         return self
 
-    def eval(self) -> "Module":
+    def eval(self) -> Module:
         return self.train(False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,9 +20,21 @@ from .kernels.reduction import *  # noqa: F401,F403
 from .kernels.shape import *  # noqa: F401,F403
 from .registry import OPS, OpInfo
 
-bind_operators(add=add, sub=sub, mul=mul, div=div, neg=neg, pow=pow, matmul=matmul,  # noqa: F405
-               getitem=getitem, transpose=transpose, reshape=reshape, permute=permute,  # noqa: F405
-               sum=sum, mean=mean)  # noqa: F405
+bind_operators(
+    add=add,
+    sub=sub,
+    mul=mul,
+    div=div,
+    neg=neg,
+    pow=pow,
+    matmul=matmul,  # noqa: F405
+    getitem=getitem,
+    transpose=transpose,
+    reshape=reshape,
+    permute=permute,  # noqa: F405
+    sum=sum,
+    mean=mean,
+)  # noqa: F405
 
 
 def all_ops() -> list[OpInfo]:

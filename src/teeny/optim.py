@@ -10,15 +10,22 @@ training loop applies by setting ``optimizer.lr``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .executor import Executor
-from .runtime import ArgVisitor, Launch, launch_kernel
 from .kernels import optim as K
-from .kernels.optim import (BLOCK, adam_step_kernel, blocks, clip_factor_kernel, scale_by_factor_kernel,
-                            sgd_step_kernel, sum_squares_partial_kernel)
+from .kernels.optim import (
+    BLOCK,
+    adam_step_kernel,
+    blocks,
+    clip_factor_kernel,
+    scale_by_factor_kernel,
+    sgd_step_kernel,
+    sum_squares_partial_kernel,
+)
+from .runtime import ArgVisitor, Launch, launch_kernel
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = True) -> None:
@@ -76,7 +83,10 @@ class Optimizer:
 
     # --- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        out = {"step": torch.tensor(self.step_count, dtype=torch.int64), "lr": torch.tensor(self.lr, dtype=torch.float64)}
+        out = {
+            "step": torch.tensor(self.step_count, dtype=torch.int64),
+            "lr": torch.tensor(self.lr, dtype=torch.float64),
+        }
         for name, arenas in self.state.items():
             for dtype, t in arenas.items():
                 out[f"{name}.{str(dtype).replace('torch.', '')}"] = t
@@ -91,15 +101,24 @@ class Optimizer:
                 if key not in state:
                     raise KeyError(f"optimizer state is missing {key!r}")
                 if state[key].shape != t.shape:
-                    raise ValueError(f"optimizer state {key!r} has shape {tuple(state[key].shape)}, expected {tuple(t.shape)}")
+                    raise ValueError(
+                        f"optimizer state {key!r} has shape {tuple(state[key].shape)}, expected {tuple(t.shape)}"
+                    )
                 t.copy_(state[key].to(t.device, t.dtype))
 
 
 class SGD(Optimizer):
     state_names = ("momentum_buffer",)
 
-    def __init__(self, executor: Executor, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+    def __init__(
+        self,
+        executor: Executor,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
         for name, value in (("momentum", momentum), ("weight_decay", weight_decay)):
             _check_positive(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -113,8 +132,16 @@ class SGD(Optimizer):
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
         buf = self.state["momentum_buffer"][dtype]
-        args = ArgVisitor().visit(p_ptr=params, g_ptr=grads, buf_ptr=buf, hyper_ptr=self.hyper, n=n,
-                                  NESTEROV=self.nesterov, USE_MOMENTUM=self.momentum != 0, BLOCK=BLOCK)
+        args = ArgVisitor().visit(
+            p_ptr=params,
+            g_ptr=grads,
+            buf_ptr=buf,
+            hyper_ptr=self.hyper,
+            n=n,
+            NESTEROV=self.nesterov,
+            USE_MOMENTUM=self.momentum != 0,
+            BLOCK=BLOCK,
+        )
         launch_kernel(Launch(sgd_step_kernel, (blocks(n),), args), dtype, "optimizer SGD")
 
 
@@ -122,8 +149,14 @@ class Adam(Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, executor: Executor, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        executor: Executor,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
@@ -137,17 +170,30 @@ class Adam(Optimizer):
 
     def _update(self, dtype, params, grads) -> None:
         n = params.numel()
-        args = ArgVisitor().visit(p_ptr=params, g_ptr=grads, m_ptr=self.state["exp_avg"][dtype],
-                                  v_ptr=self.state["exp_avg_sq"][dtype], hyper_ptr=self.hyper, n=n,
-                                  DECOUPLED=self.decoupled, BLOCK=BLOCK)
+        args = ArgVisitor().visit(
+            p_ptr=params,
+            g_ptr=grads,
+            m_ptr=self.state["exp_avg"][dtype],
+            v_ptr=self.state["exp_avg_sq"][dtype],
+            hyper_ptr=self.hyper,
+            n=n,
+            DECOUPLED=self.decoupled,
+            BLOCK=BLOCK,
+        )
         launch_kernel(Launch(adam_step_kernel, (blocks(n),), args), dtype, f"optimizer {type(self).__name__}")
 
 
 class AdamW(Adam):
     decoupled = True
 
-    def __init__(self, executor: Executor, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2):
+    def __init__(
+        self,
+        executor: Executor,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
         super().__init__(executor, lr, betas, eps, weight_decay)
 
 
@@ -171,8 +217,9 @@ def clip_grad_norm(executor: Executor, max_norm: float) -> torch.Tensor:
         args = ArgVisitor().visit(g_ptr=grads, partial_ptr=partials[offset:], n=grads.numel(), BLOCK=BLOCK)
         launch_kernel(Launch(sum_squares_partial_kernel, (count,), args), grads.dtype, where)
         offset += count
-    args = ArgVisitor().visit(partial_ptr=partials, n_partials=offset, norm_ptr=norm, factor_ptr=factor,
-                              max_norm=float(max_norm), BLOCK=BLOCK)
+    args = ArgVisitor().visit(
+        partial_ptr=partials, n_partials=offset, norm_ptr=norm, factor_ptr=factor, max_norm=float(max_norm), BLOCK=BLOCK
+    )
     launch_kernel(Launch(clip_factor_kernel, (1,), args), torch.float32, where)
     for grads in arenas:
         args = ArgVisitor().visit(g_ptr=grads, factor_ptr=factor, n=grads.numel(), BLOCK=BLOCK)
@@ -208,4 +255,3 @@ def cosine_schedule(total_steps: int, warmup_steps: int = 0, min_factor: float =
 def step_schedule(step_size: int, gamma: float = 0.1) -> Schedule:
     """Multiply by ``gamma`` every ``step_size`` steps (torch.optim.lr_scheduler.StepLR)."""
     return lambda step: gamma ** (step // step_size)
-

@@ -9,8 +9,8 @@ every dtype it supports, with the tolerance rule of ``tolerance()``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
@@ -115,7 +115,9 @@ def _facts_of(info: OpInfo) -> OpFacts:
             has_backward = has_backward or any(p.needs_backward for p in program.nodes)
         except TeenyError:  # nothing to differentiate, or an op without a backward on the way
             program = lower(graph, LoweringMode.INFERENCE)
-        kernels.update((id(i.kernel), i.kernel) for i in program.instances.values() if i.kernel is not accumulate_kernel)
+        kernels.update(
+            (id(i.kernel), i.kernel) for i in program.instances.values() if i.kernel is not accumulate_kernel
+        )
     found = tuple(kernels.values())
     dtypes = tuple(d for d in ANY_DTYPES if all(d in k.dtypes for k in found))
     return OpFacts(found, dtypes, has_backward)
@@ -143,8 +145,9 @@ def tolerance(dtype: torch.dtype, reduction: int = 1) -> tuple[float, float]:
     return scale, scale
 
 
-def make(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, low: float = -2.0,
-         high: float = 2.0) -> torch.Tensor:
+def make(
+    gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, low: float = -2.0, high: float = 2.0
+) -> torch.Tensor:
     """A random sample tensor, uniform in [low, high)."""
     return (torch.rand(shape, generator=gen, dtype=torch.float64) * (high - low) + low).to(dtype)
 
@@ -155,5 +158,3 @@ def away_from(t: torch.Tensor, points: tuple[float, ...], gap: float = 1e-2) -> 
         close = (t - p).abs() < gap
         t = torch.where(close, torch.where(t >= p, t + 2 * gap, t - 2 * gap), t)
     return t
-
-

@@ -27,8 +27,9 @@ The inputs of a node are its activation inputs followed by its parameters: the f
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -170,8 +171,10 @@ def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: i
         by_name: dict[str, Visit] = {}
         for v in visits:
             if kernel.param(v.name) is None:
-                raise PackingError(f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
-                                   f"(its parameters: {', '.join(p.name for p in params)})")
+                raise PackingError(
+                    f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
+                    f"(its parameters: {', '.join(p.name for p in params)})"
+                )
             if v.name in by_name:
                 raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
             by_name[v.name] = v
@@ -190,13 +193,16 @@ def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: i
     if len(visits) != len(params):
         expected = ", ".join(f"{p.name}:{p.kind}" for p in params)
         got = ", ".join(v.kind for v in visits)
-        raise PackingError(f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
-                           f"but {len(visits)} were packed ({got})")
+        raise PackingError(
+            f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
+            f"but {len(visits)} were packed ({got})"
+        )
     values = []
     for index, (p, v) in enumerate(zip(params, visits)):
         if v.name is not None and v.name != p.name:
-            raise PackingError(f"{where}: kernel {kernel.name} argument {index} is '{p.name}', "
-                               f"but the visit there names '{v.name}'")
+            raise PackingError(
+                f"{where}: kernel {kernel.name} argument {index} is '{p.name}', but the visit there names '{v.name}'"
+            )
         values.append(_resolve(p, v, where, kernel, index))
     return values
 
@@ -235,8 +241,9 @@ class Launch:
     work: int | None = None
 
 
-def run_launch(launch: Launch, instance: KernelInstance, where: str, work: int, dry_run: bool = False,
-               shapes: str = "") -> None:
+def run_launch(
+    launch: Launch, instance: KernelInstance, where: str, work: int, dry_run: bool = False, shapes: str = ""
+) -> None:
     """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the one path every
     kernel launch in teeny takes."""
     kernel = launch.kernel
@@ -250,7 +257,9 @@ def run_launch(launch: Launch, instance: KernelInstance, where: str, work: int, 
     if any(g <= 0 for g in grid):
         if work == 0:
             return
-        raise GridError(f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute")
+        raise GridError(
+            f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute"
+        )
     if dry_run:
         return
     options: dict[str, Any] = {}
@@ -265,8 +274,10 @@ def run_launch(launch: Launch, instance: KernelInstance, where: str, work: int, 
     except TeenyError:
         raise
     except Exception as exc:  # Triton's compile or launch failed: say where, in which dtype, on what
-        raise KernelLaunchError(f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed"
-                                f"{' on ' + shapes if shapes else ''}: {type(exc).__name__}: {exc}") from exc
+        raise KernelLaunchError(
+            f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed"
+            f"{' on ' + shapes if shapes else ''}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def launch_kernel(launch: Launch, dtype: torch.dtype, where: str) -> None:
@@ -332,11 +343,15 @@ class OpContext:
         if instance is not None:
             return instance
         if not self.dry_run:
-            raise TeenyError(f"{self.where}: kernel {kernel.name} for {dtype_name(self.dtype)} was not built for this "
-                             "program (a launch that lowering's dry run did not see)")
+            raise TeenyError(
+                f"{self.where}: kernel {kernel.name} for {dtype_name(self.dtype)} was not built for this "
+                "program (a launch that lowering's dry run did not see)"
+            )
         if self.allowed_kernels is not None and id(kernel) not in self.allowed_kernels:
-            raise TeenyError(f"{self.where}: launches kernel {kernel.name}, which is not declared as a backward of "
-                             f"the op's forward kernel (list it in @kernel(backward=...))")
+            raise TeenyError(
+                f"{self.where}: launches kernel {kernel.name}, which is not declared as a backward of "
+                f"the op's forward kernel (list it in @kernel(backward=...))"
+            )
         try:
             instance = kernel.instance(self.dtype)
         except TypeError as exc:
@@ -355,8 +370,9 @@ class OpContext:
         for launch in launches:
             run_launch(launch, self.instance(launch.kernel), self.where, work, self.dry_run, shapes)
 
-    def launch(self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None,
-               **options: Any) -> None:
+    def launch(
+        self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None, **options: Any
+    ) -> None:
         """One launch (transitional spelling of ``run([Launch(...)])`` for ops not yet converted)."""
         block = Block(num_warps=options.get("num_warps"), num_stages=options.get("num_stages"))
         self.run([Launch(kernel, grid, visitor, block, work)])
@@ -383,7 +399,9 @@ class RuntimeOp:
     saves_inputs: bool | tuple[int, ...] = True  # which inputs (indices over inputs+params) backward reads
     saves_output: bool = False
     stops_gradient: bool = False
-    capturable: bool = True  # False: its launches depend on host state that changes per run (a CUDA graph would freeze it)
+    capturable: bool = (
+        True  # False: its launches depend on host state that changes per run (a CUDA graph would freeze it)
+    )
     differentiable_inputs: tuple[int, ...] | None = None  # None: every float input
     strided_grad_output: bool = False  # True: the backward reads dy by rows through grad_output_row_stride
 
@@ -426,7 +444,9 @@ class RuntimeOp:
     def forward_launches(self, ctx: OpContext) -> list[Launch]:
         """The forward's launches; the default is one, from ``pack_args``, ``grid`` and ``block``."""
         if self.kernel is None:
-            raise NotImplementedError(f"op {self.name} has no forward kernel: set `kernel` or implement forward_launches")
+            raise NotImplementedError(
+                f"op {self.name} has no forward kernel: set `kernel` or implement forward_launches"
+            )
         visitor = ArgVisitor()
         self.pack_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, visitor, ctx.saved)
         return [Launch(self.kernel, self.grid(ctx.input_shapes, ctx.output_shape), visitor, self.block())]
@@ -447,8 +467,19 @@ class RuntimeOp:
             return ()
         return (*self.kernel.backward, self.kernel)
 
-    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                           grad_inputs, grad_params, visitor: ArgVisitor, saved=None) -> None:
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor: ArgVisitor,
+        saved=None,
+    ) -> None:
         raise NotImplementedError(f"op {self.name} must implement pack_backward_args or backward_launches")
 
     def backward_block(self) -> Block | int:
@@ -463,19 +494,37 @@ class RuntimeOp:
         gradient get a scratch buffer so that the kernel can write all of them."""
         kernels = self.kernel.backward if self.kernel is not None else ()
         if len(kernels) != 1:
-            raise TeenyError(f"op {self.name} has {len(kernels)} backward kernels; it must implement backward_launches()")
+            raise TeenyError(
+                f"op {self.name} has {len(kernels)} backward kernels; it must implement backward_launches()"
+            )
         if type(self).backward_grid is RuntimeOp.backward_grid:
-            raise GridError(f"op {self.name} has a backward kernel but no backward_grid(): the default (0, 0, 0) "
-                            "would launch nothing and leave every gradient unwritten")
+            raise GridError(
+                f"op {self.name} has a backward kernel but no backward_grid(): the default (0, 0, 0) "
+                "would launch nothing and leave every gradient unwritten"
+            )
         n_act = len(ctx.grad_inputs)
         shapes = ctx.input_shapes
-        grad_inputs = [g if g is not None else (ctx.empty(shapes[i]) if self._float_input(ctx, i) else None)
-                       for i, g in enumerate(ctx.grad_inputs)]
+        grad_inputs = [
+            g if g is not None else (ctx.empty(shapes[i]) if self._float_input(ctx, i) else None)
+            for i, g in enumerate(ctx.grad_inputs)
+        ]
         grad_params = [g if g is not None else ctx.empty(shapes[n_act + i]) for i, g in enumerate(ctx.grad_params)]
         visitor = ArgVisitor()
-        self.pack_backward_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, ctx.grad_output,
-                                ctx.grad_output_row_stride, grad_inputs, grad_params, visitor, ctx.saved)
-        return [Launch(kernels[0], self.backward_grid(ctx.input_shapes, ctx.output_shape), visitor, self.backward_block())]
+        self.pack_backward_args(
+            ctx.inputs,
+            ctx.params,
+            ctx.output,
+            ctx.output_shape,
+            ctx.grad_output,
+            ctx.grad_output_row_stride,
+            grad_inputs,
+            grad_params,
+            visitor,
+            ctx.saved,
+        )
+        return [
+            Launch(kernels[0], self.backward_grid(ctx.input_shapes, ctx.output_shape), visitor, self.backward_block())
+        ]
 
     def backward(self, ctx: OpContext) -> None:
         ctx.run(self.backward_launches(ctx))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
 from .executor import Executor
+from .graph import Graph
 from .lowering import LoweringMode, lower
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
 
@@ -56,7 +57,10 @@ class TrainConfig:
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch size must be >= 1, got {self.batch_size}"),
             (self.lr > 0, f"learning rate must be > 0, got {self.lr}"),
-            (self.optimizer in OPTIMIZERS, f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"),
+            (
+                self.optimizer in OPTIMIZERS,
+                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}",
+            ),
             (self.schedule in ("constant", "cosine"), f"unknown schedule {self.schedule!r}; choose constant or cosine"),
             (self.clip is None or self.clip > 0, f"clip must be > 0, got {self.clip}"),
             (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
@@ -76,15 +80,21 @@ def make_optimizer(executor: Executor, config: TrainConfig) -> Optimizer:
 # ------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(path: str | os.PathLike, executor: Executor, optimizer: Optimizer, step: int, meta: dict | None = None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike, executor: Executor, optimizer: Optimizer, step: int, meta: dict | None = None
+) -> None:
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"param/{k}": v.detach().cpu().contiguous() for k, v in executor.params.items()}
     tensors.update({f"optim/{k}": v.detach().cpu().contiguous() for k, v in optimizer.state_dict().items()})
-    metadata = {"format": CHECKPOINT_FORMAT, "step": str(step), "optimizer": type(optimizer).__name__,
-                **{k: str(v) for k, v in (meta or {}).items()}}
+    metadata = {
+        "format": CHECKPOINT_FORMAT,
+        "step": str(step),
+        "optimizer": type(optimizer).__name__,
+        **{k: str(v) for k, v in (meta or {}).items()},
+    }
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     with open(tmp, "rb+") as f:
@@ -107,8 +117,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): {exc}") from None
     if metadata.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a teeny checkpoint (format {metadata.get('format')!r})")
-    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    state = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
+    params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
+    state = {k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")}
     return params, state, metadata
 
 
@@ -127,7 +137,7 @@ class CallableTask:
     """
 
     name: str
-    build: Callable[[int], "Graph"]
+    build: Callable[[int], Graph]
     batches: Callable[[int, int, int], Iterable[dict]]
     steps_per_epoch: Callable[[int], int]
     evaluate: Callable[[dict], dict] = lambda params: {}
@@ -155,7 +165,10 @@ class TrainStep:
         if cuda_graph and blockers:
             import warnings
 
-            warnings.warn(f"not capturing the step as a CUDA graph: {', '.join(blockers)} change per run; training eagerly")
+            warnings.warn(
+                f"not capturing the step as a CUDA graph: {', '.join(blockers)} change per run; training eagerly",
+                stacklevel=2,
+            )
             cuda_graph = False
         if cuda_graph and executor.device.type != "cuda":
             raise ValueError("CUDA graphs need the GPU")
@@ -191,7 +204,9 @@ class TrainStep:
             except Exception as exc:  # an op that cannot be captured: say so and run eagerly
                 import warnings
 
-                warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); training eagerly")
+                warnings.warn(
+                    f"CUDA graph capture failed ({type(exc).__name__}: {exc}); training eagerly", stacklevel=2
+                )
                 self.cuda_graph = False
                 torch.cuda.synchronize(device)
                 return self._body(feed)

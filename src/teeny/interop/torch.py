@@ -9,7 +9,8 @@ flags, lowers it (for training when any input needs a gradient), and caches the 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -30,4 +30,6 @@ def accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     n = out.numel()
     if n:
         args = ArgVisitor().visit(a_ptr=a, b_ptr=b, out_ptr=out, n=n)
-        launch_kernel(Launch(accumulate_kernel, (triton.cdiv(n, BLOCK),), args, BLOCK), out.dtype, "gradient accumulation")
+        launch_kernel(
+            Launch(accumulate_kernel, (triton.cdiv(n, BLOCK),), args, BLOCK), out.dtype, "gradient accumulation"
+        )

@@ -33,14 +33,55 @@ from ..runtime import ArgVisitor, Launch, RuntimeOp
 from .common import ELEMENTWISE_BLOCK, acc_dtype, cdiv, sum_partials, sum_to_shape_kernel, upcast
 
 __all__ = [
-    "relu", "leaky_relu", "elu", "selu", "celu", "gelu", "silu", "mish", "sigmoid", "tanh", "softplus",
-    "softsign", "hardtanh", "relu6", "hardsigmoid", "hardswish", "logsigmoid", "tanhshrink", "softshrink",
-    "hardshrink", "threshold", "prelu", "glu", "swiglu",
+    "relu",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "celu",
+    "gelu",
+    "silu",
+    "mish",
+    "sigmoid",
+    "tanh",
+    "softplus",
+    "softsign",
+    "hardtanh",
+    "relu6",
+    "hardsigmoid",
+    "hardswish",
+    "logsigmoid",
+    "tanhshrink",
+    "softshrink",
+    "hardshrink",
+    "threshold",
+    "prelu",
+    "glu",
+    "swiglu",
 ]
 NN_LAYERS = [
-    "ReLU", "LeakyReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish", "Sigmoid", "Tanh", "Softplus",
-    "Softsign", "Hardtanh", "ReLU6", "Hardsigmoid", "Hardswish", "LogSigmoid", "Tanhshrink", "Softshrink",
-    "Hardshrink", "Threshold", "PReLU", "GLU",
+    "ReLU",
+    "LeakyReLU",
+    "ELU",
+    "SELU",
+    "CELU",
+    "GELU",
+    "SiLU",
+    "Mish",
+    "Sigmoid",
+    "Tanh",
+    "Softplus",
+    "Softsign",
+    "Hardtanh",
+    "ReLU6",
+    "Hardsigmoid",
+    "Hardswish",
+    "LogSigmoid",
+    "Tanhshrink",
+    "Softshrink",
+    "Hardshrink",
+    "Threshold",
+    "PReLU",
+    "GLU",
 ]
 
 BLOCK = ELEMENTWISE_BLOCK
@@ -83,8 +124,19 @@ class ActivationOp(RuntimeOp):
         (x,) = inputs
         visitor.visit(x_ptr=x, y_ptr=output, n=x.numel(), a=self.a, b=self.b, FN=self.fn)
 
-    def pack_backward_args(self, inputs, params, output, output_shape, grad_output, grad_output_row_stride,
-                           grad_inputs, grad_params, visitor: ArgVisitor, saved=None):
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor: ArgVisitor,
+        saved=None,
+    ):
         (x,), (dx,) = inputs, grad_inputs
         visitor.visit(x_ptr=x, dy_ptr=grad_output, dx_ptr=dx, n=x.numel(), a=self.a, b=self.b, GRAD=self.grad)
 
@@ -492,8 +544,21 @@ def _gated_sources(offsets, half_row, row_stride, SPLIT: tl.constexpr):
 
 
 @kernel(half=True, optional=("du_ptr", "dg_ptr"))
-def gated_backward(u_ptr, g_ptr, dy_ptr, du_ptr, dg_ptr, n, half_row, row_stride, g_offset, ACT: tl.constexpr,
-                   ACT_GRAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def gated_backward(
+    u_ptr,
+    g_ptr,
+    dy_ptr,
+    du_ptr,
+    dg_ptr,
+    n,
+    half_row,
+    row_stride,
+    g_offset,
+    ACT: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     src = _gated_sources(offsets, half_row, row_stride, SPLIT)
@@ -507,8 +572,9 @@ def gated_backward(u_ptr, g_ptr, dy_ptr, du_ptr, dg_ptr, n, half_row, row_stride
 
 
 @kernel(backward=gated_backward, half=True)
-def gated_forward(u_ptr, g_ptr, y_ptr, n, half_row, row_stride, g_offset, ACT: tl.constexpr, SPLIT: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def gated_forward(
+    u_ptr, g_ptr, y_ptr, n, half_row, row_stride, g_offset, ACT: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
+):
     """y = u * act(g); du = dy * act(g), dg = act'(g) * dy * u. Output element i reads u at
     src(i) = (i // half_row) * row_stride + i % half_row (SPLIT: the halves of a row) or
     src(i) = i, and g at src(i) + g_offset."""
@@ -543,8 +609,10 @@ class GatedOp(RuntimeOp):
         if not -len(shape) <= self.dim < len(shape):
             raise ValueError(f"dim {self.dim} is out of range for a {len(shape)}-d input")
         if shape[self.dim % len(shape)] % 2:
-            raise ValueError(f"halving dimension must be even, but dimension {self.dim % len(shape)} is size "
-                             f"{shape[self.dim % len(shape)]}")
+            raise ValueError(
+                f"halving dimension must be even, but dimension {self.dim % len(shape)} is size "
+                f"{shape[self.dim % len(shape)]}"
+            )
 
     def output_shape(self, input_shapes):
         shape = list(input_shapes[0])
@@ -562,7 +630,7 @@ class GatedOp(RuntimeOp):
             return dict(half_row=max(n, 1), row_stride=max(n, 1), g_offset=0, SPLIT=False)
         shape = ctx.input_shapes[0]
         dim = self.dim % len(shape)
-        half_row = (shape[dim] // 2) * math.prod(shape[dim + 1:])
+        half_row = (shape[dim] // 2) * math.prod(shape[dim + 1 :])
         return dict(half_row=max(half_row, 1), row_stride=2 * half_row, g_offset=half_row, SPLIT=True)
 
     def _sources(self, inputs) -> dict:
@@ -571,8 +639,7 @@ class GatedOp(RuntimeOp):
 
     def forward_launches(self, ctx):
         n = ctx.output.numel()
-        args = ArgVisitor().visit(**self._sources(ctx.inputs), y_ptr=ctx.output, n=n, ACT=self.act,
-                                  **self._layout(ctx))
+        args = ArgVisitor().visit(**self._sources(ctx.inputs), y_ptr=ctx.output, n=n, ACT=self.act, **self._layout(ctx))
         return [Launch(gated_forward, self.grid(ctx.input_shapes, ctx.output_shape), args, BLOCK)]
 
     def backward_launches(self, ctx):
@@ -580,9 +647,16 @@ class GatedOp(RuntimeOp):
             du = dg = ctx.grad_inputs[0]
         else:
             dg, du = ctx.grad_inputs
-        args = ArgVisitor().visit(**self._sources(ctx.inputs), dy_ptr=ctx.grad_output, du_ptr=du, dg_ptr=dg,
-                                  n=ctx.grad_output.numel(), ACT=self.act, ACT_GRAD=self.act_grad,
-                                  **self._layout(ctx))
+        args = ArgVisitor().visit(
+            **self._sources(ctx.inputs),
+            dy_ptr=ctx.grad_output,
+            du_ptr=du,
+            dg_ptr=dg,
+            n=ctx.grad_output.numel(),
+            ACT=self.act,
+            ACT_GRAD=self.act_grad,
+            **self._layout(ctx),
+        )
         return [Launch(gated_backward, self.grid(ctx.input_shapes, ctx.output_shape), args, BLOCK)]
 
 
@@ -601,8 +675,9 @@ def swiglu(gate, up):
 
 
 @kernel(half=True, optional=("dx_ptr", "partial_ptr"))
-def prelu_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, per_channel, channels, inner, splits,
-                   BLOCK: tl.constexpr):
+def prelu_backward(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr, per_channel, channels, inner, splits, BLOCK: tl.constexpr
+):
     """Program (c, s) walks the elements of channel c (x viewed as (outer, C, inner)) in
     BLOCK-wide steps s, s + splits, ...: writes dx = dy if x > 0 else w[c] * dy and the
     partial sum of dw[c] = sum(x * dy where x <= 0) into partial[s, c] (float32, float64 for
@@ -657,8 +732,10 @@ class PReLUOp(RuntimeOp):
         channels = x[1] if len(x) >= 2 else 1
         numel = math.prod(w)
         if numel != 1 and numel != channels:
-            raise ValueError(f"weight has {numel} parameters but the input has {channels} channels "
-                             f"(dim 1 of shape {tuple(x)}); use 1 parameter or one per channel")
+            raise ValueError(
+                f"weight has {numel} parameters but the input has {channels} channels "
+                f"(dim 1 of shape {tuple(x)}); use 1 parameter or one per channel"
+            )
 
     @staticmethod
     def _layout(input_shapes):
@@ -683,10 +760,21 @@ class PReLUOp(RuntimeOp):
         (dx,), (dw,) = ctx.grad_inputs, ctx.grad_params
         splits = max(1, min(cdiv(per_channel, BLOCK), cdiv(PRELU_TARGET_PROGRAMS, max(channels, 1))))
         partials = ctx.empty((splits, channels), acc_dtype(ctx.dtype)) if dw is not None else None
-        args = ArgVisitor().visit(x_ptr=x, w_ptr=w, dy_ptr=ctx.grad_output, dx_ptr=dx, partial_ptr=partials,
-                                  per_channel=per_channel, channels=channels, inner=inner, splits=splits)
+        args = ArgVisitor().visit(
+            x_ptr=x,
+            w_ptr=w,
+            dy_ptr=ctx.grad_output,
+            dx_ptr=dx,
+            partial_ptr=partials,
+            per_channel=per_channel,
+            channels=channels,
+            inner=inner,
+            splits=splits,
+        )
         # the weight gradient has work (zeros) even for an empty input
-        launches = [Launch(prelu_backward, (channels, splits, 1), args, BLOCK, work=channels if dw is not None else None)]
+        launches = [
+            Launch(prelu_backward, (channels, splits, 1), args, BLOCK, work=channels if dw is not None else None)
+        ]
         if dw is not None:
             launches += sum_partials(partials, dw)
         return launches
@@ -723,8 +811,11 @@ def activation_layer(name: str, fn) -> type[Module]:
         return f"{name}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
 
     doc = f"Layer applying ``{fn.__name__}``: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}"
-    return type(name, (Module,), {"__init__": __init__, "forward": forward, "__repr__": __repr__, "__doc__": doc,
-                                  "__module__": __name__})
+    return type(
+        name,
+        (Module,),
+        {"__init__": __init__, "forward": forward, "__repr__": __repr__, "__doc__": doc, "__module__": __name__},
+    )
 
 
 ReLU = activation_layer("ReLU", relu)
@@ -772,15 +863,33 @@ _GRADCHECK_SHAPES = [(2, 9), (1,)]
 def _unary_samples(kinks=(), low=-3.0, high=3.0, kwargs=({},), shapes=_SHAPES):
     """Samples on ``shapes``, values in [low, high) pushed away from ``kinks``; the i-th
     shape gets the i-th keyword set (cyclically)."""
+
     def samples(dtype, gen):
-        return [Sample((away_from(make(gen, *s, low=low, high=high), kinks).to(dtype),), dict(kwargs[i % len(kwargs)]),
-                       name=f"{s} {kwargs[i % len(kwargs)]}") for i, s in enumerate(shapes)]
+        return [
+            Sample(
+                (away_from(make(gen, *s, low=low, high=high), kinks).to(dtype),),
+                dict(kwargs[i % len(kwargs)]),
+                name=f"{s} {kwargs[i % len(kwargs)]}",
+            )
+            for i, s in enumerate(shapes)
+        ]
+
     return samples
 
 
 def _register_unary(name, fn, ref, kinks=(), low=-3.0, high=3.0, kwargs=({},)):
-    register(OpInfo(name, fn, ref, _unary_samples(kinks, low, high, kwargs), family="activation",
-                    gradcheck_samples=lambda gen: _unary_samples(kinks, low, high, kwargs, _GRADCHECK_SHAPES)(torch.float64, gen)))
+    register(
+        OpInfo(
+            name,
+            fn,
+            ref,
+            _unary_samples(kinks, low, high, kwargs),
+            family="activation",
+            gradcheck_samples=lambda gen: _unary_samples(kinks, low, high, kwargs, _GRADCHECK_SHAPES)(
+                torch.float64, gen
+            ),
+        )
+    )
 
 
 _register_unary("relu", relu, F.relu, (0.0,))
@@ -794,11 +903,13 @@ _register_unary("silu", silu, F.silu, low=-8.0, high=8.0)
 _register_unary("mish", mish, F.mish, low=-8.0, high=8.0)
 _register_unary("sigmoid", sigmoid, torch.sigmoid, low=-8.0, high=8.0)
 _register_unary("tanh", tanh, torch.tanh)
-_register_unary("softplus", softplus, F.softplus, (0.5,), low=-8.0, high=8.0,
-                kwargs=({}, {"beta": 2.0, "threshold": 1.0}))
+_register_unary(
+    "softplus", softplus, F.softplus, (0.5,), low=-8.0, high=8.0, kwargs=({}, {"beta": 2.0, "threshold": 1.0})
+)
 _register_unary("softsign", softsign, F.softsign)
-_register_unary("hardtanh", hardtanh, F.hardtanh, (-1.0, 1.0, -0.5, 2.0),
-                kwargs=({}, {"min_val": -0.5, "max_val": 2.0}))
+_register_unary(
+    "hardtanh", hardtanh, F.hardtanh, (-1.0, 1.0, -0.5, 2.0), kwargs=({}, {"min_val": -0.5, "max_val": 2.0})
+)
 _register_unary("relu6", relu6, F.relu6, (0.0, 6.0), low=-2.0, high=8.0)
 _register_unary("hardsigmoid", hardsigmoid, F.hardsigmoid, (-3.0, 3.0), low=-5.0, high=5.0)
 _register_unary("hardswish", hardswish, F.hardswish, (-3.0, 3.0), low=-5.0, high=5.0)
@@ -806,8 +917,13 @@ _register_unary("logsigmoid", logsigmoid, F.logsigmoid, low=-20.0, high=20.0)
 _register_unary("tanhshrink", tanhshrink, F.tanhshrink)
 _register_unary("softshrink", softshrink, F.softshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
 _register_unary("hardshrink", hardshrink, F.hardshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
-_register_unary("threshold", threshold, F.threshold, (0.5, -1.0),
-                kwargs=({"threshold": 0.5, "value": -2.0}, {"threshold": -1.0, "value": 3.0}))
+_register_unary(
+    "threshold",
+    threshold,
+    F.threshold,
+    (0.5, -1.0),
+    kwargs=({"threshold": 0.5, "value": -2.0}, {"threshold": -1.0, "value": 3.0}),
+)
 
 
 def _prelu_samples(shapes):
@@ -817,33 +933,59 @@ def _prelu_samples(shapes):
             x = away_from(make(gen, *x_shape), (0.0,)).to(dtype)
             w = make(gen, *w_shape, low=-0.5, high=0.5).to(dtype)
             channels = w.numel() if w.numel() > 1 else 1
-            out.append(Sample((x, w), name=f"x{x_shape} w{w_shape}",
-                              reduction=max(1, x.numel() // max(channels, 1))))
+            out.append(Sample((x, w), name=f"x{x_shape} w{w_shape}", reduction=max(1, x.numel() // max(channels, 1))))
         return out
+
     return samples
 
 
-register(OpInfo("prelu", prelu, F.prelu,
-                _prelu_samples([((3, 5, 7), (5,)), ((37, 3), (1,)), ((4, 3), (3,)), ((6,), (1,)), ((0, 3), (3,)),
-                                ((), (1,)), ((2, 3), ())]),
-                family="activation", gradcheck_samples=lambda gen: _prelu_samples([((2, 3, 3), (3,)), ((5,), (1,))])(torch.float64, gen)))
+register(
+    OpInfo(
+        "prelu",
+        prelu,
+        F.prelu,
+        _prelu_samples(
+            [((3, 5, 7), (5,)), ((37, 3), (1,)), ((4, 3), (3,)), ((6,), (1,)), ((0, 3), (3,)), ((), (1,)), ((2, 3), ())]
+        ),
+        family="activation",
+        gradcheck_samples=lambda gen: _prelu_samples([((2, 3, 3), (3,)), ((5,), (1,))])(torch.float64, gen),
+    )
+)
 
 
 def _glu_samples(cases):
     def samples(dtype, gen):
         return [Sample((make(gen, *s).to(dtype),), {"dim": d}, name=f"{s} dim={d}") for s, d in cases]
+
     return samples
 
 
-register(OpInfo("glu", glu, F.glu, _glu_samples([((3, 38), -1), ((4, 6, 5), 1), ((6,), 0), ((2, 0, 4), 2)]),
-                family="activation", gradcheck_samples=lambda gen: _glu_samples([((3, 4), -1), ((2, 4, 3), 1)])(torch.float64, gen)))
+register(
+    OpInfo(
+        "glu",
+        glu,
+        F.glu,
+        _glu_samples([((3, 38), -1), ((4, 6, 5), 1), ((6,), 0), ((2, 0, 4), 2)]),
+        family="activation",
+        gradcheck_samples=lambda gen: _glu_samples([((3, 4), -1), ((2, 4, 3), 1)])(torch.float64, gen),
+    )
+)
 
 
 def _swiglu_samples(shapes):
     def samples(dtype, gen):
         return [Sample((make(gen, *s, low=-6, high=6).to(dtype), make(gen, *s).to(dtype)), name=str(s)) for s in shapes]
+
     return samples
 
 
-register(OpInfo("swiglu", swiglu, lambda gate, up: F.silu(gate) * up, _swiglu_samples(_SHAPES),
-                family="activation", gradcheck_samples=lambda gen: _swiglu_samples(_GRADCHECK_SHAPES)(torch.float64, gen)))
+register(
+    OpInfo(
+        "swiglu",
+        swiglu,
+        lambda gate, up: F.silu(gate) * up,
+        _swiglu_samples(_SHAPES),
+        family="activation",
+        gradcheck_samples=lambda gen: _swiglu_samples(_GRADCHECK_SHAPES)(torch.float64, gen),
+    )
+)

@@ -36,13 +36,12 @@ import triton.language as tl
 from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
-from ..module import Module
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, OpContext, RuntimeOp
 from .common import DOT_UPCAST_BF16, cdiv, upcast
 
 __all__ = ["scaled_dot_product_attention"]
-NN_LAYERS = ["CausalSelfAttention"]
+NN_LAYERS: list[str] = []
 
 
 # ---------------------------------------------------------------------------------- maths
@@ -53,7 +52,6 @@ def _device_fn(fn):
     a plain Python function (the kernel's tl calls work the same), since the interpreter
     re-patches triton.language on every call of a jit function (about 0.3-1 ms a call)."""
     return fn if INTERPRETER else triton.jit(fn)
-
 
 
 @_device_fn
@@ -109,9 +107,25 @@ def _key_cols(start, kv_bh, Lk, col_end, BLOCK_N: tl.constexpr, PACKED: tl.const
 
 
 @_device_fn
-def _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
-            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            UPCAST_BF16: tl.constexpr, PACKED: tl.constexpr):
+def _scores(
+    q,
+    k,
+    row_ok,
+    row_kv,
+    pos_m,
+    mask_rows,
+    col_ok,
+    col_kv,
+    pos_n,
+    scale,
+    mask_ptr,
+    stride_mk,
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """The masked, scaled scores S of a (BLOCK_M, BLOCK_N) tile; -inf where a key is not seen
     (out of range, masked, later than the query when causal, or another head's key when PACKED)."""
     s = _dot(q, tl.trans(k), UPCAST_BF16) * scale
@@ -162,12 +176,41 @@ def attention_backward_delta(out_ptr, dout_ptr, delta_ptr, n_rows, DV, BLOCK_M: 
 
 
 @kernel(half=True)
-def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                            Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
-                            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                            WRITE_DK: tl.constexpr, WRITE_DV: tl.constexpr, UPCAST_BF16: tl.constexpr,
-                            ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def attention_backward_dkdv(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    Lq,
+    Lk,
+    D,
+    DV,
+    H,
+    KV_GROUP,
+    n_bh,
+    scale,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WRITE_DK: tl.constexpr,
+    WRITE_DV: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     start_n = tl.program_id(0).to(tl.int64) * BLOCK_N
     kv_bh = tl.program_id(1).to(tl.int64)
     n_kv = n_bh // KV_GROUP
@@ -191,14 +234,32 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, de
     for g in range(0, groups):
         bh = kv_bh * KV_GROUP + g
         for start_m in range(lo, hi, BLOCK_M):
-            rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh,
-                                                                 stride_mq, BLOCK_M, PACKED)
+            rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
+                start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
+            )
             q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
             do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0
-            s = _scores(q, k, row_ok, row_bh // KV_GROUP, pos_m, mask_rows, col_ok, col_kv, pos_n, scale,
-                        mask_ptr, stride_mk, HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
+            s = _scores(
+                q,
+                k,
+                row_ok,
+                row_bh // KV_GROUP,
+                pos_m,
+                mask_rows,
+                col_ok,
+                col_kv,
+                pos_n,
+                scale,
+                mask_ptr,
+                stride_mk,
+                HAS_MASK,
+                MASK_BOOL,
+                IS_CAUSAL,
+                UPCAST_BF16,
+                PACKED,
+            )
             p = tl.exp(s - lse[:, None])
             if WRITE_DV:
                 dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST_BF16)
@@ -214,8 +275,9 @@ def attention_backward_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, de
 
 
 @_device_fn
-def _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-               PACKED: tl.constexpr):
+def _key_range(
+    start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr
+):
     """(first, end) of the keys a query block needs: flat keys of every head it spans when PACKED,
     else positions of its own head (up to the block's last query when causal)."""
     if PACKED:
@@ -230,18 +292,46 @@ def _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL: tl.constexpr, BLO
 
 
 @kernel(half=True)
-def attention_backward_dq(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
-                          Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
-                          HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def attention_backward_dq(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    Lq,
+    Lk,
+    D,
+    DV,
+    H,
+    KV_GROUP,
+    n_bh,
+    scale,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     kv_bh = bh // KV_GROUP
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq,
-                                                         BLOCK_M, PACKED)
+    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
+        start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
+    )
     row_kv = row_bh // KV_GROUP
     q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
     do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
@@ -254,8 +344,25 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delt
         cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
         k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
         v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
-        s = _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
-                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
+        s = _scores(
+            q,
+            k,
+            row_ok,
+            row_kv,
+            pos_m,
+            mask_rows,
+            col_ok,
+            col_kv,
+            pos_n,
+            scale,
+            mask_ptr,
+            stride_mk,
+            HAS_MASK,
+            MASK_BOOL,
+            IS_CAUSAL,
+            UPCAST_BF16,
+            PACKED,
+        )
         p = tl.exp(s - lse[:, None])
         ds = p * (_dot(do, tl.trans(v), UPCAST_BF16) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST_BF16)
@@ -263,18 +370,44 @@ def attention_backward_dq(q_ptr, k_ptr, v_ptr, mask_ptr, dout_ptr, lse_ptr, delt
 
 
 @kernel(backward=(attention_backward_delta, attention_backward_dkdv, attention_backward_dq), half=True)
-def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
-                      Lq, Lk, D, DV, H, KV_GROUP, n_bh, scale, stride_mb, stride_mh, stride_mq, stride_mk,
-                      HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      UPCAST_BF16: tl.constexpr, ACC: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def attention_forward(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    out_ptr,
+    lse_ptr,
+    Lq,
+    Lk,
+    D,
+    DV,
+    H,
+    KV_GROUP,
+    n_bh,
+    scale,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    HAS_MASK: tl.constexpr,
+    MASK_BOOL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     kv_bh = bh // KV_GROUP
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq,
-                                                         BLOCK_M, PACKED)
+    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
+        start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
+    )
     row_kv = row_bh // KV_GROUP
     q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
@@ -284,8 +417,25 @@ def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr,
     for start_n in range(first, end, BLOCK_N):
         cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
         k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
-        s = _scores(q, k, row_ok, row_kv, pos_m, mask_rows, col_ok, col_kv, pos_n, scale, mask_ptr, stride_mk,
-                    HAS_MASK, MASK_BOOL, IS_CAUSAL, UPCAST_BF16, PACKED)
+        s = _scores(
+            q,
+            k,
+            row_ok,
+            row_kv,
+            pos_m,
+            mask_rows,
+            col_ok,
+            col_kv,
+            pos_n,
+            scale,
+            mask_ptr,
+            stride_mk,
+            HAS_MASK,
+            MASK_BOOL,
+            IS_CAUSAL,
+            UPCAST_BF16,
+            PACKED,
+        )
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet: avoid inf - inf
         p = tl.exp(s - shift[:, None])
@@ -372,7 +522,9 @@ class AttentionOp(RuntimeOp):
         q, k, v = (tuple(s) for s in input_shapes[:3])
         for what, shape in (("query", q), ("key", k), ("value", v)):
             if not 2 <= len(shape) <= 4:
-                raise ValueError(f"{what} must have 2 to 4 dimensions ((batch, heads,) length, head dim), got shape {shape}")
+                raise ValueError(
+                    f"{what} must have 2 to 4 dimensions ((batch, heads,) length, head dim), got shape {shape}"
+                )
         if not len(q) == len(k) == len(v):
             raise ValueError(f"query, key and value must have the same number of dimensions, got shapes {q}, {k}, {v}")
         for what, dtype in zip(("query", "key", "value"), input_dtypes[:3]):
@@ -384,17 +536,22 @@ class AttentionOp(RuntimeOp):
             raise ValueError(f"key and value must agree in every dim but the last, got key {k} and value {v}")
         if self.enable_gqa and len(q) >= 3:
             if q[:-3] != k[:-3] or k[-3] == 0 or q[-3] % k[-3] != 0:
-                raise ValueError(f"enable_gqa: key/value heads (dim -3) must divide query heads and the other batch "
-                                 f"dims must match, got query {q} and key {k}")
+                raise ValueError(
+                    f"enable_gqa: key/value heads (dim -3) must divide query heads and the other batch "
+                    f"dims must match, got query {q} and key {k}"
+                )
         elif q[:-2] != k[:-2]:
-            raise ValueError(f"query and key must have the same batch dims {q[:-2]}, got key {k} "
-                             f"(pass enable_gqa=True for fewer key/value heads)")
+            raise ValueError(
+                f"query and key must have the same batch dims {q[:-2]}, got key {k} "
+                f"(pass enable_gqa=True for fewer key/value heads)"
+            )
         if self.has_mask:
             mask, target = tuple(input_shapes[3]), q[:-1] + (k[-2],)
             padded = (1,) * (len(target) - len(mask)) + mask
             if len(mask) > len(target) or any(m not in (1, t) for m, t in zip(padded, target)):
-                raise ValueError(f"attn_mask of shape {mask} is not broadcastable to {target} "
-                                 f"(batch..., query length, key length)")
+                raise ValueError(
+                    f"attn_mask of shape {mask} is not broadcastable to {target} (batch..., query length, key length)"
+                )
             dtype = input_dtypes[3]
             if dtype != torch.bool and dtype != input_dtypes[0]:
                 raise TypeError(f"attn_mask must be bool or have the query's dtype, got {dtype}")
@@ -502,8 +659,16 @@ def _tl_acc(dtype: torch.dtype):
 # ------------------------------------------------------------------------- functional ops
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None, enable_gqa: bool = False):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+):
     """softmax(query key^T * scale + attn_mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Lq, D), key (..., Lk, D), value (..., Lk, Dv) with 0 to 2 batch dims; attn_mask
@@ -527,48 +692,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 # ---------------------------------------------------------------------------------- layers
 
 
-class CausalSelfAttention(Module):
-    """Multi-head causal self-attention on x (batch, length, d_model), GPT style:
-    q, k, v = x W_q^T + b_q, ...; heads of size d_model / n_heads; y = attn W_o^T + b_o.
-    Parameters q_proj, k_proj, v_proj, out_proj (each a teeny.nn.Linear, PyTorch's init)."""
-
-    def __init__(self, d_model: int, n_heads: int, bias: bool = True, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        if n_heads <= 0 or d_model % n_heads != 0:
-            raise ValueError(f"CausalSelfAttention: d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
-        from .linear import Linear  # the linear family provides the projections
-
-        self.d_model, self.n_heads = d_model, n_heads
-        self.q_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
-        self.out_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
-
-    def forward(self, x):
-        from .. import ops
-
-        if len(x.shape) != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"CausalSelfAttention expects (batch, length, {self.d_model}), got {tuple(x.shape)}")
-        batch, length, _ = x.shape
-        head_dim = self.d_model // self.n_heads
-
-        def heads(t):  # (B, T, C) -> (B, nh, T, hd)
-            return ops.transpose(ops.reshape(t, (batch, length, self.n_heads, head_dim)), 1, 2)
-
-        y = scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
-                                         is_causal=True)
-        y = ops.reshape(ops.transpose(y, 1, 2), (batch, length, self.d_model))
-        return self.out_proj(y)
-
-
 # -------------------------------------------------------------------------- registry/tests
 
 
 def _qkv(gen, dtype, batch, lq, lk, d, dv=None, kv_batch=None):
     dv = d if dv is None else dv
     kv_batch = batch if kv_batch is None else kv_batch
-    return (make(gen, *batch, lq, d, dtype=dtype), make(gen, *kv_batch, lk, d, dtype=dtype),
-            make(gen, *kv_batch, lk, dv, dtype=dtype))
+    return (
+        make(gen, *batch, lq, d, dtype=dtype),
+        make(gen, *kv_batch, lk, d, dtype=dtype),
+        make(gen, *kv_batch, lk, dv, dtype=dtype),
+    )
 
 
 def _samples(dtype, gen):
@@ -580,12 +714,21 @@ def _samples(dtype, gen):
         sample("(2,3,13,8) causal", _qkv(gen, dtype, (2, 3), 13, 13, 8), 13, is_causal=True),
         sample("(2,1,5,9) Lq<Lk causal", _qkv(gen, dtype, (2, 1), 5, 9, 6), 9, is_causal=True),
         sample("(1,2,9,5) Lq>Lk causal", _qkv(gen, dtype, (1, 2), 9, 5, 3), 9, is_causal=True),
-        sample("(2,2,7,13) mask (7,13) scale", _qkv(gen, dtype, (2, 2), 7, 13, 4), 13,
-               attn_mask=make(gen, 7, 13, dtype=dtype), scale=0.3),
+        sample(
+            "(2,2,7,13) mask (7,13) scale",
+            _qkv(gen, dtype, (2, 2), 7, 13, 4),
+            13,
+            attn_mask=make(gen, 7, 13, dtype=dtype),
+            scale=0.3,
+        ),
         sample("(3,11,7) 3-D Dv!=D", _qkv(gen, dtype, (3,), 11, 11, 7, dv=5), 11),
         sample("gqa (1,4,5,6)/(1,2,7,6)", _qkv(gen, dtype, (1, 4), 5, 7, 6, kv_batch=(1, 2)), 14, enable_gqa=True),
-        sample("bool mask (2,1,5,1)", _qkv(gen, dtype, (2, 3), 5, 5, 4), 5,
-               attn_mask=torch.rand(2, 1, 5, 1, generator=gen) > 0.3),
+        sample(
+            "bool mask (2,1,5,1)",
+            _qkv(gen, dtype, (2, 3), 5, 5, 4),
+            5,
+            attn_mask=torch.rand(2, 1, 5, 1, generator=gen) > 0.3,
+        ),
         sample("(1,1,1,1)", _qkv(gen, dtype, (1, 1), 1, 1, 1), 1),
         sample("empty batch (0,2,7,5)", _qkv(gen, dtype, (0, 2), 7, 7, 5), 7),
     ]
@@ -606,6 +749,14 @@ def _gradcheck_samples(gen):
     ]
 
 
-register(OpInfo("scaled_dot_product_attention", scaled_dot_product_attention, F.scaled_dot_product_attention,
-                _samples, family="attention", gradcheck_samples=_gradcheck_samples,
-                notes="fused flash-style; saves output and logsumexp only"))
+register(
+    OpInfo(
+        "scaled_dot_product_attention",
+        scaled_dot_product_attention,
+        F.scaled_dot_product_attention,
+        _samples,
+        family="attention",
+        gradcheck_samples=_gradcheck_samples,
+        notes="fused flash-style; saves output and logsumexp only",
+    )
+)

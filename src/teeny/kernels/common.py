@@ -15,7 +15,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -113,11 +114,39 @@ _SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (2048, 512)
 
 
 @kernel(half=True)
-def sum_to_shape_kernel(g_ptr, out_ptr, m, r, r_per_split,
-                        kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5,
-                        rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5,
-                        KEPT_NDIM: tl.constexpr, RED_NDIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def sum_to_shape_kernel(
+    g_ptr,
+    out_ptr,
+    m,
+    r,
+    r_per_split,
+    kd0,
+    kd1,
+    kd2,
+    kd3,
+    kd4,
+    kt0,
+    kt1,
+    kt2,
+    kt3,
+    kt4,
+    kt5,
+    rd0,
+    rd1,
+    rd2,
+    rd3,
+    rd4,
+    rt0,
+    rt1,
+    rt2,
+    rt3,
+    rt4,
+    rt5,
+    KEPT_NDIM: tl.constexpr,
+    RED_NDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """out[s, t] = sum over j in split s of g[kept(t) + reduced(j)], summed in float32 (float64
     for float64). Program (i, s): targets i*BLOCK_M ..., reduced range split s."""
     pid_m = tl.program_id(0)
@@ -188,8 +217,22 @@ def sum_to_shape(ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: t
     r_per_split = cdiv(cdiv(r, split), block_r) * block_r if r else 1
     split = max(1, cdiv(r, r_per_split))
     first_out = target if split == 1 else ctx.empty((split, m), acc_dtype(target.dtype))
-    launches = [_sum_launch(grad, first_out, m, r, r_per_split, kept, kept_strides, red, red_strides,
-                            block_m, block_r, (programs_m, split, 1))]
+    launches = [
+        _sum_launch(
+            grad,
+            first_out,
+            m,
+            r,
+            r_per_split,
+            kept,
+            kept_strides,
+            red,
+            red_strides,
+            block_m,
+            block_r,
+            (programs_m, split, 1),
+        )
+    ]
     if split > 1:
         launches += sum_partials(first_out, target)
     return launches
@@ -201,8 +244,11 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
     splits, m = partials.shape
     block_m = min(pow2(m), 64)
     block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
-    return [_sum_launch(partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r,
-                        (cdiv(m, block_m), 1, 1))]
+    return [
+        _sum_launch(
+            partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r, (cdiv(m, block_m), 1, 1)
+        )
+    ]
 
 
 def _sum_launch(grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid) -> Launch:

@@ -64,10 +64,34 @@ def split_sum(partial_ptr, out_ptr, n, splits, ACC: tl.constexpr, BLOCK: tl.cons
 
 
 @kernel(half=True)
-def conv2d_input_backward(dy_ptr, w_ptr, dx_ptr, C, H, W, CO, HO, WO, M, CG, COG, KH, KW,
-                          stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                          ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def conv2d_input_backward(
+    dy_ptr,
+    w_ptr,
+    dx_ptr,
+    C,
+    H,
+    W,
+    CO,
+    HO,
+    WO,
+    M,
+    CG,
+    COG,
+    KH,
+    KW,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    dil_h,
+    dil_w,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """dX tile (input positions x input channels of group g) = gathered dY @ W (see module)."""
     g = tl.program_id(2)
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,10 +125,12 @@ def conv2d_input_backward(dy_ptr, w_ptr, dx_ptr, C, H, W, CO, HO, WO, M, CG, COG
         ow = ow_num // stride_w
         ok = ok & (oh * stride_h == oh_num) & (ow * stride_w == ow_num) & (oh < HO) & (ow < WO)
         ok = ok & mask_m[:, None] & mask_k[None, :]
-        a = tl.load(dy_rows[:, None] + ((g * COG + co).to(tl.int64) * HOWO)[None, :] + oh * WO + ow,
-                    mask=ok, other=0.0)
-        b = tl.load(w_base + (co.to(tl.int64) * CG * KHKW + r)[:, None] + (offs_c * KHKW)[None, :],
-                    mask=mask_k[:, None] & mask_c[None, :], other=0.0)
+        a = tl.load(dy_rows[:, None] + ((g * COG + co).to(tl.int64) * HOWO)[None, :] + oh * WO + ow, mask=ok, other=0.0)
+        b = tl.load(
+            w_base + (co.to(tl.int64) * CG * KHKW + r)[:, None] + (offs_c * KHKW)[None, :],
+            mask=mask_k[:, None] & mask_c[None, :],
+            other=0.0,
+        )
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -114,11 +140,38 @@ def conv2d_input_backward(dy_ptr, w_ptr, dx_ptr, C, H, W, CO, HO, WO, M, CG, COG
 
 
 @kernel(half=True)
-def conv2d_weight_backward(x_ptr, dy_ptr, dw_ptr, db_ptr, C, H, W, CO, HO, WO, P, CG, COG, KH, KW,
-                           stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, chunk,
-                           WRITE_DW: tl.constexpr, WRITE_DB: tl.constexpr, ACC: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                           BLOCK_CO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+def conv2d_weight_backward(
+    x_ptr,
+    dy_ptr,
+    dw_ptr,
+    db_ptr,
+    C,
+    H,
+    W,
+    CO,
+    HO,
+    WO,
+    P,
+    CG,
+    COG,
+    KH,
+    KW,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    dil_h,
+    dil_w,
+    chunk,
+    WRITE_DW: tl.constexpr,
+    WRITE_DB: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_CO: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """One chunk of positions of dW (COG x K tile of group g) = dY^T @ gathered X, and of db
     (column sums of the same dY tiles); written to partials[split] (see module)."""
     KHKW = KH * KW
@@ -148,8 +201,11 @@ def conv2d_weight_backward(x_ptr, dy_ptr, dw_ptr, db_ptr, C, H, W, CO, HO, WO, P
         mask_p = p < P
         n = p // HOWO
         s = p % HOWO
-        a = tl.load(dy_ptr + (n * CO * HOWO + s)[None, :] + (co * HOWO)[:, None],
-                    mask=mask_co[:, None] & mask_p[None, :], other=0.0)
+        a = tl.load(
+            dy_ptr + (n * CO * HOWO + s)[None, :] + (co * HOWO)[:, None],
+            mask=mask_co[:, None] & mask_p[None, :],
+            other=0.0,
+        )
         if WRITE_DB:
             bias_acc += tl.sum(a.to(ACC), axis=1)
         if WRITE_DW:
@@ -167,15 +223,42 @@ def conv2d_weight_backward(x_ptr, dy_ptr, dw_ptr, db_ptr, C, H, W, CO, HO, WO, P
         dw = dw_ptr + split.to(tl.int64) * CO * K + co[:, None] * K + k[None, :]
         tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=mask_co[:, None] & mask_k[None, :])
     if WRITE_DB:
-        tl.store(db_ptr + split.to(tl.int64) * CO + co, bias_acc.to(db_ptr.dtype.element_ty),
-                 mask=mask_co & (pid_k == 0))
+        tl.store(
+            db_ptr + split.to(tl.int64) * CO + co, bias_acc.to(db_ptr.dtype.element_ty), mask=mask_co & (pid_k == 0)
+        )
 
 
 @kernel(backward=(conv2d_input_backward, conv2d_weight_backward, split_sum), half=True)
-def conv2d_forward(x_ptr, w_ptr, b_ptr, y_ptr, C, H, W, CO, HO, WO, M, CG, COG, KH, KW,
-                   stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def conv2d_forward(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    C,
+    H,
+    W,
+    CO,
+    HO,
+    WO,
+    M,
+    CG,
+    COG,
+    KH,
+    KW,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    dil_h,
+    dil_w,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Y tile (output positions x output channels of group g) = gathered X @ W^T + b (see module)."""
     g = tl.program_id(2)
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -214,9 +297,29 @@ def conv2d_forward(x_ptr, w_ptr, b_ptr, y_ptr, C, H, W, CO, HO, WO, M, CG, COG, 
 
 
 @kernel(half=True)
-def pool2d_backward(dy_ptr, idx_ptr, dx_ptr, n, H, W, HO, WO, KH, KW, stride_h, stride_w, pad_h, pad_w,
-                    dil_h, dil_w, divisor, MAX: tl.constexpr, COUNT_PAD: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def pool2d_backward(
+    dy_ptr,
+    idx_ptr,
+    dx_ptr,
+    n,
+    H,
+    W,
+    HO,
+    WO,
+    KH,
+    KW,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    dil_h,
+    dil_w,
+    divisor,
+    MAX: tl.constexpr,
+    COUNT_PAD: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """dX[i] gathered from the windows that contain input position i (see module)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -263,9 +366,29 @@ def pool2d_backward(dy_ptr, idx_ptr, dx_ptr, n, H, W, HO, WO, KH, KW, stride_h, 
 
 
 @kernel(backward=pool2d_backward, half=True)
-def pool2d_forward(x_ptr, y_ptr, idx_ptr, n, H, W, HO, WO, KH, KW, stride_h, stride_w, pad_h, pad_w,
-                   dil_h, dil_w, divisor, MAX: tl.constexpr, COUNT_PAD: tl.constexpr, ACC: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def pool2d_forward(
+    x_ptr,
+    y_ptr,
+    idx_ptr,
+    n,
+    H,
+    W,
+    HO,
+    WO,
+    KH,
+    KW,
+    stride_h,
+    stride_w,
+    pad_h,
+    pad_w,
+    dil_h,
+    dil_w,
+    divisor,
+    MAX: tl.constexpr,
+    COUNT_PAD: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Y[o] = max (saving the arg-max) or mean of output o's window (see module)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -318,8 +441,11 @@ def _pair(value, what: str, op: str) -> tuple[int, int]:
         raise TypeError(f"{op}: {what} must be an int or a pair of ints, got {value!r}")
     if isinstance(value, int):
         return (value, value)
-    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                                         for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) in (1, 2)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
     raise TypeError(f"{op}: {what} must be an int or a pair of ints, got {value!r}")
 
@@ -424,20 +550,24 @@ class Conv2dOp(RuntimeOp):
             raise TypeError(f"conv2d: expects floating point tensors, got {[str(d) for d in input_dtypes]}")
         w = input_shapes[1]
         if len(w) != 4:
-            raise ValueError(f"conv2d: weight must be 4-D (out_channels, in_channels/groups, kH, kW), "
-                             f"got shape {tuple(w)}")
+            raise ValueError(
+                f"conv2d: weight must be 4-D (out_channels, in_channels/groups, kH, kW), got shape {tuple(w)}"
+            )
         self.geometry(input_shapes)
         if self.has_bias and tuple(input_shapes[2]) != (w[0],):
-            raise ValueError(f"conv2d: bias must have shape ({w[0]},) to match weight {tuple(w)}, "
-                             f"got {tuple(input_shapes[2])}")
+            raise ValueError(
+                f"conv2d: bias must have shape ({w[0]},) to match weight {tuple(w)}, got {tuple(input_shapes[2])}"
+            )
 
     def geometry(self, input_shapes) -> ConvGeometry:
         x, w = input_shapes[0], input_shapes[1]
         N, C, H, W = _spatial(x, "conv2d")
         CO, CG, KH, KW = w
         if CG * self.groups != C:
-            raise ValueError(f"conv2d: input {tuple(x)} has {C} channels, but weight {tuple(w)} with groups="
-                             f"{self.groups} expects {CG * self.groups} (in_channels/groups = {CG})")
+            raise ValueError(
+                f"conv2d: input {tuple(x)} has {C} channels, but weight {tuple(w)} with groups="
+                f"{self.groups} expects {CG * self.groups} (in_channels/groups = {CG})"
+            )
         if CO % self.groups:
             raise ValueError(f"conv2d: out_channels {CO} of weight {tuple(w)} is not divisible by groups={self.groups}")
         (sh, sw), (dh, dw) = self.stride, self.dilation
@@ -449,8 +579,10 @@ class Conv2dOp(RuntimeOp):
             pad = (0, 0) if self.padding == "valid" else self.padding
             padded = (H + 2 * pad[0], W + 2 * pad[1])
         if padded[0] < eff_h or padded[1] < eff_w:
-            raise ValueError(f"conv2d: padded input size per channel ({padded[0]} x {padded[1]}) is smaller than the "
-                             f"(dilated) kernel size ({eff_h} x {eff_w}) of weight {tuple(w)}")
+            raise ValueError(
+                f"conv2d: padded input size per channel ({padded[0]} x {padded[1]}) is smaller than the "
+                f"(dilated) kernel size ({eff_h} x {eff_w}) of weight {tuple(w)}"
+            )
         HO, WO = (padded[0] - eff_h) // sh + 1, (padded[1] - eff_w) // sw + 1
         return ConvGeometry(N, C, H, W, CO, CG, CO // self.groups, KH, KW, HO, WO, pad)
 
@@ -487,8 +619,16 @@ class Conv2dOp(RuntimeOp):
         g = self.geometry(ctx.input_shapes)
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        self._launch_gemm(ctx, conv2d_forward, g, (x, w, bias if bias is not None else w, ctx.output),
-                          g.N * g.HO * g.WO, g.COG, g.CG * g.KH * g.KW, extra=(bias is not None,))
+        self._launch_gemm(
+            ctx,
+            conv2d_forward,
+            g,
+            (x, w, bias if bias is not None else w, ctx.output),
+            g.N * g.HO * g.WO,
+            g.COG,
+            g.CG * g.KH * g.KW,
+            extra=(bias is not None,),
+        )
 
     def backward(self, ctx):
         g = self.geometry(ctx.input_shapes)
@@ -497,8 +637,7 @@ class Conv2dOp(RuntimeOp):
         db = ctx.grad_params[1] if self.has_bias else None
         go = ctx.grad_output
         if dx is not None:
-            self._launch_gemm(ctx, conv2d_input_backward, g, (go, w, dx), g.N * g.H * g.W, g.CG,
-                              g.COG * g.KH * g.KW)
+            self._launch_gemm(ctx, conv2d_input_backward, g, (go, w, dx), g.N * g.H * g.W, g.CG, g.COG * g.KH * g.KW)
         if dw is not None or db is not None:
             self._weight_backward(ctx, g, x, go, dw, db)
 
@@ -560,12 +699,23 @@ class Pool2dOp(RuntimeOp):
     kernel = pool2d_forward
     saves_inputs = False  # the backward needs only the shapes (and max's saved arg-max)
 
-    def __init__(self, is_max: bool, kernel_size, stride, padding, dilation, ceil_mode: bool,
-                 count_include_pad: bool = True, divisor_override=None):
+    def __init__(
+        self,
+        is_max: bool,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        ceil_mode: bool,
+        count_include_pad: bool = True,
+        divisor_override=None,
+    ):
         self.is_max = is_max
         self.name = "max_pool2d" if is_max else "avg_pool2d"
         self.kernel_size = _pair(kernel_size, "kernel_size", self.name)
-        self.stride = self.kernel_size if stride is None or stride == () or stride == [] else _pair(stride, "stride", self.name)
+        self.stride = (
+            self.kernel_size if stride is None or stride == () or stride == [] else _pair(stride, "stride", self.name)
+        )
         self.padding = _pair(padding, "padding", self.name)
         self.dilation = _pair(dilation, "dilation", self.name)
         self.ceil_mode = bool(ceil_mode)
@@ -583,8 +733,10 @@ class Pool2dOp(RuntimeOp):
             limit = ((k - 1) * d + 1) // 2 if is_max else k // 2
             if p < 0 or p > limit:
                 what = "effective kernel size" if is_max else "kernel size"
-                raise ValueError(f"{self.name}: pad should be at most half of {what}, but got pad={p}, "
-                                 f"kernel_size={k}" + (f" and dilation={d}" if is_max else ""))
+                raise ValueError(
+                    f"{self.name}: pad should be at most half of {what}, but got pad={p}, "
+                    f"kernel_size={k}" + (f" and dilation={d}" if is_max else "")
+                )
 
     def check_inputs(self, input_shapes, input_dtypes):
         if not input_dtypes[0].is_floating_point:
@@ -594,12 +746,16 @@ class Pool2dOp(RuntimeOp):
     def output_shape(self, input_shapes):
         x = input_shapes[0]
         N, C, H, W = _spatial(x, self.name)
-        HO, WO = (_pool_output_size(size, k, s, p, d, self.ceil_mode)
-                  for size, k, s, p, d in zip((H, W), self.kernel_size, self.stride, self.padding, self.dilation))
+        HO, WO = (
+            _pool_output_size(size, k, s, p, d, self.ceil_mode)
+            for size, k, s, p, d in zip((H, W), self.kernel_size, self.stride, self.padding, self.dilation)
+        )
         if HO < 1 or WO < 1:
-            raise ValueError(f"{self.name}: input of shape {tuple(x)} is too small for kernel_size {self.kernel_size}, "
-                             f"stride {self.stride}, padding {self.padding}, dilation {self.dilation}: "
-                             f"the output would be {HO} x {WO}")
+            raise ValueError(
+                f"{self.name}: input of shape {tuple(x)} is too small for kernel_size {self.kernel_size}, "
+                f"stride {self.stride}, padding {self.padding}, dilation {self.dilation}: "
+                f"the output would be {HO} x {WO}"
+            )
         return tuple(x[:-2]) + (HO, WO)
 
     def extra_outputs(self, input_shapes, dtype):
@@ -648,8 +804,9 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     return graph_of(input).apply(op, [input])
 
 
-def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
+def avg_pool2d(
+    input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
+):
     """F.avg_pool2d on (N, C, H, W) or (C, H, W)."""
     op = Pool2dOp(False, kernel_size, stride, padding, 1, ceil_mode, count_include_pad, divisor_override)
     return graph_of(input).apply(op, [input])
@@ -662,8 +819,19 @@ class Conv2d(Module):
     """nn.Conv2d: weight (out, in/groups, kH, kW) and bias (out,), both
     U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = in/groups * kH * kW, like PyTorch."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         if groups < 1 or in_channels % groups:
             raise ValueError(f"Conv2d: in_channels ({in_channels}) must be divisible by groups ({groups})")
@@ -676,24 +844,34 @@ class Conv2d(Module):
         self.stride, self.padding, self.dilation = stride, padding, dilation
         Conv2dOp(bias, stride, padding, dilation, groups)  # validates the arguments now
         fan_in = in_channels // groups * self.kernel_size[0] * self.kernel_size[1]
-        self.weight = Parameter((out_channels, in_channels // groups, *self.kernel_size), init.kaiming_uniform(fan_in),
-                                dtype=dtype)
+        self.weight = Parameter(
+            (out_channels, in_channels // groups, *self.kernel_size), init.kaiming_uniform(fan_in), dtype=dtype
+        )
         self.bias = Parameter((out_channels,), init.kaiming_uniform(fan_in), dtype=dtype) if bias else None
 
     def forward(self, x):
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
     def __repr__(self) -> str:
-        return (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, bias={self.bias is not None})")
+        return (
+            f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, bias={self.bias is not None})"
+        )
 
 
 class MaxPool2d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False):
+    def __init__(
+        self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False, ceil_mode: bool = False
+    ):
         super().__init__()
-        self.kwargs = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
-                           ceil_mode=ceil_mode, return_indices=return_indices)
+        self.kwargs = dict(
+            kernel_size=kernel_size,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            ceil_mode=ceil_mode,
+            return_indices=return_indices,
+        )
 
     def forward(self, x):
         return max_pool2d(x, **self.kwargs)
@@ -703,11 +881,24 @@ class MaxPool2d(Module):
 
 
 class AvgPool2d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override=None):
+    def __init__(
+        self,
+        kernel_size,
+        stride=None,
+        padding=0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override=None,
+    ):
         super().__init__()
-        self.kwargs = dict(kernel_size=kernel_size, stride=stride, padding=padding, ceil_mode=ceil_mode,
-                           count_include_pad=count_include_pad, divisor_override=divisor_override)
+        self.kwargs = dict(
+            kernel_size=kernel_size,
+            stride=stride,
+            padding=padding,
+            ceil_mode=ceil_mode,
+            count_include_pad=count_include_pad,
+            divisor_override=divisor_override,
+        )
 
     def forward(self, x):
         return avg_pool2d(x, **self.kwargs)
@@ -734,9 +925,13 @@ def _conv_samples(cases):
             args = (make(gen, *x, dtype=dtype), make(gen, *w, dtype=dtype, low=-1, high=1))
             if bias:
                 args += (make(gen, w[0], dtype=dtype),)
-            out.append(Sample(args, dict(kwargs), name=f"x{x} w{w} bias={bias} {kwargs}",
-                              reduction=_conv_reduction(x, w, kwargs)))
+            out.append(
+                Sample(
+                    args, dict(kwargs), name=f"x{x} w{w} bias={bias} {kwargs}", reduction=_conv_reduction(x, w, kwargs)
+                )
+            )
         return out
+
     return samples
 
 
@@ -755,8 +950,16 @@ _CONV_GRADCHECK = [
     ((1, 4, 4, 3), (2, 2, 2, 2), True, {"groups": 2, "stride": 2, "dilation": (1, 2)}),
 ]
 
-register(OpInfo("conv2d", conv2d, F.conv2d, _conv_samples(_CONV_CASES), family="conv",
-                gradcheck_samples=lambda gen: _conv_samples(_CONV_GRADCHECK)(torch.float64, gen)))
+register(
+    OpInfo(
+        "conv2d",
+        conv2d,
+        F.conv2d,
+        _conv_samples(_CONV_CASES),
+        family="conv",
+        gradcheck_samples=lambda gen: _conv_samples(_CONV_GRADCHECK)(torch.float64, gen),
+    )
+)
 
 
 def _distinct(gen, shape, dtype):
@@ -773,6 +976,7 @@ def _pool_samples(cases, max_pool: bool):
             k = _pair(kwargs["kernel_size"], "kernel_size", "")
             out.append(Sample((x,), dict(kwargs), name=f"{shape} {kwargs}", reduction=k[0] * k[1]))
         return out
+
     return samples
 
 
@@ -796,9 +1000,27 @@ _POOL_GRADCHECK = [
     ((1, 2, 5, 4), {"kernel_size": 3, "stride": 2, "padding": 1, "ceil_mode": True}),
 ]
 
-register(OpInfo("max_pool2d", max_pool2d, F.max_pool2d, _pool_samples(_MAX_POOL_CASES, True), family="conv",
-                gradcheck_samples=lambda gen: _pool_samples(_POOL_GRADCHECK, True)(torch.float64, gen)))
-register(OpInfo("avg_pool2d", avg_pool2d, F.avg_pool2d, _pool_samples(_AVG_POOL_CASES, False), family="conv",
-                gradcheck_samples=lambda gen: _pool_samples(
-                    _POOL_GRADCHECK + [((1, 2, 5, 4), {"kernel_size": 3, "stride": 2, "padding": 1,
-                                                       "count_include_pad": False})], False)(torch.float64, gen)))
+register(
+    OpInfo(
+        "max_pool2d",
+        max_pool2d,
+        F.max_pool2d,
+        _pool_samples(_MAX_POOL_CASES, True),
+        family="conv",
+        gradcheck_samples=lambda gen: _pool_samples(_POOL_GRADCHECK, True)(torch.float64, gen),
+    )
+)
+register(
+    OpInfo(
+        "avg_pool2d",
+        avg_pool2d,
+        F.avg_pool2d,
+        _pool_samples(_AVG_POOL_CASES, False),
+        family="conv",
+        gradcheck_samples=lambda gen: _pool_samples(
+            _POOL_GRADCHECK
+            + [((1, 2, 5, 4), {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False})],
+            False,
+        )(torch.float64, gen),
+    )
+)

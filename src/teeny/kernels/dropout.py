@@ -159,8 +159,15 @@ class DropoutOp(RuntimeOp):
         ctx.launch(dropout_backward, elementwise_grid(dy.numel(), BLOCK), visitor)
 
 
-def dropout(x, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed: int | None = None,
-            fixed_mask: bool = False):
+def dropout(
+    x,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    *,
+    seed: int | None = None,
+    fixed_mask: bool = False,
+):
     """Zero each element with probability ``p`` and scale the rest by 1 / (1 - p).
 
     ``seed``: the node's base seed (``None``: a fresh one from a trace-time counter); each run
@@ -211,16 +218,30 @@ def _dropout_reference(x, p=0.5, training=True, inplace=False, seed=None, fixed_
 def _dropout_samples(cases):
     def samples(dtype, gen):
         return [Sample((make(gen, *shape).to(dtype),), kwargs, name=f"{shape} {kwargs}") for shape, kwargs in cases]
+
     return samples
 
 
-register(OpInfo(
-    "dropout", dropout, _dropout_reference,
-    _dropout_samples([((3, 37), dict(p=0.3, seed=11, fixed_mask=True)), ((129, 9), dict(p=0.5, seed=5, fixed_mask=True)),
-                      ((1,), dict(p=0.5, seed=3, fixed_mask=True)), ((0, 5), dict(p=0.5, seed=2, fixed_mask=True)),
-                      ((4, 5), dict(p=1.0, seed=1, fixed_mask=True)), ((4, 5), dict(p=0.5, training=False)),
-                      ((5, 3), dict(p=0.0))]),
-    family="dropout", gradcheck_samples=lambda gen: _dropout_samples([((3, 7), dict(p=0.4, seed=9, fixed_mask=True)),
-                                                    ((2, 3), dict(p=0.5, training=False))])(torch.float64, gen),
-    notes="mask from teeny's counter-based RNG; the reference reuses it (see dropout.py)",
-))
+register(
+    OpInfo(
+        "dropout",
+        dropout,
+        _dropout_reference,
+        _dropout_samples(
+            [
+                ((3, 37), dict(p=0.3, seed=11, fixed_mask=True)),
+                ((129, 9), dict(p=0.5, seed=5, fixed_mask=True)),
+                ((1,), dict(p=0.5, seed=3, fixed_mask=True)),
+                ((0, 5), dict(p=0.5, seed=2, fixed_mask=True)),
+                ((4, 5), dict(p=1.0, seed=1, fixed_mask=True)),
+                ((4, 5), dict(p=0.5, training=False)),
+                ((5, 3), dict(p=0.0)),
+            ]
+        ),
+        family="dropout",
+        gradcheck_samples=lambda gen: _dropout_samples(
+            [((3, 7), dict(p=0.4, seed=9, fixed_mask=True)), ((2, 3), dict(p=0.5, training=False))]
+        )(torch.float64, gen),
+        notes="mask from teeny's counter-based RNG; the reference reuses it (see dropout.py)",
+    )
+)

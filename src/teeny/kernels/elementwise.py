@@ -40,11 +40,31 @@ from ..graph import Tensor, graph_of
 from ..kernel import kernel
 from ..registry import OpInfo, Sample, away_from, make, register
 from ..runtime import ArgVisitor, RuntimeOp
-from .activation import ActivationOp, activation_backward, activation_forward
+from .activation import ActivationOp
 from .common import ELEMENTWISE_BLOCK, cdiv, upcast
 
-__all__ = ["add", "sub", "mul", "div", "pow", "minimum", "maximum", "where", "clamp",
-           "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "square", "sin", "cos", "erf"]
+__all__ = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "pow",
+    "minimum",
+    "maximum",
+    "where",
+    "clamp",
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "square",
+    "sin",
+    "cos",
+    "erf",
+]
 NN_LAYERS: list[str] = []
 
 BLOCK = ELEMENTWISE_BLOCK  # 16K elements under the interpreter (few, wide programs), 1024 on the GPU
@@ -93,8 +113,9 @@ def _strided_offsets(index, d0, d1, d2, d3, d4, t0, t1, t2, t3, t4, t5, NDIM: tl
 
 
 @triton.jit
-def _operand(ptr, bits, index, mask, d0, d1, d2, d3, d4, t0, t1, t2, t3, t4, t5,
-             like_ptr, MODE: tl.constexpr, NDIM: tl.constexpr):
+def _operand(
+    ptr, bits, index, mask, d0, d1, d2, d3, d4, t0, t1, t2, t3, t4, t5, like_ptr, MODE: tl.constexpr, NDIM: tl.constexpr
+):
     """Operand values at the flat output indices, in the compute dtype (float64 or float32)."""
     if MODE == 1:  # VALUE: a Python number, as the bits of a double
         value = bits.to(tl.int64).to(tl.float64, bitcast=True)
@@ -113,14 +134,53 @@ def _operand(ptr, bits, index, mask, d0, d1, d2, d3, d4, t0, t1, t2, t3, t4, t5,
 
 
 @kernel(half=True)
-def elementwise_backward(x_ptr, y_ptr, z_ptr, dout_ptr, gx_ptr, gy_ptr, gz_ptr, n,
-                         x_bits: tl.int64, y_bits: tl.int64, z_bits: tl.int64, alpha_bits: tl.int64,
-                         d0, d1, d2, d3, d4,
-                         xt0, xt1, xt2, xt3, xt4, xt5, yt0, yt1, yt2, yt3, yt4, yt5,
-                         zt0, zt1, zt2, zt3, zt4, zt5,
-                         GRAD: tl.constexpr, X_MODE: tl.constexpr, Y_MODE: tl.constexpr, Z_MODE: tl.constexpr,
-                         WRITE_X: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Z: tl.constexpr,
-                         NDIM: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr):
+def elementwise_backward(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    dout_ptr,
+    gx_ptr,
+    gy_ptr,
+    gz_ptr,
+    n,
+    x_bits: tl.int64,
+    y_bits: tl.int64,
+    z_bits: tl.int64,
+    alpha_bits: tl.int64,
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    xt0,
+    xt1,
+    xt2,
+    xt3,
+    xt4,
+    xt5,
+    yt0,
+    yt1,
+    yt2,
+    yt3,
+    yt4,
+    yt5,
+    zt0,
+    zt1,
+    zt2,
+    zt3,
+    zt4,
+    zt5,
+    GRAD: tl.constexpr,
+    X_MODE: tl.constexpr,
+    Y_MODE: tl.constexpr,
+    Z_MODE: tl.constexpr,
+    WRITE_X: tl.constexpr,
+    WRITE_Y: tl.constexpr,
+    WRITE_Z: tl.constexpr,
+    NDIM: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     index = _flat_index(tl.program_id(0), BLOCK, INT64)
     mask = index < n
     x = _operand(x_ptr, x_bits, index, mask, d0, d1, d2, d3, d4, xt0, xt1, xt2, xt3, xt4, xt5, dout_ptr, X_MODE, NDIM)
@@ -138,13 +198,47 @@ def elementwise_backward(x_ptr, y_ptr, z_ptr, dout_ptr, gx_ptr, gy_ptr, gz_ptr, 
 
 
 @kernel(backward=elementwise_backward, half=True)
-def elementwise_forward(x_ptr, y_ptr, z_ptr, out_ptr, n,
-                        x_bits: tl.int64, y_bits: tl.int64, z_bits: tl.int64, alpha_bits: tl.int64,
-                        d0, d1, d2, d3, d4,
-                        xt0, xt1, xt2, xt3, xt4, xt5, yt0, yt1, yt2, yt3, yt4, yt5,
-                        zt0, zt1, zt2, zt3, zt4, zt5,
-                        FN: tl.constexpr, X_MODE: tl.constexpr, Y_MODE: tl.constexpr, Z_MODE: tl.constexpr,
-                        NDIM: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr):
+def elementwise_forward(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    out_ptr,
+    n,
+    x_bits: tl.int64,
+    y_bits: tl.int64,
+    z_bits: tl.int64,
+    alpha_bits: tl.int64,
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    xt0,
+    xt1,
+    xt2,
+    xt3,
+    xt4,
+    xt5,
+    yt0,
+    yt1,
+    yt2,
+    yt3,
+    yt4,
+    yt5,
+    zt0,
+    zt1,
+    zt2,
+    zt3,
+    zt4,
+    zt5,
+    FN: tl.constexpr,
+    X_MODE: tl.constexpr,
+    Y_MODE: tl.constexpr,
+    Z_MODE: tl.constexpr,
+    NDIM: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     index = _flat_index(tl.program_id(0), BLOCK, INT64)
     mask = index < n
     x = _operand(x_ptr, x_bits, index, mask, d0, d1, d2, d3, d4, xt0, xt1, xt2, xt3, xt4, xt5, out_ptr, X_MODE, NDIM)
@@ -155,11 +249,39 @@ def elementwise_forward(x_ptr, y_ptr, z_ptr, out_ptr, n,
 
 
 @kernel(half=True)
-def reduce_to_shape_kernel(g_ptr, out_ptr, m, r, r_per_split,
-                           kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5,
-                           rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5,
-                           KEPT_NDIM: tl.constexpr, RED_NDIM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def reduce_to_shape_kernel(
+    g_ptr,
+    out_ptr,
+    m,
+    r,
+    r_per_split,
+    kd0,
+    kd1,
+    kd2,
+    kd3,
+    kd4,
+    kt0,
+    kt1,
+    kt2,
+    kt3,
+    kt4,
+    kt5,
+    rd0,
+    rd1,
+    rd2,
+    rd3,
+    rd4,
+    rt0,
+    rt1,
+    rt2,
+    rt3,
+    rt4,
+    rt5,
+    KEPT_NDIM: tl.constexpr,
+    RED_NDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """out[s, t] = sum_{j in split s} g[kept_offset(t) + reduced_offset(j)], summed in float32
     (float64 for float64). Program (i, s): targets i*BLOCK_M.., reduced range split s."""
     pid_m = tl.program_id(0)
@@ -325,8 +447,10 @@ def broadcast_shapes(shapes: list[Shape], what: str) -> Shape:
         sizes.discard(1)
         if len(sizes) > 1:
             listing = " and ".join(str(tuple(s)) for s in shapes)
-            raise ValueError(f"{what}: shapes {listing} cannot be broadcast together "
-                             f"(dimension {k - ndim} has sizes {sorted(sizes)})")
+            raise ValueError(
+                f"{what}: shapes {listing} cannot be broadcast together "
+                f"(dimension {k - ndim} has sizes {sorted(sizes)})"
+            )
         out.append(sizes.pop() if sizes else 1)
     return tuple(out)
 
@@ -366,7 +490,7 @@ def _pad(values: list[int], length: int, fill: int) -> list[int]:
 
 
 def _visit_layout(visitor: ArgVisitor, sizes: list[int], strides: list[list[int]]) -> None:
-    for d in _pad(sizes, MAX_DIMS, 1)[:MAX_DIMS - 1]:
+    for d in _pad(sizes, MAX_DIMS, 1)[: MAX_DIMS - 1]:
         visitor.visit_i64(d)
     for st in strides:
         for t in _pad(st, MAX_DIMS, 0):
@@ -416,17 +540,32 @@ def reduce_to_shape(ctx, grad: torch.Tensor, out_shape: Shape, target: torch.Ten
     split = max(1, cdiv(r, r_per_split))
     partial_dtype = torch.float64 if target.dtype == torch.float64 else torch.float32
     first_out = target if split == 1 else ctx.empty((split, m), partial_dtype)
-    _launch_reduce(ctx, grad, first_out, m, r, r_per_split, kept, kept_strides, red, red_strides,
-                   block_m, block_r, (programs_m, split, 1))
+    _launch_reduce(
+        ctx,
+        grad,
+        first_out,
+        m,
+        r,
+        r_per_split,
+        kept,
+        kept_strides,
+        red,
+        red_strides,
+        block_m,
+        block_r,
+        (programs_m, split, 1),
+    )
     if split > 1:
         block_m = min(_pow2(m), 64)
         block_r = min(_pow2(split), max(1, _REDUCE_TILE // block_m))
-        _launch_reduce(ctx, first_out, target, m, split, split, [m], [1], [split], [m],
-                       block_m, block_r, (cdiv(m, block_m), 1, 1))
+        _launch_reduce(
+            ctx, first_out, target, m, split, split, [m], [1], [split], [m], block_m, block_r, (cdiv(m, block_m), 1, 1)
+        )
 
 
-def _launch_reduce(ctx, grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides,
-                   block_m, block_r, grid) -> None:
+def _launch_reduce(
+    ctx, grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid
+) -> None:
     visitor = ArgVisitor().visit_ptr(grad).visit_ptr(out).visit_i64(m).visit_i64(r).visit_i64(r_per_split)
     _visit_layout(visitor, kept, [kept_strides])
     _visit_layout(visitor, red, [red_strides])
@@ -483,8 +622,10 @@ class ElementwiseOp(RuntimeOp):
                 raise TypeError(f"only floating-point tensors are supported, got {str(dtype).replace('torch.', '')}")
         shape = broadcast_shapes([tuple(s) for s in input_shapes], self.name)
         if len(self._layout(input_shapes, shape)[0]) > MAX_DIMS:
-            raise ValueError(f"shapes {' and '.join(str(tuple(s)) for s in input_shapes)} broadcast over more than "
-                             f"{MAX_DIMS} non-mergeable dimensions")
+            raise ValueError(
+                f"shapes {' and '.join(str(tuple(s)) for s in input_shapes)} broadcast over more than "
+                f"{MAX_DIMS} non-mergeable dimensions"
+            )
 
     def output_shape(self, input_shapes):
         return broadcast_shapes([tuple(s) for s in input_shapes], self.name)
@@ -493,8 +634,10 @@ class ElementwiseOp(RuntimeOp):
         return next(d for d in input_dtypes if d.is_floating_point)
 
     def _layout(self, input_shapes, out_shape):
-        strides = [_broadcast_strides(tuple(input_shapes[i]), out_shape) if kind == "tensor" else [0] * len(out_shape)
-                   for kind, i in self.slots]
+        strides = [
+            _broadcast_strides(tuple(input_shapes[i]), out_shape) if kind == "tensor" else [0] * len(out_shape)
+            for kind, i in self.slots
+        ]
         return _merged_layout(tuple(out_shape), strides)
 
     def _modes(self, input_shapes, out_shape, present) -> list[int]:
@@ -514,7 +657,7 @@ class ElementwiseOp(RuntimeOp):
         sizes, strides = self._layout(input_shapes, out_shape)
         modes = self._modes(input_shapes, out_shape, present)
         n = math.prod(out_shape)
-        for slot, (kind, index) in enumerate(self.slots):
+        for slot, (_kind, index) in enumerate(self.slots):
             visitor.visit_ptr(tensors[index] if modes[slot] in (SCALAR, FULL, STRIDED) else dummy)
         return sizes, strides, modes, n
 
@@ -528,8 +671,9 @@ class ElementwiseOp(RuntimeOp):
     def forward(self, ctx):
         visitor = ArgVisitor()
         present = [kind == "tensor" for kind, _ in self.slots]
-        sizes, strides, modes, n = self._pack_operands(visitor, ctx.inputs, ctx.output, ctx.input_shapes,
-                                                       ctx.output_shape, present)
+        sizes, strides, modes, n = self._pack_operands(
+            visitor, ctx.inputs, ctx.output, ctx.input_shapes, ctx.output_shape, present
+        )
         visitor.visit_ptr(ctx.output).visit_i64(n)
         self._visit_scalars(visitor, sizes, strides)
         visitor.visit_constexpr(self.maths.fn)
@@ -569,8 +713,9 @@ class ElementwiseOp(RuntimeOp):
         if targets:
             visitor = ArgVisitor()
             present = [kind == "tensor" and ctx.inputs[index] is not None for kind, index in self.slots]
-            sizes, strides, modes, _ = self._pack_operands(visitor, ctx.inputs, dout, ctx.input_shapes,
-                                                           out_shape, present)
+            sizes, strides, modes, _ = self._pack_operands(
+                visitor, ctx.inputs, dout, ctx.input_shapes, out_shape, present
+            )
             visitor.visit_ptr(dout)
             for slot in range(3):
                 visitor.visit_ptr(targets.get(slot, dout))
@@ -686,7 +831,9 @@ def clamp(input, min=None, max=None):
 class UnaryOp(ActivationOp):
     def check_inputs(self, input_shapes, input_dtypes):
         if not input_dtypes[0].is_floating_point:
-            raise TypeError(f"only floating-point tensors are supported, got {str(input_dtypes[0]).replace('torch.', '')}")
+            raise TypeError(
+                f"only floating-point tensors are supported, got {str(input_dtypes[0]).replace('torch.', '')}"
+            )
 
 
 def _unary(x, name, fn, grad):
@@ -869,8 +1016,9 @@ def _reduction(a: Shape, b: Shape) -> int:
     return max(1, out // max(1, math.prod(a)), out // max(1, math.prod(b)))
 
 
-def _binary_samples(shapes, x_range=(-2.0, 2.0), y_range=(-2.0, 2.0), y_sign=False, scalars=(2.5, -1.5),
-                    ties=False, scalar_shape=(3, 7)):
+def _binary_samples(
+    shapes, x_range=(-2.0, 2.0), y_range=(-2.0, 2.0), y_sign=False, scalars=(2.5, -1.5), ties=False, scalar_shape=(3, 7)
+):
     def samples(dtype, gen):
         out = []
         for sa, sb in shapes:
@@ -889,6 +1037,7 @@ def _binary_samples(shapes, x_range=(-2.0, 2.0), y_range=(-2.0, 2.0), y_sign=Fal
             out.append(Sample((t, scalars[0]), name="tensor,number"))
             out.append(Sample((scalars[1], s), name="number,tensor"))
         return out
+
     return samples
 
 
@@ -897,9 +1046,17 @@ def _gradcheck(sampler):
 
 
 def _register_binary(name, fn, ref, notes="", **ranges):
-    register(OpInfo(name, fn, ref, _binary_samples(_BROADCASTS, **ranges), family="elementwise",
-                    gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS, scalar_shape=(5,), **ranges)),
-                    notes=notes))
+    register(
+        OpInfo(
+            name,
+            fn,
+            ref,
+            _binary_samples(_BROADCASTS, **ranges),
+            family="elementwise",
+            gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS, scalar_shape=(5,), **ranges)),
+            notes=notes,
+        )
+    )
 
 
 def _torch_binary(fn):
@@ -909,28 +1066,55 @@ def _torch_binary(fn):
         if not isinstance(b, torch.Tensor):
             b = torch.tensor(b, dtype=a.dtype)
         return fn(a, b, *args, **kwargs)
+
     return ref
 
 
 _register_binary("add", add, lambda a, b: a + b)
 _register_binary("sub", sub, lambda a, b: a - b)
-register(OpInfo("add_alpha", lambda a, b: add(a, b, alpha=-0.75), lambda a, b: torch.add(a, b, alpha=-0.75),
-                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise",
-                gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=()))))
-register(OpInfo("sub_alpha", lambda a, b: sub(a, b, alpha=2), lambda a, b: torch.sub(a, b, alpha=2),
-                _binary_samples(_BROADCASTS[:2], scalars=()), family="elementwise",
-                gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=()))))
+register(
+    OpInfo(
+        "add_alpha",
+        lambda a, b: add(a, b, alpha=-0.75),
+        lambda a, b: torch.add(a, b, alpha=-0.75),
+        _binary_samples(_BROADCASTS[:2], scalars=()),
+        family="elementwise",
+        gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=())),
+    )
+)
+register(
+    OpInfo(
+        "sub_alpha",
+        lambda a, b: sub(a, b, alpha=2),
+        lambda a, b: torch.sub(a, b, alpha=2),
+        _binary_samples(_BROADCASTS[:2], scalars=()),
+        family="elementwise",
+        gradcheck_samples=_gradcheck(_binary_samples(_TINY_BROADCASTS[:2], scalars=())),
+    )
+)
 _register_binary("mul", mul, lambda a, b: a * b)
 _register_binary("div", div, lambda a, b: a / b, y_range=(0.5, 2.0), y_sign=True, scalars=(2.5, -1.5))
-_register_binary("pow", pow, lambda a, b: torch.pow(a, b), x_range=(0.5, 2.0), y_range=(-2.0, 2.0),
-                 scalars=(1.7, 1.5))
-register(OpInfo("pow_scalar_exponent", lambda x: pow(x, 3), lambda x: torch.pow(x, 3),
-                lambda dtype, gen: [Sample((make(gen, *s).to(dtype),), name=str(s)) for s in ((3, 37), (0, 5))],
-                family="elementwise",
-                gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))]))
-register(OpInfo("pow_square", lambda x: x ** 2, lambda x: x ** 2,
-                lambda dtype, gen: [Sample((make(gen, 3, 37).to(dtype),))], family="elementwise",
-                gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))]))
+_register_binary("pow", pow, lambda a, b: torch.pow(a, b), x_range=(0.5, 2.0), y_range=(-2.0, 2.0), scalars=(1.7, 1.5))
+register(
+    OpInfo(
+        "pow_scalar_exponent",
+        lambda x: pow(x, 3),
+        lambda x: torch.pow(x, 3),
+        lambda dtype, gen: [Sample((make(gen, *s).to(dtype),), name=str(s)) for s in ((3, 37), (0, 5))],
+        family="elementwise",
+        gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))],
+    )
+)
+register(
+    OpInfo(
+        "pow_square",
+        lambda x: x**2,
+        lambda x: x**2,
+        lambda dtype, gen: [Sample((make(gen, 3, 37).to(dtype),))],
+        family="elementwise",
+        gradcheck_samples=lambda gen: [Sample((make(gen, 2, 5, dtype=torch.float64),))],
+    )
+)
 _register_binary("maximum", maximum, _torch_binary(torch.maximum), ties=True, scalars=())
 _register_binary("minimum", minimum, _torch_binary(torch.minimum), ties=True, scalars=())
 
@@ -945,6 +1129,7 @@ def _where_samples(shapes, scalar_shape=(3, 7)):
         out.append(Sample((cond, make(gen, *scalar_shape).to(dtype), 0.5), name="tensor,number"))
         out.append(Sample((cond, -1.25, make(gen, scalar_shape[-1]).to(dtype)), name="number,tensor"))
         return out
+
     return samples
 
 
@@ -956,11 +1141,18 @@ def _where_ref(cond, a, b):
     return torch.where(cond, a, b)
 
 
-register(OpInfo("where", where, _where_ref,
-                _where_samples([((3, 37), (3, 37), (37,)), ((5, 1, 7), (1, 4, 7), (5, 4, 1)), ((0, 5), (5,), (1,))]),
-                family="elementwise",
-                gradcheck_samples=_gradcheck(_where_samples([((2, 3), (2, 3), (3,)), ((2, 1, 3), (1, 2, 3), (2, 2, 1))],
-                                                            scalar_shape=(2, 3)))))
+register(
+    OpInfo(
+        "where",
+        where,
+        _where_ref,
+        _where_samples([((3, 37), (3, 37), (37,)), ((5, 1, 7), (1, 4, 7), (5, 4, 1)), ((0, 5), (5,), (1,))]),
+        family="elementwise",
+        gradcheck_samples=_gradcheck(
+            _where_samples([((2, 3), (2, 3), (3,)), ((2, 1, 3), (1, 2, 3), (2, 2, 1))], scalar_shape=(2, 3))
+        ),
+    )
+)
 
 
 def _clamp_samples(shapes, tensors):
@@ -975,9 +1167,13 @@ def _clamp_samples(shapes, tensors):
             x = make(gen, *sx, low=-3, high=3)
             lo = make(gen, *slo, low=-2, high=0)
             hi = make(gen, *shi, low=-1, high=2)
-            out.append(Sample((x.to(dtype), lo.to(dtype), hi.to(dtype)), name=f"tensors {sx},{slo},{shi}",
-                              reduction=math.prod(sx)))
+            out.append(
+                Sample(
+                    (x.to(dtype), lo.to(dtype), hi.to(dtype)), name=f"tensors {sx},{slo},{shi}", reduction=math.prod(sx)
+                )
+            )
         return out
+
     return samples
 
 
@@ -985,21 +1181,36 @@ def _clamp_fn(x, min=None, max=None):
     return clamp(x, min, max)
 
 
-register(OpInfo("clamp", _clamp_fn, lambda x, min=None, max=None: torch.clamp(x, min, max),
-                _clamp_samples([(3, 37), (1,), (0, 5)], [((3, 37), (37,), (3, 1)), ((5, 4, 7), (1,), (4, 7))]),
-                family="elementwise",
-                gradcheck_samples=_gradcheck(_clamp_samples([(2, 4)], [((2, 4), (4,), (2, 1))]))))
+register(
+    OpInfo(
+        "clamp",
+        _clamp_fn,
+        lambda x, min=None, max=None: torch.clamp(x, min, max),
+        _clamp_samples([(3, 37), (1,), (0, 5)], [((3, 37), (37,), (3, 1)), ((5, 4, 7), (1,), (4, 7))]),
+        family="elementwise",
+        gradcheck_samples=_gradcheck(_clamp_samples([(2, 4)], [((2, 4), (4,), (2, 1))])),
+    )
+)
 
 
 def _unary_samples(low=-3.0, high=3.0, kinks=(), shapes=((3, 37), (129, 7), (1,), (0, 5))):
     def samples(dtype, gen):
         return [Sample((away_from(make(gen, *s, low=low, high=high), kinks).to(dtype),), name=str(s)) for s in shapes]
+
     return samples
 
 
 def _register_unary(name, fn, ref, **domain):
-    register(OpInfo(name, fn, ref, _unary_samples(**domain), family="elementwise",
-                    gradcheck_samples=_gradcheck(_unary_samples(shapes=((3, 7), (1,)), **domain))))
+    register(
+        OpInfo(
+            name,
+            fn,
+            ref,
+            _unary_samples(**domain),
+            family="elementwise",
+            gradcheck_samples=_gradcheck(_unary_samples(shapes=((3, 7), (1,)), **domain)),
+        )
+    )
 
 
 _register_unary("neg", neg, torch.neg)

@@ -57,8 +57,9 @@ CAST_BLOCK = 16384 if INTERPRETER else 1024
 
 
 @kernel(half=True)
-def embedding_backward_atomic(idx_ptr, dy_ptr, acc_ptr, n, num, dim, padding_idx,
-                              BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+def embedding_backward_atomic(
+    idx_ptr, dy_ptr, acc_ptr, n, num, dim, padding_idx, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """acc[idx[i], :] += dy[i, :] with atomics (not bit-reproducible); acc is zeroed first."""
     offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -70,8 +71,9 @@ def embedding_backward_atomic(idx_ptr, dy_ptr, acc_ptr, n, num, dim, padding_idx
 
 
 @kernel(half=True)
-def embedding_backward_sorted(sorted_ptr, order_ptr, dy_ptr, dw_ptr, n, num, dim, padding_idx,
-                              ACC: tl.constexpr, BLOCK_D: tl.constexpr):
+def embedding_backward_sorted(
+    sorted_ptr, order_ptr, dy_ptr, dw_ptr, n, num, dim, padding_idx, ACC: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """dW[r, :] = sum over the run of sorted positions q with sorted[q] == r of dy[order[q], :],
     summed in position order by the run's first position (bit-reproducible); dW is zeroed first."""
     p = tl.program_id(0)
@@ -134,7 +136,9 @@ class EmbeddingOp(RuntimeOp):
         if not input_dtypes[1].is_floating_point:
             raise TypeError(f"embedding: weight must be floating point, got {input_dtypes[1]}")
         if len(input_shapes[1]) != 2:
-            raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(input_shapes[1])}")
+            raise ValueError(
+                f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(input_shapes[1])}"
+            )
 
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0]) + (input_shapes[1][1],)
@@ -204,6 +208,7 @@ def _embedding_init(padding_idx: int | None):
         if padding_idx is not None:
             values[padding_idx] = 0.0
         return values.to(dtype)
+
     return init
 
 
@@ -211,12 +216,20 @@ class Embedding(Module):
     """nn.Embedding(num_embeddings, embedding_dim, padding_idx=None): weight N(0, 1) with the
     padding row zeroed, like PyTorch."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 dtype: torch.dtype = torch.float32, deterministic: bool | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        deterministic: bool | None = None,
+    ):
         super().__init__()
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"Embedding: padding_idx {padding_idx} is out of range for {num_embeddings} embeddings")
+                raise ValueError(
+                    f"Embedding: padding_idx {padding_idx} is out of range for {num_embeddings} embeddings"
+                )
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.deterministic = padding_idx, deterministic
@@ -242,22 +255,46 @@ def _samples(deterministic):
         out = []
         for shape, num, dim, pad in cases:
             idx = _indices(gen, num, *shape)
-            out.append(Sample((idx, make(gen, num, dim, dtype=dtype)), {"padding_idx": pad},
-                              name=f"{shape} of {num}x{dim} pad={pad}", reduction=max(idx.numel(), 1)))
+            out.append(
+                Sample(
+                    (idx, make(gen, num, dim, dtype=dtype)),
+                    {"padding_idx": pad},
+                    name=f"{shape} of {num}x{dim} pad={pad}",
+                    reduction=max(idx.numel(), 1),
+                )
+            )
         return out
+
     return samples
 
 
 def _gradcheck(gen):
     f64 = torch.float64
-    return [Sample((_indices(gen, 4, 7), make(gen, 4, 3, dtype=f64)), {"padding_idx": None}, name="7 of 4x3"),
-            Sample((_indices(gen, 3, 2, 3), make(gen, 3, 2, dtype=f64)), {"padding_idx": None}, name="2x3 of 3x2")]
+    return [
+        Sample((_indices(gen, 4, 7), make(gen, 4, 3, dtype=f64)), {"padding_idx": None}, name="7 of 4x3"),
+        Sample((_indices(gen, 3, 2, 3), make(gen, 3, 2, dtype=f64)), {"padding_idx": None}, name="2x3 of 3x2"),
+    ]
     # (padding_idx is left to the comparison with PyTorch: by definition its gradient is not
     # the finite difference)
 
 
-register(OpInfo("embedding", lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=False),
-                F.embedding, _samples(False), family="embedding", gradcheck_samples=_gradcheck))
-register(OpInfo("embedding_deterministic",
-                lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=True),
-                F.embedding, _samples(True), family="embedding", gradcheck_samples=_gradcheck))
+register(
+    OpInfo(
+        "embedding",
+        lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=False),
+        F.embedding,
+        _samples(False),
+        family="embedding",
+        gradcheck_samples=_gradcheck,
+    )
+)
+register(
+    OpInfo(
+        "embedding_deterministic",
+        lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=True),
+        F.embedding,
+        _samples(True),
+        family="embedding",
+        gradcheck_samples=_gradcheck,
+    )
+)

@@ -62,12 +62,46 @@ def get_allow_tf32() -> bool:
 
 
 @triton.jit
-def _product(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K,
-             sxm, sxk, syk, syn, szm, szn,
-             G1, G2, sxg0, sxg1, sxg2, syg0, syg1, syg2, szg0, szg1, szg2,
-             R1, n_red, sxr0, sxr1, syr0, syr1,
-             HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _product(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    syk,
+    syn,
+    szm,
+    szn,
+    G1,
+    G2,
+    sxg0,
+    sxg1,
+    sxg2,
+    syg0,
+    syg1,
+    syg2,
+    szg0,
+    szg1,
+    szg2,
+    R1,
+    n_red,
+    sxr0,
+    sxr1,
+    syr0,
+    syr1,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -117,8 +151,9 @@ def _product(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K,
 
 
 @kernel(half=True)
-def column_sum(x_ptr, out_ptr, R, N, stride_r, ROWS: tl.constexpr, ACC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def column_sum(
+    x_ptr, out_ptr, R, N, stride_r, ROWS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """out[p, n] = sum of x[r, n] over the p-th chunk of ROWS rows (in ACC precision).
     Applied twice for db: row chunks into fp32 partials, then the partials into db."""
     pid_r = tl.program_id(0)
@@ -128,33 +163,180 @@ def column_sum(x_ptr, out_ptr, R, N, stride_r, ROWS: tl.constexpr, ACC: tl.const
     acc = tl.zeros((BLOCK_N,), dtype=ACC)
     for r0 in range(0, ROWS, BLOCK_R):
         rows = start + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-        tile = tl.load(x_ptr + rows[:, None] * stride_r + offs_n[None, :],
-                       mask=(rows[:, None] < R) & mask_n[None, :], other=0.0)
+        tile = tl.load(
+            x_ptr + rows[:, None] * stride_r + offs_n[None, :], mask=(rows[:, None] < R) & mask_n[None, :], other=0.0
+        )
         acc += tl.sum(tile.to(ACC), axis=0)
     tl.store(out_ptr + pid_r.to(tl.int64) * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @kernel(half=True)
-def matmul_backward(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K, sxm, sxk, syk, syn, szm, szn,
-                    G1, G2, sxg0, sxg1, sxg2, syg0, syg1, syg2, szg0, szg1, szg2, R1, n_red, sxr0, sxr1, syr0, syr1,
-                    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def matmul_backward(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    syk,
+    syn,
+    szm,
+    szn,
+    G1,
+    G2,
+    sxg0,
+    sxg1,
+    sxg2,
+    syg0,
+    syg1,
+    syg2,
+    szg0,
+    szg1,
+    szg2,
+    R1,
+    n_red,
+    sxr0,
+    sxr1,
+    syr0,
+    syr1,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """dA = sum_broadcast dY @ B^T and dB = sum_broadcast A^T @ dY: the forward product with
     transposed strides, summing the broadcast batch dims inside each program."""
-    _product(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K, sxm, sxk, syk, syn, szm, szn,
-             G1, G2, sxg0, sxg1, sxg2, syg0, syg1, syg2, szg0, szg1, szg2, R1, n_red, sxr0, sxr1, syr0, syr1,
-             HAS_BIAS, ACC, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    _product(
+        x_ptr,
+        y_ptr,
+        z_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        sxm,
+        sxk,
+        syk,
+        syn,
+        szm,
+        szn,
+        G1,
+        G2,
+        sxg0,
+        sxg1,
+        sxg2,
+        syg0,
+        syg1,
+        syg2,
+        szg0,
+        szg1,
+        szg2,
+        R1,
+        n_red,
+        sxr0,
+        sxr1,
+        syr0,
+        syr1,
+        HAS_BIAS,
+        ACC,
+        PRECISION,
+        UPCAST,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        GROUP_M,
+    )
 
 
 @kernel(backward=(matmul_backward, column_sum), half=True)
-def matmul_forward(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K, sxm, sxk, syk, syn, szm, szn,
-                   G1, G2, sxg0, sxg1, sxg2, syg0, syg1, syg2, szg0, szg1, szg2, R1, n_red, sxr0, sxr1, syr0, syr1,
-                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def matmul_forward(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    syk,
+    syn,
+    szm,
+    szn,
+    G1,
+    G2,
+    sxg0,
+    sxg1,
+    sxg2,
+    syg0,
+    syg1,
+    syg2,
+    szg0,
+    szg1,
+    szg2,
+    R1,
+    n_red,
+    sxr0,
+    sxr1,
+    syr0,
+    syr1,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """Y[g] = A[g] @ B[g] (+ bias), batch dims broadcast through zero strides."""
-    _product(x_ptr, y_ptr, z_ptr, bias_ptr, M, N, K, sxm, sxk, syk, syn, szm, szn,
-             G1, G2, sxg0, sxg1, sxg2, syg0, syg1, syg2, szg0, szg1, szg2, R1, n_red, sxr0, sxr1, syr0, syr1,
-             HAS_BIAS, ACC, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    _product(
+        x_ptr,
+        y_ptr,
+        z_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        sxm,
+        sxk,
+        syk,
+        syn,
+        szm,
+        szn,
+        G1,
+        G2,
+        sxg0,
+        sxg1,
+        sxg2,
+        syg0,
+        syg1,
+        syg2,
+        szg0,
+        szg1,
+        szg2,
+        R1,
+        n_red,
+        sxr0,
+        sxr1,
+        syr0,
+        syr1,
+        HAS_BIAS,
+        ACC,
+        PRECISION,
+        UPCAST,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        GROUP_M,
+    )
 
 
 # H200, bf16 4096^3 forward+backward (bench/tune_launch.py): 8 warps and 4 stages for the 128x128
@@ -229,9 +411,11 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
     kept = _collapse([d for d in batch if d[3] != 0 or d[0] == 1])
     reduced = _collapse([d[:3] for d in batch if d[3] == 0 and d[0] != 1])
     if len(kept) > MAX_KEPT_DIMS or len(reduced) > MAX_REDUCED_DIMS:
-        raise ValueError(f"{where}: this pattern of broadcast batch dims needs {len(kept)} batch and {len(reduced)} "
-                         f"summed dims; the kernel supports {MAX_KEPT_DIMS} and {MAX_REDUCED_DIMS} "
-                         "(reshape the operands to fewer batch dims)")
+        raise ValueError(
+            f"{where}: this pattern of broadcast batch dims needs {len(kept)} batch and {len(reduced)} "
+            f"summed dims; the kernel supports {MAX_KEPT_DIMS} and {MAX_REDUCED_DIMS} "
+            "(reshape the operands to fewer batch dims)"
+        )
     return Product(M, N, K, x, y, z, kept, reduced)
 
 
@@ -311,13 +495,16 @@ class MatmulOp(_ProductOp):
                 raise TypeError(f"matmul: expects floating point tensors, the {which} is {dt}")
         a, b = _promote(a_shape, b_shape)
         if a[-1] != b[-2]:
-            raise ValueError(f"matmul: shapes {tuple(a_shape)} and {tuple(b_shape)} cannot be multiplied "
-                             f"(inner dims {a[-1]} and {b[-2]} differ)")
+            raise ValueError(
+                f"matmul: shapes {tuple(a_shape)} and {tuple(b_shape)} cannot be multiplied "
+                f"(inner dims {a[-1]} and {b[-2]} differ)"
+            )
         try:
             torch.broadcast_shapes(a[:-2], b[:-2])
         except RuntimeError:
-            raise ValueError(f"matmul: batch dims of {tuple(a_shape)} and {tuple(b_shape)} do not broadcast "
-                             f"({a[:-2]} vs {b[:-2]})") from None
+            raise ValueError(
+                f"matmul: batch dims of {tuple(a_shape)} and {tuple(b_shape)} do not broadcast ({a[:-2]} vs {b[:-2]})"
+            ) from None
         for plan in self._plans(a_shape, b_shape).values():
             plan()  # raises for unsupported broadcasting patterns
 
@@ -350,14 +537,38 @@ class MatmulOp(_ProductOp):
         where = f"matmul {tuple(a_shape)} @ {tuple(b_shape)}"
         return {
             # Y = A @ B
-            "forward": lambda: _plan_product(M, N, K, (sa[-2], sa[-1]), (sb[-2], sb[-1]), (sc[-2], sc[-1]),
-                                             [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)], where),
+            "forward": lambda: _plan_product(
+                M,
+                N,
+                K,
+                (sa[-2], sa[-1]),
+                (sb[-2], sb[-1]),
+                (sc[-2], sc[-1]),
+                [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)],
+                where,
+            ),
             # dA = dY @ B^T, summed over the dims A is broadcast along
-            "grad_a": lambda: _plan_product(M, K, N, (sc[-2], sc[-1]), (sb[-1], sb[-2]), (sa[-2], sa[-1]),
-                                            [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)], where),
+            "grad_a": lambda: _plan_product(
+                M,
+                K,
+                N,
+                (sc[-2], sc[-1]),
+                (sb[-1], sb[-2]),
+                (sa[-2], sa[-1]),
+                [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)],
+                where,
+            ),
             # dB = A^T @ dY, summed over the dims B is broadcast along
-            "grad_b": lambda: _plan_product(K, N, M, (sa[-1], sa[-2]), (sc[-2], sc[-1]), (sb[-2], sb[-1]),
-                                            [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)], where),
+            "grad_b": lambda: _plan_product(
+                K,
+                N,
+                M,
+                (sa[-1], sa[-2]),
+                (sc[-2], sc[-1]),
+                (sb[-2], sb[-1]),
+                [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)],
+                where,
+            ),
         }
 
     def forward(self, ctx):
@@ -409,11 +620,14 @@ class LinearOp(_ProductOp):
         if len(w) != 2:
             raise ValueError(f"linear: weight must be 2-D (out_features, in_features), got shape {tuple(w)}")
         if x[-1] != w[1]:
-            raise ValueError(f"linear: input shape {tuple(x)} and weight shape {tuple(w)} cannot be multiplied "
-                             f"(in_features {x[-1]} vs {w[1]})")
+            raise ValueError(
+                f"linear: input shape {tuple(x)} and weight shape {tuple(w)} cannot be multiplied "
+                f"(in_features {x[-1]} vs {w[1]})"
+            )
         if self.has_bias and tuple(input_shapes[2]) != (w[0],):
-            raise ValueError(f"linear: bias must have shape ({w[0]},) to match weight {tuple(w)}, "
-                             f"got {tuple(input_shapes[2])}")
+            raise ValueError(
+                f"linear: bias must have shape ({w[0]},) to match weight {tuple(w)}, got {tuple(input_shapes[2])}"
+            )
 
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0][:-1]) + (input_shapes[1][0],)
@@ -441,11 +655,13 @@ class LinearOp(_ProductOp):
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
         if dx is not None:  # dX (rows x in) = dY (rows x out) @ W (out x in)
-            self.launch_product(ctx, matmul_backward, Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []),
-                                go, w, dx)
+            self.launch_product(
+                ctx, matmul_backward, Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []), go, w, dx
+            )
         if dw is not None:  # dW (out x in) = dY^T (out x rows) @ X (rows x in)
-            self.launch_product(ctx, matmul_backward, Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []),
-                                go, x, dw)
+            self.launch_product(
+                ctx, matmul_backward, Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []), go, x, dw
+            )
         if dbias is not None:
             self._column_sum(ctx, go, dbias, rows, fout)
 
@@ -454,7 +670,11 @@ class LinearOp(_ProductOp):
         acc = tl.float64 if ctx.dtype == torch.float64 else tl.float32
         per_program = min(_SUM_ROWS, max(cdiv(rows, _SUM_BLOCK_R), 1) * _SUM_BLOCK_R)  # no empty loop trips
         chunks = max(cdiv(rows, per_program), 1)
-        partial = out if chunks == 1 else ctx.empty((chunks, cols), torch.float64 if ctx.dtype == torch.float64 else torch.float32)
+        partial = (
+            out
+            if chunks == 1
+            else ctx.empty((chunks, cols), torch.float64 if ctx.dtype == torch.float64 else torch.float32)
+        )
         passes = [(go, partial, rows, per_program, chunks)]
         if chunks > 1:
             passes.append((partial, out, chunks, chunks, 1))
@@ -492,11 +712,27 @@ class Linear(Module):
 
 
 def _matmul_samples(dtype, gen):
-    pairs = [((3, 37), (37, 5)), ((129, 7), (7, 11)), ((2, 3, 5), (5, 4)), ((3, 5, 7), (7, 2)),
-             ((2, 1, 3, 5), (4, 5, 2)), ((5, 7), (3, 7, 2)), ((7,), (7, 3)), ((2, 3, 7), (7,)), ((7,), (7,)),
-             ((0, 5), (5, 3)), ((3, 0), (0, 4))]
-    return [Sample((make(gen, *a, dtype=dtype), make(gen, *b, dtype=dtype)), name=f"{a}@{b}",
-                   reduction=_longest_contraction(a, b)) for a, b in pairs]
+    pairs = [
+        ((3, 37), (37, 5)),
+        ((129, 7), (7, 11)),
+        ((2, 3, 5), (5, 4)),
+        ((3, 5, 7), (7, 2)),
+        ((2, 1, 3, 5), (4, 5, 2)),
+        ((5, 7), (3, 7, 2)),
+        ((7,), (7, 3)),
+        ((2, 3, 7), (7,)),
+        ((7,), (7,)),
+        ((0, 5), (5, 3)),
+        ((3, 0), (0, 4)),
+    ]
+    return [
+        Sample(
+            (make(gen, *a, dtype=dtype), make(gen, *b, dtype=dtype)),
+            name=f"{a}@{b}",
+            reduction=_longest_contraction(a, b),
+        )
+        for a, b in pairs
+    ]
 
 
 def _longest_contraction(a_shape, b_shape) -> int:
@@ -508,29 +744,39 @@ def _longest_contraction(a_shape, b_shape) -> int:
 
 def _matmul_gradcheck(gen):
     pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,))]
-    return [Sample((make(gen, *a, dtype=torch.float64), make(gen, *b, dtype=torch.float64)), name=f"{a}@{b}")
-            for a, b in pairs]
+    return [
+        Sample((make(gen, *a, dtype=torch.float64), make(gen, *b, dtype=torch.float64)), name=f"{a}@{b}")
+        for a, b in pairs
+    ]
 
 
 def _linear_samples(dtype, gen):
-    cases = [((3, 37), 5, True), ((129, 7), 11, False), ((2, 3, 5), 4, True), ((1, 1), 1, True),
-             ((0, 5), 3, True), ((70, 3), 2, True)]
+    cases = [
+        ((3, 37), 5, True),
+        ((129, 7), 11, False),
+        ((2, 3, 5), 4, True),
+        ((1, 1), 1, True),
+        ((0, 5), 3, True),
+        ((70, 3), 2, True),
+    ]
     out = []
     for x, fout, bias in cases:
         args = [make(gen, *x, dtype=dtype), make(gen, fout, x[-1], dtype=dtype)]
         if bias:
             args.append(make(gen, fout, dtype=dtype))
-        out.append(Sample(tuple(args), name=f"{x}->{fout}{'+b' if bias else ''}", reduction=max(x[-1], math.prod(x[:-1]))))
+        out.append(
+            Sample(tuple(args), name=f"{x}->{fout}{'+b' if bias else ''}", reduction=max(x[-1], math.prod(x[:-1])))
+        )
     return out
 
 
 def _linear_gradcheck(gen):
     f64 = torch.float64
-    return [Sample((make(gen, 4, 3, dtype=f64), make(gen, 2, 3, dtype=f64), make(gen, 2, dtype=f64)), name="4x3->2+b"),
-            Sample((make(gen, 2, 2, 3, dtype=f64), make(gen, 3, 3, dtype=f64)), name="2x2x3->3")]
+    return [
+        Sample((make(gen, 4, 3, dtype=f64), make(gen, 2, 3, dtype=f64), make(gen, 2, dtype=f64)), name="4x3->2+b"),
+        Sample((make(gen, 2, 2, 3, dtype=f64), make(gen, 3, 3, dtype=f64)), name="2x2x3->3"),
+    ]
 
 
-register(OpInfo("matmul", matmul, torch.matmul, _matmul_samples, family="linear",
-                gradcheck_samples=_matmul_gradcheck))
-register(OpInfo("linear", linear, F.linear, _linear_samples, family="linear",
-                gradcheck_samples=_linear_gradcheck))
+register(OpInfo("matmul", matmul, torch.matmul, _matmul_samples, family="linear", gradcheck_samples=_matmul_gradcheck))
+register(OpInfo("linear", linear, F.linear, _linear_samples, family="linear", gradcheck_samples=_linear_gradcheck))

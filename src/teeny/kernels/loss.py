@@ -52,11 +52,26 @@ from ..runtime import ArgVisitor, RuntimeOp, TeenyError
 from .common import ELEMENTWISE_BLOCK, cdiv, upcast
 
 __all__ = [
-    "mse_loss", "mse", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "kl_div", "nll_loss", "cross_entropy",
+    "mse_loss",
+    "mse",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "kl_div",
+    "nll_loss",
+    "cross_entropy",
 ]
 NN_LAYERS = [
-    "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "NLLLoss",
+    "MSELoss",
+    "L1Loss",
+    "SmoothL1Loss",
+    "HuberLoss",
+    "BCELoss",
+    "BCEWithLogitsLoss",
+    "KLDivLoss",
+    "NLLLoss",
     "CrossEntropyLoss",
 ]
 
@@ -85,10 +100,28 @@ def _broadcast_load(ptr, offsets, numel, mask, ENABLED: tl.constexpr, like):
 
 
 @kernel(half=True)
-def pointwise_loss_backward(x_ptr, t_ptr, w_ptr, pw_ptr, dy_ptr, dx_ptr, dt_ptr, n, w_numel, pw_numel, a, b, divisor,
-                            GRAD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_WEIGHT: tl.constexpr,
-                            REDUCED: tl.constexpr, WANT_DX: tl.constexpr, WANT_DT: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def pointwise_loss_backward(
+    x_ptr,
+    t_ptr,
+    w_ptr,
+    pw_ptr,
+    dy_ptr,
+    dx_ptr,
+    dt_ptr,
+    n,
+    w_numel,
+    pw_numel,
+    a,
+    b,
+    divisor,
+    GRAD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_POS_WEIGHT: tl.constexpr,
+    REDUCED: tl.constexpr,
+    WANT_DX: tl.constexpr,
+    WANT_DT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.5))  # 0.5: a harmless value for every loss
@@ -107,9 +140,23 @@ def pointwise_loss_backward(x_ptr, t_ptr, w_ptr, pw_ptr, dy_ptr, dx_ptr, dt_ptr,
 
 
 @kernel(backward=pointwise_loss_backward, half=True)
-def pointwise_loss_forward(x_ptr, t_ptr, w_ptr, pw_ptr, out_ptr, n, w_numel, pw_numel, a, b,
-                           LOSS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_WEIGHT: tl.constexpr,
-                           REDUCE: tl.constexpr, BLOCK: tl.constexpr):
+def pointwise_loss_forward(
+    x_ptr,
+    t_ptr,
+    w_ptr,
+    pw_ptr,
+    out_ptr,
+    n,
+    w_numel,
+    pw_numel,
+    a,
+    b,
+    LOSS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_POS_WEIGHT: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
@@ -124,8 +171,17 @@ def pointwise_loss_forward(x_ptr, t_ptr, w_ptr, pw_ptr, out_ptr, n, w_numel, pw_
 
 
 @kernel(half=True)
-def finish_loss_sum(partials_ptr, den_partials_ptr, out_ptr, den_ptr, n_partials, divisor,
-                    MEAN: tl.constexpr, DATA_DENOM: tl.constexpr, BLOCK: tl.constexpr):
+def finish_loss_sum(
+    partials_ptr,
+    den_partials_ptr,
+    out_ptr,
+    den_ptr,
+    n_partials,
+    divisor,
+    MEAN: tl.constexpr,
+    DATA_DENOM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """out = sum(partials) / den, den = sum(den_partials) (saved to den_ptr) or divisor; one program."""
     acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
     den_acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
@@ -271,7 +327,7 @@ def _suffix_broadcasts(shape, target_shape) -> bool:
         stripped.pop(0)
     if len(stripped) > len(target_shape):
         return False
-    return tuple(stripped) == tuple(target_shape[len(target_shape) - len(stripped):])
+    return tuple(stripped) == tuple(target_shape[len(target_shape) - len(stripped) :])
 
 
 def _dtype_name(dtype) -> str:
@@ -286,8 +342,9 @@ class PointwiseLossOp(RuntimeOp):
     n_activation_inputs = 2
     saves_inputs = True
 
-    def __init__(self, name, loss, grad, reduction="mean", a=0.0, b=0.0, has_weight=False, has_pos_weight=False,
-                 divisor=None):
+    def __init__(
+        self, name, loss, grad, reduction="mean", a=0.0, b=0.0, has_weight=False, has_pos_weight=False, divisor=None
+    ):
         self.name, self.loss, self.grad = name, loss, grad
         self.reduction, self.a, self.b = reduction, float(a), float(b)
         self.has_weight, self.has_pos_weight = has_weight, has_pos_weight
@@ -305,8 +362,10 @@ class PointwiseLossOp(RuntimeOp):
         names = ["weight"] * self.has_weight + ["pos_weight"] * self.has_pos_weight
         for name, shape in zip(names, input_shapes[2:]):
             if not _suffix_broadcasts(shape, x):
-                raise ValueError(f"{name} of shape {tuple(shape)} must broadcast over the input {tuple(x)} along "
-                                 f"its trailing dims (e.g. {tuple(x[-1:])} or {tuple(x)})")
+                raise ValueError(
+                    f"{name} of shape {tuple(shape)} must broadcast over the input {tuple(x)} along "
+                    f"its trailing dims (e.g. {tuple(x[-1:])} or {tuple(x)})"
+                )
 
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0]) if self.reduction == "none" else ()
@@ -325,7 +384,9 @@ class PointwiseLossOp(RuntimeOp):
         dest = ctx.empty((max(programs, 1),), _acc_dtype(ctx.dtype)) if reduce else ctx.output  # partials or loss
         v = ArgVisitor()
         v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(dest)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(self.b)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(
+            self.b
+        )
         v.visit_constexpr(self.loss).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
         v.visit_constexpr(reduce).visit_constexpr(BLOCK)
         ctx.launch(pointwise_loss_forward, (programs, 1, 1), v, work=n)
@@ -357,7 +418,9 @@ class PointwiseLossOp(RuntimeOp):
         v = ArgVisitor()
         v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(ctx.grad_output)
         v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(self.b)
+        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(
+            self.b
+        )
         v.visit_i64(self._divisor(x.shape))
         v.visit_constexpr(self.grad).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
         v.visit_constexpr(self.reduction != "none").visit_constexpr(dx is not None).visit_constexpr(dt is not None)
@@ -368,9 +431,11 @@ class PointwiseLossOp(RuntimeOp):
 def _refuse_weight_grads(ctx, indices) -> None:
     for i in indices:
         if i < len(ctx.grad_inputs) and ctx.grad_inputs[i] is not None:
-            raise TeenyError(f"op {ctx.op.name} (node '{ctx.node_name}'): the loss is not differentiable with "
-                             "respect to its weight (as in PyTorch); pass the weight as a constant or an input "
-                             "that does not require a gradient")
+            raise TeenyError(
+                f"op {ctx.op.name} (node '{ctx.node_name}'): the loss is not differentiable with "
+                "respect to its weight (as in PyTorch); pass the weight as a constant or an input "
+                "that does not require a gradient"
+            )
 
 
 def _finish(ctx, partials, n_partials, divisor=1, den_partials=None, den_out=None) -> None:
@@ -394,8 +459,9 @@ def _row_offsets(rows, n_classes, inner):
 
 
 @triton.jit
-def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index,
-                  HAS_WEIGHT: tl.constexpr, like):
+def _class_target(
+    target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT: tl.constexpr, like
+):
     """For class-index targets: (t, active = not ignored, ok = active and in range, w_t, x_t)."""
     t = tl.load(target_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     active = row_mask & (t != ignore_index)
@@ -418,11 +484,33 @@ def _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, like):
 
 
 @kernel(half=True)
-def class_loss_backward(x_ptr, target_ptr, weight_ptr, lse_ptr, mass_ptr, dy_ptr, den_ptr, dx_ptr, dtarget_ptr,
-                        n_rows, n_classes, inner, ignore_index, label_smoothing, divisor,
-                        FROM_LOGITS: tl.constexpr, TARGET_PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                        SMOOTHING: tl.constexpr, REDUCED: tl.constexpr, DATA_DENOM: tl.constexpr,
-                        WANT_DX: tl.constexpr, WANT_DT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+def class_loss_backward(
+    x_ptr,
+    target_ptr,
+    weight_ptr,
+    lse_ptr,
+    mass_ptr,
+    dy_ptr,
+    den_ptr,
+    dx_ptr,
+    dtarget_ptr,
+    n_rows,
+    n_classes,
+    inner,
+    ignore_index,
+    label_smoothing,
+    divisor,
+    FROM_LOGITS: tl.constexpr,
+    TARGET_PROBS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    REDUCED: tl.constexpr,
+    DATA_DENOM: tl.constexpr,
+    WANT_DX: tl.constexpr,
+    WANT_DT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = _row_offsets(rows, n_classes, inner)
@@ -444,8 +532,9 @@ def class_loss_backward(x_ptr, target_ptr, weight_ptr, lse_ptr, mass_ptr, dy_ptr
     if TARGET_PROBS:
         mass = tl.load(mass_ptr + rows, mask=row_mask, other=0.0)
     else:
-        t, active, ok, w_t, x_t = _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes,
-                                                inner, ignore_index, HAS_WEIGHT, zero)
+        t, active, ok, w_t, x_t = _class_target(
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT, zero
+        )
         # ignored rows: 0; class index out of range: NaN (see module docstring)
         row_value = tl.where(active, float("nan"), 0.0)
         w_total = zero + n_classes
@@ -484,10 +573,27 @@ def class_loss_backward(x_ptr, target_ptr, weight_ptr, lse_ptr, mass_ptr, dy_ptr
 
 
 @kernel(backward=class_loss_backward, half=True)
-def class_loss_forward(x_ptr, target_ptr, weight_ptr, out_ptr, den_ptr, lse_ptr, mass_ptr,
-                       n_rows, n_classes, inner, ignore_index, label_smoothing,
-                       FROM_LOGITS: tl.constexpr, TARGET_PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                       SMOOTHING: tl.constexpr, REDUCE: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+def class_loss_forward(
+    x_ptr,
+    target_ptr,
+    weight_ptr,
+    out_ptr,
+    den_ptr,
+    lse_ptr,
+    mass_ptr,
+    n_rows,
+    n_classes,
+    inner,
+    ignore_index,
+    label_smoothing,
+    FROM_LOGITS: tl.constexpr,
+    TARGET_PROBS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    REDUCE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -528,8 +634,9 @@ def class_loss_forward(x_ptr, target_ptr, weight_ptr, out_ptr, den_ptr, lse_ptr,
         loss = w_total * lse - sum_wx
         tl.store(mass_ptr + rows, w_total, mask=row_mask)
     else:
-        t, active, ok, w_t, x_t = _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes,
-                                                inner, ignore_index, HAS_WEIGHT, zero)
+        t, active, ok, w_t, x_t = _class_target(
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT, zero
+        )
         loss = (1.0 - eps) * w_t * (lse - x_t)
         if SMOOTHING:
             loss += (eps / n_classes) * (w_total * lse - sum_wx)
@@ -549,8 +656,7 @@ class ClassLossOp(RuntimeOp):
     n_activation_inputs = 2
     saves_inputs = True
 
-    def __init__(self, name, from_logits, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-                 has_weight=False):
+    def __init__(self, name, from_logits, reduction="mean", ignore_index=-100, label_smoothing=0.0, has_weight=False):
         self.name, self.from_logits, self.reduction = name, from_logits, reduction
         self.ignore_index, self.label_smoothing = int(ignore_index), float(label_smoothing)
         self.has_weight = has_weight
@@ -564,7 +670,9 @@ class ClassLossOp(RuntimeOp):
         if not input_dtypes[0].is_floating_point:
             raise TypeError(f"input ({what}) must be floating point, got {_dtype_name(input_dtypes[0])}")
         if len(x) == 0:
-            raise ValueError(f"input ({what}) must have a class dimension: shape (C,), (N, C) or (N, C, d1, ...), got ()")
+            raise ValueError(
+                f"input ({what}) must have a class dimension: shape (C,), (N, C) or (N, C, d1, ...), got ()"
+            )
         n_classes = x[0] if len(x) == 1 else x[1]
         if n_classes == 0:
             raise ValueError(f"input {x} has no classes (class dim 1 has size 0)")
@@ -573,12 +681,16 @@ class ClassLossOp(RuntimeOp):
             if not self.from_logits:
                 raise TypeError(f"target must be class indices (int64), got {_dtype_name(input_dtypes[1])}")
             if t != x:
-                raise ValueError(f"class-probability target of shape {t} must have the input's shape {x} "
-                                 "(or give class indices as an int64 tensor of shape (N, d1, ...))")
+                raise ValueError(
+                    f"class-probability target of shape {t} must have the input's shape {x} "
+                    "(or give class indices as an int64 tensor of shape (N, d1, ...))"
+                )
         else:
             if input_dtypes[1] not in (torch.int64, torch.uint8):
-                raise TypeError(f"target must be class indices of dtype int64 (or class probabilities of the "
-                                f"input's float dtype), got {_dtype_name(input_dtypes[1])}")
+                raise TypeError(
+                    f"target must be class indices of dtype int64 (or class probabilities of the "
+                    f"input's float dtype), got {_dtype_name(input_dtypes[1])}"
+                )
             expected = () if len(x) == 1 else x[:1] + x[2:]
             if t != expected:
                 raise ValueError(f"class-index target of shape {t} does not match input {x}: expected {expected}")
@@ -694,8 +806,7 @@ def _tensor_arg(graph, value, like, name):
     raise TypeError(f"{name} must be a teeny Tensor, a torch.Tensor or None, got {type(value).__name__}")
 
 
-def _pointwise(name, input, target, loss, grad, reduction, a=0.0, b=0.0, weight=None, pos_weight=None,
-               divisor=None):
+def _pointwise(name, input, target, loss, grad, reduction, a=0.0, b=0.0, weight=None, pos_weight=None, divisor=None):
     graph = graph_of(input, target)
     weight = _tensor_arg(graph, weight, input, "weight")
     pos_weight = _tensor_arg(graph, pos_weight, input, "pos_weight")
@@ -733,14 +844,23 @@ def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0):
 def binary_cross_entropy(input, target, weight=None, reduction: str = "mean"):
     """-w (t log x + (1 - t) log(1 - x)) on probabilities x, logs clamped at -100 as in PyTorch.
     Inputs outside [0, 1] give NaN (PyTorch raises)."""
-    return _pointwise("binary_cross_entropy", input, target, _bce, _bce_grad, _check_reduction(reduction),
-                      weight=weight)
+    return _pointwise(
+        "binary_cross_entropy", input, target, _bce, _bce_grad, _check_reduction(reduction), weight=weight
+    )
 
 
 def binary_cross_entropy_with_logits(input, target, weight=None, reduction: str = "mean", pos_weight=None):
     """w ((1 - t) x + (1 + (pos_weight - 1) t) log(1 + exp(-x))), computed stably."""
-    return _pointwise("binary_cross_entropy_with_logits", input, target, _bce_logits, _bce_logits_grad,
-                      _check_reduction(reduction), weight=weight, pos_weight=pos_weight)
+    return _pointwise(
+        "binary_cross_entropy_with_logits",
+        input,
+        target,
+        _bce_logits,
+        _bce_logits_grad,
+        _check_reduction(reduction),
+        weight=weight,
+        pos_weight=pos_weight,
+    )
 
 
 def kl_div(input, target, reduction: str = "mean", log_target: bool = False):
@@ -769,8 +889,9 @@ def nll_loss(input, target, weight=None, ignore_index: int = -100, reduction: st
     return _class_loss("nll_loss", False, input, target, weight, ignore_index, reduction, 0.0)
 
 
-def cross_entropy(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean",
-                  label_smoothing: float = 0.0):
+def cross_entropy(
+    input, target, weight=None, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+):
     """log_softmax + NLL over the class dim 1, fused: targets are class indices (int64) or class
     probabilities (the input's shape and dtype). Long rows are processed in column blocks."""
     return _class_loss("cross_entropy", True, input, target, weight, ignore_index, reduction, label_smoothing)
@@ -874,30 +995,46 @@ def _reduction_length(shape, kwargs) -> int:
 
 
 # (shape, kwargs) of the element-wise samples; weights are filled in per loss
-_POINTWISE_CASES = [((3, 37), {}), ((129, 7), {"reduction": "sum"}), ((5, 3, 11), {"reduction": "none"}),
-                    ((1,), {}), ((0, 5), {"reduction": "sum"})]
+_POINTWISE_CASES = [
+    ((3, 37), {}),
+    ((129, 7), {"reduction": "sum"}),
+    ((5, 3, 11), {"reduction": "none"}),
+    ((1,), {}),
+    ((0, 5), {"reduction": "sum"}),
+]
 _POINTWISE_GRADCHECK = [((2, 4), {}), ((3,), {"reduction": "none"}), ((2,), {"reduction": "sum"})]
 
 
 def _pointwise_samples(make_pair, cases, extra=lambda shape, kwargs, dtype, gen: {}):
     """Samples of (input, target) from ``make_pair(shape, gen) -> float64 tensors`` per case;
     ``extra`` adds weight kwargs. Weights get no gradient (grad=(0, 1))."""
+
     def samples(dtype, gen):
         out = []
         for shape, kwargs in cases:
             x, t = make_pair(shape, gen)
             kwargs = {**kwargs, **extra(shape, kwargs, dtype, gen)}
-            out.append(Sample((x.to(dtype), t.to(dtype)), kwargs, name=_named(shape, kwargs), grad=(0, 1),
-                              reduction=_reduction_length(shape, kwargs)))
+            out.append(
+                Sample(
+                    (x.to(dtype), t.to(dtype)),
+                    kwargs,
+                    name=_named(shape, kwargs),
+                    grad=(0, 1),
+                    reduction=_reduction_length(shape, kwargs),
+                )
+            )
         return out
+
     return samples
 
 
 def _regression_pair(kinks=()):
     """target in [-2, 2), input = target + a difference kept 0.1 away from the loss's kinks."""
+
     def pair(shape, gen):
         t = make(gen, *shape)
         return t + away_from(make(gen, *shape, low=-3, high=3), kinks, gap=0.1), t
+
     return pair
 
 
@@ -913,6 +1050,7 @@ def _kl_pair(log_target):
     def pair(shape, gen):
         target = make(gen, *shape, low=-3, high=0) if log_target else make(gen, *shape, low=0.05, high=1.0)
         return make(gen, *shape, low=-3, high=0), target
+
     return pair
 
 
@@ -926,6 +1064,7 @@ def _bce_weights(pos_weight):
         if pos_weight:
             out["pos_weight"] = make(gen, *shape[-1:], low=0.2, high=3).to(dtype)
         return out
+
     return extra
 
 
@@ -933,33 +1072,77 @@ def _with(cases, **kwargs):
     return [(shape, {**kw, **kwargs}) for shape, kw in cases]
 
 
-def _register_pointwise(name, fn, ref, make_pair, cases=_POINTWISE_CASES, gradcheck_cases=_POINTWISE_GRADCHECK,
-                        extra=lambda shape, kwargs, dtype, gen: {}):
+def _register_pointwise(
+    name,
+    fn,
+    ref,
+    make_pair,
+    cases=_POINTWISE_CASES,
+    gradcheck_cases=_POINTWISE_GRADCHECK,
+    extra=lambda shape, kwargs, dtype, gen: {},
+):
     gradcheck = _pointwise_samples(make_pair, gradcheck_cases, extra)
-    register(OpInfo(name, fn, ref, _pointwise_samples(make_pair, cases, extra), family="loss",
-                    gradcheck_samples=lambda gen: gradcheck(torch.float64, gen)))
+    register(
+        OpInfo(
+            name,
+            fn,
+            ref,
+            _pointwise_samples(make_pair, cases, extra),
+            family="loss",
+            gradcheck_samples=lambda gen: gradcheck(torch.float64, gen),
+        )
+    )
 
 
 _register_pointwise("mse_loss", mse_loss, F.mse_loss, _regression_pair())
 _register_pointwise("l1_loss", l1_loss, F.l1_loss, _regression_pair((0.0,)))
 _register_pointwise("smooth_l1_loss", smooth_l1_loss, F.smooth_l1_loss, _regression_pair((0.0, 1.0, -1.0)))
-_register_pointwise("smooth_l1_loss_beta", lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.5, **kw),
-                    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.5, **kw), _regression_pair((0.0, 0.5, -0.5)))
-_register_pointwise("smooth_l1_loss_beta0", lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.0, **kw),
-                    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.0, **kw), _regression_pair((0.0,)))
+_register_pointwise(
+    "smooth_l1_loss_beta",
+    lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.5, **kw),
+    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.5, **kw),
+    _regression_pair((0.0, 0.5, -0.5)),
+)
+_register_pointwise(
+    "smooth_l1_loss_beta0",
+    lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.0, **kw),
+    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.0, **kw),
+    _regression_pair((0.0,)),
+)
 _register_pointwise("huber_loss", huber_loss, F.huber_loss, _regression_pair((1.0, -1.0)))
-_register_pointwise("huber_loss_delta", lambda x, t, **kw: huber_loss(x, t, delta=0.7, **kw),
-                    lambda x, t, **kw: F.huber_loss(x, t, delta=0.7, **kw), _regression_pair((0.7, -0.7)))
-_register_pointwise("binary_cross_entropy", binary_cross_entropy, F.binary_cross_entropy, _probability_pair,
-                    extra=_bce_weights(False))
-_register_pointwise("binary_cross_entropy_with_logits", binary_cross_entropy_with_logits,
-                    F.binary_cross_entropy_with_logits, _logit_pair, extra=_bce_weights(True))
-_KL_CASES = [((3, 37), {"reduction": "batchmean"}), ((129, 7), {}), ((5, 3, 11), {"reduction": "none"}),
-             ((1,), {"reduction": "sum"}), ((0, 5), {"reduction": "sum"})]
+_register_pointwise(
+    "huber_loss_delta",
+    lambda x, t, **kw: huber_loss(x, t, delta=0.7, **kw),
+    lambda x, t, **kw: F.huber_loss(x, t, delta=0.7, **kw),
+    _regression_pair((0.7, -0.7)),
+)
+_register_pointwise(
+    "binary_cross_entropy", binary_cross_entropy, F.binary_cross_entropy, _probability_pair, extra=_bce_weights(False)
+)
+_register_pointwise(
+    "binary_cross_entropy_with_logits",
+    binary_cross_entropy_with_logits,
+    F.binary_cross_entropy_with_logits,
+    _logit_pair,
+    extra=_bce_weights(True),
+)
+_KL_CASES = [
+    ((3, 37), {"reduction": "batchmean"}),
+    ((129, 7), {}),
+    ((5, 3, 11), {"reduction": "none"}),
+    ((1,), {"reduction": "sum"}),
+    ((0, 5), {"reduction": "sum"}),
+]
 _KL_GRADCHECK = [((2, 4), {"reduction": "batchmean"}), ((3,), {"reduction": "none"}), ((2,), {})]
 _register_pointwise("kl_div", kl_div, F.kl_div, _kl_pair(False), _KL_CASES, _KL_GRADCHECK)
-_register_pointwise("kl_div_log_target", kl_div, F.kl_div, _kl_pair(True), _with(_KL_CASES, log_target=True),
-                    _with(_KL_GRADCHECK, log_target=True))
+_register_pointwise(
+    "kl_div_log_target",
+    kl_div,
+    F.kl_div,
+    _kl_pair(True),
+    _with(_KL_CASES, log_target=True),
+    _with(_KL_GRADCHECK, log_target=True),
+)
 
 
 # ---------------------------------------------------------------------------- class losses
@@ -1018,15 +1201,37 @@ def _class_samples(cases, log_probs):
                 kwargs["weight"] = make(gen, n_classes, low=0.2, high=2).to(dtype)
             rows = max(1, math.prod(shape) // n_classes)
             length = n_classes if kwargs.get("reduction") == "none" else max(rows, n_classes)
-            out.append(Sample((x.to(dtype), target), kwargs, name=f"{kind} " + _named(shape, kwargs),
-                              grad=(0, 1), reduction=length))
+            out.append(
+                Sample(
+                    (x.to(dtype), target),
+                    kwargs,
+                    name=f"{kind} " + _named(shape, kwargs),
+                    grad=(0, 1),
+                    reduction=length,
+                )
+            )
         return out
+
     return samples
 
 
-register(OpInfo("cross_entropy", cross_entropy, F.cross_entropy, _class_samples(_CE_CASES, False), family="loss",
-               
-                gradcheck_samples=lambda gen: _class_samples(_CE_GRADCHECK, False)(torch.float64, gen)))
-register(OpInfo("nll_loss", nll_loss, F.nll_loss, _class_samples(_NLL_CASES, True), family="loss",
-               
-                gradcheck_samples=lambda gen: _class_samples(_NLL_GRADCHECK, True)(torch.float64, gen)))
+register(
+    OpInfo(
+        "cross_entropy",
+        cross_entropy,
+        F.cross_entropy,
+        _class_samples(_CE_CASES, False),
+        family="loss",
+        gradcheck_samples=lambda gen: _class_samples(_CE_GRADCHECK, False)(torch.float64, gen),
+    )
+)
+register(
+    OpInfo(
+        "nll_loss",
+        nll_loss,
+        F.nll_loss,
+        _class_samples(_NLL_CASES, True),
+        family="loss",
+        gradcheck_samples=lambda gen: _class_samples(_NLL_GRADCHECK, True)(torch.float64, gen),
+    )
+)

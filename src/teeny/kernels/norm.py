@@ -82,11 +82,35 @@ NO_GRAD, PER_ROW, PER_PROGRAM = 0, 1, 2
 
 
 @kernel(half=True)
-def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
-                  n_rows, tiles_per_program, row_stride, outer_stride, channels_per_group, groups,
-                  ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL: tl.constexpr,
-                  CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, STATS: tl.constexpr, WRITE_DX: tl.constexpr,
-                  DW: tl.constexpr, DB: tl.constexpr, COMPUTE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def norm_backward(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    dx_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dw_ptr,
+    db_ptr,
+    n_rows,
+    tiles_per_program,
+    row_stride,
+    outer_stride,
+    channels_per_group,
+    groups,
+    ROW_LEN: tl.constexpr,
+    INNER: tl.constexpr,
+    SPATIAL: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    CENTRED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    STATS: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    DW: tl.constexpr,
+    DB: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (WRITE_DX), and dw/db
     PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over its rows of dy * xhat;
     needs ROW_LEN <= BLOCK and CHANNEL == COLUMN_CHANNEL)."""
@@ -209,11 +233,25 @@ def norm_backward(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_ptr, db_p
 
 
 @kernel(half=True)
-def norm_weight_backward(x_ptr, dy_ptr, mean_ptr, rstd_ptr, dw_partial_ptr, db_partial_ptr,
-                         outer, channels, groups,
-                         SPATIAL: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, CENTRED: tl.constexpr,
-                         HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, COMPUTE: tl.constexpr,
-                         BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def norm_weight_backward(
+    x_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    outer,
+    channels,
+    groups,
+    SPATIAL: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    CENTRED: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Over x viewed as (outer, channels, SPATIAL), statistics row of (a, c) =
     a * groups + c // (channels / groups): partial[pid, c] = sum over this program's
     ROWS_PER_PROGRAM values of a, and all s, of dy * xhat (dw) and dy (db)."""
@@ -263,11 +301,35 @@ def sum_partials(partial_ptr, out_ptr, n, num_partials, BLOCK_P: tl.constexpr, B
 
 
 @kernel(backward=(norm_backward, norm_weight_backward, sum_partials), half=True)
-def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, running_mean_ptr, running_var_ptr,
-                 n_rows, row_stride, outer_stride, channels_per_group, groups, eps, momentum,
-                 ROW_LEN: tl.constexpr, INNER: tl.constexpr, SPATIAL: tl.constexpr, CHANNEL: tl.constexpr,
-                 CENTRED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
-                 UPDATE_RUNNING: tl.constexpr, COMPUTE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def norm_forward(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    running_mean_ptr,
+    running_var_ptr,
+    n_rows,
+    row_stride,
+    outer_stride,
+    channels_per_group,
+    groups,
+    eps,
+    momentum,
+    ROW_LEN: tl.constexpr,
+    INNER: tl.constexpr,
+    SPATIAL: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    CENTRED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STATS: tl.constexpr,
+    UPDATE_RUNNING: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One tile of ROWS rows per program: mean, rstd (saved), y, and the running statistics."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -381,7 +443,7 @@ def _launch_options(kernel, tile: int, elements_per_warp: int) -> dict:
     return {"num_warps": _num_warps(tile, elements_per_warp), "num_stages": 2}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count() -> int:
     return torch.cuda.get_device_properties(DEVICE).multi_processor_count
 
@@ -469,7 +531,9 @@ class NormOp(RuntimeOp):
 
     def check_inputs(self, input_shapes, input_dtypes):
         if not input_dtypes[0].is_floating_point:
-            raise TypeError(f"{self.name} expects a floating-point input, got {str(input_dtypes[0]).replace('torch.', '')}")
+            raise TypeError(
+                f"{self.name} expects a floating-point input, got {str(input_dtypes[0]).replace('torch.', '')}"
+            )
 
     def extra_outputs(self, input_shapes, dtype):
         rows = self.geometry(input_shapes[0]).rows
@@ -510,11 +574,24 @@ class NormOp(RuntimeOp):
         geo.pack(v)
         v.visit_float(self.eps).visit_float(self.momentum())
         geo.pack_constexprs(v)
-        for flag in (self.centred, self.has_weight, self.has_bias, self.stats_source(), self.update_running(),
-                     _compute_dtype(ctx.dtype), rows_per_tile, block):
+        for flag in (
+            self.centred,
+            self.has_weight,
+            self.has_bias,
+            self.stats_source(),
+            self.update_running(),
+            _compute_dtype(ctx.dtype),
+            rows_per_tile,
+            block,
+        ):
             v.visit_constexpr(flag)
-        ctx.launch(norm_forward, (cdiv(geo.rows, rows_per_tile),), v, work=geo.rows * geo.row_len,
-                   **_launch_options(norm_forward, rows_per_tile * block, 1024))
+        ctx.launch(
+            norm_forward,
+            (cdiv(geo.rows, rows_per_tile),),
+            v,
+            work=geo.rows * geo.row_len,
+            **_launch_options(norm_forward, rows_per_tile * block, 1024),
+        )
 
     def has_backward(self) -> bool:
         return True
@@ -544,8 +621,10 @@ class NormOp(RuntimeOp):
         if PER_PROGRAM in (dw_target, db_target):
             tiles_per_program = max(1, cdiv(n_tiles, _max_programs()))
         n_programs = cdiv(n_tiles, tiles_per_program)
-        partials = {name: ctx.empty((n_programs, geo.row_len), _stats_dtype(ctx.dtype)) if t == PER_PROGRAM else g
-                    for name, g, t in (("dw", dw, dw_target), ("db", db, db_target))}
+        partials = {
+            name: ctx.empty((n_programs, geo.row_len), _stats_dtype(ctx.dtype)) if t == PER_PROGRAM else g
+            for name, g, t in (("dw", dw, dw_target), ("db", db, db_target))
+        }
         if dx is not None or dw_target != NO_GRAD or db_target != NO_GRAD:
             v = ArgVisitor()
             for ptr in (x, w, dy, dx, mean, rstd, partials["dw"], partials["db"]):
@@ -553,11 +632,25 @@ class NormOp(RuntimeOp):
             v.visit_i64(geo.rows).visit_i64(tiles_per_program)
             geo.pack(v)
             geo.pack_constexprs(v)
-            for flag in (self.centred, self.has_weight, self.stats_source(), dx is not None, dw_target, db_target,
-                         _compute_dtype(ctx.dtype), rows_per_tile, block):
+            for flag in (
+                self.centred,
+                self.has_weight,
+                self.stats_source(),
+                dx is not None,
+                dw_target,
+                db_target,
+                _compute_dtype(ctx.dtype),
+                rows_per_tile,
+                block,
+            ):
                 v.visit_constexpr(flag)
-            ctx.launch(norm_backward, (n_programs,), v, work=geo.rows * geo.row_len,
-                       **_launch_options(norm_backward, rows_per_tile * block, 512))
+            ctx.launch(
+                norm_backward,
+                (n_programs,),
+                v,
+                work=geo.rows * geo.row_len,
+                **_launch_options(norm_backward, rows_per_tile * block, 512),
+            )
         for grad, t, name in ((dw, dw_target, "dw"), (db, db_target, "db")):
             if t == PER_PROGRAM:
                 _sum_partials(ctx, partials[name], grad)
@@ -570,14 +663,24 @@ class NormOp(RuntimeOp):
         block_s = min(triton.next_power_of_2(max(spatial, 1)), 256)
         block_c = max(1, min(triton.next_power_of_2(max(channels, 1)), 2048 // block_s, 1024))
         partial_dtype = _stats_dtype(ctx.dtype)
-        partials = {name: ctx.empty((n_partials, channels), partial_dtype) if g is not None else None
-                    for name, g in (("dw", dw), ("db", db))}
+        partials = {
+            name: ctx.empty((n_partials, channels), partial_dtype) if g is not None else None
+            for name, g in (("dw", dw), ("db", db))
+        }
         v = ArgVisitor()
         for ptr in (x, dy, mean, rstd, partials["dw"], partials["db"]):
             v.visit_ptr(x if ptr is None else ptr)
         v.visit_i64(outer).visit_i64(channels).visit_i64(groups)
-        for flag in (spatial, ROWS_PER_WEIGHT_PROGRAM, self.centred, dw is not None, db is not None,
-                     _compute_dtype(ctx.dtype), block_c, block_s):
+        for flag in (
+            spatial,
+            ROWS_PER_WEIGHT_PROGRAM,
+            self.centred,
+            dw is not None,
+            db is not None,
+            _compute_dtype(ctx.dtype),
+            block_c,
+            block_s,
+        ):
             v.visit_constexpr(flag)
         ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel())
         for grad, partial in ((dw, partials["dw"]), (db, partials["db"])):
@@ -598,16 +701,19 @@ class LayerNormOp(NormOp):
 
     def geometry(self, shape):
         row_len = math.prod(self.normalized_shape)
-        rows = math.prod(shape[:len(shape) - len(self.normalized_shape)])
-        return Rows(rows, row_len, inner=row_len, row_stride=row_len, outer_stride=0, spatial=1, channels=row_len,
-                    groups=1)
+        rows = math.prod(shape[: len(shape) - len(self.normalized_shape)])
+        return Rows(
+            rows, row_len, inner=row_len, row_stride=row_len, outer_stride=0, spatial=1, channels=row_len, groups=1
+        )
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
         shape, ns = tuple(input_shapes[0]), self.normalized_shape
-        if len(ns) == 0 or len(shape) < len(ns) or shape[len(shape) - len(ns):] != ns:
-            raise ValueError(f"given normalized_shape={list(ns)}, expected input with shape [*, "
-                             f"{', '.join(str(s) for s in ns)}], but got input of size {_dims(shape)}")
+        if len(ns) == 0 or len(shape) < len(ns) or shape[len(shape) - len(ns) :] != ns:
+            raise ValueError(
+                f"given normalized_shape={list(ns)}, expected input with shape [*, "
+                f"{', '.join(str(s) for s in ns)}], but got input of size {_dims(shape)}"
+            )
 
 
 class GroupNormOp(NormOp):
@@ -623,8 +729,16 @@ class GroupNormOp(NormOp):
     def geometry(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
         row_len = (c // self.num_groups) * spatial
-        return Rows(n * self.num_groups, row_len, inner=row_len, row_stride=row_len, outer_stride=0, spatial=spatial,
-                    channels=c, groups=self.num_groups)
+        return Rows(
+            n * self.num_groups,
+            row_len,
+            inner=row_len,
+            row_stride=row_len,
+            outer_stride=0,
+            spatial=spatial,
+            channels=c,
+            groups=self.num_groups,
+        )
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
@@ -632,8 +746,10 @@ class GroupNormOp(NormOp):
         if len(shape) < 2:
             raise ValueError(f"group_norm expects an input of shape (N, C, *), got {_dims(shape)}")
         if self.num_groups <= 0 or shape[1] % self.num_groups:
-            raise ValueError(f"expected the number of channels ({shape[1]}) to be divisible by num_groups "
-                             f"({self.num_groups}), but got input of shape {_dims(shape)}")
+            raise ValueError(
+                f"expected the number of channels ({shape[1]}) to be divisible by num_groups "
+                f"({self.num_groups}), but got input of shape {_dims(shape)}"
+            )
 
 
 class BatchNormOp(NormOp):
@@ -649,8 +765,17 @@ class BatchNormOp(NormOp):
 
     def geometry(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
-        return Rows(c, n * spatial, inner=spatial, row_stride=spatial, outer_stride=c * spatial, spatial=spatial,
-                    channels=c, groups=c, channel_is_row=True)
+        return Rows(
+            c,
+            n * spatial,
+            inner=spatial,
+            row_stride=spatial,
+            outer_stride=c * spatial,
+            spatial=spatial,
+            channels=c,
+            groups=c,
+            channel_is_row=True,
+        )
 
     def check_inputs(self, input_shapes, input_dtypes):
         super().check_inputs(input_shapes, input_dtypes)
@@ -704,8 +829,16 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
     return _apply(GroupNormOp(num_groups, eps, weight is not None, bias is not None), x, weight, bias)
 
 
-def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
-               momentum: float = 0.1, eps: float = 1e-5):
+def batch_norm(
+    x,
+    running_mean,
+    running_var,
+    weight=None,
+    bias=None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+):
     """Normalise x (N, C, *) per channel. Training: batch statistics, and running_mean /
     running_var (when given) are updated in place with ``momentum`` (unbiased variance).
     Inference: the running statistics."""
@@ -723,8 +856,14 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
 
 
 class LayerNorm(Module):
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.normalized_shape, self.eps = _normalized_shape(normalized_shape), eps
         self.weight = Parameter(self.normalized_shape, init.ones(), dtype) if elementwise_affine else None
@@ -735,8 +874,13 @@ class LayerNorm(Module):
 
 
 class RMSNorm(Module):
-    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.normalized_shape, self.eps = _normalized_shape(normalized_shape), eps
         self.weight = Parameter(self.normalized_shape, init.ones(), dtype) if elementwise_affine else None
@@ -746,8 +890,14 @@ class RMSNorm(Module):
 
 
 class GroupNorm(Module):
-    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         if num_channels % num_groups:
             raise ValueError(f"GroupNorm: num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
@@ -762,8 +912,15 @@ class GroupNorm(Module):
 class _BatchNorm(Module):
     input_dims: tuple[int, ...] = ()
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.weight = Parameter((num_features,), init.ones(), dtype) if affine else None
@@ -778,10 +935,13 @@ class _BatchNorm(Module):
     def forward(self, x):
         if x.ndim not in self.input_dims:
             wanted = " or ".join(f"{d}D" for d in self.input_dims)
-            raise ValueError(f"{type(self).__name__}: expected {wanted} input, got {x.ndim}D input of shape {_dims(x.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected {wanted} input, got {x.ndim}D input of shape {_dims(x.shape)}"
+            )
         training = self.training or not self.track_running_stats
-        return batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, training,
-                          self.momentum, self.eps)
+        return batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, training, self.momentum, self.eps
+        )
 
 
 class BatchNorm1d(_BatchNorm):
@@ -797,7 +957,6 @@ class BatchNorm2d(_BatchNorm):
 
 
 # -------------------------------------------------------------------------- registry/tests
-
 
 
 def _affine(gen, dtype, shape):
@@ -821,8 +980,9 @@ def _layer_gradcheck(gen):
     return _layer_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))), plain=(2, 5))
 
 
-def _rms_samples(dtype, gen, shapes=(((3, 37), (37,)), ((5, 3, 11), (3, 11)), ((1, 5), (5,)), ((0, 5), (5,))),
-                 plain=(4, 9)):
+def _rms_samples(
+    dtype, gen, shapes=(((3, 37), (37,)), ((5, 3, 11), (3, 11)), ((1, 5), (5,)), ((0, 5), (5,))), plain=(4, 9)
+):
     out = [Sample(s.args[:3], name=s.name, reduction=s.reduction) for s in _layer_samples(dtype, gen, shapes, plain)]
     out.append(Sample(out[0].args, {"eps": 1e-3}, name=f"{out[0].name} eps=1e-3", reduction=out[0].reduction))
     return out
@@ -856,10 +1016,24 @@ def _batch_samples(dtype, gen, shapes=((7, 3), (4, 3, 5, 2)), modes=(True, False
             rm, rv = make(gen, c, low=-0.5, high=0.5).to(dtype), make(gen, c, low=0.5, high=2.0).to(dtype)
             w, b = _affine(gen, dtype, (c,))
             reduction = shape[0] * math.prod(shape[2:])
-            out.append(Sample((x, rm, rv, w, b), {"training": training, "momentum": 0.2}, grad=(0, 3, 4),
-                              name=f"{shape} training={training}", reduction=reduction))
-            out.append(Sample((x.clone(), rm.clone(), rv.clone()), {"training": training}, grad=(0,),
-                              name=f"{shape} training={training} no affine", reduction=reduction))
+            out.append(
+                Sample(
+                    (x, rm, rv, w, b),
+                    {"training": training, "momentum": 0.2},
+                    grad=(0, 3, 4),
+                    name=f"{shape} training={training}",
+                    reduction=reduction,
+                )
+            )
+            out.append(
+                Sample(
+                    (x.clone(), rm.clone(), rv.clone()),
+                    {"training": training},
+                    grad=(0,),
+                    name=f"{shape} training={training} no affine",
+                    reduction=reduction,
+                )
+            )
     return out
 
 
@@ -867,11 +1041,13 @@ def _batch_gradcheck(gen):
     return _batch_samples(torch.float64, gen, shapes=((5, 3), (3, 2, 2)))
 
 
-register(OpInfo("layer_norm", layer_norm, F.layer_norm, _layer_samples, family="norm",
-                gradcheck_samples=_layer_gradcheck))
-register(OpInfo("rms_norm", rms_norm, F.rms_norm, _rms_samples, family="norm",
-                gradcheck_samples=_rms_gradcheck))
-register(OpInfo("group_norm", group_norm, F.group_norm, _group_samples, family="norm",
-                gradcheck_samples=_group_gradcheck))
-register(OpInfo("batch_norm", batch_norm, F.batch_norm, _batch_samples, family="norm",
-                gradcheck_samples=_batch_gradcheck))
+register(
+    OpInfo("layer_norm", layer_norm, F.layer_norm, _layer_samples, family="norm", gradcheck_samples=_layer_gradcheck)
+)
+register(OpInfo("rms_norm", rms_norm, F.rms_norm, _rms_samples, family="norm", gradcheck_samples=_rms_gradcheck))
+register(
+    OpInfo("group_norm", group_norm, F.group_norm, _group_samples, family="norm", gradcheck_samples=_group_gradcheck)
+)
+register(
+    OpInfo("batch_norm", batch_norm, F.batch_norm, _batch_samples, family="norm", gradcheck_samples=_batch_gradcheck)
+)

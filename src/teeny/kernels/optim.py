@@ -29,8 +29,9 @@ N_HYPER = 8
 
 
 @kernel(half=True)
-def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, n, NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def sgd_step_kernel(
+    p_ptr, g_ptr, buf_ptr, hyper_ptr, n, NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))

@@ -192,10 +192,37 @@ def _finish(acc, c, divisor, FIN: tl.constexpr):
 
 
 @kernel(half=True)
-def reduce_partial(x_ptr, center_ptr, partial_ptr, out_ptr, n_out, R, chunk,
-                   ks1, ks2, ks3, kt0, kt1, kt2, kt3, rs1, rs2, rs3, rt0, rt1, rt2, rt3, divisor,
-                   OP: tl.constexpr, FIN: tl.constexpr, FINISH: tl.constexpr, NK: tl.constexpr,
-                   NR: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+def reduce_partial(
+    x_ptr,
+    center_ptr,
+    partial_ptr,
+    out_ptr,
+    n_out,
+    R,
+    chunk,
+    ks1,
+    ks2,
+    ks3,
+    kt0,
+    kt1,
+    kt2,
+    kt3,
+    rs1,
+    rs2,
+    rs3,
+    rt0,
+    rt1,
+    rt2,
+    rt3,
+    divisor,
+    OP: tl.constexpr,
+    FIN: tl.constexpr,
+    FINISH: tl.constexpr,
+    NK: tl.constexpr,
+    NR: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """Program (i, s) reduces outputs [i*BLOCK_OUT, +BLOCK_OUT) over r in [s*chunk, +chunk):
     with FINISH (one split) it writes finish(acc) to out, else acc to partial[s, o]."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
@@ -227,8 +254,18 @@ def reduce_partial(x_ptr, center_ptr, partial_ptr, out_ptr, n_out, R, chunk,
 
 
 @kernel(half=True)
-def reduce_finish(partial_ptr, center_ptr, out_ptr, n_out, n_split, divisor, OP: tl.constexpr,
-                  FIN: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+def reduce_finish(
+    partial_ptr,
+    center_ptr,
+    out_ptr,
+    n_out,
+    n_split,
+    divisor,
+    OP: tl.constexpr,
+    FIN: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_SPLIT: tl.constexpr,
+):
     """Second pass of a split reduction: out[o] = finish(combine_s partial[s, o])."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     row_mask = rows < n_out
@@ -246,10 +283,36 @@ def reduce_finish(partial_ptr, center_ptr, out_ptr, n_out, n_split, divisor, OP:
 
 
 @kernel(half=True)
-def reduce_backward(x_ptr, y_ptr, aux_ptr, dy_ptr, dx_ptr, n_out, R, chunk,
-                    ks1, ks2, ks3, kt0, kt1, kt2, kt3, rs1, rs2, rs3, rt0, rt1, rt2, rt3, divisor,
-                    GRAD: tl.constexpr, NK: tl.constexpr, NR: tl.constexpr,
-                    BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+def reduce_backward(
+    x_ptr,
+    y_ptr,
+    aux_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_out,
+    R,
+    chunk,
+    ks1,
+    ks2,
+    ks3,
+    kt0,
+    kt1,
+    kt2,
+    kt3,
+    rs1,
+    rs2,
+    rs3,
+    rt0,
+    rt1,
+    rt2,
+    rt3,
+    divisor,
+    GRAD: tl.constexpr,
+    NK: tl.constexpr,
+    NR: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """dx for every reduction (see the module docstring); aux is the row's mean (var/std) or
     tie count (amax/amin). Same tiling as reduce_partial; dx has x's contiguous layout."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
@@ -360,7 +423,7 @@ class ReductionPlan:
 
 
 def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | None = None) -> ReductionPlan:
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     groups: list[list] = []  # [size, stride, reduced]
     for axis, (size, stride) in enumerate(zip(shape, strides)):
         if size == 1:
@@ -374,8 +437,10 @@ def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | N
     kept = tuple((s, t) for s, t, r in groups if not r) or ((1, 0),)
     red = tuple((s, t) for s, t, r in groups if r) or ((1, 0),)
     if len(kept) > MAX_GROUPS or len(red) > MAX_GROUPS:
-        raise ValueError(f"reducing dims {dims} of shape {shape} alternates kept and reduced axes more than "
-                         f"{MAX_GROUPS} times; reduce in two steps")
+        raise ValueError(
+            f"reducing dims {dims} of shape {shape} alternates kept and reduced axes more than "
+            f"{MAX_GROUPS} times; reduce in two steps"
+        )
     n_out, R = math.prod(s for s, _ in kept), math.prod(s for s, _ in red)
     if red[-1][1] == 1:  # the innermost axis is reduced: long contiguous rows
         block_r = _bmin(_pow2(R), block or 1024)
@@ -398,10 +463,24 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _FORWARD_OP = {"sum": _SUM, "mean": _SUM, "max": _MAX, "min": _MIN}
-_GRAD = {"sum": _GRAD_SUM, "mean": _GRAD_SUM, "max": _GRAD_EXTREMUM, "min": _GRAD_EXTREMUM,
-         "var": _GRAD_VAR, "std": _GRAD_STD, "logsumexp": _GRAD_LSE}
-_SAVES = {"sum": (False, False), "mean": (False, False), "max": (True, True), "min": (True, True),
-          "var": (True, False), "std": (True, True), "logsumexp": (True, True)}  # (input, output)
+_GRAD = {
+    "sum": _GRAD_SUM,
+    "mean": _GRAD_SUM,
+    "max": _GRAD_EXTREMUM,
+    "min": _GRAD_EXTREMUM,
+    "var": _GRAD_VAR,
+    "std": _GRAD_STD,
+    "logsumexp": _GRAD_LSE,
+}
+_SAVES = {
+    "sum": (False, False),
+    "mean": (False, False),
+    "max": (True, True),
+    "min": (True, True),
+    "var": (True, False),
+    "std": (True, True),
+    "logsumexp": (True, True),
+}  # (input, output)
 
 
 class ReduceOp(RuntimeOp):
@@ -431,8 +510,10 @@ class ReduceOp(RuntimeOp):
         if self.kind in ("max", "min"):
             for d in dims:
                 if shape[d] == 0:
-                    raise ValueError(f"{self.kind}: cannot reduce over dim {d} of size 0 (shape {shape}): "
-                                     "the maximum/minimum of nothing is undefined")
+                    raise ValueError(
+                        f"{self.kind}: cannot reduce over dim {d} of size 0 (shape {shape}): "
+                        "the maximum/minimum of nothing is undefined"
+                    )
         plan_reduction(shape, dims)
 
     def output_shape(self, input_shapes):
@@ -489,8 +570,9 @@ class ReduceOp(RuntimeOp):
         if self.kind in ("var", "std"):
             mean = ctx.saved["mean"]
             self._pass(ctx, plan, x, None, mean, _SUM, _FIN_DIV, plan.R)
-            self._pass(ctx, plan, x, mean, out, _SQDEV, _FIN_SQRT if self.kind == "std" else _FIN_DIV,
-                       self._divisor(plan))
+            self._pass(
+                ctx, plan, x, mean, out, _SQDEV, _FIN_SQRT if self.kind == "std" else _FIN_DIV, self._divisor(plan)
+            )
         elif self.kind == "logsumexp":
             row_max = ctx.empty((plan.n_out,), _acc_dtype(ctx.dtype))
             self._pass(ctx, plan, x, None, row_max, _MAX, _FIN_DIV, 1)
@@ -532,8 +614,18 @@ def _reduce(x, kind, dim, keepdim, correction=1):
 
 
 @kernel(half=True)
-def softmax_backward(y_ptr, dy_ptr, dx_ptr, n_rows, L, inner, LOG: tl.constexpr, SINGLE: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_L: tl.constexpr):
+def softmax_backward(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_rows,
+    L,
+    inner,
+    LOG: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """softmax: dx = y (dy - sum(dy y)); log_softmax: dx = dy - exp(y) sum(dy)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -574,8 +666,17 @@ def softmax_backward(y_ptr, dy_ptr, dx_ptr, n_rows, L, inner, LOG: tl.constexpr,
 
 
 @kernel(backward=softmax_backward, half=True)
-def softmax_forward(x_ptr, y_ptr, n_rows, L, inner, LOG: tl.constexpr, SINGLE: tl.constexpr,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_L: tl.constexpr):
+def softmax_forward(
+    x_ptr,
+    y_ptr,
+    n_rows,
+    L,
+    inner,
+    LOG: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """m = max x, s = sum exp(x - m); softmax y = exp(x - m) / s, log_softmax y = x - m - log s.
     Row r is x[(r // inner) * L * inner + r % inner + j * inner], j < L. Rows longer than
     BLOCK_L: online (m, s) over column blocks, s <- s exp(m_old - m_new) + sum exp(x - m_new)."""
@@ -644,14 +745,15 @@ class SoftmaxOp(RuntimeOp):
         ndim = len(input_shapes[0])
         rank = _bmax(ndim, 1)
         if not -rank <= self.dim < rank:
-            raise ValueError(f"{self.name}: dim {self.dim} is out of range for a {ndim}-d tensor "
-                             f"(expected {-rank}..{rank - 1})")
+            raise ValueError(
+                f"{self.name}: dim {self.dim} is out of range for a {ndim}-d tensor (expected {-rank}..{rank - 1})"
+            )
 
     def _layout(self, shape):
         """(n_rows, L, inner, SINGLE, BLOCK_ROWS, BLOCK_L)."""
         shape = tuple(shape) or (1,)
         d = self.dim % len(shape)
-        L, inner = shape[d], math.prod(shape[d + 1:])
+        L, inner = shape[d], math.prod(shape[d + 1 :])
         n_rows = math.prod(shape[:d]) * inner
         if inner == 1:  # rows are contiguous: long row blocks, few rows
             block_l = _bmin(_pow2(L), self.block or SOFTMAX_MAX_BLOCK)
@@ -734,8 +836,10 @@ def log_softmax(x, dim: int = -1):
 
 
 def _implicit_softmax_dim(name: str, ndim: int) -> int:
-    warnings.warn(f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X "
-                  "as an argument.", stacklevel=3)
+    warnings.warn(
+        f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X as an argument.",
+        stacklevel=3,
+    )
     return 0 if ndim in (0, 1, 3) else 1
 
 
@@ -762,8 +866,16 @@ class LogSoftmax(Module):
 # ------------------------------------------------------------------------ registry/tests
 
 # (shape, dim, keepdim): odd shapes, non-adjacent axes, a 1-element and an empty-batch case
-_REDUCE_CASES = [((3, 37), 1, False), ((3, 37), None, False), ((129, 7), 0, True), ((5, 3, 11), (0, 2), False),
-                 ((5, 3, 11), [1], True), ((5, 3, 11), (-1, -2), False), ((1,), 0, False), ((0, 5), 1, False)]
+_REDUCE_CASES = [
+    ((3, 37), 1, False),
+    ((3, 37), None, False),
+    ((129, 7), 0, True),
+    ((5, 3, 11), (0, 2), False),
+    ((5, 3, 11), [1], True),
+    ((5, 3, 11), (-1, -2), False),
+    ((1,), 0, False),
+    ((0, 5), 1, False),
+]
 _GRADCHECK_CASES = [((3, 4), 1, False), ((2, 3, 3), (0, 2), True), ((4,), None, False), ((3, 1, 2), -1, False)]
 
 
@@ -776,6 +888,7 @@ def _reduction_samples(cases, kwargs=None):
             kw = {"dim": dim, "keepdim": keepdim, **(kwargs or {})}
             out.append(Sample((make(gen, *shape).to(dtype),), kw, name=f"{shape} dim={dim}", reduction=_bmax(n, 1)))
         return out
+
     return samples
 
 
@@ -788,38 +901,86 @@ _REFS = {
     "mean": lambda x, dim=None, keepdim=False: torch.mean(x, dim=dim, keepdim=keepdim),
     "max": lambda x, dim=None, keepdim=False: torch.amax(x, dim=() if dim is None else dim, keepdim=keepdim),
     "min": lambda x, dim=None, keepdim=False: torch.amin(x, dim=() if dim is None else dim, keepdim=keepdim),
-    "var": lambda x, dim=None, keepdim=False, correction=1: torch.var(x, dim=dim, correction=correction, keepdim=keepdim),
-    "std": lambda x, dim=None, keepdim=False, correction=1: torch.std(x, dim=dim, correction=correction, keepdim=keepdim),
+    "var": lambda x, dim=None, keepdim=False, correction=1: torch.var(
+        x, dim=dim, correction=correction, keepdim=keepdim
+    ),
+    "std": lambda x, dim=None, keepdim=False, correction=1: torch.std(
+        x, dim=dim, correction=correction, keepdim=keepdim
+    ),
     "logsumexp": lambda x, dim=None, keepdim=False: torch.logsumexp(
-        x, dim=tuple(range(x.dim())) if dim is None else dim, keepdim=keepdim),
+        x, dim=tuple(range(x.dim())) if dim is None else dim, keepdim=keepdim
+    ),
 }
 _OPS = {"sum": sum, "mean": mean, "max": max, "min": min, "var": var, "std": std, "logsumexp": logsumexp}
 
 for _kind, _fn in _OPS.items():
     # no NaN results here (mean of nothing, var of one element): test_reduction covers those
     _cases = [c for c in _REDUCE_CASES if _kind not in ("mean", "var", "std") or math.prod(c[0]) > 1]
-    register(OpInfo(_kind, _fn, _REFS[_kind], _reduction_samples(_cases), family="reduction",
-                    gradcheck_samples=_gradcheck(_GRADCHECK_CASES)))
-register(OpInfo("var_correction0", lambda x, **kw: var(x, correction=0, **kw),
-                lambda x, **kw: _REFS["var"](x, correction=0, **kw),
-                _reduction_samples(_REDUCE_CASES[:6]), family="reduction",
-                gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2])))
+    register(
+        OpInfo(
+            _kind,
+            _fn,
+            _REFS[_kind],
+            _reduction_samples(_cases),
+            family="reduction",
+            gradcheck_samples=_gradcheck(_GRADCHECK_CASES),
+        )
+    )
+register(
+    OpInfo(
+        "var_correction0",
+        lambda x, **kw: var(x, correction=0, **kw),
+        lambda x, **kw: _REFS["var"](x, correction=0, **kw),
+        _reduction_samples(_REDUCE_CASES[:6]),
+        family="reduction",
+        gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2]),
+    )
+)
 
-_SOFTMAX_CASES = [((3, 37), -1), ((129, 7), 0), ((5, 3, 11), 1), ((5, 3, 11), -1), ((5, 3, 11), 0), ((1,), 0),
-                  ((0, 5), -1)]
+_SOFTMAX_CASES = [
+    ((3, 37), -1),
+    ((129, 7), 0),
+    ((5, 3, 11), 1),
+    ((5, 3, 11), -1),
+    ((5, 3, 11), 0),
+    ((1,), 0),
+    ((0, 5), -1),
+]
 _SOFTMAX_GRADCHECK = [((3, 7), -1), ((3, 4, 2), 1), ((1,), 0)]
 
 
 def _softmax_samples(cases):
     def samples(dtype, gen):
-        return [Sample((make(gen, *shape, low=-4, high=4).to(dtype),), {"dim": dim}, name=f"{shape} dim={dim}",
-                       reduction=_bmax(shape[dim], 1)) for shape, dim in cases]
+        return [
+            Sample(
+                (make(gen, *shape, low=-4, high=4).to(dtype),),
+                {"dim": dim},
+                name=f"{shape} dim={dim}",
+                reduction=_bmax(shape[dim], 1),
+            )
+            for shape, dim in cases
+        ]
+
     return samples
 
 
-register(OpInfo("softmax", softmax, lambda x, dim=-1: F.softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
-                family="reduction",
-                gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))
-register(OpInfo("log_softmax", log_softmax, lambda x, dim=-1: F.log_softmax(x, dim), _softmax_samples(_SOFTMAX_CASES),
-                family="reduction",
-                gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen)))
+register(
+    OpInfo(
+        "softmax",
+        softmax,
+        lambda x, dim=-1: F.softmax(x, dim),
+        _softmax_samples(_SOFTMAX_CASES),
+        family="reduction",
+        gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen),
+    )
+)
+register(
+    OpInfo(
+        "log_softmax",
+        log_softmax,
+        lambda x, dim=-1: F.log_softmax(x, dim),
+        _softmax_samples(_SOFTMAX_CASES),
+        family="reduction",
+        gradcheck_samples=lambda gen: _softmax_samples(_SOFTMAX_GRADCHECK)(torch.float64, gen),
+    )
+)

@@ -25,29 +25,58 @@ from __future__ import annotations
 
 import builtins
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from ..device import INTERPRETER
-from ..graph import GraphError, graph_of
+from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, OpContext, RuntimeOp, TeenyError
 from .common import cdiv
 
-__all__ = ["reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "getitem",
-           "slice", "narrow", "concat", "cat", "stack", "split", "chunk", "expand", "broadcast_to", "stop_gradient",
-           "detach"]
+__all__ = [
+    "reshape",
+    "view",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "transpose",
+    "permute",
+    "getitem",
+    "slice",
+    "narrow",
+    "concat",
+    "cat",
+    "stack",
+    "split",
+    "chunk",
+    "expand",
+    "broadcast_to",
+    "stop_gradient",
+    "detach",
+]
 NN_LAYERS = ["Flatten", "Unflatten"]
 
 MAX_RANK = 6
 COPY_BLOCK = 16384 if INTERPRETER else 1024  # the interpreter pays per program, not per element
-SHAPE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-                torch.int8, torch.uint8, torch.bool)
+SHAPE_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _py_slice = builtins.slice  # `slice` is an op of this module
 
 
@@ -71,8 +100,31 @@ def _strided_offset(idx, n1, n2, n3, n4, n5, s0, s1, s2, s3, s4, s5):
 
 
 @kernel(dtypes=SHAPE_DTYPES)
-def strided_copy(src_ptr, dst_ptr, n, src_offset, dst_offset, n1, n2, n3, n4, n5,
-                 s0, s1, s2, s3, s4, s5, d0, d1, d2, d3, d4, d5, BLOCK: tl.constexpr):
+def strided_copy(
+    src_ptr,
+    dst_ptr,
+    n,
+    src_offset,
+    dst_offset,
+    n1,
+    n2,
+    n3,
+    n4,
+    n5,
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    d5,
+    BLOCK: tl.constexpr,
+):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     src = src_offset + _strided_offset(idx, n1, n2, n3, n4, n5, s0, s1, s2, s3, s4, s5)
@@ -91,9 +143,42 @@ def _lattice(idx, size, start, step, length, dy_stride, dy_off, inside):
 
 
 @kernel(dtypes=SHAPE_DTYPES)
-def slice_scatter(dy_ptr, dx_ptr, n,
-                  n0, n1, n2, n3, n4, n5, b0, b1, b2, b3, b4, b5, p0, p1, p2, p3, p4, p5,
-                  l0, l1, l2, l3, l4, l5, g0, g1, g2, g3, g4, g5, BLOCK: tl.constexpr):
+def slice_scatter(
+    dy_ptr,
+    dx_ptr,
+    n,
+    n0,
+    n1,
+    n2,
+    n3,
+    n4,
+    n5,
+    b0,
+    b1,
+    b2,
+    b3,
+    b4,
+    b5,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    l0,
+    l1,
+    l2,
+    l3,
+    l4,
+    l5,
+    g0,
+    g1,
+    g2,
+    g3,
+    g4,
+    g5,
+    BLOCK: tl.constexpr,
+):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     rest, off, inside = _lattice(idx, n5, b5, p5, l5, g5, tl.zeros_like(idx), mask)
@@ -107,8 +192,37 @@ def slice_scatter(dy_ptr, dx_ptr, n,
 
 
 @kernel(half=True)
-def sum_broadcast(dy_ptr, out_ptr, M, R, chunk, k1, k2, k3, k4, k5, ks0, ks1, ks2, ks3, ks4, ks5,
-                  r1, r2, r3, r4, r5, rs0, rs1, rs2, rs3, rs4, rs5, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def sum_broadcast(
+    dy_ptr,
+    out_ptr,
+    M,
+    R,
+    chunk,
+    k1,
+    k2,
+    k3,
+    k4,
+    k5,
+    ks0,
+    ks1,
+    ks2,
+    ks3,
+    ks4,
+    ks5,
+    r1,
+    r2,
+    r3,
+    r4,
+    r5,
+    rs0,
+    rs1,
+    rs2,
+    rs3,
+    rs4,
+    rs5,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1).to(tl.int64)
     row_off = _strided_offset(rows, k1, k2, k3, k4, k5, ks0, ks1, ks2, ks3, ks4, ks5)
@@ -157,8 +271,10 @@ def _merge_dims(sizes: Sequence[int], *stride_lists: Sequence[int]) -> tuple[lis
 
 def _pad(values: Sequence[int], fill: int) -> list[int]:
     if len(values) > MAX_RANK:
-        raise ValueError(f"the layout needs {len(values)} dims after merging contiguous ones; the shape kernels "
-                         f"index at most {MAX_RANK}")
+        raise ValueError(
+            f"the layout needs {len(values)} dims after merging contiguous ones; the shape kernels "
+            f"index at most {MAX_RANK}"
+        )
     return [fill] * (MAX_RANK - len(values)) + [int(v) for v in values]
 
 
@@ -166,8 +282,9 @@ def _offset_in(view: torch.Tensor, base: torch.Tensor) -> int:
     return int(view.storage_offset()) - int(base.storage_offset())
 
 
-def launch_copy(ctx: OpContext, src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor,
-                dst_view: torch.Tensor) -> None:
+def launch_copy(
+    ctx: OpContext, src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor, dst_view: torch.Tensor
+) -> None:
     """Copy the elements of ``src_view`` (a strided view of the buffer ``src``) to the places
     of ``dst_view`` (a view of ``dst`` with the same shape), with one ``strided_copy`` launch."""
     sizes, (src_strides, dst_strides) = _merge_dims(src_view.shape, src_view.stride(), dst_view.stride())
@@ -389,11 +506,25 @@ class ExpandOp(StridedViewOp):
         chunk = max(chunk, br)
         acc_dtype = torch.float64 if dx.dtype == torch.float64 else torch.float32
         first_out = dx if splits == 1 else ctx.empty((splits, M), acc_dtype)
-        self._launch_sum(ctx, dy, first_out, M, R, chunk, kept, kept_strides, red, red_strides, bm, br,
-                         (m_blocks, splits, 1))
+        self._launch_sum(
+            ctx, dy, first_out, M, R, chunk, kept, kept_strides, red, red_strides, bm, br, (m_blocks, splits, 1)
+        )
         if splits > 1:  # second pass: sum the partials [splits, M] over splits
-            self._launch_sum(ctx, first_out, dx, M, splits, cdiv(splits, br) * br, [M], [1], [splits], [M],
-                             self.BLOCK_LONG, self.BLOCK_SHORT, (cdiv(M, self.BLOCK_LONG), 1, 1))
+            self._launch_sum(
+                ctx,
+                first_out,
+                dx,
+                M,
+                splits,
+                cdiv(splits, br) * br,
+                [M],
+                [1],
+                [splits],
+                [M],
+                self.BLOCK_LONG,
+                self.BLOCK_SHORT,
+                (cdiv(M, self.BLOCK_LONG), 1, 1),
+            )
 
     @staticmethod
     def _launch_sum(ctx, src, out, M, R, chunk, kept, kept_strides, red, red_strides, bm, br, grid):
@@ -460,8 +591,9 @@ def _wrap_dim(dim, ndim: int, what: str) -> int:
         raise TypeError(f"{what}: dim must be an int, got {dim!r}")
     bound = max(ndim, 1)
     if not -bound <= dim < bound:
-        raise IndexError(f"{what}: dimension out of range (expected to be in range of [{-bound}, {bound - 1}], "
-                         f"but got {dim})")
+        raise IndexError(
+            f"{what}: dimension out of range (expected to be in range of [{-bound}, {bound - 1}], but got {dim})"
+        )
     return dim % bound
 
 
@@ -503,8 +635,12 @@ def _infer_shape(x, shape: tuple[int, ...], name: str) -> tuple[int, ...]:
     if unknown:
         known = math.prod(s for s in shape if s != -1)
         if known == 0:
-            _fail(x, name, f"cannot reshape tensor of {numel} elements into shape {list(shape)} because the "
-                           "unspecified dimension size -1 can be any value and is ambiguous")
+            _fail(
+                x,
+                name,
+                f"cannot reshape tensor of {numel} elements into shape {list(shape)} because the "
+                "unspecified dimension size -1 can be any value and is ambiguous",
+            )
         if numel % known:
             _fail(x, name, f"shape {list(shape)} is invalid for input of size {numel}")
         shape = tuple(numel // known if s == -1 else s for s in shape)
@@ -536,7 +672,7 @@ def flatten(x, start_dim: int = 0, end_dim: int = -1):
         _fail(x, "flatten", f"start_dim cannot come after end_dim (start_dim={start_dim}, end_dim={end_dim})")
     if not shape:
         return _apply(x, ViewOp("flatten", (1,)))
-    return _apply(x, ViewOp("flatten", shape[:start] + (math.prod(shape[start:end + 1]),) + shape[end + 1:]))
+    return _apply(x, ViewOp("flatten", shape[:start] + (math.prod(shape[start : end + 1]),) + shape[end + 1 :]))
 
 
 def unflatten(x, dim: int, sizes):
@@ -547,7 +683,7 @@ def unflatten(x, dim: int, sizes):
     if not sizes:
         _fail(x, "unflatten", "sizes must be non-empty")
     part = _infer_shape(_Shaped(shape[d], x), sizes, "unflatten")
-    return _apply(x, ViewOp("unflatten", shape[:d] + part + shape[d + 1:]))
+    return _apply(x, ViewOp("unflatten", shape[:d] + part + shape[d + 1 :]))
 
 
 class _Shaped:
@@ -581,8 +717,11 @@ def permute(x, dims):
     ndim = len(x.shape)
     dims = _int_list(dims, "permute: dims")
     if len(dims) != ndim:
-        _fail(x, "permute", f"number of dims don't match in permute: got {len(dims)} dims {list(dims)} for a "
-                            f"{ndim}-d tensor")
+        _fail(
+            x,
+            "permute",
+            f"number of dims don't match in permute: got {len(dims)} dims {list(dims)} for a {ndim}-d tensor",
+        )
     wrapped = tuple(_wrap_dim(d, ndim, "permute") for d in dims)
     if len(set(wrapped)) != ndim:
         _fail(x, "permute", f"repeated dim in permute: {list(dims)}")
@@ -608,8 +747,13 @@ def _normalise_index(x, index) -> tuple:
     for item in index:
         if isinstance(item, bool) or not (item is None or item is Ellipsis or isinstance(item, (int, _py_slice))):
             kind = "tensor" if hasattr(item, "shape") else type(item).__name__
-            _fail(x, "getitem", f"index {item!r} is not supported (a {kind}): teeny indexes with ints, slices, None "
-                                "and ..., not with tensors, lists or bools", TypeError)
+            _fail(
+                x,
+                "getitem",
+                f"index {item!r} is not supported (a {kind}): teeny indexes with ints, slices, None "
+                "and ..., not with tensors, lists or bools",
+                TypeError,
+            )
     if sum(item is Ellipsis for item in index) > 1:
         _fail(x, "getitem", "an index can only have a single ellipsis ('...')", IndexError)
     consumed = sum(1 for item in index if item is not None and item is not Ellipsis)
@@ -696,15 +840,19 @@ def concat(tensors, dim: int = 0):
     if ndim == 0:
         raise ValueError(f"concat: zero-dimensional tensor {first.name!r} cannot be concatenated")
     d = _wrap_dim(dim, ndim, "concat")
-    for i, t in enumerate(kept):
+    for t in kept:
         if len(t.shape) != ndim:
-            raise ValueError(f"concat: tensors must have the same number of dimensions: {first.name!r} has shape "
-                             f"{tuple(first.shape)} but {t.name!r} has shape {tuple(t.shape)}")
+            raise ValueError(
+                f"concat: tensors must have the same number of dimensions: {first.name!r} has shape "
+                f"{tuple(first.shape)} but {t.name!r} has shape {tuple(t.shape)}"
+            )
         for k in range(ndim):
             if k != d and t.shape[k] != first.shape[k]:
-                raise ValueError(f"concat: sizes of tensors must match except in dimension {d}: expected size "
-                                 f"{first.shape[k]} but got size {t.shape[k]} in dimension {k} ({first.name!r} has "
-                                 f"shape {tuple(first.shape)}, {t.name!r} has shape {tuple(t.shape)})")
+                raise ValueError(
+                    f"concat: sizes of tensors must match except in dimension {d}: expected size "
+                    f"{first.shape[k]} but got size {t.shape[k]} in dimension {k} ({first.name!r} has "
+                    f"shape {tuple(first.shape)}, {t.name!r} has shape {tuple(t.shape)})"
+                )
     return graph_of(kept).apply(ConcatOp("concat", d, len(kept)), kept)
 
 
@@ -717,8 +865,10 @@ def stack(tensors, dim: int = 0):
     first = tensors[0]
     for t in tensors:
         if tuple(t.shape) != tuple(first.shape):
-            raise ValueError(f"stack expects each tensor to be equal size, but got {tuple(first.shape)} for "
-                             f"{first.name!r} and {tuple(t.shape)} for {t.name!r}")
+            raise ValueError(
+                f"stack expects each tensor to be equal size, but got {tuple(first.shape)} for "
+                f"{first.name!r} and {tuple(t.shape)} for {t.name!r}"
+            )
     d = _wrap_dim(dim, len(first.shape) + 1, "stack")
     return concat([unsqueeze(t, d) for t in tensors], d)
 
@@ -740,8 +890,12 @@ def split(x, split_size_or_sections, dim: int = 0):
     else:
         sizes = list(_int_list(split_size_or_sections, "split: split_size_or_sections"))
         if any(s < 0 for s in sizes) or sum(sizes) != size:
-            _fail(x, "split", f"split_with_sizes expects split_sizes to sum exactly to {size} (input tensor's size at "
-                              f"dimension {d}), but got split_sizes={sizes}")
+            _fail(
+                x,
+                "split",
+                f"split_with_sizes expects split_sizes to sum exactly to {size} (input tensor's size at "
+                f"dimension {d}), but got split_sizes={sizes}",
+            )
     parts, start = [], 0
     for s in sizes:
         parts.append(slice(x, d, start, start + s))
@@ -764,15 +918,22 @@ def expand(x, *sizes):
     sizes = _sizes_arg(sizes, "expand: sizes")
     shape = tuple(x.shape)
     if len(sizes) < len(shape):
-        _fail(x, "expand", f"the number of sizes provided ({len(sizes)}) must be greater or equal to the number of "
-                           f"dimensions in the tensor ({len(shape)})")
+        _fail(
+            x,
+            "expand",
+            f"the number of sizes provided ({len(sizes)}) must be greater or equal to the number of "
+            f"dimensions in the tensor ({len(shape)})",
+        )
     lead = len(sizes) - len(shape)
     target = []
     for i, s in enumerate(sizes):
         if i < lead:
             if s < 0:
-                _fail(x, "expand", f"the expanded size of the tensor ({s}) isn't allowed in a leading, "
-                                   f"non-existing dimension {i}")
+                _fail(
+                    x,
+                    "expand",
+                    f"the expanded size of the tensor ({s}) isn't allowed in a leading, non-existing dimension {i}",
+                )
             target.append(s)
             continue
         have = shape[i - lead]
@@ -781,8 +942,12 @@ def expand(x, *sizes):
         elif s < 0:
             _fail(x, "expand", f"invalid size {s} in {list(sizes)}")
         if have != s and have != 1:
-            _fail(x, "expand", f"the expanded size of the tensor ({s}) must match the existing size ({have}) at "
-                               f"non-singleton dimension {i}. Target sizes: {list(sizes)}. Tensor sizes: {list(shape)}")
+            _fail(
+                x,
+                "expand",
+                f"the expanded size of the tensor ({s}) must match the existing size ({have}) at "
+                f"non-singleton dimension {i}. Target sizes: {list(sizes)}. Tensor sizes: {list(shape)}",
+            )
         target.append(s)
     return _apply(x, ExpandOp("expand", tuple(target)))
 
@@ -825,8 +990,10 @@ class Unflatten(Module):
 
 def _samples(build):
     """Samples from ``build(t)``, where ``t(*shape)`` makes a random tensor of the dtype."""
+
     def samples(dtype, gen):
         return build(lambda *shape: make(gen, *shape, dtype=dtype))
+
     return samples
 
 
@@ -840,74 +1007,227 @@ def _both(build):
 
 
 def _register(name, op, ref, samples, gradcheck_samples=None, **kw):
-    register(OpInfo(name, op, ref, samples, family="shape", gradcheck_samples=gradcheck_samples,
-                    **kw))
+    register(OpInfo(name, op, ref, samples, family="shape", gradcheck_samples=gradcheck_samples, **kw))
 
 
-_register("reshape", reshape, torch.reshape, _samples(lambda t: [
-    Sample((t(3, 37), (37, -1)), name="3x37->37x-1"), Sample((t(5, 3, 11), (-1,)), name="flat"),
-    Sample((t(1), ()), name="1->scalar"), Sample((t(0, 5), (5, 0, 1)), name="empty")]),
-          _tiny(lambda t: [Sample((t(2, 3, 5), (5, -1)), name="2x3x5")]))
-_register("view", lambda x, shape: view(x, *shape), lambda x, shape: x.view(*shape), **_both(lambda t: [
-    Sample((t(2, 1, 7), (7, 2)), name="2x1x7")]))
-_register("flatten", flatten, torch.flatten, _samples(lambda t: [
-    Sample((t(5, 3, 11), 1), name="5x3x11 from 1"), Sample((t(2, 1, 7, 3), -3, -2), name="neg dims"),
-    Sample((t(3, 37),), name="all"), Sample((t(0, 3, 2), 1), name="empty")]),
-          _tiny(lambda t: [Sample((t(2, 3, 5), 0, 1), name="2x3x5")]))
-_register("unflatten", unflatten, torch.unflatten, **_both(lambda t: [
-    Sample((t(3, 14), -1, (2, -1)), name="3x14"), Sample((t(15,), 0, (3, 5)), name="15")]))
-_register("squeeze", squeeze, torch.squeeze, _samples(lambda t: [
-    Sample((t(2, 1, 7),), name="all"), Sample((t(2, 1, 7), -2), name="dim -2"), Sample((t(2, 1, 7), 0), name="no-op"),
-    Sample((t(1, 3, 1), (0, 2)), name="tuple"), Sample((t(1),), name="1-element")]),
-          _tiny(lambda t: [Sample((t(2, 1, 7),), name="2x1x7")]))
-_register("unsqueeze", unsqueeze, torch.unsqueeze, _samples(lambda t: [
-    Sample((t(3, 37), 1), name="3x37 at 1"), Sample((t(5, 3, 11), -1), name="at -1"), Sample((t(0, 4), 0), name="empty")]),
-          _tiny(lambda t: [Sample((t(3, 7), -3), name="3x7")]))
-_register("transpose", transpose, torch.transpose, _samples(lambda t: [
-    Sample((t(3, 37), 0, 1), name="3x37"), Sample((t(5, 3, 11), -1, 0), name="5x3x11 -1,0"),
-    Sample((t(2, 1, 7), 0, 1), name="size-1 (view)"), Sample((t(4, 0, 3), 0, 2), name="empty")]),
-          _tiny(lambda t: [Sample((t(3, 2, 5), 0, 2), name="3x2x5")]))
-_register("permute", permute, torch.permute, _samples(lambda t: [
-    Sample((t(5, 3, 11), (2, 0, 1)), name="5x3x11"), Sample((t(2, 3, 1, 5, 3), (-1, 2, 0, 3, 1)), name="rank 5"),
-    Sample((t(3, 37), (0, 1)), name="identity")]),
-          _tiny(lambda t: [Sample((t(3, 2, 5), (1, 2, 0)), name="3x2x5")]))
-_register("getitem", getitem, lambda x, index: x[index], _samples(lambda t: [
-    Sample((t(9, 5, 3), (_py_slice(1, 7, 2), _py_slice(None), -1)), name="x[1:7:2, :, -1]"),
-    Sample((t(9, 5, 3), (Ellipsis, None, _py_slice(-4, None))), name="x[..., None, -4:]"),
-    Sample((t(9, 5, 3), (_py_slice(2, 5),)), name="x[2:5] (view)"),
-    Sample((t(9, 5, 3), (1, None, _py_slice(-100, 100, 3))), name="x[1, None, ::3] clamped"),
-    Sample((t(3, 37), (_py_slice(5, 2),)), name="empty slice"),
-    Sample((t(3, 37), (2, 36)), name="scalar"), Sample((t(129, 7), (_py_slice(None, None, 4), 3)), name="129x7")]),
-          _tiny(lambda t: [Sample((t(5, 3, 4), (_py_slice(1, 5, 2), None, Ellipsis, -1)), name="mixed"),
-                           Sample((t(6, 4), (_py_slice(1, 3),)), name="rows")]))
-_register("slice", slice, lambda x, dim, start, end, step=1: torch.ops.aten.slice(x, dim, start, end, step),
-          _samples(lambda t: [Sample((t(5, 3, 11), -1, 2, -1, 3), name="5x3x11 last dim"),
-                              Sample((t(3, 37), 0, 1, None), name="rows"), Sample((t(3, 37), 1, 40, 50), name="empty")]),
-          _tiny(lambda t: [Sample((t(3, 8), 1, -7, 7, 2), name="3x8")]))
+_register(
+    "reshape",
+    reshape,
+    torch.reshape,
+    _samples(
+        lambda t: [
+            Sample((t(3, 37), (37, -1)), name="3x37->37x-1"),
+            Sample((t(5, 3, 11), (-1,)), name="flat"),
+            Sample((t(1), ()), name="1->scalar"),
+            Sample((t(0, 5), (5, 0, 1)), name="empty"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(2, 3, 5), (5, -1)), name="2x3x5")]),
+)
+_register(
+    "view",
+    lambda x, shape: view(x, *shape),
+    lambda x, shape: x.view(*shape),
+    **_both(lambda t: [Sample((t(2, 1, 7), (7, 2)), name="2x1x7")]),
+)
+_register(
+    "flatten",
+    flatten,
+    torch.flatten,
+    _samples(
+        lambda t: [
+            Sample((t(5, 3, 11), 1), name="5x3x11 from 1"),
+            Sample((t(2, 1, 7, 3), -3, -2), name="neg dims"),
+            Sample((t(3, 37),), name="all"),
+            Sample((t(0, 3, 2), 1), name="empty"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(2, 3, 5), 0, 1), name="2x3x5")]),
+)
+_register(
+    "unflatten",
+    unflatten,
+    torch.unflatten,
+    **_both(
+        lambda t: [
+            Sample((t(3, 14), -1, (2, -1)), name="3x14"),
+            Sample(
+                (
+                    t(
+                        15,
+                    ),
+                    0,
+                    (3, 5),
+                ),
+                name="15",
+            ),
+        ]
+    ),
+)
+_register(
+    "squeeze",
+    squeeze,
+    torch.squeeze,
+    _samples(
+        lambda t: [
+            Sample((t(2, 1, 7),), name="all"),
+            Sample((t(2, 1, 7), -2), name="dim -2"),
+            Sample((t(2, 1, 7), 0), name="no-op"),
+            Sample((t(1, 3, 1), (0, 2)), name="tuple"),
+            Sample((t(1),), name="1-element"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(2, 1, 7),), name="2x1x7")]),
+)
+_register(
+    "unsqueeze",
+    unsqueeze,
+    torch.unsqueeze,
+    _samples(
+        lambda t: [
+            Sample((t(3, 37), 1), name="3x37 at 1"),
+            Sample((t(5, 3, 11), -1), name="at -1"),
+            Sample((t(0, 4), 0), name="empty"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 7), -3), name="3x7")]),
+)
+_register(
+    "transpose",
+    transpose,
+    torch.transpose,
+    _samples(
+        lambda t: [
+            Sample((t(3, 37), 0, 1), name="3x37"),
+            Sample((t(5, 3, 11), -1, 0), name="5x3x11 -1,0"),
+            Sample((t(2, 1, 7), 0, 1), name="size-1 (view)"),
+            Sample((t(4, 0, 3), 0, 2), name="empty"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 2, 5), 0, 2), name="3x2x5")]),
+)
+_register(
+    "permute",
+    permute,
+    torch.permute,
+    _samples(
+        lambda t: [
+            Sample((t(5, 3, 11), (2, 0, 1)), name="5x3x11"),
+            Sample((t(2, 3, 1, 5, 3), (-1, 2, 0, 3, 1)), name="rank 5"),
+            Sample((t(3, 37), (0, 1)), name="identity"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 2, 5), (1, 2, 0)), name="3x2x5")]),
+)
+_register(
+    "getitem",
+    getitem,
+    lambda x, index: x[index],
+    _samples(
+        lambda t: [
+            Sample((t(9, 5, 3), (_py_slice(1, 7, 2), _py_slice(None), -1)), name="x[1:7:2, :, -1]"),
+            Sample((t(9, 5, 3), (Ellipsis, None, _py_slice(-4, None))), name="x[..., None, -4:]"),
+            Sample((t(9, 5, 3), (_py_slice(2, 5),)), name="x[2:5] (view)"),
+            Sample((t(9, 5, 3), (1, None, _py_slice(-100, 100, 3))), name="x[1, None, ::3] clamped"),
+            Sample((t(3, 37), (_py_slice(5, 2),)), name="empty slice"),
+            Sample((t(3, 37), (2, 36)), name="scalar"),
+            Sample((t(129, 7), (_py_slice(None, None, 4), 3)), name="129x7"),
+        ]
+    ),
+    _tiny(
+        lambda t: [
+            Sample((t(5, 3, 4), (_py_slice(1, 5, 2), None, Ellipsis, -1)), name="mixed"),
+            Sample((t(6, 4), (_py_slice(1, 3),)), name="rows"),
+        ]
+    ),
+)
+_register(
+    "slice",
+    slice,
+    lambda x, dim, start, end, step=1: torch.ops.aten.slice(x, dim, start, end, step),
+    _samples(
+        lambda t: [
+            Sample((t(5, 3, 11), -1, 2, -1, 3), name="5x3x11 last dim"),
+            Sample((t(3, 37), 0, 1, None), name="rows"),
+            Sample((t(3, 37), 1, 40, 50), name="empty"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 8), 1, -7, 7, 2), name="3x8")]),
+)
 _register("narrow", narrow, torch.narrow, **_both(lambda t: [Sample((t(3, 9), 1, -5, 3), name="3x9")]))
-_register("concat", concat, torch.cat, _samples(lambda t: [
-    Sample(([t(3, 37), t(3, 5), t(3, 1)], -1), name="last dim"), Sample(([t(2, 1, 7), t(5, 1, 7)],), name="dim 0"),
-    Sample(([t(5, 3, 11), t(5, 0, 11), t(5, 2, 11)], 1), name="middle with empty"),
-    Sample(([t(0), t(2, 3)], 0), name="skips 1-d empty"), Sample(([t(4, 3)], 1), name="one tensor")]),
-          _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]))
-_register("stack", stack, torch.stack, _samples(lambda t: [Sample(([t(3, 5), t(3, 5), t(3, 5)], -1), name="3x5")]),
-          _tiny(lambda t: [Sample(([t(2, 3), t(2, 3)], 1), name="2x3")]))
-_register("split", lambda x, s, dim=0: concat(split(x, s, dim)[::-1], dim),
-          lambda x, s, dim=0: torch.cat(torch.split(x, s, dim)[::-1], dim), _samples(lambda t: [
-              Sample((t(5, 3, 11), 4, -1), name="size 4 of 11"), Sample((t(7, 3), [2, 0, 5]), name="sections"),
-              Sample((t(3, 37), 3, 0), name="one part")]),
-          _tiny(lambda t: [Sample((t(3, 7), [2, 5], 1), name="3x7")]), notes="split(x, s, dim) checked through concat(parts reversed)")
-_register("chunk", lambda x, chunks, dim=0: concat(chunk(x, chunks, dim)[::-1], dim),
-          lambda x, chunks, dim=0: torch.cat(torch.chunk(x, chunks, dim)[::-1], dim),
-          **_both(lambda t: [Sample((t(2, 5), 3, 1), name="5 in 3")]))
-_register("expand", lambda x, sizes: expand(x, *sizes), lambda x, sizes: x.expand(*sizes), _samples(lambda t: [
-    Sample((t(3, 1), (3, 37)), name="3x1->3x37", reduction=37), Sample((t(11,), (5, 3, 11)), name="bias-like", reduction=15),
-    Sample((t(2, 1, 7), (4, -1, 9, -1)), name="2x1x7->4x2x9x7", reduction=36),
-    Sample((t(1), (300,)), name="scalar to 300", reduction=300), Sample((t(1, 5), (0, 5)), name="to empty"),
-    Sample((t(3, 1), (3, 1)), name="no-op (view)")]),
-          _tiny(lambda t: [Sample((t(3, 1), (2, 3, 5)), name="3x1->2x3x5", reduction=10)]))
-_register("stop_gradient", lambda x: concat([x, stop_gradient(x)]), lambda x: torch.cat([x, x.detach()]),
-          _samples(lambda t: [Sample((t(3, 7),), name="3x7")]),
-          # finite differences see through stop_gradient by design: nothing to gradcheck
-          lambda gen: [Sample((make(gen, 3, 7, dtype=torch.float64),), grad=(), name="3x7")],
-          notes="checked as concat([x, stop_gradient(x)]) against PyTorch autograd")
+_register(
+    "concat",
+    concat,
+    torch.cat,
+    _samples(
+        lambda t: [
+            Sample(([t(3, 37), t(3, 5), t(3, 1)], -1), name="last dim"),
+            Sample(([t(2, 1, 7), t(5, 1, 7)],), name="dim 0"),
+            Sample(([t(5, 3, 11), t(5, 0, 11), t(5, 2, 11)], 1), name="middle with empty"),
+            Sample(([t(0), t(2, 3)], 0), name="skips 1-d empty"),
+            Sample(([t(4, 3)], 1), name="one tensor"),
+        ]
+    ),
+    _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]),
+)
+_register(
+    "stack",
+    stack,
+    torch.stack,
+    _samples(lambda t: [Sample(([t(3, 5), t(3, 5), t(3, 5)], -1), name="3x5")]),
+    _tiny(lambda t: [Sample(([t(2, 3), t(2, 3)], 1), name="2x3")]),
+)
+_register(
+    "split",
+    lambda x, s, dim=0: concat(split(x, s, dim)[::-1], dim),
+    lambda x, s, dim=0: torch.cat(torch.split(x, s, dim)[::-1], dim),
+    _samples(
+        lambda t: [
+            Sample((t(5, 3, 11), 4, -1), name="size 4 of 11"),
+            Sample((t(7, 3), [2, 0, 5]), name="sections"),
+            Sample((t(3, 37), 3, 0), name="one part"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 7), [2, 5], 1), name="3x7")]),
+    notes="split(x, s, dim) checked through concat(parts reversed)",
+)
+_register(
+    "chunk",
+    lambda x, chunks, dim=0: concat(chunk(x, chunks, dim)[::-1], dim),
+    lambda x, chunks, dim=0: torch.cat(torch.chunk(x, chunks, dim)[::-1], dim),
+    **_both(lambda t: [Sample((t(2, 5), 3, 1), name="5 in 3")]),
+)
+_register(
+    "expand",
+    lambda x, sizes: expand(x, *sizes),
+    lambda x, sizes: x.expand(*sizes),
+    _samples(
+        lambda t: [
+            Sample((t(3, 1), (3, 37)), name="3x1->3x37", reduction=37),
+            Sample(
+                (
+                    t(
+                        11,
+                    ),
+                    (5, 3, 11),
+                ),
+                name="bias-like",
+                reduction=15,
+            ),
+            Sample((t(2, 1, 7), (4, -1, 9, -1)), name="2x1x7->4x2x9x7", reduction=36),
+            Sample((t(1), (300,)), name="scalar to 300", reduction=300),
+            Sample((t(1, 5), (0, 5)), name="to empty"),
+            Sample((t(3, 1), (3, 1)), name="no-op (view)"),
+        ]
+    ),
+    _tiny(lambda t: [Sample((t(3, 1), (2, 3, 5)), name="3x1->2x3x5", reduction=10)]),
+)
+_register(
+    "stop_gradient",
+    lambda x: concat([x, stop_gradient(x)]),
+    lambda x: torch.cat([x, x.detach()]),
+    _samples(lambda t: [Sample((t(3, 7),), name="3x7")]),
+    # finite differences see through stop_gradient by design: nothing to gradcheck
+    lambda gen: [Sample((make(gen, 3, 7, dtype=torch.float64),), grad=(), name="3x7")],
+    notes="checked as concat([x, stop_gradient(x)]) against PyTorch autograd",
+)
