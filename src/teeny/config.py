@@ -1,0 +1,26 @@
+"""teeny's switches, in one place. Each is read when a graph is traced (so a program keeps the
+behaviour it was built with) unless its description says otherwise.
+
+    teeny.config.allow_tf32 = True          # float32 products on TF32 tensor cores (default False)
+    teeny.config.deterministic = True       # bit-reproducible backward passes (no atomics)
+    teeny.config.check_indices = False      # device-side range checks of index inputs
+
+``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
+precision by default, float64 is always exact.
+``deterministic``: ops whose fastest backward adds with atomics (embedding) use a sort-based,
+bit-reproducible one instead.
+``check_indices``: embedding indices and class indices of losses are checked against their
+range inside the kernels, and an out-of-range index raises an error naming the op instead of
+reading garbage. On by default under the interpreter (CPU), off on the GPU, where the check
+costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .device import INTERPRETER
+
+allow_tf32: bool = False
+deterministic: bool = False
+check_indices: bool = os.environ.get("TEENY_CHECK_INDICES", "1" if INTERPRETER else "0").strip() not in ("0", "")
