@@ -192,6 +192,7 @@ class Executor:
         program = self.program
         values = self._bind_inputs(inputs, kwargs)
         keep = {v.id for v in program.outputs}
+        checks: list = []
         for index, p in enumerate(program.nodes):
             node = p.node
             args = [values[v.id] for v in node.inputs]
@@ -205,6 +206,7 @@ class Executor:
             if out is None:
                 out = self._alloc(node.output.shape, node.output.dtype)
                 ctx = make_context(program, p, args, out, saved, dry_run=False)
+                ctx.checks = checks
                 node.op.forward(ctx)
             values[node.output.id] = out
             if cache is not None and p.needs_backward:
@@ -216,6 +218,7 @@ class Executor:
             for v in node.inputs:  # free what no later node reads
                 if program.last_use.get(v.id) == index and v.id not in keep and v.kind == "node":
                     values.pop(v.id, None)
+        _raise_failed_checks(checks)
         self.live_values = sum(1 for vid in values if program.graph.values[vid].kind == "node" and vid not in keep)
         outs = tuple(values[v.id] for v in program.outputs)
         if cache is not None:
@@ -337,3 +340,14 @@ def _rows_with_one_stride(t: torch.Tensor) -> bool:
         if t.size(dim) > 1 and t.stride(dim) != expected:
             return False
     return True
+
+
+def _raise_failed_checks(checks: list) -> None:
+    """Read the flags ops asked to have checked (``OpContext.check_after``): one host
+    synchronisation for all of them. Skipped while a CUDA graph is being captured."""
+    if not checks or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    values = torch.stack([flag.reshape(()).to(torch.int64) for flag, _, _ in checks]).cpu().tolist()
+    for value, (_, where, describe) in zip(values, checks):
+        if value:
+            raise TeenyError(f"{where}: {describe(value)}")

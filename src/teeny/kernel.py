@@ -165,8 +165,11 @@ class Kernel:
             copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
             copy.__annotations__ = {**fn.__annotations__, **dict.fromkeys(names, tl.float64)}
             copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-            options = {k: getattr(self.jit, k) for k in ("do_not_specialize", "do_not_specialize_on_alignment")
-                       if getattr(self.jit, k, None)}
+            options = {
+                k: getattr(self.jit, k)
+                for k in ("do_not_specialize", "do_not_specialize_on_alignment")
+                if getattr(self.jit, k, None)
+            }
             if not options and hasattr(self.jit, "kwargs"):  # the interpreter keeps them as kwargs
                 options = {k: v for k, v in self.jit.kwargs.items() if k.startswith("do_not_specialize") and v}
             jit = triton.jit(copy, **options)

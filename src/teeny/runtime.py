@@ -321,6 +321,14 @@ class OpContext:
     output_shape: Shape = ()
     phase: str = "forward"
     allowed_kernels: set[int] | None = None  # backward dry run: the kernels the op's pairs declare
+    checks: list | None = None  # (flag, describe) pairs the executor reads after the forward
+
+    def check_after(self, flag: torch.Tensor, describe) -> None:
+        """After this run, raise an error naming the op if the one-element ``flag`` a kernel
+        wrote is not 0; ``describe(value)`` says what was wrong (e.g. which index was out of
+        range). The executor reads all flags of a forward with one synchronisation."""
+        if self.checks is not None and not self.dry_run:
+            self.checks.append((flag, self.where, describe))
 
     @property
     def where(self) -> str:
