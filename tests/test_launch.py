@@ -1,0 +1,235 @@
+"""The launch contract itself: packing by name, optional pointers, the BLOCK of a launch, the
+default grids, float64 scalars, row-strided gradients, and failures that name op, node,
+kernel and parameter (what tests/test_core.py's custom ops do not cover)."""
+
+import math
+
+import pytest
+import torch
+import triton.language as tl  # noqa: I001  (after teeny: teeny chooses the interpreter first)
+
+import teeny
+from teeny import Graph, LoweringMode, RuntimeOp, lower
+from teeny.kernel import kernel, record_launches
+from teeny.runtime import ArgVisitor, Block, Launch
+
+
+@kernel
+def _axpb_backward(x_ptr, dy_ptr, dx_ptr, n, a, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dx_ptr + offs, a * tl.load(dy_ptr + offs, mask=mask), mask=mask)
+
+
+@kernel(backward=_axpb_backward, optional=("b_ptr",))
+def _axpb_forward(x_ptr, b_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+    """y = a * x (+ b)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = a * tl.load(x_ptr + offs, mask=mask)
+    if b_ptr is not None:
+        y += tl.load(b_ptr + offs, mask=mask)
+    tl.store(y_ptr + offs, y, mask=mask)
+
+
+class Axpb(RuntimeOp):
+    """y = a * x (+ b): one kernel each way, packed by name, BLOCK from block()."""
+
+    name = "axpb"
+    kernel = _axpb_forward
+    saves_inputs = False
+
+    def __init__(self, a: float, with_b: bool = False, block: int = 16):
+        self.a, self.with_b, self.size = a, with_b, block
+        self.n_activation_inputs = 2 if with_b else 1
+
+    def block(self):
+        return Block(size=self.size, num_warps=2)
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        b = inputs[1] if self.with_b else None
+        visitor.visit(x_ptr=inputs[0], b_ptr=b, y_ptr=output, n=output.numel(), a=self.a)
+
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor,
+        saved=None,
+    ):
+        visitor.visit(x_ptr=grad_output, dy_ptr=grad_output, dx_ptr=grad_inputs[0], n=grad_output.numel(), a=self.a)
+
+    def backward_grid(self, input_shapes, output_shape):
+        return self.grid(input_shapes, output_shape)
+
+
+def _run(op, *tensors, train=False):
+    g = Graph()
+    xs = [g.input(f"x{i}", t.shape, t.dtype, requires_grad=train and i == 0) for i, t in enumerate(tensors)]
+    g.output(g.apply(op, xs, name="the_node"))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING if train else LoweringMode.INFERENCE))
+    return ex, {f"x{i}": t for i, t in enumerate(tensors)}
+
+
+def test_named_packing_with_an_optional_pointer_and_block_size():
+    x, b = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+    ex, feed = _run(Axpb(0.3, with_b=True), x, b)
+    torch.testing.assert_close(ex.forward(feed).cpu(), 0.3 * x + b)
+    ex, feed = _run(Axpb(0.3), x)  # b_ptr left out: None, declared optional
+    with record_launches() as log:
+        out = ex.forward(feed)
+    torch.testing.assert_close(out.cpu(), 0.3 * x, rtol=0, atol=0)
+    assert [r.grid for r in log] == [(math.ceil(37 / 16), 1, 1)]  # the default grid follows block().size
+
+
+def test_float_scalars_reach_float64_kernels_as_float64_and_others_as_float32():
+    for dtype, expected in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+        ex, feed = _run(Axpb(0.1), torch.randn(5, dtype=dtype), train=True)
+        with record_launches() as log:
+            out, cache = ex.forward_train(feed)
+            ex.backward(cache, torch.ones(5, dtype=dtype))
+        kernels = {r.kernel: r.scalar_types for r in log}
+        assert kernels["_axpb_forward"] == {"n": "i32", "a": expected}
+        assert kernels["_axpb_backward"]["a"] == expected
+
+
+def test_float64_variant_is_typed_float64():
+    jit = _axpb_forward.jit_with_float64(frozenset({"a"}))
+    assert jit is _axpb_forward.jit_with_float64(frozenset({"a"}))  # built once
+    assert jit.fn.__annotations__["a"] is tl.float64 if hasattr(jit, "fn") else True
+
+
+class _Misnamed(Axpb):
+    name = "misnamed"
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], y_ptr=output, n=output.numel(), alpha=self.a)
+
+
+class _NoneForRequired(Axpb):
+    name = "none_for_required"
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], y_ptr=None, n=output.numel(), a=self.a)
+
+
+class _PositionalWrongName(Axpb):
+    name = "positional_wrong_name"
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(None, "b_ptr").visit_ptr(output, "y_ptr")  # partly named: positional
+        visitor.visit_i32(output.numel(), "a").visit_float(self.a, "n").visit_constexpr(16, "BLOCK")
+
+
+class _TwoBackwardLaunchesOfAnUndeclaredKernel(Axpb):
+    name = "undeclared"
+
+    def backward_launches(self, ctx):
+        args = ArgVisitor().visit(
+            x_ptr=ctx.grad_output, b_ptr=None, y_ptr=ctx.grad_inputs[0], n=ctx.grad_output.numel(), a=self.a
+        )
+        return [Launch(_axpb_forward, (1,), args, 16), Launch(_other_forward, (1,), args, 16)]
+
+
+@kernel(optional=("b_ptr",))
+def _other_forward(x_ptr, b_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.mark.parametrize(
+    "op, pattern",
+    [
+        (_Misnamed(0.5), r"misnamed \(node 'the_node', forward\): kernel _axpb_forward has no parameter 'alpha'"),
+        (_NoneForRequired(0.5), r"argument 2 'y_ptr' got None, but the pointer is not declared optional"),
+        (_PositionalWrongName(0.5), r"argument 3 is 'n', but the visit there names 'a'"),
+    ],
+)
+def test_packing_mistakes_name_op_node_kernel_and_parameter(op, pattern):
+    with pytest.raises(teeny.PackingError, match=pattern):
+        _run(op, torch.randn(4))
+
+
+def test_backward_may_only_launch_kernels_the_forward_kernel_declares():
+    with pytest.raises(teeny.TeenyError, match=r"launches kernel _other_forward, which is not declared as a backward"):
+        _run(_TwoBackwardLaunchesOfAnUndeclaredKernel(0.5), torch.randn(4), train=True)
+
+
+class _NoBackwardGrid(Axpb):
+    name = "no_backward_grid"
+    backward_grid = RuntimeOp.backward_grid
+
+
+def test_a_backward_kernel_without_backward_grid_is_refused_at_lowering():
+    with pytest.raises(teeny.GridError, match=r"no_backward_grid has a backward kernel but no backward_grid"):
+        _run(_NoBackwardGrid(0.5), torch.randn(4), train=True)
+    _run(_NoBackwardGrid(0.5), torch.randn(4))  # inference needs no backward grid
+
+
+BROKEN = """
+@triton.jit
+def broken_forward(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.no_such_function(tl.load(x_ptr + offs)))
+"""
+
+
+class Broken(teeny.CustomOp):
+    name = "broken"
+
+    def lower_source(self):
+        return BROKEN
+
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], y_ptr=output, n=output.numel(), BLOCK=8)
+
+    def grid(self, input_shapes, output_shape):
+        return (1, 1, 1)
+
+
+def test_a_kernel_that_fails_to_compile_names_op_node_dtype_and_shapes():
+    ex, feed = _run(Broken(), torch.randn(2, 3, dtype=torch.float64))  # lowering cannot see it: no compile there
+    with pytest.raises(
+        teeny.runtime.KernelLaunchError,
+        match=r"op broken \(node 'the_node', forward\): kernel broken_forward for float64 failed "
+        r"on inputs \(2, 3\):",
+    ):
+        ex.forward(feed)
+
+
+class _RowGrad(RuntimeOp):
+    """y = x; dx = dy read by rows through grad_output_row_stride (a 2-D copy kernel)."""
+
+    name = "row_grad"
+    kernel = None
+    strided_grad_output = True
+    seen_strides: list = []
+
+    def view(self, inputs):
+        return inputs[0]
+
+    def has_backward(self):
+        return True
+
+    def backward_launches(self, ctx):
+        type(self).seen_strides.append((ctx.grad_output_row_stride, ctx.grad_output.is_contiguous()))
+        ctx.grad_inputs[0] = ctx.grad_output.contiguous()
+        return []
+
+
+def test_row_strided_grad_output_reaches_ops_that_read_rows_without_a_copy():
+    g = Graph()
+    x = g.input("x", (3, 4), torch.float64, requires_grad=True)
+    g.output(g.apply(_RowGrad(), [x]))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    big = torch.arange(30, dtype=torch.float64).view(3, 10)
+    _, cache = ex.forward_train({"x": torch.zeros(3, 4, dtype=torch.float64)})
+    grads = ex.backward(cache, big[:, 2:6].to(ex.device))
+    assert _RowGrad.seen_strides[-1] == (10, False)
+    torch.testing.assert_close(grads["x"].cpu(), big[:, 2:6])
