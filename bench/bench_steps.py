@@ -1,0 +1,265 @@
+"""Whole training steps, teeny against PyTorch (eager and torch.compile modes), in one run.
+
+The same model is built twice, in teeny (``teeny.models``) and in torch.nn with the same layers,
+shapes, dtype and optimizer; a step is zero_grad + forward + backward + optimizer update. teeny's
+step is ``teeny.train.TrainStep`` captured as a CUDA graph. Prints step ms (median of timed
+steps, CUDA events), tokens (samples) per second and peak memory per step; with ``--profile``
+also teeny's time per kernel name from one eager step (torch.profiler).
+
+    PYTHONPATH=src python3 bench/bench_steps.py --models gpt6,mlp --modes eager,default,reduce-overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn as tnn
+import torch.nn.functional as F
+
+import teeny
+from teeny import LoweringMode, lower, ops
+from teeny.graph import Graph
+from teeny.models import GPT
+from teeny.optim import SGD, AdamW
+from teeny.train import TrainStep
+
+DEV = teeny.DEVICE
+
+CASES = {
+    "gpt2": dict(kind="gpt", layers=12, d=768, heads=12, ctx=1024, batch=8, vocab=50304, dtype=torch.bfloat16),
+    "gpt6": dict(kind="gpt", layers=6, d=768, heads=12, ctx=256, batch=16, vocab=50304, dtype=torch.bfloat16),
+    "gpt4": dict(kind="gpt", layers=4, d=256, heads=8, ctx=128, batch=64, vocab=96, dtype=torch.float32),
+    "mlp": dict(kind="mlp", sizes=(784, 256, 256, 10), batch=128, dtype=torch.float32),
+    "mlp_bf16": dict(kind="mlp", sizes=(784, 256, 256, 10), batch=128, dtype=torch.bfloat16),
+    "mlp_big": dict(kind="mlp", sizes=(4096,) * 5, batch=8192, dtype=torch.bfloat16, gelu=True),
+}
+
+
+# ----------------------------------------------------------------------------- torch models
+
+
+class TorchBlock(tnn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = tnn.LayerNorm(d), tnn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (tnn.Linear(d, d) for _ in range(4))
+        self.fc, self.proj = tnn.Linear(d, 4 * d), tnn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+
+        def split(z):
+            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class TorchGPT(tnn.Module):
+    def __init__(self, vocab, ctx, d, heads, layers):
+        super().__init__()
+        self.tok = tnn.Embedding(vocab, d)
+        self.pos = tnn.Parameter(torch.randn(ctx, d) * 0.02)
+        self.blocks = tnn.ModuleList(TorchBlock(d, heads) for _ in range(layers))
+        self.ln, self.head = tnn.LayerNorm(d), tnn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class TorchMLP(tnn.Module):
+    def __init__(self, sizes, gelu):
+        super().__init__()
+        self.layers = tnn.ModuleList(tnn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.act = (lambda z: F.gelu(z, approximate="tanh")) if gelu else F.relu
+
+    def forward(self, x, targets):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = self.act(x)
+        return F.cross_entropy(x, targets) if targets.dtype == torch.int64 else F.mse_loss(x, targets)
+
+
+# ----------------------------------------------------------------------------- teeny models
+
+
+class TeenyMLP(teeny.Module):
+    def __init__(self, sizes, gelu):
+        super().__init__()
+        self.layers = teeny.nn.ModuleList(teeny.nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.gelu = gelu
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = ops.gelu(x, approximate="tanh") if self.gelu else ops.relu(x)
+        return x
+
+
+def batch_for(case):
+    g = torch.Generator().manual_seed(0)
+    if case["kind"] == "gpt":
+        shape = (case["batch"], case["ctx"])
+        idx = torch.randint(0, case["vocab"], shape, generator=g)
+        return idx.to(DEV), torch.randint(0, case["vocab"], shape, generator=g).to(DEV)
+    x = torch.randn(case["batch"], case["sizes"][0], generator=g).to(DEV, case["dtype"])
+    if case.get("gelu"):
+        return x, torch.randn(case["batch"], case["sizes"][-1], generator=g).to(DEV, case["dtype"])
+    return x, torch.randint(0, case["sizes"][-1], (case["batch"],), generator=g).to(DEV)
+
+
+def teeny_step(case):
+    dtype = case["dtype"]
+    g = Graph("step")
+    if case["kind"] == "gpt":
+        model = GPT(case["vocab"], case["ctx"], case["d"], case["heads"], case["layers"]).to(dtype)
+        idx = g.input("x", (case["batch"], case["ctx"]), torch.int64)
+        y = g.input("y", (case["batch"], case["ctx"]), torch.int64)
+        logits = model(idx)
+        g.output(ops.cross_entropy(ops.reshape(logits, (-1, case["vocab"])), ops.reshape(y, (-1,))))
+    else:
+        model = TeenyMLP(case["sizes"], case.get("gelu", False)).to(dtype)
+        x = g.input("x", (case["batch"], case["sizes"][0]), dtype)
+        if case.get("gelu"):
+            y = g.input("y", (case["batch"], case["sizes"][-1]), dtype)
+            g.output(ops.mse_loss(model(x), y))
+        else:
+            y = g.input("y", (case["batch"],), torch.int64)
+            g.output(ops.cross_entropy(model(x), y))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    opt = AdamW(ex, lr=1e-4) if case["kind"] == "gpt" else SGD(ex, lr=1e-3)
+    return ex, opt
+
+
+def torch_model(case):
+    if case["kind"] == "gpt":
+        model = TorchGPT(case["vocab"], case["ctx"], case["d"], case["heads"], case["layers"])
+    else:
+        model = TorchMLP(case["sizes"], case.get("gelu", False))
+    model = model.to(DEV, case["dtype"])
+    if case["kind"] == "gpt":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def timed(step, warmup, steps):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def teeny_row(case, x, y, steps, profile):
+    ex, opt = teeny_step(case)
+    step = TrainStep(ex, opt, cuda_graph=True)
+    t0 = time.perf_counter()
+    step({"x": x, "y": y})
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    ms, mem = timed(lambda: step({"x": x, "y": y}), 3, steps)
+    if profile:
+        eager = TrainStep(ex, opt, cuda_graph=False)
+        eager({"x": x, "y": y})
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            eager({"x": x, "y": y})
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        print(f"  teeny profile ({len(events)} kernel names, {total / 1000:.2f} ms GPU):")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
+            print(
+                f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
+                f" = {100 * e.device_time_total / total:5.1f}%"
+            )
+    return ("teeny (CUDA graph)", ms, mem, first)
+
+
+def torch_row(case, mode, x, y, steps):
+    model, opt = torch_model(case)
+    fn = model if mode in ("eager", "cudagraph") else torch.compile(model, mode=None if mode == "default" else mode)
+
+    def torch_step():
+        opt.zero_grad(set_to_none=mode != "cudagraph")
+        fn(x, y).backward()
+        opt.step()
+
+    run = torch_step
+    if mode == "cudagraph":  # the eager step captured by hand as one CUDA graph (the issue's anchor)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                torch_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch_step()
+        run = graph.replay
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    ms, mem = timed(run, 3, steps)
+    return (f"torch {mode}", ms, mem, first)
+
+
+def run_case(name, case, modes, steps, profile):
+    x, y = batch_for(case)
+    tokens = x.numel() if case["kind"] == "gpt" else x.shape[0]
+    rows = [teeny_row(case, x, y, steps, profile)]
+    torch.cuda.empty_cache()
+    for mode in modes:
+        rows.append(torch_row(case, mode, x, y, steps))
+        torch.cuda.empty_cache()
+    compiled = [r[1] for r in rows if r[0].startswith("torch ") and r[0] != "torch eager"]
+    best = min(compiled, default=math.nan)
+    print(f"{name}: {case}")
+    for label, ms, mem, first in rows:
+        print(f"  {label:22} {ms:8.3f} ms  {tokens / ms * 1000:12.0f} tok/s  peak {mem:8.0f} MiB  first {first:6.1f} s")
+    print(f"  teeny / best of the others but eager = {rows[0][1] / best:.2f}")
+    return {"case": name, "rows": rows, "teeny_over_best": rows[0][1] / best}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="gpt6,mlp,mlp_bf16")
+    parser.add_argument("--modes", default="eager,default,reduce-overhead", help="also: max-autotune, cudagraph")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    results = [run_case(m, CASES[m], args.modes.split(","), args.steps, args.profile) for m in args.models.split(",")]
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "steps.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
