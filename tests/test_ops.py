@@ -62,8 +62,9 @@ def test_matches_torch(info, dtype, gen):
 
         out = apply(info.op, *args, **kwargs)
         ref = info.ref(*ref_args, **ref_kwargs)
-        atol, rtol = tolerance(dtype, sample.reduction)
-        assert out.dtype == dtype if ref.is_floating_point() else True
+        out_dtype = info.output_dtype(dtype) if info.output_dtype else dtype
+        atol, rtol = tolerance(dtype, sample.reduction, out_dtype)
+        assert out.dtype == out_dtype if ref.is_floating_point() else True
         torch.testing.assert_close(
             out.double(), ref.double(), atol=atol, rtol=rtol, msg=lambda m: f"{info.name} {sample.name} forward: {m}"
         )

@@ -65,6 +65,35 @@ def _interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_bf16_rounding() -> None:
+    """Triton 3.6's interpreter converts float32 to bfloat16 by truncation, where the GPU (and
+    PyTorch) round to nearest even: every bfloat16 store on the CPU was biased towards zero by up
+    to one unit in the last place. Convert with round-to-nearest-even, as the GPU does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+    if getattr(original, "_teeny", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest, ties to even
+            nan = np.isnan(src.data)
+            if nan.any():
+                rounded = np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)  # stay a (quiet) NaN
+            return interpreter.TensorHandle(rounded.reshape(np.shape(src.data)), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._teeny = True
+    builder.cast_impl = cast_impl
+    for name in ("create_fp_trunc",):  # bound to the original through a lambda: rebind
+        setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
+
+
 def _single_threaded_blas() -> None:
     """Under the interpreter tl.dot is numpy's matmul on small tiles, which multi-threaded OpenBLAS
     made 100-200x slower on a loaded 2-core machine (10-20 ms for a 256x256x16 product against
@@ -78,6 +107,7 @@ def _single_threaded_blas() -> None:
 
 if INTERPRETER:
     _interpreter_loop_bounds()
+    _interpreter_bf16_rounding()
     _single_threaded_blas()
     # the interpreter also evaluates masked-out lanes (log(0), 0/0 there are discarded by the mask)
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")

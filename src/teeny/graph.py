@@ -313,6 +313,30 @@ class Tensor:
     def mean(self, dim=None, keepdim: bool = False):
         return _operator("mean")(self, dim, keepdim)
 
+    def to(self, dtype: torch.dtype):
+        return _operator("to")(self, dtype)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def long(self):
+        return self.to(torch.int64)
+
+    def int(self):
+        return self.to(torch.int32)
+
+    def bool(self):
+        return self.to(torch.bool)
+
 
 _OPERATORS: dict[str, Callable] = {}
 

@@ -4,10 +4,23 @@
 ``NN_LAYERS`` and they are gathered here.
 """
 
-from .kernels import activation, attention, conv, dropout, elementwise, embedding, linear, loss, norm, reduction, shape
+from .kernels import (
+    activation,
+    attention,
+    cast,
+    conv,
+    dropout,
+    elementwise,
+    embedding,
+    linear,
+    loss,
+    norm,
+    reduction,
+    shape,
+)
 from .module import Module, ModuleList, Parameter, Sequential
 
-_FAMILIES = (activation, attention, conv, dropout, elementwise, embedding, linear, loss, norm, reduction, shape)
+_FAMILIES = (activation, attention, cast, conv, dropout, elementwise, embedding, linear, loss, norm, reduction, shape)
 for _family in _FAMILIES:
     for _name in _family.NN_LAYERS:
         globals()[_name] = getattr(_family, _name)

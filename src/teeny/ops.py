@@ -9,6 +9,7 @@ every registered op (``all_ops``).
 from .graph import bind_operators
 from .kernels.activation import *  # noqa: F401,F403
 from .kernels.attention import *  # noqa: F401,F403
+from .kernels.cast import *  # noqa: F401,F403
 from .kernels.conv import *  # noqa: F401,F403
 from .kernels.dropout import *  # noqa: F401,F403
 from .kernels.elementwise import *  # noqa: F401,F403
@@ -34,6 +35,7 @@ bind_operators(
     permute=permute,  # noqa: F405
     sum=sum,
     mean=mean,
+    to=to,
 )  # noqa: F405
 
 

@@ -75,6 +75,7 @@ class OpInfo:
     family: str = ""
     gradcheck_samples: Callable[[torch.Generator], list[Sample]] | None = None  # float64; default: samples
     atol: dict = field(default_factory=dict)  # dtype -> extra absolute tolerance factor
+    output_dtype: Callable[[torch.dtype], torch.dtype] | None = None  # None: the output has the input's dtype
     notes: str = ""
     _facts: OpFacts | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -138,10 +139,11 @@ def register(info: OpInfo) -> OpInfo:
 _BASE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def tolerance(dtype: torch.dtype, reduction: int = 1) -> tuple[float, float]:
-    """(atol, rtol) for comparing an op in ``dtype`` with a float32/float64 reference,
-    where the op reduces over ``reduction`` terms."""
-    scale = _BASE[dtype] * max(1.0, math.sqrt(reduction))
+def tolerance(dtype: torch.dtype, reduction: int = 1, *more: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for comparing an op in ``dtype`` (and the coarsest of ``more``, e.g. an
+    output dtype) with a float32/float64 reference, where the op reduces over ``reduction`` terms."""
+    base = max(_BASE.get(d, 0.0) for d in (dtype, *more))
+    scale = base * max(1.0, math.sqrt(reduction))
     return scale, scale
 
 

@@ -1,0 +1,75 @@
+"""Casts: what the generic harness (float to float) does not see: integer and bool targets,
+truncation, views for the same dtype, the gradient's dtype, and bad dtypes."""
+
+import pytest
+import torch
+
+import teeny
+from teeny import Graph, LoweringMode, lower, ops
+from teeny.interop.torch import apply
+from teeny.kernel import record_launches
+
+
+@pytest.mark.parametrize("target", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16, torch.float64])
+def test_float_to_any_dtype_matches_torch(target):
+    x = torch.tensor([[-2.7, -0.5, 0.0, 0.4, 1.5, 3.99]])
+    out = apply(lambda t: ops.to(t, target), x)
+    expected = x.abs().to(target) if target == torch.uint8 else x.to(target)  # uint8 of a negative is undefined
+    if target == torch.uint8:
+        out = apply(lambda t: ops.to(t, target), x.abs())
+    assert out.dtype == target
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+def test_int_and_bool_sources_and_tensor_methods():
+    i = torch.tensor([3, -1, 0, 7])
+    torch.testing.assert_close(apply(lambda t: t.float() * 0.5, i).cpu(), i.float() * 0.5)
+    torch.testing.assert_close(apply(lambda t: t.bool(), i).cpu(), i.bool())
+    torch.testing.assert_close(apply(lambda t: t.long(), i.bool()).cpu(), i.bool().long())
+
+
+def test_same_dtype_is_a_view_and_launches_nothing():
+    g = Graph()
+    x = g.input("x", (4, 3))
+    g.output(ops.to(x, torch.float32))
+    program = lower(g, LoweringMode.INFERENCE)
+    assert program.kernel_names() == []  # a view: the dry run launches nothing, so nothing is built
+    ex = teeny.Executor(program)
+    t = torch.randn(4, 3)
+    with record_launches() as log:
+        ex.forward({"x": t})
+    assert log == []
+
+
+def test_gradient_is_cast_back_to_the_input_dtype():
+    x = torch.randn(5, 7, dtype=torch.float32, requires_grad=True)
+    y = apply(lambda t: ops.to(t, torch.bfloat16), x)
+    (g,) = torch.autograd.grad(y.float().pow(2).sum(), [x])
+    x_ref = x.detach().clone().requires_grad_()
+    (r,) = torch.autograd.grad(x_ref.to(torch.bfloat16).float().pow(2).sum(), [x_ref])
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g.cpu(), r)
+    teeny.gradcheck(
+        lambda t: ops.to(ops.to(t, torch.float32), torch.float64),
+        torch.randn(3, 4, dtype=torch.float64),
+        atol=1e-4,
+        rtol=1e-3,
+        eps=1e-3,
+    )
+
+
+def test_a_cast_to_an_integer_ends_the_gradient():
+    g = Graph()
+    w = g.parameter("w", (3,))
+    g.output(ops.sum(ops.to(ops.to(w, torch.int64), torch.float32)))
+    with pytest.raises(teeny.TeenyError, match="depends on no trainable parameter"):
+        lower(g, LoweringMode.TRAINING)
+
+
+def test_bad_dtype_is_a_clear_error():
+    g = Graph()
+    x = g.input("x", (2,))
+    with pytest.raises(teeny.GraphError, match=r"to: dtype must be a torch.dtype, got 'float'"):
+        ops.to(x, "float")
+    with pytest.raises(teeny.GraphError, match=r"teeny has no complex64 tensors"):
+        ops.to(x, torch.complex64)
