@@ -233,3 +233,28 @@ def test_row_strided_grad_output_reaches_ops_that_read_rows_without_a_copy():
     grads = ex.backward(cache, big[:, 2:6])
     assert _RowGrad.seen_strides[-1] == (10, False)
     torch.testing.assert_close(grads["x"].cpu(), big[:, 2:6].cpu())
+
+
+def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
+    from teeny.models import MLP
+
+    g = Graph("mlp")
+    x = g.input("x", (5, 8))
+    y = g.input("y", (5,), torch.int64)
+    g.output(teeny.ops.cross_entropy(MLP(8, 16, 3)(x), y))
+    program = lower(g, LoweringMode.TRAINING)
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        _, cache = ex.forward_train({"x": torch.randn(5, 8), "y": torch.tensor([0, 1, 2, 1, 0])})
+        ex.backward(cache)
+    planned = sum(len(p.forward_launches) + len(p.backward_launches) for p in program.nodes)
+    assert len([r for r in log if r.kernel != "accumulate_kernel"]) == planned
+    text = program.summary()
+    assert f"{sum(len(p.forward_launches) for p in program.nodes)} forward" in text
+    assert all(p.name in text for p in program.nodes)
+    # saving a graph input or a parameter costs nothing extra; gelu keeps its input (5x16 float32)
+    # and fc2 keeps gelu's output (5x16): the same sizes, counted per node
+    fc1, gelu, fc2 = program.nodes[:3]
+    assert program.saved_bytes(fc1) == 0
+    assert program.saved_bytes(gelu) == program.saved_bytes(fc2) == 5 * 16 * 4
+    assert program.peak_activation_bytes() >= 2 * 5 * 16 * 4

@@ -41,6 +41,8 @@ class PlannedNode:
     needs_backward: bool = False
     grad_mask: list[bool] = field(default_factory=list)  # per input: does it want a gradient
     saved_inputs: list[bool] = field(default_factory=list)  # per input: kept for the backward
+    forward_launches: list = field(default_factory=list)  # what the dry run launched (runtime.Launch)
+    backward_launches: list = field(default_factory=list)
 
     @property
     def op(self) -> RuntimeOp:
@@ -72,6 +74,59 @@ class Program:
     @property
     def inputs(self) -> list[Value]:
         return self.graph.inputs
+
+    def saved_bytes(self, p: PlannedNode) -> int:
+        """Bytes the forward keeps for ``p``'s backward (its declared saves)."""
+        if not p.needs_backward:
+            return 0
+        tensors = [v for v, keep in zip(p.node.inputs, p.saved_inputs) if keep and v.kind == "node"]
+        if p.op.saves_output:
+            tensors.append(p.node.output)
+        extras = p.op.extra_outputs([v.shape for v in p.node.inputs], p.node.dtype)
+        return sum(_nbytes(v.shape, v.dtype) for v in tensors) + sum(_nbytes(s, d) for s, d in extras.values())
+
+    def peak_activation_bytes(self) -> int:
+        """The most bytes of activations alive at once during the forward: values not yet past
+        their last reader, plus what training keeps for the backward (views count as free)."""
+        live: dict[int, int] = {}
+        kept = peak = 0
+        outputs = {v.id for v in self.outputs}
+        for index, p in enumerate(self.nodes):
+            out = p.node.output
+            if p.forward_launches or out.id in outputs:
+                live[out.id] = _nbytes(out.shape, out.dtype)
+            kept += self.saved_bytes(p)
+            peak = max(peak, kept + sum(live.values()))
+            for v in p.node.inputs:
+                if self.last_use.get(v.id) == index and v.id not in outputs:
+                    live.pop(v.id, None)
+        return peak
+
+    def summary(self) -> str:
+        """What the program will do: per node its op, output, launches (forward / backward) and
+        saved bytes; then the totals and the activation memory plan."""
+        rows = [f"program {self.graph.name} ({self.mode.value}): {len(self.nodes)} nodes"]
+        launches = [0, 0]
+        for p in self.nodes:
+            fwd, bwd = len(p.forward_launches), len(p.backward_launches)
+            launches[0] += fwd
+            launches[1] += bwd
+            shape = "x".join(str(s) for s in p.node.output.shape) or "scalar"
+            kernels = ", ".join(sorted({launch.kernel.name for launch in p.forward_launches + p.backward_launches}))
+            rows.append(
+                f"  {p.name:28} {p.op.name:22} {shape:>16} {fwd:2d}+{bwd:<2d} launches"
+                f"  saves {_mib(self.saved_bytes(p)):>8}  {kernels or '(view)'}"
+            )
+        param_bytes = sum(_nbytes(v.shape, v.dtype) for v in self.params)
+        rows.append(
+            f"  launches per step: {launches[0]} forward, {launches[1]} backward; kernels built: {len(self.instances)}"
+        )
+        rows.append(
+            f"  memory: parameters {_mib(param_bytes)}, saved for backward "
+            f"{_mib(sum(self.saved_bytes(p) for p in self.nodes))}, peak activations "
+            f"{_mib(self.peak_activation_bytes())}"
+        )
+        return "\n".join(rows)
 
     def kernel_names(self) -> list[str]:
         return sorted(
@@ -217,6 +272,7 @@ def _dry_run(program: Program) -> None:
         output = _meta(node.output.shape, node.output.dtype)
         saved = extra_buffers(p, _meta)
         ctx = make_context(program, p, inputs, output, saved, dry_run=True)
+        ctx.launched = p.forward_launches
         _run_checked(node, "forward", lambda: node.op.view(inputs) is not None or node.op.forward(ctx))
         if p.needs_backward:
             n_act = node.op.n_activation_inputs
@@ -229,12 +285,34 @@ def _dry_run(program: Program) -> None:
                 dry_run=True,
             )
             bctx.phase = "backward"
+            bctx.launched = p.backward_launches
             bctx.allowed_kernels = {id(k) for k in node.op.backward_kernels()}
             bctx.grad_output = _meta(node.output.shape, node.output.dtype)
             bctx.grad_output_row_stride = row_stride(bctx.grad_output)
             grads = [_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
             bctx.grad_inputs, bctx.grad_params = grads[:n_act], grads[n_act:]
             _run_checked(node, "backward", lambda: node.op.backward(bctx))
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return (
+        n
+        * (
+            torch.finfo(dtype).bits
+            if dtype.is_floating_point
+            else torch.iinfo(dtype).bits
+            if dtype != torch.bool
+            else 8
+        )
+        // 8
+    )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def row_stride(grad_output: torch.Tensor) -> int:

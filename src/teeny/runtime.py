@@ -322,6 +322,7 @@ class OpContext:
     phase: str = "forward"
     allowed_kernels: set[int] | None = None  # backward dry run: the kernels the op's pairs declare
     checks: list | None = None  # (flag, describe) pairs the executor reads after the forward
+    launched: list | None = None  # dry run: the launches seen, as (kernel, grid, argument values)
 
     def check_after(self, flag: torch.Tensor, describe) -> None:
         """After this run, raise an error naming the op if the one-element ``flag`` a kernel
@@ -377,6 +378,8 @@ class OpContext:
         shapes = "inputs " + ", ".join(str(tuple(s)) for s in self.input_shapes)
         for launch in launches:
             run_launch(launch, self.instance(launch.kernel), self.where, work, self.dry_run, shapes)
+            if self.launched is not None:
+                self.launched.append(launch)
 
     def launch(
         self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None, **options: Any
