@@ -75,28 +75,38 @@ class Program:
     def inputs(self) -> list[Value]:
         return self.graph.inputs
 
+    def _saves(self, p: PlannedNode) -> tuple[list[Value], int]:
+        """The intermediate values ``p`` keeps for its backward, and the bytes of its extra outputs
+        (graph inputs and parameters are held anyway: keeping them costs nothing)."""
+        if not p.needs_backward:
+            return [], 0
+        values = [v for v, keep in zip(p.node.inputs, p.saved_inputs) if keep and v.kind == "node"]
+        if p.op.saves_output:
+            values.append(p.node.output)
+        extras = p.op.extra_outputs([v.shape for v in p.node.inputs], p.node.dtype)
+        return values, sum(_nbytes(shape, dtype) for shape, dtype in extras.values())
+
     def saved_bytes(self, p: PlannedNode) -> int:
         """Bytes the forward keeps for ``p``'s backward (its declared saves)."""
-        if not p.needs_backward:
-            return 0
-        tensors = [v for v, keep in zip(p.node.inputs, p.saved_inputs) if keep and v.kind == "node"]
-        if p.op.saves_output:
-            tensors.append(p.node.output)
-        extras = p.op.extra_outputs([v.shape for v in p.node.inputs], p.node.dtype)
-        return sum(_nbytes(v.shape, v.dtype) for v in tensors) + sum(_nbytes(s, d) for s, d in extras.values())
+        values, extra = self._saves(p)
+        return extra + sum(_nbytes(v.shape, v.dtype) for v in values)
 
     def peak_activation_bytes(self) -> int:
         """The most bytes of activations alive at once during the forward: values not yet past
-        their last reader, plus what training keeps for the backward (views count as free)."""
+        their last reader, plus what training keeps for the backward (each value once; views
+        are free)."""
         live: dict[int, int] = {}
-        kept = peak = 0
+        kept: dict[int, int] = {}
+        extra = peak = 0
         outputs = {v.id for v in self.outputs}
         for index, p in enumerate(self.nodes):
             out = p.node.output
             if p.forward_launches or out.id in outputs:
                 live[out.id] = _nbytes(out.shape, out.dtype)
-            kept += self.saved_bytes(p)
-            peak = max(peak, kept + sum(live.values()))
+            values, extra_bytes = self._saves(p)
+            kept.update((v.id, _nbytes(v.shape, v.dtype)) for v in values)
+            extra += extra_bytes
+            peak = max(peak, extra + sum({**live, **kept}.values()))
             for v in p.node.inputs:
                 if self.last_use.get(v.id) == index and v.id not in outputs:
                     live.pop(v.id, None)
