@@ -200,10 +200,9 @@ def strided_copy(
     src = src_offset + strided_offsets(idx, sd0, sd1, sd2, sd3, sd4, st0, st1, st2, st3, st4, st5, NDIM)
     dst = dst_offset + strided_offsets(idx, dd0, dd1, dd2, dd3, dd4, dt0, dt1, dt2, dt3, dt4, dt5, NDIM)
     value = tl.load(src_ptr + src, mask=mask)
-    half = (dst_ptr.dtype.element_ty == tl.float16) | (dst_ptr.dtype.element_ty == tl.bfloat16)
-    if half and not value.dtype.is_floating():
-        # integers become half precision through float32, as in PyTorch (which rounds twice
-        # there too); the 3.6 interpreter's direct int -> bfloat16 cast is a bit cast
+    if dst_ptr.dtype.element_ty.is_floating() and dst_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        # through float32: exact for half-precision sources; integers are rounded twice, as in
+        # PyTorch; and the 3.6 interpreter's direct int -> bfloat16 cast is a bit cast
         value = value.to(tl.float32)
     tl.store(dst_ptr + dst, value.to(dst_ptr.dtype.element_ty), mask=mask)
 
