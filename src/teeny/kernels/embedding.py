@@ -161,7 +161,7 @@ class EmbeddingOp(RuntimeOp):
             bounds = f"out of range for {num} embeddings (indices must lie in [0, {num}))"
             ctx.check_after(flag, lambda value: f"index {decode_flag(value)} is {bounds}")
         layout = self._layout(ctx.input_shapes)
-        return launches + [layout.forward(w, idx, ctx.output, flag, ctx.saved.get("keys"), self._skip_key(dim))]
+        return launches + [layout.gather(w, idx, ctx.output, flag, ctx.saved.get("keys"), self._skip_key(dim))]
 
     def _renorm(self, ctx, idx, w) -> Launch:
         flat = idx.reshape(-1)
@@ -179,7 +179,7 @@ class EmbeddingOp(RuntimeOp):
         dim = ctx.input_shapes[1][1]
         layout = self._layout(ctx.input_shapes)
         keys = ctx.saved.get("keys")
-        return layout.backward(
+        return layout.scatter_add(
             ctx, ctx.inputs[0], ctx.grad_output, dw, keys, self._skip_key(dim), self.scale_grad_by_freq
         )
 

@@ -483,7 +483,7 @@ def copy_launch(src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor, ds
     return Launch(strided_copy, (cdiv(n, COPY_BLOCK), 1, 1), visitor, COPY_BLOCK, work=n)
 
 
-def gather_launch(src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor) -> Launch:
+def contiguous_copy(src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor) -> Launch:
     """Copy the strided view ``src_view`` of ``src`` into the contiguous ``dst``."""
     return copy_launch(src, src_view, dst, dst.view(src_view.shape))
 
@@ -525,15 +525,15 @@ class IndexLayout:
         block_r = min(pow2(self.n_r), INDEX_ROW)
         return min(pow2(self.n_b), max(1, INDEX_TILE // block_r)), block_r
 
-    def forward(self, x, idx, y, flag=None, keys=None, skip_key: int = -1) -> Launch:
+    def gather(self, x, idx, y, flag=None, keys=None, skip_key: int = -1) -> Launch:
         """The ``index_forward`` launch; ``flag`` (K int64, zeroed) records out-of-range indices,
-        ``keys`` (n_b int64) receives the keys for ``backward(..., keys=...)``."""
+        ``keys`` (n_b int64) receives the keys for ``scatter_add(..., keys=...)``."""
         block_b, block_r = self._blocks()
         args = self._visit(ArgVisitor().visit(x_ptr=x, idx_ptr=idx, y_ptr=y, flag_ptr=flag, keys_ptr=keys))
         args.visit(skip_key=skip_key, BLOCK_B=block_b, BLOCK_R=block_r)
         return Launch(index_forward, (cdiv(self.n_b, block_b), cdiv(self.n_r, block_r), 1), args, work=y.numel())
 
-    def backward(
+    def scatter_add(
         self, ctx: OpContext, idx, dy, dx, keys=None, skip_key: int = -1, by_count: bool = False
     ) -> list[Launch]:
         """Launches writing dx: the sorted path when ``keys`` (saved by the forward) is given,
@@ -619,7 +619,7 @@ class StridedViewOp(RuntimeOp):
 
     def forward_launches(self, ctx):
         x = ctx.inputs[0]
-        return [gather_launch(x, self.torch_view(x), ctx.output)]
+        return [contiguous_copy(x, self.torch_view(x), ctx.output)]
 
 
 class PermuteOp(StridedViewOp):
@@ -637,7 +637,7 @@ class PermuteOp(StridedViewOp):
         if back.is_contiguous():
             ctx.grad_inputs[0] = back
             return []
-        return [gather_launch(ctx.grad_output, back, ctx.grad_inputs[0])]
+        return [contiguous_copy(ctx.grad_output, back, ctx.grad_inputs[0])]
 
 
 class GetItemOp(StridedViewOp):
@@ -776,7 +776,7 @@ class ConcatOp(RuntimeOp):
             if part.is_contiguous():
                 ctx.grad_inputs[i] = part
             else:
-                launches.append(gather_launch(dy, part, ctx.grad_inputs[i]))
+                launches.append(contiguous_copy(dy, part, ctx.grad_inputs[i]))
         return launches
 
 
@@ -785,8 +785,9 @@ class IndexOp(RuntimeOp):
     index (a full slice where an index tensor goes); ``positions`` are the dims of x[basic]
     that the stacked indices (input 1, (K, n_b)) index, ``shaped`` says which of them have an
     index of rank >= 1 (the others are 0-d: they drop their dim like an int), and
-    ``index_shape`` is the indices' broadcast shape B. B replaces the indexed dims where those
-    are adjacent (ignoring 0-d ones), else it comes first."""
+    ``index_shape`` is the indices' broadcast shape B and ``dims`` the dims of x they index (for
+    messages). B replaces the indexed dims where those are adjacent (ignoring 0-d ones), else it
+    comes first."""
 
     name = "getitem"
     kernel = index_forward
@@ -845,11 +846,11 @@ class IndexOp(RuntimeOp):
         if flag is not None:
             for k, (dim, size) in enumerate(zip(self.dims, layout.sizes)):
                 ctx.check_after(flag[k : k + 1], _out_of_bounds(dim, size))
-        return [layout.forward(x, idx, ctx.output, flag, ctx.saved.get("keys"))]
+        return [layout.gather(x, idx, ctx.output, flag, ctx.saved.get("keys"))]
 
     def backward_launches(self, ctx):
         layout = self.layout(ctx.input_shapes[0])[1]
-        return layout.backward(ctx, ctx.inputs[1], ctx.grad_output, ctx.grad_inputs[0], ctx.saved.get("keys"))
+        return layout.scatter_add(ctx, ctx.inputs[1], ctx.grad_output, ctx.grad_inputs[0], ctx.saved.get("keys"))
 
 
 def _out_of_bounds(dim: int, size: int) -> Callable[[int], str]:
