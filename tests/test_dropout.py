@@ -6,6 +6,7 @@ import torch
 import teeny
 from teeny.executor import Executor
 from teeny.graph import Graph
+from teeny.kernel import record_launches
 from teeny.kernels import dropout as dropout_module
 from teeny.lowering import LoweringMode, lower
 from teeny.ops import dropout
@@ -143,3 +144,22 @@ def test_dropout_layer_follows_training_flag():
     layer.eval()
     y_eval = _executor(layer, x.shape, mode=LoweringMode.INFERENCE)(x)
     assert torch.equal(y_eval, x)
+
+
+def test_float64_dropout_gets_float64_scale_and_p():
+    """p = 0.3 is not dyadic: a float32 scale 1 / (1 - p) would be 1e-8 off (issue 17)."""
+    p = 0.3
+    x = _x(9, 31, dtype=torch.float64)
+    ex = _executor(lambda t: dropout(t, p, seed=4), x.shape, torch.float64)
+    with record_launches() as log:
+        y, cache = ex.forward_train(x)
+        dy = _x(9, 31, dtype=torch.float64)
+        dx = ex.backward(cache, dy)["x"]
+    scalars = {r.kernel: r.scalar_types for r in log if r.kernel.startswith("dropout")}
+    assert scalars["dropout_forward"]["p"] == scalars["dropout_forward"]["scale"] == "fp64"
+    assert scalars["dropout_backward"]["p"] == scalars["dropout_backward"]["scale"] == "fp64"
+    keep = y != 0
+    assert 0 < keep.double().mean().item() < 1
+    scale = 1.0 / (1.0 - p)  # a Python float: float64
+    torch.testing.assert_close(y, torch.where(keep, x * scale, 0.0), atol=1e-15, rtol=1e-15)
+    torch.testing.assert_close(dx, torch.where(keep, dy * scale, 0.0), atol=1e-15, rtol=1e-15)

@@ -1,18 +1,15 @@
-"""embedding family: determinism, padding_idx, layer init, errors."""
+"""embedding family beyond the generic harness: determinism, padding_idx, max_norm's in-place
+renormalisation, scale_grad_by_freq's counts, checked and unchecked out-of-range indices,
+layer init, errors."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import teeny
+import teeny.config
 from teeny import Graph
-from teeny.interop.torch import apply
-
-
-def _embedding_module():
-    import teeny.kernels.embedding as embedding_module
-
-    return embedding_module
+from teeny.interop.torch import apply, clear_cache
 
 
 def _grad(fn, idx, weight, grad_out):
@@ -45,18 +42,19 @@ def test_deterministic_backward_is_bit_reproducible_and_matches_torch(dtype, gen
         torch.testing.assert_close(g1.double(), ref, atol=3e-2, rtol=2e-2)
 
 
-def test_set_deterministic_flag_is_read_at_trace_time():
-    module = _embedding_module()
+def test_config_deterministic_is_read_at_trace_time(monkeypatch):
     g = Graph()
     idx, w = g.input("i", (3,), torch.int64), g.input("w", (4, 2))
     assert teeny.ops.embedding(idx, w).value.producer.op.deterministic is False
-    try:
-        module.set_deterministic(True)
-        op = teeny.ops.embedding(idx, w).value.producer.op
-    finally:
-        module.set_deterministic(False)
-    assert op.deterministic
-    assert op.backward_kernels() == (module.embedding_backward_sorted,)
+    monkeypatch.setattr(teeny.config, "deterministic", True)
+    y = teeny.ops.embedding(idx, w)
+    monkeypatch.setattr(teeny.config, "deterministic", False)
+    assert y.value.producer.op.deterministic  # traced while the switch was on
+    g.output(y)
+    w.value.requires_grad = True
+    program = teeny.lower(g, teeny.LoweringMode.TRAINING)
+    assert "index_backward_sorted[float32]" in program.kernel_names()
+    assert "index_backward[float32]" not in program.kernel_names()
     assert teeny.ops.embedding(idx, w, deterministic=True).value.producer.op.deterministic
 
 
@@ -113,8 +111,31 @@ def test_embedding_errors():
         teeny.nn.Embedding(3, 2, padding_idx=-4)
 
 
-def test_out_of_range_index_is_masked():
-    """No device check without a host sync: an out-of-range index reads zeros, adds nothing."""
+@pytest.fixture
+def checks(monkeypatch):
+    """Set ``teeny.config.check_indices`` for one test (interop's cached programs, traced with
+    the other setting, are dropped before and after)."""
+
+    def set_checks(flag: bool) -> None:
+        monkeypatch.setattr(teeny.config, "check_indices", flag)
+        clear_cache()
+
+    yield set_checks
+    clear_cache()
+
+
+@pytest.mark.parametrize("bad", [7, -1, 3])
+def test_out_of_range_index_raises_when_checked(bad, checks):
+    checks(True)
+    with pytest.raises(
+        teeny.TeenyError, match=rf"op embedding \(node .*\): index {bad} is out of range for 3 embeddings"
+    ):
+        apply(teeny.ops.embedding, torch.tensor([[1, 0], [bad, 2]]), torch.randn(3, 2))
+
+
+def test_out_of_range_index_reads_zeros_when_unchecked(checks):
+    """With the check off nothing is checked: an out-of-range index reads zeros, adds nothing."""
+    checks(False)
     idx = torch.tensor([1, 7, -1])
     weight = torch.randn(3, 2)
     for deterministic in (False, True):
@@ -123,3 +144,59 @@ def test_out_of_range_index_is_masked():
         )
         assert torch.equal(out[0], weight[1]) and torch.equal(out[1:], torch.zeros(2, 2))
         assert torch.equal(g, torch.tensor([[0.0, 0.0], [1, 1], [0, 0]]))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.5, float("inf")])
+def test_max_norm_renormalises_the_referenced_rows_in_place_like_torch(norm_type, gen):
+    idx = torch.tensor([[0, 3, 3], [5, 0, 1]])  # rows 2 and 4 are not referenced
+    weight = torch.randn(6, 5, generator=gen, dtype=torch.float64) * 2
+    weight[1] *= 0.01  # referenced but within max_norm: unchanged
+    ours, theirs = weight.clone(), weight.clone()
+    out = apply(lambda i, w: teeny.ops.embedding(i, w, max_norm=0.9, norm_type=norm_type), idx, ours)
+    expected = F.embedding(idx, theirs, max_norm=0.9, norm_type=norm_type)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)  # the weight itself changed
+    assert torch.equal(ours[[1, 2, 4]], weight[[1, 2, 4]])
+    norms = torch.linalg.vector_norm(ours[[0, 3, 5]], ord=norm_type, dim=1)
+    torch.testing.assert_close(norms, torch.full((3,), 0.9, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_max_norm_renormalises_the_layer_parameter_in_its_arena(gen):
+    layer = teeny.nn.Embedding(5, 4, max_norm=1.0)
+    g = Graph()
+    idx = g.input("i", (3,), torch.int64)
+    g.output(layer(idx).sum())
+    ex = teeny.Executor(teeny.lower(g, teeny.LoweringMode.TRAINING))
+    before = ex.params["weight"].clone()
+    loss, cache = ex.forward_train({"i": torch.tensor([4, 0, 4])})
+    ex.backward(cache)
+    after = ex.params["weight"]
+    expected = before.clone()
+    F.embedding(torch.tensor([4, 0, 4]), expected, max_norm=1.0)
+    torch.testing.assert_close(after.cpu(), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(after.cpu(), before.cpu())
+    torch.testing.assert_close(loss.cpu(), expected[[4, 0, 4]].sum(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_scale_grad_by_freq_divides_by_the_count_in_the_batch(deterministic):
+    idx = torch.tensor([[2, 2, 0], [2, 5, 0]])
+    weight = torch.randn(6, 3)
+    _, g = _grad(
+        lambda i, w: teeny.ops.embedding(i, w, scale_grad_by_freq=True, deterministic=deterministic),
+        idx,
+        weight,
+        torch.ones(2, 3, 3),
+    )
+    assert torch.equal(g, torch.tensor([[1.0] * 3, [0] * 3, [1] * 3, [0] * 3, [0] * 3, [1] * 3]))
+
+
+def test_embedding_option_errors():
+    g = Graph()
+    i, w = g.input("i", (3,), torch.int64), g.input("w", (4, 2))
+    with pytest.raises(ValueError, match="norm_type must be positive"):
+        teeny.ops.embedding(i, w, max_norm=1.0, norm_type=0.0)
+    with pytest.raises(ValueError, match="max_norm must be non-negative"):
+        teeny.ops.embedding(i, w, max_norm=-1.0)
+    with pytest.raises(ValueError, match="sparse gradients are not supported"):
+        teeny.ops.embedding(i, w, sparse=True)

@@ -1,12 +1,17 @@
-"""Shape ops beyond the generic harness: views that do not copy, integer tensors, Tensor
-methods, stop_gradient, the split path of expand's backward, layers, and error messages."""
+"""Shape ops beyond the generic harness: views that do not copy, integer and bool tensors (and
+the dtypes the registry derives for them), Tensor methods, stop_gradient, the split path of
+expand's backward, advanced indexing (PyTorch's placement rules, repeated indices, the
+deterministic path, checked and unchecked out-of-range indices), cat's type promotion,
+layers, and error messages."""
 
 import pytest
 import torch
 
 import teeny
+import teeny.config
 import teeny.ops as O
-from teeny.interop.torch import apply
+from teeny.interop.torch import apply, clear_cache
+from teeny.registry import OPS
 
 
 def _run(fn, *tensors, mode=None):
@@ -169,8 +174,14 @@ def _graph_x(shape=(3, 4)):
         (lambda x: O.slice(x, 1, 0, 3, 0), "step must be positive"),
         (lambda x: x[0, 0, 0], "too many indices for tensor of dimension 2"),
         (lambda x: x[..., ...], "single ellipsis"),
-        (lambda x: x[[0, 1]], "not supported"),
-        (lambda x: x[x], "not supported"),
+        (lambda x: x[x], "index tensor 'x' is a torch.float32: index tensors must be int64 or int32"),
+        (lambda x: x[x.graph.input("m", (3,), torch.bool)], "boolean mask"),
+        (lambda x: x[[0, 3]], "index 3 is out of bounds for dimension 0 with size 3"),
+        (lambda x: x[:, [-5]], "index -5 is out of bounds for dimension 1 with size 4"),
+        (lambda x: x[[0, 1], [0, 1, 2]], r"could not be broadcast together with shapes \[2\], \[3\]"),
+        (lambda x: x[[0.5]], "must be a list of ints"),
+        (lambda x: x[[True]], "must be a list of ints"),
+        (lambda x: x[True], "not supported"),
         (lambda x: O.split(x, [1, 1]), r"sum exactly to 3 .*split_sizes=\[1, 1\]"),
         (lambda x: O.split(x, 0), "split_size can only be 0"),
         (lambda x: O.expand(x, 3, 5), r"expanded size of the tensor \(5\) must match the existing size \(4\)"),
@@ -178,7 +189,6 @@ def _graph_x(shape=(3, 4)):
         (lambda x: O.expand(x, -1, 3, 4), "leading, non-existing dimension"),
         (lambda x: O.concat([x, x.graph.input("y", (2, 5))], 0), "sizes of tensors must match except in dimension 0"),
         (lambda x: O.concat([x, x.graph.input("y", (3,))], 0), "same number of dimensions"),
-        (lambda x: O.concat([x, x.graph.input("y", (3, 4), torch.float64)]), "one dtype"),
         (lambda x: O.concat([]), "non-empty"),
         (lambda x: O.stack([x, x.graph.input("y", (3, 5))]), "equal size"),
         (lambda x: O.narrow(x, 1, 2, 3), "exceeds dimension size"),
@@ -196,3 +206,112 @@ def test_rank_above_six_after_merging_is_refused_clearly():
     g.output(O.permute(x, (6, 5, 4, 3, 2, 1, 0)))
     with pytest.raises(teeny.TeenyError, match="at most 6"):
         teeny.lower(g)
+
+
+def test_shape_op_facts_include_integer_and_bool_dtypes():
+    for name in ("transpose", "getitem", "concat", "reshape"):
+        dtypes = OPS[name].facts().dtypes
+        assert torch.int64 in dtypes and torch.bool in dtypes and torch.float32 in dtypes, name
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_advanced_indexing_and_promoting_concat_on_integer_and_bool_tensors(dtype):
+    x = (torch.arange(4 * 5 * 3).reshape(4, 5, 3) % 3).to(dtype)
+    i = torch.tensor([[3, -1], [0, 0]])
+    out, _, _ = _run(lambda a, b: a[b, :, [2, 0]], x, i)
+    assert out.dtype == dtype and torch.equal(out.cpu(), x[i, :, [2, 0]])
+    y = torch.tensor([[7, 1, 2]], dtype=torch.int32)
+    out, _, _ = _run(lambda a, b: O.concat([a[0], b]), x, y)
+    assert out.dtype == torch.promote_types(dtype, torch.int32)
+    assert torch.equal(out.cpu(), torch.cat([x[0], y]))
+
+
+def _index_cases():
+    gen = torch.Generator().manual_seed(3)
+
+    def i(size, *shape):
+        return torch.randint(-size, size, shape, generator=gen)
+
+    s = slice
+    return [
+        (0, s(None), [1, 2]),  # the int selects first: [1, 2] is alone, so B stays in place
+        (s(None), 0, [1, 2]),
+        ([0, 1], s(None), [1, 2]),  # apart: B first
+        (s(None), [0, 1], [1, 2]),  # adjacent: B in place
+        (None, [0, 1], Ellipsis, [2, 3]),  # None counts as a dim
+        (s(1, 3), [0, 1], 2),
+        ([[0], [1]], s(None), i(7, 3)),  # broadcast (2, 1) with (3,)
+        (i(5), s(None), [1, 2]),  # a 0-d index drops its dim like an int
+        ([0, 1], i(6), [1, 2]),  # ... and does not separate its neighbours
+        (s(None, None, 2), None, i(6, 2, 2), s(1, 6, 3)),
+        (i(5, 4, 1), i(6, 3), i(7, 1, 1)),
+        (s(None), []),
+        (torch.tensor([1, -1]),),  # a torch tensor while tracing: a constant
+        (i(5, 3).to(torch.int32), s(2, 4)),
+    ]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_advanced_indexing_follows_pytorch(deterministic, monkeypatch):
+    monkeypatch.setattr(teeny.config, "deterministic", deterministic)
+    x = torch.randn(5, 6, 7, dtype=torch.float64, requires_grad=True)
+    gen = torch.Generator().manual_seed(4)
+    for index in _index_cases():
+        expected = x[index]
+        out = apply(lambda t, i: O.getitem(t, i), x, index)
+        assert out.shape == expected.shape, index
+        assert torch.equal(out, expected), index
+        g = torch.randn(expected.shape, dtype=torch.float64, generator=gen)
+        (dx,) = torch.autograd.grad(out, x, g)
+        torch.testing.assert_close(dx, torch.autograd.grad(expected, x, g)[0], atol=1e-13, rtol=1e-13)
+    clear_cache()
+
+
+def test_advanced_indexing_deterministic_backward_is_bit_reproducible(monkeypatch):
+    monkeypatch.setattr(teeny.config, "deterministic", True)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, requires_grad=True)
+    index = (torch.randint(0, 3, (200,), generator=gen), slice(None))  # every row named ~67 times
+    g = torch.randn(200, 7, generator=gen)
+    grads = [torch.autograd.grad(apply(lambda t, i: O.getitem(t, i), x, index), x, g)[0] for _ in range(2)]
+    clear_cache()
+    assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+    expected = torch.zeros(3, 7, dtype=torch.float64).index_add_(0, index[0], g.double())
+    torch.testing.assert_close(grads[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_out_of_range_index_tensor(checked, monkeypatch):
+    monkeypatch.setattr(teeny.config, "check_indices", checked)
+    clear_cache()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[0, 6], [-7, 5]])
+    try:
+        if checked:
+            with pytest.raises(teeny.TeenyError, match=r"op getitem .*index (6|-7) is out of bounds for dimension 1"):
+                apply(lambda t, i: t[1:3, i], x, index)
+            return
+        # unchecked: an out-of-range index reads 0 and gets no gradient
+        out = apply(lambda t, i: t[1:3, i], x, index)
+        expected = x[1:3, index.clamp(0, 5)].detach() * torch.tensor([[1.0, 0], [0, 1]], dtype=torch.float64)
+        assert torch.equal(out.detach(), expected)
+        (dx,) = torch.autograd.grad(out, x, torch.ones(out.shape, dtype=torch.float64))
+        assert dx.sum().item() == 4 and dx[1:3, [0, 5]].sum().item() == 4
+    finally:
+        clear_cache()
+
+
+def test_concat_promotes_dtypes_like_torch():
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(1, 3, dtype=torch.float64, requires_grad=True)
+    c = torch.arange(3).reshape(1, 3)
+    out = apply(lambda p, q, r: O.concat([p, q, r]), a, b, c)
+    expected = torch.cat([a, b, c])
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    g = torch.randn(4, 3, dtype=torch.float64)
+    da, db = torch.autograd.grad(out, (a, b), g)
+    assert da.dtype == torch.float32 and torch.equal(da, g[:2].float())
+    assert torch.equal(db, g[2:3])
+    out = apply(lambda p, q: O.stack([p, q]), torch.tensor([True, False]), torch.tensor([2, 3], dtype=torch.uint8))
+    assert out.dtype == torch.uint8 and torch.equal(out, torch.tensor([[1, 0], [2, 3]], dtype=torch.uint8))

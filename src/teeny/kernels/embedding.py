@@ -1,132 +1,125 @@
 """Embedding: y[i, :] = W[idx[i], :]; dW[r, :] = sum of dy[i, :] over the i with idx[i] == r.
 
-The forward gathers rows (indices of any shape, int64 or int32). The backward scatters the
-rows of dy into dW, in one of two ways:
+A row gather: the forward is ``index_forward`` (shape.py's advanced-indexing kernel, one index
+over W's rows, no wrap-around of negative indices) and the backward its scatter-add pair:
 
-- default (``embedding_backward_atomic``): ``tl.atomic_add`` into a zeroed buffer (float32
-  for half weights, then cast to dW). Fast, but the order of the additions varies from run to
-  run, so the result is **not bit-reproducible**.
-- deterministic (``embedding(..., deterministic=True)`` or ``set_deterministic(True)``): the
-  flattened indices are sorted on the device (``torch.sort``, stable: no host sync), and
-  ``embedding_backward_sorted`` has the first position of each run of equal indices sum that
-  run's dy rows in position order, in fp32 (fp64 for float64). Bit-reproducible.
+- default (``index_backward``): atomic adds into a zeroed buffer (float32 for half weights,
+  then cast to dW). Fast, but the order of the additions varies from run to run, so the result
+  is **not bit-reproducible**.
+- deterministic (``teeny.config.deterministic = True`` when the graph is traced, or
+  ``embedding(..., deterministic=True)``): the forward also writes each position's row offset;
+  the backward sorts them on the device (``torch.sort``, stable: no host sync) and
+  ``index_backward_sorted`` has the first position of each run of equal rows sum that run's
+  dy rows in position order, in fp32 (fp64 for float64). Bit-reproducible.
 
-``padding_idx`` rows are returned by the forward but get a zero gradient. Indices outside
-[0, num_embeddings) cannot be checked without a host sync: their loads and stores are masked,
-so such an index reads a row of zeros and contributes no gradient (PyTorch would raise).
+PyTorch's options:
+
+- ``padding_idx``: that row is returned by the forward but gets a zero gradient.
+- ``scale_grad_by_freq=True``: dW[r] is divided by the number of times r occurs in the batch
+  (the sorted backward, where a run's length is that count).
+- ``max_norm``: before the lookup, each row the batch references whose ``norm_type``-norm
+  exceeds ``max_norm`` is scaled by max_norm / (norm + 1e-7) **in place**, as F.embedding
+  does: the weight itself changes (the parameter in the executor's arena, or the tensor given
+  to ``interop.torch.apply``). The renormalisation is not differentiated (as in PyTorch): dW is
+  the gradient of a lookup of the renormalised rows. ``embedding_renorm`` does it over the
+  sorted indices, so a row the batch names several times is scaled once.
+
+Indices outside [0, num_embeddings) (negative ones included, as in PyTorch): under
+``teeny.config.check_indices`` (read at trace time; on by default on the CPU, off on the GPU)
+the forward flags one and the op raises an error naming it after the forward. With the check
+off nothing is checked: such an index reads a row of zeros and adds nothing to dW.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 import triton.language as tl
 
+from .. import config
 from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, RuntimeOp
-from .common import cdiv
+from ..runtime import ArgVisitor, Launch, RuntimeOp
+from .common import pow2, upcast
+from .shape import IndexLayout, decode_flag, index_forward
 
-__all__ = ["embedding", "set_deterministic", "get_deterministic"]
+__all__ = ["embedding"]
 NN_LAYERS = ["Embedding"]
 
-_DETERMINISTIC = False
+RENORM_BLOCK = 1024 if INTERPRETER else 256  # row elements per step of embedding_renorm
 
-
-def set_deterministic(flag: bool) -> None:
-    """Make embedding backwards traced from now on bit-reproducible (sort-based instead of
-    atomics). Read at trace time."""
-    global _DETERMINISTIC
-    _DETERMINISTIC = bool(flag)
-
-
-def get_deterministic() -> bool:
-    return _DETERMINISTIC
-
-
-# the interpreter pays per program instance and per operation, not per element: wide tiles there
-BLOCK_I = 256 if INTERPRETER else 32
-BLOCK_D = 64 if INTERPRETER else 128
-CAST_BLOCK = 16384 if INTERPRETER else 1024
-
-
-# ----------------------------------------------------------------------------- kernels
+# embedding_renorm's norms
+NORM_P = tl.constexpr(0)  # (sum |w|^p)^(1/p), any p > 0
+NORM_L1 = tl.constexpr(1)
+NORM_L2 = tl.constexpr(2)
+NORM_INF = tl.constexpr(3)
+_NORMS = {1.0: NORM_L1, 2.0: NORM_L2, math.inf: NORM_INF}
 
 
 @kernel(half=True)
-def embedding_backward_atomic(
-    idx_ptr, dy_ptr, acc_ptr, n, num, dim, padding_idx, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """acc[idx[i], :] += dy[i, :] with atomics (not bit-reproducible); acc is zeroed first."""
-    offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    rows = tl.load(idx_ptr + offs_i, mask=offs_i < n, other=-1).to(tl.int64)
-    valid = (offs_i < n) & (rows >= 0) & (rows < num) & (rows != padding_idx)
-    mask = valid[:, None] & (offs_d < dim)[None, :]
-    dy = tl.load(dy_ptr + offs_i[:, None] * dim + offs_d[None, :], mask=mask, other=0.0)
-    tl.atomic_add(acc_ptr + rows[:, None] * dim + offs_d[None, :], dy.to(acc_ptr.dtype.element_ty), mask=mask)
-
-
-@kernel(half=True)
-def embedding_backward_sorted(
-    sorted_ptr, order_ptr, dy_ptr, dw_ptr, n, num, dim, padding_idx, ACC: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """dW[r, :] = sum over the run of sorted positions q with sorted[q] == r of dy[order[q], :],
-    summed in position order by the run's first position (bit-reproducible); dW is zeroed first."""
+def embedding_renorm(sorted_ptr, w_ptr, num, dim, max_norm, norm_type, eps, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program p: if sorted index p starts a run of equal indices (and lies in [0, num)), scale
+    row W[sorted[p]] by max_norm / (norm + eps) in place when its norm exceeds max_norm."""
     p = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < dim
     row = tl.load(sorted_ptr + p).to(tl.int64)
-    prev = tl.load(sorted_ptr + p - 1, mask=p > 0, other=0).to(tl.int64)
-    starts = (p == 0) | (row != prev)
-    if starts & (row >= 0) & (row < num) & (row != padding_idx):
-        acc = tl.zeros((BLOCK_D,), dtype=ACC)
-        q = p
-        key = row
-        while key == row:
-            src = tl.load(order_ptr + q).to(tl.int64)
-            acc += tl.load(dy_ptr + src * dim + offs_d, mask=mask_d, other=0.0).to(ACC)
-            q += 1
-            key = tl.load(sorted_ptr + q, mask=q < n, other=-1).to(tl.int64)
-        tl.store(dw_ptr + row * dim + offs_d, acc.to(dw_ptr.dtype.element_ty), mask=mask_d)
-
-
-@kernel(half=True)
-def embedding_cast(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """dst = src in dst's dtype (the fp32 atomic buffer into a half-precision dW)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask).to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@kernel(backward=(embedding_backward_atomic, embedding_backward_sorted, embedding_cast), half=True)
-def embedding_forward(idx_ptr, w_ptr, y_ptr, n, num, dim, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-    """y[i, :] = W[idx[i], :] (a row of zeros for an index outside [0, num))."""
-    offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_range = offs_i < n
-    rows = tl.load(idx_ptr + offs_i, mask=in_range, other=0).to(tl.int64)
-    valid = in_range & (rows >= 0) & (rows < num)
-    mask_d = (offs_d < dim)[None, :]
-    values = tl.load(w_ptr + rows[:, None] * dim + offs_d[None, :], mask=valid[:, None] & mask_d, other=0.0)
-    tl.store(y_ptr + offs_i[:, None] * dim + offs_d[None, :], values, mask=in_range[:, None] & mask_d)
-
-
-# ----------------------------------------------------------------------------- op
+    previous = tl.load(sorted_ptr + p - 1, mask=p > 0, other=-1).to(tl.int64)
+    if (row != previous) & (row >= 0) & (row < num):
+        base = w_ptr + row * dim
+        acc = upcast(tl.zeros([BLOCK_D], dtype=w_ptr.dtype.element_ty))
+        for start in range(0, dim, BLOCK_D):
+            offsets = start + tl.arange(0, BLOCK_D)
+            a = tl.abs(upcast(tl.load(base + offsets, mask=offsets < dim, other=0)))
+            if NORM == NORM_INF:
+                acc = tl.maximum(acc, a)
+            elif NORM == NORM_L1:
+                acc += a
+            elif NORM == NORM_L2:
+                acc += a * a
+            else:
+                acc += tl.exp(norm_type * tl.log(a))  # |w| = 0 gives exp(-inf) = 0
+        if NORM == NORM_INF:
+            norm = tl.max(acc, axis=0)
+        elif NORM == NORM_L1:
+            norm = tl.sum(acc, axis=0)
+        elif NORM == NORM_L2:
+            norm = tl.sqrt(tl.sum(acc, axis=0))
+        else:
+            norm = tl.exp(tl.log(tl.sum(acc, axis=0)) / norm_type)
+        if norm > max_norm:
+            scale = max_norm / (norm + eps)
+            for start in range(0, dim, BLOCK_D):
+                offsets = start + tl.arange(0, BLOCK_D)
+                w = upcast(tl.load(base + offsets, mask=offsets < dim, other=0))
+                tl.store(base + offsets, (w * scale).to(w_ptr.dtype.element_ty), mask=offsets < dim)
 
 
 class EmbeddingOp(RuntimeOp):
+    """The lookup of rows of the weight (the parameter input) by the indices (the activation
+    input); see the module docstring for the options."""
+
     name = "embedding"
-    kernel = embedding_forward
+    kernel = index_forward
     n_activation_inputs = 1  # the indices; the weight is the parameter
     saves_inputs = (0,)  # the backward needs only the indices
 
-    def __init__(self, padding_idx: int | None, deterministic: bool):
-        self.padding_idx = padding_idx
-        self.deterministic = deterministic
+    def __init__(
+        self,
+        padding_idx: int | None,
+        deterministic: bool,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        check: bool = False,
+    ):
+        self.padding_idx, self.deterministic = padding_idx, deterministic
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, float(norm_type), scale_grad_by_freq
+        self.check = check
+        self.sorted_backward = deterministic or scale_grad_by_freq
 
     def check_inputs(self, input_shapes, input_dtypes):
         if len(input_shapes) != 2:
@@ -146,51 +139,67 @@ class EmbeddingOp(RuntimeOp):
     def output_dtype(self, input_dtypes):
         return input_dtypes[1]
 
-    def _padding(self) -> int:
-        return -1 if self.padding_idx is None else self.padding_idx
+    def extra_outputs(self, input_shapes, dtype):
+        return {"keys": ((math.prod(input_shapes[0]),), torch.int64)} if self.sorted_backward else {}
 
-    def forward(self, ctx):
+    @staticmethod
+    def _layout(input_shapes) -> IndexLayout:
+        num, dim = input_shapes[1]
+        n = math.prod(input_shapes[0])
+        return IndexLayout(n, (num,), (dim,), dim, (dim,), (1,), (1,), wrap=False)
+
+    def _skip_key(self, dim: int) -> int:
+        """The key (row offset) of the padding row, whose gradient stays zero (-1: none)."""
+        return -1 if self.padding_idx is None else self.padding_idx * dim
+
+    def forward_launches(self, ctx):
         (idx,), (w,) = ctx.inputs, ctx.params
-        n, (num, dim) = idx.numel(), ctx.input_shapes[1]
-        v = ArgVisitor().visit_ptr(idx).visit_ptr(w).visit_ptr(ctx.output).visit_i64(n).visit_i64(num).visit_i32(dim)
-        v.visit_constexpr(BLOCK_I).visit_constexpr(BLOCK_D)
-        ctx.launch(embedding_forward, (cdiv(n, BLOCK_I), cdiv(dim, BLOCK_D), 1), v)
+        num, dim = ctx.input_shapes[1]
+        launches = [] if self.max_norm is None else [self._renorm(ctx, idx, w)]
+        flag = ctx.zeros((1,), torch.int64) if self.check else None
+        if flag is not None:
+            bounds = f"out of range for {num} embeddings (indices must lie in [0, {num}))"
+            ctx.check_after(flag, lambda value: f"index {decode_flag(value)} is {bounds}")
+        layout = self._layout(ctx.input_shapes)
+        return launches + [layout.gather(w, idx, ctx.output, flag, ctx.saved.get("keys"), self._skip_key(dim))]
 
-    def has_backward(self):
-        return True
+    def _renorm(self, ctx, idx, w) -> Launch:
+        flat = idx.reshape(-1)
+        sorted_idx = flat if ctx.dry_run else torch.sort(flat).values
+        num, dim = ctx.input_shapes[1]
+        args = ArgVisitor().visit(sorted_ptr=sorted_idx, w_ptr=w, num=num, dim=dim)
+        args.visit(max_norm=self.max_norm, norm_type=self.norm_type, eps=1e-7)  # PyTorch's eps
+        args.visit(NORM=_NORMS.get(self.norm_type, NORM_P), BLOCK_D=min(pow2(dim), RENORM_BLOCK))
+        return Launch(embedding_renorm, (flat.numel(), 1, 1), args, work=flat.numel())
 
-    def backward_kernels(self):
-        return (embedding_backward_sorted,) if self.deterministic else (embedding_backward_atomic, embedding_cast)
-
-    def backward(self, ctx):
-        (idx,), dw, go = ctx.inputs, ctx.grad_params[0], ctx.grad_output
+    def backward_launches(self, ctx):
+        dw = ctx.grad_params[0]
         if dw is None:
-            return
-        n, (num, dim) = idx.numel(), ctx.input_shapes[1]
-        pad = self._padding()
-        if self.deterministic:
-            dw.zero_()  # rows no index names keep a zero gradient
-            flat = idx.reshape(-1)
-            sorted_idx, order = (flat, flat) if ctx.dry_run else torch.sort(flat, stable=True)
-            v = ArgVisitor().visit_ptr(sorted_idx).visit_ptr(order).visit_ptr(go).visit_ptr(dw)
-            v.visit_i64(n).visit_i64(num).visit_i32(dim).visit_i64(pad)
-            v.visit_constexpr(tl.float64 if ctx.dtype == torch.float64 else tl.float32).visit_constexpr(BLOCK_D)
-            ctx.launch(embedding_backward_sorted, (n, cdiv(dim, BLOCK_D), 1), v, work=n * dim)
-            return
-        half = ctx.dtype in (torch.float16, torch.bfloat16)
-        acc = ctx.zeros((num, dim), torch.float32) if half else dw.zero_()
-        v = ArgVisitor().visit_ptr(idx).visit_ptr(go).visit_ptr(acc).visit_i64(n).visit_i64(num).visit_i32(dim)
-        v.visit_i64(pad).visit_constexpr(BLOCK_I).visit_constexpr(BLOCK_D)
-        ctx.launch(embedding_backward_atomic, (cdiv(n, BLOCK_I), cdiv(dim, BLOCK_D), 1), v, work=n * dim)
-        if half:
-            v = ArgVisitor().visit_ptr(acc).visit_ptr(dw).visit_i64(num * dim).visit_constexpr(CAST_BLOCK)
-            ctx.launch(embedding_cast, (cdiv(num * dim, CAST_BLOCK), 1, 1), v, work=num * dim)
+            return []
+        dim = ctx.input_shapes[1][1]
+        layout = self._layout(ctx.input_shapes)
+        keys = ctx.saved.get("keys")
+        return layout.scatter_add(
+            ctx, ctx.inputs[0], ctx.grad_output, dw, keys, self._skip_key(dim), self.scale_grad_by_freq
+        )
 
 
-def embedding(input, weight, padding_idx: int | None = None, *, deterministic: bool | None = None):
-    """F.embedding(input, weight, padding_idx): rows of ``weight`` picked by the integer
-    ``input`` (any shape); the ``padding_idx`` row gets no gradient. ``deterministic``
-    (default: ``set_deterministic``'s flag) makes the backward bit-reproducible."""
+def embedding(
+    input,
+    weight,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+    *,
+    deterministic: bool | None = None,
+):
+    """F.embedding: rows of ``weight`` picked by the integer ``input`` (any shape). The
+    ``padding_idx`` row gets no gradient; ``max_norm`` renormalises the referenced rows of
+    ``weight`` in place first; ``scale_grad_by_freq`` divides each row's gradient by its count
+    in the batch. ``deterministic`` (default: ``teeny.config.deterministic`` when traced) makes
+    the backward bit-reproducible. See the module docstring."""
     num = weight.shape[0] if len(weight.shape) >= 1 else 0
     if padding_idx is not None:
         if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
@@ -198,8 +207,23 @@ def embedding(input, weight, padding_idx: int | None = None, *, deterministic: b
         if not -num <= padding_idx < num:
             raise ValueError(f"embedding: padding_idx {padding_idx} is out of range for {num} embeddings")
         padding_idx %= num
-    flag = _DETERMINISTIC if deterministic is None else bool(deterministic)
-    return graph_of(input, weight).apply(EmbeddingOp(padding_idx, flag), [input, weight])
+    if max_norm is not None:
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not max_norm >= 0:
+            raise ValueError(f"embedding: max_norm must be non-negative, got {max_norm}")
+        if not norm_type > 0:
+            raise ValueError(f"embedding: norm_type must be positive (or inf), got {norm_type}")
+    if sparse:
+        raise ValueError("embedding: sparse gradients are not supported (teeny's gradients are dense)")
+    op = EmbeddingOp(
+        padding_idx,
+        config.deterministic if deterministic is None else bool(deterministic),
+        max_norm,
+        norm_type,
+        bool(scale_grad_by_freq),
+        check=config.check_indices,
+    )
+    return graph_of(input, weight).apply(op, [input, weight])
 
 
 def _embedding_init(padding_idx: int | None):
@@ -213,14 +237,17 @@ def _embedding_init(padding_idx: int | None):
 
 
 class Embedding(Module):
-    """nn.Embedding(num_embeddings, embedding_dim, padding_idx=None): weight N(0, 1) with the
-    padding row zeroed, like PyTorch."""
+    """nn.Embedding(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+    scale_grad_by_freq): weight N(0, 1) with the padding row zeroed, like PyTorch."""
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
         padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
         dtype: torch.dtype = torch.float32,
         deterministic: bool | None = None,
     ):
@@ -233,10 +260,19 @@ class Embedding(Module):
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.deterministic = padding_idx, deterministic
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, scale_grad_by_freq
         self.weight = Parameter((num_embeddings, embedding_dim), _embedding_init(padding_idx), dtype=dtype)
 
     def forward(self, input):
-        return embedding(input, self.weight, self.padding_idx, deterministic=self.deterministic)
+        return embedding(
+            input,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            deterministic=self.deterministic,
+        )
 
     def __repr__(self) -> str:
         return f"Embedding({self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx})"
@@ -249,52 +285,48 @@ def _indices(gen, num, *shape):
     return torch.randint(0, num, shape, generator=gen, dtype=torch.int64)
 
 
-def _samples(deterministic):
-    def samples(dtype, gen):
-        cases = [((5, 3), 7, 11, None), ((13,), 4, 37, None), ((2, 9), 6, 5, 2), ((0,), 3, 4, None), ((1,), 1, 1, None)]
-        out = []
-        for shape, num, dim, pad in cases:
-            idx = _indices(gen, num, *shape)
-            out.append(
-                Sample(
-                    (idx, make(gen, num, dim, dtype=dtype)),
-                    {"padding_idx": pad},
-                    name=f"{shape} of {num}x{dim} pad={pad}",
-                    reduction=max(idx.numel(), 1),
-                )
-            )
-        return out
+_CASES = [  # index shape, num_embeddings, embedding_dim, options
+    ((5, 3), 7, 11, {}),
+    ((13,), 4, 37, {}),
+    ((2, 9), 6, 5, {"padding_idx": 2}),
+    ((0,), 3, 4, {}),
+    ((1,), 1, 1, {}),
+    ((4, 5), 6, 9, {"scale_grad_by_freq": True, "padding_idx": 1}),
+    ((6, 5), 7, 11, {"max_norm": 1.5}),
+    ((9,), 5, 37, {"max_norm": 3.0, "norm_type": 1.0}),
+    ((9,), 5, 6, {"max_norm": 0.5, "norm_type": math.inf, "scale_grad_by_freq": True}),
+    ((3, 3), 4, 7, {"max_norm": 1.0, "norm_type": 3.0}),
+]
 
-    return samples
+
+def _samples(dtype, gen):
+    out = []
+    for shape, num, dim, options in _CASES:
+        idx = _indices(gen, num, *shape)
+        weight = make(gen, num, dim, dtype=dtype)
+        out.append(Sample((idx, weight), options, name=f"{shape} of {num}x{dim} {options}", reduction=idx.numel() or 1))
+    return out
 
 
 def _gradcheck(gen):
+    # padding_idx, max_norm and scale_grad_by_freq are left to the comparison with PyTorch: by
+    # definition their gradients are not the finite differences
     f64 = torch.float64
     return [
-        Sample((_indices(gen, 4, 7), make(gen, 4, 3, dtype=f64)), {"padding_idx": None}, name="7 of 4x3"),
-        Sample((_indices(gen, 3, 2, 3), make(gen, 3, 2, dtype=f64)), {"padding_idx": None}, name="2x3 of 3x2"),
+        Sample((_indices(gen, 4, 7), make(gen, 4, 3, dtype=f64)), name="7 of 4x3"),
+        Sample((_indices(gen, 3, 2, 3), make(gen, 3, 2, dtype=f64)), name="2x3 of 3x2"),
     ]
-    # (padding_idx is left to the comparison with PyTorch: by definition its gradient is not
-    # the finite difference)
 
 
-register(
-    OpInfo(
-        "embedding",
-        lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=False),
-        F.embedding,
-        _samples(False),
-        family="embedding",
-        gradcheck_samples=_gradcheck,
+for _name, _deterministic in (("embedding", False), ("embedding_deterministic", True)):
+    register(
+        OpInfo(
+            _name,
+            lambda idx, w, _d=_deterministic, **options: embedding(idx, w, deterministic=_d, **options),
+            F.embedding,
+            _samples,
+            family="embedding",
+            gradcheck_samples=_gradcheck,
+            notes="max_norm renormalises the referenced rows of the weight in place, as in PyTorch",
+        )
     )
-)
-register(
-    OpInfo(
-        "embedding_deterministic",
-        lambda idx, w, padding_idx=None: embedding(idx, w, padding_idx, deterministic=True),
-        F.embedding,
-        _samples(True),
-        family="embedding",
-        gradcheck_samples=_gradcheck,
-    )
-)

@@ -1,43 +1,71 @@
 """Shape ops: reshape, flatten, squeeze, transpose, permute, indexing, concat, split, expand.
 
-Shape ops move data and never compute on it, so they are dtype-agnostic (float and integer
-tensors, and bool). Where the result is a contiguous view of the input (reshape, flatten,
-squeeze, unsqueeze, stop_gradient, a slice of leading rows, a permutation that only moves
-size-1 dims) the op answers with a torch view (no launch, no copy) and its backward is a view
-of the gradient too. Everything else is materialised by three kernels:
+Shape ops move data and never compute on it, so they serve every dtype (float, integer and
+bool tensors). Where the result is a contiguous view of the input (reshape, flatten, squeeze,
+unsqueeze, stop_gradient, a slice of leading rows, a permutation that only moves size-1 dims)
+the op answers with a torch view (no launch, no copy) and its backward is a view of the
+gradient too. Everything else is materialised by these kernels:
 
-``strided_copy``      dst[off_d + sum_i c_i * dst_stride_i] = src[off_s + sum_i c_i * src_stride_i]
-                      for every coordinate c of ``sizes`` (rank <= 6 after merging dims that are
-                      contiguous in both layouts). The layout of a permuted, sliced, indexed or
-                      expanded tensor is the one torch computes for the view; the backward of
-                      permute/transpose is the inverse permutation, concat copies each input into
-                      its place and its backward copies the parts back out.
-``slice_scatter``     backward of indexing: dx[c] = dy[(c - start) / step] where c lies on the
-                      selected lattice (start <= c, (c - start) % step == 0, (c - start) / step <
-                      length, per dim), else 0; one pass over dx writes every element (no zeroing).
-``sum_broadcast``     backward of expand: dx[m] = sum over the broadcast coordinates r of
-                      dy[m, r], in float32 (float64 for float64). Long sums are split over
-                      programs into fp32 partials [splits, M] that a second launch of the same
-                      kernel sums; no atomics, so the result is bit-reproducible.
+``strided_copy``   dst[dst_offset + sum_k c_k * dst_stride_k] = src[src_offset + sum_k c_k * src_stride_k]
+                   for every coordinate c (rank <= 6 after merging dims contiguous in both
+                   layouts), converted to dst's dtype. The layout of a permuted, sliced or
+                   expanded tensor is the one torch computes for the view. Forward of permute,
+                   basic indexing, expand and concat (one launch per input); backward of permute
+                   (the inverse permutation) and concat (the parts copied back out); the dtype
+                   conversions of cat's type promotion.
+``slice_scatter``  backward of basic indexing: dx[c] = dy[(c - start) / step] where c lies on the
+                   selected lattice (start <= c, (c - start) % step == 0, (c - start) / step <
+                   length, per dim), else 0; one pass writes every element of dx (no zeroing).
+``index_forward``  advanced indexing (index tensors and lists) and embedding lookups:
+                   y[b, r] = x[x_offset + key(b) + rest_x(r)], key(b) = sum_k i_k(b) * stride_k,
+                   where i_k is the k-th index broadcast to the index shape B (b runs over B;
+                   negative indices wrap for getitem), stride_k the stride of the dim it
+                   indexes, and r runs over the other dims.
+``index_backward`` dx[x_offset + key(b) + rest_x(r)] += dy[b, r] with atomic adds, so repeated
+                   indices sum; the order of the additions varies from run to run (not
+                   bit-reproducible). Half-precision gradients add into a float32 buffer.
+``index_backward_sorted``  the bit-reproducible path (``teeny.config.deterministic``): the
+                   forward also writes key(b); the backward sorts the keys on the device
+                   (``torch.sort``, stable: no host sync) and the first position of each run of
+                   equal keys sums that run's dy rows in position order (float32, float64 for
+                   float64), optionally divided by the run's length (embedding's
+                   scale_grad_by_freq).
+
+expand's backward is ``common.sum_to_shape``. An index tensor's values are known only on the
+device: under ``teeny.config.check_indices`` the forward flags an out-of-range index and the op
+raises an error naming it after the forward (``OpContext.check_after``); with the check off,
+an out-of-range index reads zeros and gets no gradient. Index lists are checked when traced.
 """
 
 from __future__ import annotations
 
 import builtins
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from ..device import INTERPRETER
-from ..graph import graph_of
-from ..kernel import kernel
+from ..graph import Tensor, graph_of
+from ..kernel import ANY_DTYPES, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp, TeenyError
-from .common import cdiv
+from ..runtime import ArgVisitor, Launch, OpContext, RuntimeOp
+from .common import (
+    MAX_DIMS,
+    acc_dtype,
+    cdiv,
+    pow2,
+    strided_offsets,
+    sum_to_shape,
+    sum_to_shape_kernel,
+    upcast,
+    visit_layout,
+)
 
 __all__ = [
     "reshape",
@@ -63,73 +91,15 @@ __all__ = [
 ]
 NN_LAYERS = ["Flatten", "Unflatten"]
 
-MAX_RANK = 6
 COPY_BLOCK = 16384 if INTERPRETER else 1024  # the interpreter pays per program, not per element
-SHAPE_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
+# index_forward / index_backward tile (index positions x other elements), and the cap on the
+# other elements per program
+INDEX_TILE, INDEX_ROW = (16384, 1024) if INTERPRETER else (4096, 128)
+MAX_INDEXED = 4  # index tensors one getitem may combine (the kernels take their strides as scalars)
 _py_slice = builtins.slice  # `slice` is an op of this module
 
 
 # ----------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _strided_offset(idx, n1, n2, n3, n4, n5, s0, s1, s2, s3, s4, s5):
-    """Offset of row-major linear index ``idx`` over sizes (n0..n5) with strides s0..s5."""
-    off = (idx % n5) * s5
-    idx = idx // n5
-    off += (idx % n4) * s4
-    idx = idx // n4
-    off += (idx % n3) * s3
-    idx = idx // n3
-    off += (idx % n2) * s2
-    idx = idx // n2
-    off += (idx % n1) * s1
-    idx = idx // n1
-    return off + idx * s0
-
-
-@kernel(dtypes=SHAPE_DTYPES)
-def strided_copy(
-    src_ptr,
-    dst_ptr,
-    n,
-    src_offset,
-    dst_offset,
-    n1,
-    n2,
-    n3,
-    n4,
-    n5,
-    s0,
-    s1,
-    s2,
-    s3,
-    s4,
-    s5,
-    d0,
-    d1,
-    d2,
-    d3,
-    d4,
-    d5,
-    BLOCK: tl.constexpr,
-):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    src = src_offset + _strided_offset(idx, n1, n2, n3, n4, n5, s0, s1, s2, s3, s4, s5)
-    dst = dst_offset + _strided_offset(idx, n1, n2, n3, n4, n5, d0, d1, d2, d3, d4, d5)
-    tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -142,123 +112,337 @@ def _lattice(idx, size, start, step, length, dy_stride, dy_off, inside):
     return idx // size, dy_off + k * dy_stride, inside
 
 
-@kernel(dtypes=SHAPE_DTYPES)
+@kernel(dtypes=ANY_DTYPES)
 def slice_scatter(
     dy_ptr,
     dx_ptr,
     n,
-    n0,
-    n1,
-    n2,
-    n3,
-    n4,
-    n5,
-    b0,
-    b1,
-    b2,
-    b3,
-    b4,
-    b5,
-    p0,
-    p1,
-    p2,
-    p3,
-    p4,
-    p5,
-    l0,
-    l1,
-    l2,
-    l3,
-    l4,
-    l5,
-    g0,
-    g1,
-    g2,
-    g3,
-    g4,
-    g5,
+    size0,
+    size1,
+    size2,
+    size3,
+    size4,
+    size5,
+    start0,
+    start1,
+    start2,
+    start3,
+    start4,
+    start5,
+    step0,
+    step1,
+    step2,
+    step3,
+    step4,
+    step5,
+    length0,
+    length1,
+    length2,
+    length3,
+    length4,
+    length5,
+    dy_stride0,
+    dy_stride1,
+    dy_stride2,
+    dy_stride3,
+    dy_stride4,
+    dy_stride5,
     BLOCK: tl.constexpr,
 ):
+    """Dims numbered innermost first (size 1, length 1 for dims the layout does not use)."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    rest, off, inside = _lattice(idx, n5, b5, p5, l5, g5, tl.zeros_like(idx), mask)
-    rest, off, inside = _lattice(rest, n4, b4, p4, l4, g4, off, inside)
-    rest, off, inside = _lattice(rest, n3, b3, p3, l3, g3, off, inside)
-    rest, off, inside = _lattice(rest, n2, b2, p2, l2, g2, off, inside)
-    rest, off, inside = _lattice(rest, n1, b1, p1, l1, g1, off, inside)
-    rest, off, inside = _lattice(rest, n0, b0, p0, l0, g0, off, inside)
+    rest, off, inside = _lattice(idx, size0, start0, step0, length0, dy_stride0, tl.zeros_like(idx), mask)
+    rest, off, inside = _lattice(rest, size1, start1, step1, length1, dy_stride1, off, inside)
+    rest, off, inside = _lattice(rest, size2, start2, step2, length2, dy_stride2, off, inside)
+    rest, off, inside = _lattice(rest, size3, start3, step3, length3, dy_stride3, off, inside)
+    rest, off, inside = _lattice(rest, size4, start4, step4, length4, dy_stride4, off, inside)
+    rest, off, inside = _lattice(rest, size5, start5, step5, length5, dy_stride5, off, inside)
     dy = tl.load(dy_ptr + off, mask=inside, other=0)
     tl.store(dx_ptr + idx, dy.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@kernel(backward=(slice_scatter, sum_to_shape_kernel), dtypes=ANY_DTYPES)
+def strided_copy(
+    src_ptr,
+    dst_ptr,
+    n,
+    src_offset,
+    dst_offset,
+    sd0,
+    sd1,
+    sd2,
+    sd3,
+    sd4,
+    st0,
+    st1,
+    st2,
+    st3,
+    st4,
+    st5,
+    dd0,
+    dd1,
+    dd2,
+    dd3,
+    dd4,
+    dt0,
+    dt1,
+    dt2,
+    dt3,
+    dt4,
+    dt5,
+    NDIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Element i of the copy: source layout s*, destination layout d* (same sizes)."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    src = src_offset + strided_offsets(idx, sd0, sd1, sd2, sd3, sd4, st0, st1, st2, st3, st4, st5, NDIM)
+    dst = dst_offset + strided_offsets(idx, dd0, dd1, dd2, dd3, dd4, dt0, dt1, dt2, dt3, dt4, dt5, NDIM)
+    value = tl.load(src_ptr + src, mask=mask)
+    if dst_ptr.dtype.element_ty.is_floating() and dst_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        # through float32: exact for half-precision sources; integers are rounded twice, as in
+        # PyTorch; and the 3.6 interpreter's direct int -> bfloat16 cast is a bit cast
+        value = value.to(tl.float32)
+    tl.store(dst_ptr + dst, value.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _index_term(idx_ptr, b, mask, n_b, flag_ptr, key, bad, size, stride, k: tl.constexpr, K: tl.constexpr, WRAP):
+    """Add index k's share i_k(b) * stride to ``key`` (index k of the stacked (K, n_b) indices).
+    An index outside [-size, size) (WRAP) or [0, size) is ``bad``; with ``flag_ptr`` it is
+    recorded in flag[k] as i + (i >= 0), never 0, which the host decodes."""
+    if k < K:
+        i = tl.load(idx_ptr + k * n_b + b, mask=mask, other=0).to(tl.int64)
+        if WRAP:
+            low = -size
+        else:
+            low = size * 0
+        out = mask & ((i < low) | (i >= size))
+        if flag_ptr is not None:
+            tl.store(flag_ptr + k + b * 0, i + (i >= 0).to(tl.int64), mask=out)
+        key += tl.where(i < 0, i + size, i) * stride
+        bad = bad | out
+    return key, bad
+
+
+@triton.jit
+def _index_key(idx_ptr, b, mask, n_b, flag_ptr, z0, z1, z2, z3, a0, a1, a2, a3, K: tl.constexpr, WRAP):
+    """key(b) = sum_k i_k(b) * a_k over the K indexed dims (sizes z_k), and which b are bad."""
+    key = tl.zeros_like(b)
+    bad = b < 0
+    key, bad = _index_term(idx_ptr, b, mask, n_b, flag_ptr, key, bad, z0, a0, 0, K, WRAP)
+    key, bad = _index_term(idx_ptr, b, mask, n_b, flag_ptr, key, bad, z1, a1, 1, K, WRAP)
+    key, bad = _index_term(idx_ptr, b, mask, n_b, flag_ptr, key, bad, z2, a2, 2, K, WRAP)
+    key, bad = _index_term(idx_ptr, b, mask, n_b, flag_ptr, key, bad, z3, a3, 3, K, WRAP)
+    return key, bad
+
+
 @kernel(half=True)
-def sum_broadcast(
+def index_backward(
+    idx_ptr,
     dy_ptr,
-    out_ptr,
-    M,
-    R,
-    chunk,
-    k1,
-    k2,
-    k3,
-    k4,
-    k5,
-    ks0,
-    ks1,
-    ks2,
-    ks3,
-    ks4,
-    ks5,
-    r1,
-    r2,
-    r3,
-    r4,
-    r5,
-    rs0,
-    rs1,
-    rs2,
-    rs3,
-    rs4,
-    rs5,
-    BLOCK_M: tl.constexpr,
+    acc_ptr,
+    n_b,
+    n_r,
+    x_offset,
+    b_stride,
+    skip_key,
+    z0,
+    z1,
+    z2,
+    z3,
+    a0,
+    a1,
+    a2,
+    a3,
+    yd0,
+    yd1,
+    yd2,
+    yd3,
+    yd4,
+    yt0,
+    yt1,
+    yt2,
+    yt3,
+    yt4,
+    yt5,
+    xd0,
+    xd1,
+    xd2,
+    xd3,
+    xd4,
+    xt0,
+    xt1,
+    xt2,
+    xt3,
+    xt4,
+    xt5,
+    K: tl.constexpr,
+    REST_NDIM: tl.constexpr,
+    WRAP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    split = tl.program_id(1).to(tl.int64)
-    row_off = _strided_offset(rows, k1, k2, k3, k4, k5, ks0, ks1, ks2, ks3, ks4, ks5)
-    if dy_ptr.dtype.element_ty == tl.float64:
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float64)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    begin = split * chunk
-    end = tl.minimum(begin + chunk, R)
-    for r0 in range(0, chunk, BLOCK_R):
-        r = begin + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-        r_off = _strided_offset(r, r1, r2, r3, r4, r5, rs0, rs1, rs2, rs3, rs4, rs5)
-        mask = (rows[:, None] < M) & (r[None, :] < end)
-        acc += tl.load(dy_ptr + row_off[:, None] + r_off[None, :], mask=mask, other=0.0).to(acc.dtype)
-    total = tl.sum(acc, axis=1)
-    tl.store(out_ptr + split * M + rows, total.to(out_ptr.dtype.element_ty), mask=rows < M)
+    """acc[x_offset + key(b) + rest_x(r)] += dy[b * b_stride + rest_y(r)] (atomics; acc zeroed
+    first); positions with an out-of-range index or key == skip_key add nothing."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_b = b < n_b
+    key, bad = _index_key(idx_ptr, b, mask_b, n_b, None, z0, z1, z2, z3, a0, a1, a2, a3, K, WRAP)
+    rest_y = strided_offsets(r, yd0, yd1, yd2, yd3, yd4, yt0, yt1, yt2, yt3, yt4, yt5, REST_NDIM)
+    rest_x = strided_offsets(r, xd0, xd1, xd2, xd3, xd4, xt0, xt1, xt2, xt3, xt4, xt5, REST_NDIM)
+    tile = (mask_b & ~bad & (key != skip_key))[:, None] & (r < n_r)[None, :]
+    dy = tl.load(dy_ptr + b[:, None] * b_stride + rest_y[None, :], mask=tile, other=0)
+    targets = acc_ptr + x_offset + key[:, None] + rest_x[None, :]
+    tl.atomic_add(targets, dy.to(acc_ptr.dtype.element_ty), mask=tile)
 
 
-COPY_KERNELS = (strided_copy,)
-ALL_KERNELS = (strided_copy, slice_scatter, sum_broadcast)
+@kernel(half=True)
+def index_backward_sorted(
+    sorted_ptr,
+    order_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_b,
+    n_r,
+    x_offset,
+    b_stride,
+    yd0,
+    yd1,
+    yd2,
+    yd3,
+    yd4,
+    yt0,
+    yt1,
+    yt2,
+    yt3,
+    yt4,
+    yt5,
+    xd0,
+    xd1,
+    xd2,
+    xd3,
+    xd4,
+    xt0,
+    xt1,
+    xt2,
+    xt3,
+    xt4,
+    xt5,
+    REST_NDIM: tl.constexpr,
+    BY_COUNT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program (p, j): if sorted position p starts a run of equal keys (key >= 0), write
+    dx[x_offset + key + rest_x(r)] = sum over the run's positions q of dy[order[q] * b_stride +
+    rest_y(r)], in position order (divided by the run's length for BY_COUNT); dx zeroed first."""
+    p = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = r < n_r
+    key = tl.load(sorted_ptr + p)
+    previous = tl.load(sorted_ptr + p - 1, mask=p > 0, other=-1)
+    if (key != previous) & (key >= 0):
+        rest_y = strided_offsets(r, yd0, yd1, yd2, yd3, yd4, yt0, yt1, yt2, yt3, yt4, yt5, REST_NDIM)
+        acc = upcast(tl.zeros([BLOCK_R], dtype=dy_ptr.dtype.element_ty))
+        q = p
+        next_key = key
+        while next_key == key:
+            position = tl.load(order_ptr + q)
+            acc += upcast(tl.load(dy_ptr + position * b_stride + rest_y, mask=mask_r, other=0))
+            q += 1
+            next_key = tl.load(sorted_ptr + q, mask=q < n_b, other=-1)
+        if BY_COUNT:
+            acc = acc / (q - p)
+        rest_x = strided_offsets(r, xd0, xd1, xd2, xd3, xd4, xt0, xt1, xt2, xt3, xt4, xt5, REST_NDIM)
+        tl.store(dx_ptr + x_offset + key + rest_x, acc.to(dx_ptr.dtype.element_ty), mask=mask_r)
+
+
+@kernel(
+    backward=(index_backward, index_backward_sorted, strided_copy),
+    dtypes=ANY_DTYPES,
+    optional=("flag_ptr", "keys_ptr"),
+)
+def index_forward(
+    x_ptr,
+    idx_ptr,
+    y_ptr,
+    flag_ptr,
+    keys_ptr,
+    n_b,
+    n_r,
+    x_offset,
+    b_stride,
+    skip_key,
+    z0,
+    z1,
+    z2,
+    z3,
+    a0,
+    a1,
+    a2,
+    a3,
+    yd0,
+    yd1,
+    yd2,
+    yd3,
+    yd4,
+    yt0,
+    yt1,
+    yt2,
+    yt3,
+    yt4,
+    yt5,
+    xd0,
+    xd1,
+    xd2,
+    xd3,
+    xd4,
+    xt0,
+    xt1,
+    xt2,
+    xt3,
+    xt4,
+    xt5,
+    K: tl.constexpr,
+    REST_NDIM: tl.constexpr,
+    WRAP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """y[b * b_stride + rest_y(r)] = x[x_offset + key(b) + rest_x(r)] over a (BLOCK_B, BLOCK_R)
+    tile (0 for an out-of-range index). idx holds the K indices stacked, (K, n_b); sizes z_k and
+    strides a_k of the dims they index. keys (optional) gets key(b), -1 where the index is out of
+    range or key(b) == skip_key (no gradient), for the sorted backward."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_b = b < n_b
+    mask_r = r < n_r
+    key, bad = _index_key(idx_ptr, b, mask_b, n_b, flag_ptr, z0, z1, z2, z3, a0, a1, a2, a3, K, WRAP)
+    if keys_ptr is not None:
+        first = tl.program_id(1) == 0
+        tl.store(keys_ptr + b, tl.where(bad | (key == skip_key), -1, key), mask=mask_b & first)
+    rest_y = strided_offsets(r, yd0, yd1, yd2, yd3, yd4, yt0, yt1, yt2, yt3, yt4, yt5, REST_NDIM)
+    rest_x = strided_offsets(r, xd0, xd1, xd2, xd3, xd4, xt0, xt1, xt2, xt3, xt4, xt5, REST_NDIM)
+    tile = mask_b[:, None] & mask_r[None, :]
+    values = tl.load(x_ptr + x_offset + key[:, None] + rest_x[None, :], mask=tile & ~bad[:, None], other=0)
+    tl.store(y_ptr + b[:, None] * b_stride + rest_y[None, :], values, mask=tile)
 
 
 # ---------------------------------------------------------------------------- layout helpers
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    strides, acc = [], 1
+    strides, step = [], 1
     for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
+        strides.append(step)
+        step *= max(int(s), 1)
     return strides[::-1]
 
 
 def _merge_dims(sizes: Sequence[int], *stride_lists: Sequence[int]) -> tuple[list[int], list[list[int]]]:
     """Drop size-1 dims and merge neighbours that are contiguous with each other in every
-    layout, so that the kernels index over as few dims as possible."""
+    layout, so that the kernels index over as few dims as possible (outermost first)."""
     dims = [(int(n), [int(s[i]) for s in stride_lists]) for i, n in enumerate(sizes) if n != 1]
     merged: list[tuple[int, list[int]]] = []
     for n, strides in dims:
@@ -269,55 +453,131 @@ def _merge_dims(sizes: Sequence[int], *stride_lists: Sequence[int]) -> tuple[lis
     return [n for n, _ in merged], [[st[k] for _, st in merged] for k in range(len(stride_lists))]
 
 
-def _pad(values: Sequence[int], fill: int) -> list[int]:
-    if len(values) > MAX_RANK:
+def _visit_layouts(visitor: ArgVisitor, sizes: Sequence[int], ndim: str, **strides: Sequence[int]) -> None:
+    """Visit one ``strided_offsets`` layout per keyword (its prefix) over the same ``sizes``
+    (outermost first, as torch lists them; merged first), and their rank as ``ndim``."""
+    sizes, merged = _merge_dims(sizes, *strides.values())
+    if len(sizes) > MAX_DIMS:
         raise ValueError(
-            f"the layout needs {len(values)} dims after merging contiguous ones; the shape kernels "
-            f"index at most {MAX_RANK}"
+            f"the layout needs {len(sizes)} dims after merging contiguous ones; the shape kernels index at most "
+            f"{MAX_DIMS}"
         )
-    return [fill] * (MAX_RANK - len(values)) + [int(v) for v in values]
+    sizes = sizes[::-1] or [1]  # strided_offsets numbers dims innermost first
+    for prefix, st in zip(strides, merged):
+        visit_layout(visitor, prefix, sizes, st[::-1] or [0])
+    visitor.visit(**{ndim: len(sizes)})
 
 
 def _offset_in(view: torch.Tensor, base: torch.Tensor) -> int:
     return int(view.storage_offset()) - int(base.storage_offset())
 
 
-def launch_copy(
-    ctx: OpContext, src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor, dst_view: torch.Tensor
-) -> None:
-    """Copy the elements of ``src_view`` (a strided view of the buffer ``src``) to the places
-    of ``dst_view`` (a view of ``dst`` with the same shape), with one ``strided_copy`` launch."""
-    sizes, (src_strides, dst_strides) = _merge_dims(src_view.shape, src_view.stride(), dst_view.stride())
+def copy_launch(src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor, dst_view: torch.Tensor) -> Launch:
+    """The ``strided_copy`` launch copying the elements of ``src_view`` (a strided view of the
+    buffer ``src``) to the places of ``dst_view`` (a view of ``dst`` with the same shape)."""
     n = src_view.numel()
-    visitor = ArgVisitor().visit_ptr(src).visit_ptr(dst).visit_i64(n)
-    visitor.visit_i64(_offset_in(src_view, src)).visit_i64(_offset_in(dst_view, dst))
-    for v in _pad(sizes, 1)[1:] + _pad(src_strides, 0) + _pad(dst_strides, 0):
-        visitor.visit_i64(v)
-    visitor.visit_constexpr(COPY_BLOCK)
-    ctx.launch(strided_copy, (cdiv(n, COPY_BLOCK), 1, 1), visitor, work=n)
+    visitor = ArgVisitor().visit(
+        src_ptr=src, dst_ptr=dst, n=n, src_offset=_offset_in(src_view, src), dst_offset=_offset_in(dst_view, dst)
+    )
+    _visit_layouts(visitor, src_view.shape, "NDIM", s=src_view.stride(), d=dst_view.stride())
+    return Launch(strided_copy, (cdiv(n, COPY_BLOCK), 1, 1), visitor, COPY_BLOCK, work=n)
 
 
-def _gather(ctx: OpContext, src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor) -> None:
-    launch_copy(ctx, src, src_view, dst, dst.view(src_view.shape))
+def contiguous_copy(src: torch.Tensor, src_view: torch.Tensor, dst: torch.Tensor) -> Launch:
+    """Copy the strided view ``src_view`` of ``src`` into the contiguous ``dst``."""
+    return copy_launch(src, src_view, dst, dst.view(src_view.shape))
+
+
+@dataclass(frozen=True)
+class IndexLayout:
+    """The addressing of ``index_forward`` and its backward: y[b, r] = x[x_offset + key(b) +
+    rest_x(r)] with key(b) = sum_k i_k(b) * strides[k] (the indexed dims' sizes and strides),
+    b over ``n_b`` index positions (``b_stride`` apart in y) and r over the ``rest`` dims
+    (outermost first) with strides ``rest_y`` in y and ``rest_x`` in x."""
+
+    n_b: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    b_stride: int
+    rest: tuple[int, ...]
+    rest_y: tuple[int, ...]
+    rest_x: tuple[int, ...]
+    x_offset: int = 0
+    wrap: bool = True  # negative indices count from the end (getitem); embedding refuses them
+
+    @property
+    def n_r(self) -> int:
+        return math.prod(self.rest)
+
+    def _visit(self, visitor: ArgVisitor) -> ArgVisitor:
+        k = len(self.sizes)
+        if k > MAX_INDEXED:
+            raise ValueError(f"advanced indexing combines at most {MAX_INDEXED} index tensors, got {k}")
+        sizes = list(self.sizes) + [1] * (MAX_INDEXED - k)
+        strides = list(self.strides) + [0] * (MAX_INDEXED - k)
+        visitor.visit(n_b=self.n_b, n_r=self.n_r, x_offset=self.x_offset, b_stride=self.b_stride)
+        visitor.visit(**{f"z{j}": s for j, s in enumerate(sizes)}, **{f"a{j}": s for j, s in enumerate(strides)})
+        visitor.visit(K=k, WRAP=self.wrap)
+        _visit_layouts(visitor, self.rest, "REST_NDIM", y=self.rest_y, x=self.rest_x)
+        return visitor
+
+    def _blocks(self) -> tuple[int, int]:
+        block_r = min(pow2(self.n_r), INDEX_ROW)
+        return min(pow2(self.n_b), max(1, INDEX_TILE // block_r)), block_r
+
+    def gather(self, x, idx, y, flag=None, keys=None, skip_key: int = -1) -> Launch:
+        """The ``index_forward`` launch; ``flag`` (K int64, zeroed) records out-of-range indices,
+        ``keys`` (n_b int64) receives the keys for ``scatter_add(..., keys=...)``."""
+        block_b, block_r = self._blocks()
+        args = self._visit(ArgVisitor().visit(x_ptr=x, idx_ptr=idx, y_ptr=y, flag_ptr=flag, keys_ptr=keys))
+        args.visit(skip_key=skip_key, BLOCK_B=block_b, BLOCK_R=block_r)
+        return Launch(index_forward, (cdiv(self.n_b, block_b), cdiv(self.n_r, block_r), 1), args, work=y.numel())
+
+    def scatter_add(
+        self, ctx: OpContext, idx, dy, dx, keys=None, skip_key: int = -1, by_count: bool = False
+    ) -> list[Launch]:
+        """Launches writing dx: the sorted path when ``keys`` (saved by the forward) is given,
+        else atomic adds (into a float32 buffer, then cast, for half precision)."""
+        if keys is not None:
+            dx.zero_()  # elements no index selects keep a zero gradient
+            sorted_keys, order = (keys, keys) if ctx.dry_run else torch.sort(keys, stable=True)
+            block_r = min(pow2(self.n_r), INDEX_ROW)
+            args = ArgVisitor().visit(sorted_ptr=sorted_keys, order_ptr=order, dy_ptr=dy, dx_ptr=dx)
+            args.visit(n_b=self.n_b, n_r=self.n_r, x_offset=self.x_offset, b_stride=self.b_stride)
+            _visit_layouts(args, self.rest, "REST_NDIM", y=self.rest_y, x=self.rest_x)
+            args.visit(BY_COUNT=by_count, BLOCK_R=block_r)
+            grid = (self.n_b, cdiv(self.n_r, block_r), 1)
+            return [Launch(index_backward_sorted, grid, args, work=dy.numel())]
+        if by_count:
+            raise ValueError("dividing gradients by index counts needs the sorted backward (keys)")
+        half = dx.dtype in (torch.float16, torch.bfloat16)
+        acc = ctx.zeros(dx.shape, acc_dtype(dx.dtype)) if half else dx.zero_()
+        block_b, block_r = self._blocks()
+        args = self._visit(ArgVisitor().visit(idx_ptr=idx, dy_ptr=dy, acc_ptr=acc))
+        args.visit(skip_key=skip_key, BLOCK_B=block_b, BLOCK_R=block_r)
+        grid = (cdiv(self.n_b, block_b), cdiv(self.n_r, block_r), 1)
+        launches = [Launch(index_backward, grid, args, work=dy.numel())]
+        if half:
+            launches.append(copy_launch(acc, acc, dx, dx))
+        return launches
+
+
+def decode_flag(value: int) -> int:
+    """The index value ``index_forward`` recorded in a flag as i + (i >= 0)."""
+    return value - 1 if value > 0 else value
 
 
 # ------------------------------------------------------------------------------- runtime ops
 
 
 class ViewOp(RuntimeOp):
-    """A contiguous view with another shape (reshape, flatten, squeeze, unsqueeze): no launch
-    forwards or backwards."""
+    """A contiguous view with another shape (reshape, flatten, squeeze, unsqueeze, dropout in
+    eval mode): no launch forwards or backwards; the gradient is a view of dy."""
 
     saves_inputs = False
 
     def __init__(self, name: str, shape: Sequence[int]):
         self.name, self.shape = name, tuple(int(s) for s in shape)
-
-    def kernels(self):
-        return ()
-
-    def backward_kernels(self):
-        return ()
 
     def output_shape(self, input_shapes):
         return self.shape
@@ -325,15 +585,13 @@ class ViewOp(RuntimeOp):
     def view(self, inputs):
         return inputs[0].view(self.shape)
 
-    def forward(self, ctx):
-        raise TeenyError(f"op {self.name} is a view and never launches")
-
     def has_backward(self):
-        return True
+        return not self.stops_gradient  # no kernel to derive it from: the gradient is a view
 
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         if ctx.grad_inputs[0] is not None:
             ctx.grad_inputs[0] = ctx.grad_output.view(ctx.input_shapes[0])
+        return []
 
 
 class StopGradientOp(ViewOp):
@@ -341,14 +599,12 @@ class StopGradientOp(ViewOp):
 
     stops_gradient = True
 
-    def has_backward(self):
-        return False
-
 
 class StridedViewOp(RuntimeOp):
-    """A view that torch describes by sizes, strides and an offset (permute, indexing, expand):
-    answered with the view when that is contiguous, else gathered by ``strided_copy``."""
+    """A view that torch describes by sizes, strides and an offset (permute, basic indexing,
+    expand): answered with the view when that is contiguous, else gathered by ``strided_copy``."""
 
+    kernel = strided_copy
     saves_inputs = False
 
     def torch_view(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,19 +613,13 @@ class StridedViewOp(RuntimeOp):
     def output_shape(self, input_shapes):
         return tuple(self.torch_view(torch.empty(input_shapes[0], device="meta")).shape)
 
-    def kernels(self):
-        return COPY_KERNELS
-
     def view(self, inputs):
         v = self.torch_view(inputs[0])
         return v if v.is_contiguous() else None
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         x = ctx.inputs[0]
-        _gather(ctx, x, self.torch_view(x), ctx.output)
-
-    def has_backward(self):
-        return True
+        return [contiguous_copy(x, self.torch_view(x), ctx.output)]
 
 
 class PermuteOp(StridedViewOp):
@@ -382,18 +632,12 @@ class PermuteOp(StridedViewOp):
     def torch_view(self, x):
         return x.permute(self.dims)
 
-    def backward_kernels(self):
-        return COPY_KERNELS
-
-    def backward(self, ctx):
-        if ctx.grad_inputs[0] is None:
-            return
-        dy = ctx.grad_output
-        back = dy.permute(self.inverse)
+    def backward_launches(self, ctx):
+        back = ctx.grad_output.permute(self.inverse)
         if back.is_contiguous():
             ctx.grad_inputs[0] = back
-        else:
-            _gather(ctx, dy, back, ctx.grad_inputs[0])
+            return []
+        return [contiguous_copy(ctx.grad_output, back, ctx.grad_inputs[0])]
 
 
 class GetItemOp(StridedViewOp):
@@ -406,16 +650,11 @@ class GetItemOp(StridedViewOp):
     def torch_view(self, x):
         return x[self.index]
 
-    def backward_kernels(self):
-        return (slice_scatter,)
-
-    def backward(self, ctx):
-        if ctx.grad_inputs[0] is None:
-            return
+    def backward_launches(self, ctx):
         dy, shape = ctx.grad_output, ctx.input_shapes[0]
         if dy.numel() == math.prod(shape):  # everything selected: the gradient is a view
             ctx.grad_inputs[0] = dy.view(shape)
-            return
+            return []
         dx = ctx.grad_inputs[0]
         dims = []  # per input dim: size, start, step, length, dy stride
         dy_strides, out_dim, in_dim = dy.stride(), 0, 0
@@ -429,14 +668,22 @@ class GetItemOp(StridedViewOp):
                 dims.append((shape[in_dim], item.start, item.step, dy.shape[out_dim], dy_strides[out_dim]))
                 in_dim += 1
                 out_dim += 1
-        dims = _merge_lattice(dims)
-        n = dx.numel()
-        visitor = ArgVisitor().visit_ptr(dy).visit_ptr(dx).visit_i64(n)
-        for k, fill in enumerate((1, 0, 1, 1, 0)):
-            for v in _pad([d[k] for d in dims], fill):
-                visitor.visit_i64(v)
-        visitor.visit_constexpr(COPY_BLOCK)
-        ctx.launch(slice_scatter, (cdiv(n, COPY_BLOCK), 1, 1), visitor, work=n)
+        dims = _merge_lattice(dims)[::-1]  # the kernel numbers dims innermost first
+        if len(dims) > MAX_DIMS:
+            raise ValueError(f"the selection spans {len(dims)} dims after merging; slice_scatter indexes at most 6")
+        dims += [(1, 0, 1, 1, 0)] * (MAX_DIMS - len(dims))
+        args = ArgVisitor().visit(dy_ptr=dy, dx_ptr=dx, n=dx.numel())
+        for k, (size, start, step, length, stride) in enumerate(dims):
+            args.visit(
+                **{
+                    f"size{k}": size,
+                    f"start{k}": start,
+                    f"step{k}": step,
+                    f"length{k}": length,
+                    f"dy_stride{k}": stride,
+                }
+            )
+        return [Launch(slice_scatter, (cdiv(dx.numel(), COPY_BLOCK), 1, 1), args, COPY_BLOCK, work=dx.numel())]
 
 
 def _merge_lattice(dims):
@@ -460,85 +707,44 @@ def _merge_lattice(dims):
 class ExpandOp(StridedViewOp):
     """y = x.expand(shape) (a stride-0 view); dx = dy summed over the broadcast dims."""
 
-    if INTERPRETER:  # few, wide programs
-        BLOCK_LONG, BLOCK_SHORT, MAX_SPLITS, TARGET_PROGRAMS = 1024, 16, 4, 4
-    else:
-        BLOCK_LONG, BLOCK_SHORT, MAX_SPLITS, TARGET_PROGRAMS = 128, 8, 128, 256
-
     def __init__(self, name: str, shape: Sequence[int]):
         self.name, self.shape = name, tuple(shape)
 
     def torch_view(self, x):
         return x.expand(self.shape)
 
-    def backward_kernels(self):
-        return (sum_broadcast,)
-
-    def backward(self, ctx):
-        if ctx.grad_inputs[0] is None:
-            return
+    def backward_launches(self, ctx):
         dy, in_shape = ctx.grad_output, ctx.input_shapes[0]
         if dy.numel() == math.prod(in_shape):  # nothing broadcast to more than one element
             ctx.grad_inputs[0] = dy.view(in_shape)
-            return
-        dx = ctx.grad_inputs[0]
-        lead = len(self.shape) - len(in_shape)
-        dy_strides = dy.stride()
-        kept, kept_strides, red, red_strides = [], [], [], []
-        for i, n in enumerate(self.shape):
-            if i >= lead and in_shape[i - lead] == n:
-                kept.append(n)
-                kept_strides.append(dy_strides[i])
-            else:
-                red.append(n)
-                red_strides.append(dy_strides[i])
-        kept, (kept_strides, _) = _merge_dims(kept, kept_strides, _contiguous_strides(kept))
-        red, (red_strides,) = _merge_dims(red, red_strides)
-        M, R = dx.numel(), math.prod(red)
-        if R == 0:  # dy is empty: dx = 0 (no size-0 dim reaches the kernel's index maths)
-            red, red_strides = [], []
-        rows_contiguous = bool(kept_strides) and kept_strides[-1] == 1
-        bm, br = (self.BLOCK_LONG, self.BLOCK_SHORT) if rows_contiguous else (self.BLOCK_SHORT, self.BLOCK_LONG)
-        m_blocks = cdiv(M, bm)
-        splits = max(1, min(self.MAX_SPLITS, cdiv(R, br * 8), cdiv(self.TARGET_PROGRAMS, max(m_blocks, 1))))
-        chunk = cdiv(cdiv(R, splits), br) * br
-        splits = max(1, cdiv(R, chunk)) if chunk else 1
-        chunk = max(chunk, br)
-        acc_dtype = torch.float64 if dx.dtype == torch.float64 else torch.float32
-        first_out = dx if splits == 1 else ctx.empty((splits, M), acc_dtype)
-        self._launch_sum(
-            ctx, dy, first_out, M, R, chunk, kept, kept_strides, red, red_strides, bm, br, (m_blocks, splits, 1)
-        )
-        if splits > 1:  # second pass: sum the partials [splits, M] over splits
-            self._launch_sum(
-                ctx,
-                first_out,
-                dx,
-                M,
-                splits,
-                cdiv(splits, br) * br,
-                [M],
-                [1],
-                [splits],
-                [M],
-                self.BLOCK_LONG,
-                self.BLOCK_SHORT,
-                (cdiv(M, self.BLOCK_LONG), 1, 1),
-            )
+            return []
+        return sum_to_shape(ctx, dy, self.shape, ctx.grad_inputs[0])
 
-    @staticmethod
-    def _launch_sum(ctx, src, out, M, R, chunk, kept, kept_strides, red, red_strides, bm, br, grid):
-        visitor = ArgVisitor().visit_ptr(src).visit_ptr(out).visit_i64(M).visit_i64(R).visit_i64(chunk)
-        for v in _pad(kept, 1)[1:] + _pad(kept_strides, 0) + _pad(red, 1)[1:] + _pad(red_strides, 0):
-            visitor.visit_i64(v)
-        visitor.visit_constexpr(bm).visit_constexpr(br)
-        ctx.launch(sum_broadcast, grid, visitor, work=M)
+
+class ConvertOp(StridedViewOp):
+    """y = x converted to ``dtype`` (cat's type promotion); dx = dy converted back."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.name, self.dtype = "convert", dtype
+
+    def torch_view(self, x):
+        return x
+
+    def output_dtype(self, input_dtypes):
+        return self.dtype
+
+    def view(self, inputs):
+        return None
+
+    def backward_launches(self, ctx):
+        return [copy_launch(ctx.grad_output, ctx.grad_output, ctx.grad_inputs[0], ctx.grad_inputs[0])]
 
 
 class ConcatOp(RuntimeOp):
     """y = cat(xs, dim): each input copied into its place (one launch each); dx_i = the matching
     part of dy (a view where that part is contiguous, else a gather)."""
 
+    kernel = strided_copy
     saves_inputs = False
 
     def __init__(self, name: str, dim: int, n: int):
@@ -549,12 +755,6 @@ class ConcatOp(RuntimeOp):
         shape[self.dim] = sum(s[self.dim] for s in input_shapes)
         return tuple(shape)
 
-    def kernels(self):
-        return COPY_KERNELS
-
-    def backward_kernels(self):
-        return COPY_KERNELS
-
     def view(self, inputs):
         return inputs[0].view(inputs[0].shape) if len(inputs) == 1 else None
 
@@ -564,23 +764,97 @@ class ConcatOp(RuntimeOp):
             yield y.narrow(self.dim, start, shape[self.dim])
             start += shape[self.dim]
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         y = ctx.output
-        for x, part in zip(ctx.inputs, self._parts(y, ctx.input_shapes)):
-            launch_copy(ctx, x, x, y, part)
+        return [copy_launch(x, x, y, part) for x, part in zip(ctx.inputs, self._parts(y, ctx.input_shapes))]
 
-    def has_backward(self):
-        return True
-
-    def backward(self, ctx):
-        dy = ctx.grad_output
+    def backward_launches(self, ctx):
+        dy, launches = ctx.grad_output, []
         for i, part in enumerate(self._parts(dy, ctx.input_shapes)):
             if ctx.grad_inputs[i] is None:
                 continue
             if part.is_contiguous():
                 ctx.grad_inputs[i] = part
             else:
-                _gather(ctx, dy, part, ctx.grad_inputs[i])
+                launches.append(contiguous_copy(dy, part, ctx.grad_inputs[i]))
+        return launches
+
+
+class IndexOp(RuntimeOp):
+    """y = x[basic][advanced] (PyTorch's advanced indexing): ``basic`` is a normalised basic
+    index (a full slice where an index tensor goes); ``positions`` are the dims of x[basic]
+    that the stacked indices (input 1, (K, n_b)) index, ``shaped`` says which of them have an
+    index of rank >= 1 (the others are 0-d: they drop their dim like an int), and
+    ``index_shape`` is the indices' broadcast shape B and ``dims`` the dims of x they index (for
+    messages). B replaces the indexed dims where those are adjacent (ignoring 0-d ones), else it
+    comes first."""
+
+    name = "getitem"
+    kernel = index_forward
+    n_activation_inputs = 2
+    differentiable_inputs = (0,)
+    saves_inputs = (1,)
+
+    def __init__(self, basic, positions, shaped, index_shape, dims, deterministic: bool, check: bool):
+        self.basic, self.positions, self.shaped = basic, tuple(positions), tuple(shaped)
+        self.index_shape, self.dims = tuple(index_shape), tuple(dims)
+        self.deterministic, self.check = deterministic, check
+
+    def _placed(self, view_shape) -> tuple[tuple[int, ...], list[int], int]:
+        """(output shape, output dim of each rest dim of the view, first output dim of B)."""
+        kept = [d for d in range(len(view_shape)) if not self._scalar(d)]
+        shaped = [kept.index(p) for p, s in zip(self.positions, self.shaped) if s]
+        rest = [d for d in range(len(view_shape)) if d not in self.positions]
+        adjacent = bool(shaped) and shaped == list(range(shaped[0], shaped[0] + len(shaped)))
+        start = shaped[0] if adjacent else 0
+        before = [d for d in rest if kept.index(d) < start]
+        after = [d for d in rest if d not in before]
+        out = tuple(view_shape[d] for d in before) + self.index_shape + tuple(view_shape[d] for d in after)
+        where = list(range(len(before))) + [len(before) + len(self.index_shape) + j for j in range(len(after))]
+        return out, where, len(before)
+
+    def _scalar(self, p: int) -> bool:
+        return any(q == p and not s for q, s in zip(self.positions, self.shaped))
+
+    def layout(self, x_shape) -> tuple[tuple[int, ...], IndexLayout]:
+        view = torch.empty(x_shape, device="meta")[self.basic]
+        out, where, b_start = self._placed(view.shape)
+        rest = [d for d in range(view.dim()) if d not in self.positions]
+        y_strides = _contiguous_strides(out)
+        layout = IndexLayout(
+            n_b=math.prod(self.index_shape),
+            sizes=tuple(view.shape[p] for p in self.positions),
+            strides=tuple(view.stride(p) for p in self.positions),
+            b_stride=math.prod(out[b_start + len(self.index_shape) :]),
+            rest=tuple(view.shape[d] for d in rest),
+            rest_y=tuple(y_strides[w] for w in where),
+            rest_x=tuple(view.stride(d) for d in rest),
+            x_offset=view.storage_offset(),
+        )
+        return out, layout
+
+    def output_shape(self, input_shapes):
+        return self.layout(input_shapes[0])[0]
+
+    def extra_outputs(self, input_shapes, dtype):
+        return {"keys": ((math.prod(self.index_shape),), torch.int64)} if self.deterministic else {}
+
+    def forward_launches(self, ctx):
+        x, idx = ctx.inputs
+        layout = self.layout(ctx.input_shapes[0])[1]
+        flag = ctx.zeros((len(self.positions),), torch.int64) if self.check else None
+        if flag is not None:
+            for k, (dim, size) in enumerate(zip(self.dims, layout.sizes)):
+                ctx.check_after(flag[k : k + 1], _out_of_bounds(dim, size))
+        return [layout.gather(x, idx, ctx.output, flag, ctx.saved.get("keys"))]
+
+    def backward_launches(self, ctx):
+        layout = self.layout(ctx.input_shapes[0])[1]
+        return layout.scatter_add(ctx, ctx.inputs[1], ctx.grad_output, ctx.grad_inputs[0], ctx.saved.get("keys"))
+
+
+def _out_of_bounds(dim: int, size: int) -> Callable[[int], str]:
+    return lambda value: f"index {decode_flag(value)} is out of bounds for dimension {dim} with size {size}"
 
 
 # ------------------------------------------------------------------------- argument checking
@@ -738,20 +1012,28 @@ def transpose(x, dim0: int, dim1: int):
     return _apply(x, PermuteOp("transpose", tuple(dims)))
 
 
-def _normalise_index(x, index) -> tuple:
-    """Index of ``x[index]`` with the Ellipsis expanded, ints wrapped and range-checked, and
-    slices made explicit: slice(start, stop, step) with 0 <= start <= stop <= size."""
+def _is_index(item) -> bool:
+    """Whether ``item`` is an advanced index: a graph tensor, a torch tensor or a list of ints."""
+    return isinstance(item, (Tensor, torch.Tensor, list)) or (isinstance(item, tuple) and bool(item))
+
+
+def _normalise_index(x, index, allow_advanced: bool = False) -> tuple[tuple, list]:
+    """``(basic, advanced)`` for ``x[index]``: ``basic`` has the Ellipsis expanded, ints wrapped
+    and range-checked, slices made explicit (slice(start, stop, step), 0 <= start <= stop <=
+    size) and a full slice where an advanced index goes; ``advanced`` lists (dim of x[basic],
+    dim of x, the index) for each index tensor or list."""
     if not isinstance(index, tuple):
         index = (index,)
     shape = tuple(x.shape)
     for item in index:
-        if isinstance(item, bool) or not (item is None or item is Ellipsis or isinstance(item, (int, _py_slice))):
+        basic = item is None or item is Ellipsis or isinstance(item, (int, _py_slice))
+        if isinstance(item, bool) or not (basic or (allow_advanced and _is_index(item))):
             kind = "tensor" if hasattr(item, "shape") else type(item).__name__
+            supported = ", index tensors and lists of ints" if allow_advanced else ""
             _fail(
                 x,
                 "getitem",
-                f"index {item!r} is not supported (a {kind}): teeny indexes with ints, slices, None "
-                "and ..., not with tensors, lists or bools",
+                f"index {item!r} is not supported (a {kind}): teeny indexes with ints, slices, None, ...{supported}",
                 TypeError,
             )
     if sum(item is Ellipsis for item in index) > 1:
@@ -765,7 +1047,7 @@ def _normalise_index(x, index) -> tuple:
         expanded.extend(fill if item is Ellipsis else [item])
     if not any(item is Ellipsis for item in index):
         expanded.extend(fill)
-    out, dim = [], 0
+    out, advanced, dim = [], [], 0
     for item in expanded:
         if item is None:
             out.append(None)
@@ -775,7 +1057,7 @@ def _normalise_index(x, index) -> tuple:
             if not -size <= item < size:
                 _fail(x, "getitem", f"index {item} is out of bounds for dimension {dim} with size {size}", IndexError)
             out.append(item % size)
-        else:
+        elif isinstance(item, _py_slice):
             for v in (item.start, item.stop, item.step):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                     _fail(x, "getitem", f"slice bounds must be ints or None, got {item!r}", TypeError)
@@ -783,15 +1065,76 @@ def _normalise_index(x, index) -> tuple:
                 _fail(x, "getitem", f"slice step must be positive, got {item.step} in dim {dim}")
             start, stop, step = item.indices(size)
             out.append(_py_slice(start, max(start, stop), step))
+        else:
+            advanced.append((sum(1 for o in out if not isinstance(o, int)), dim, item))
+            out.append(_py_slice(0, size, 1))
         dim += 1
-    return tuple(out)
+    return tuple(out), advanced
+
+
+def _index_tensor(x, item, dim: int) -> Tensor:
+    """The graph tensor of an advanced index: a graph tensor of integers as it is, a list of
+    ints or an integer torch tensor as a constant (checked against the dim's size here)."""
+    size = x.shape[dim]
+    if isinstance(item, Tensor):
+        if item.dtype not in (torch.int64, torch.int32):
+            what = "a boolean mask (a data-dependent shape)" if item.dtype == torch.bool else f"a {item.dtype}"
+            _fail(
+                x, "getitem", f"index tensor {item.name!r} is {what}: index tensors must be int64 or int32", TypeError
+            )
+        return item
+    try:
+        values = torch.as_tensor(item)
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is None or not (
+        values.dtype in (torch.int64, torch.int32) or (values.numel() == 0 and values.dim() == 1)
+    ):
+        _fail(x, "getitem", f"index {item!r} must be a list of ints (or an integer tensor)", TypeError)
+    values = values.to(torch.int64)
+    bad = values[(values < -size) | (values >= size)]
+    if bad.numel():
+        _fail(x, "getitem", f"index {int(bad[0])} is out of bounds for dimension {dim} with size {size}", IndexError)
+    return graph_of(x).constant(values)
 
 
 def getitem(x, index):
-    """x[index] for ints, slices (step > 0, negative and out-of-range bounds clamped as in
-    PyTorch), None and Ellipsis. A contiguous selection (e.g. x[2:5]) is a view; others copy."""
-    normalised = _normalise_index(x, index)
-    return _apply(x, GetItemOp("getitem", normalised))
+    """x[index] as PyTorch indexes: ints, slices (step > 0, negative and out-of-range bounds
+    clamped), None and Ellipsis (basic indexing: a contiguous selection such as x[2:5] is a
+    view, others copy), and advanced indexing with index tensors (int64 or int32 graph tensors)
+    and lists of ints, in any position. Several indices broadcast together to a shape B; B
+    replaces the indexed dims where they are adjacent, else it comes first (a 0-d index drops
+    its dim like an int). Negative indices count from the end; an index out of range is an
+    IndexError for lists (at trace time) and, under ``teeny.config.check_indices``, an error
+    after the forward for tensors (with the check off it reads 0 and gets no gradient).
+    The backward adds dy into the indexed places (repeated indices sum) with atomic adds, or,
+    under ``teeny.config.deterministic``, bit-reproducibly by sorting."""
+    basic, advanced = _normalise_index(x, index, allow_advanced=True)
+    if not advanced:
+        return _apply(x, GetItemOp("getitem", basic))
+    if len(advanced) > MAX_INDEXED:
+        _fail(x, "getitem", f"at most {MAX_INDEXED} index tensors or lists can be combined, got {len(advanced)}")
+    tensors = [_index_tensor(x, item, dim) for _, dim, item in advanced]
+    shaped = [bool(t.shape) for t in tensors]
+    try:
+        index_shape = tuple(torch.broadcast_shapes(*[t.shape for t in tensors]))
+    except RuntimeError:
+        listing = ", ".join(str(list(t.shape)) for t in tensors)
+        message = f"shape mismatch: indexing tensors could not be broadcast together with shapes {listing}"
+        _fail(x, "getitem", message, IndexError)
+    n = math.prod(index_shape)
+    flat = [reshape(t if tuple(t.shape) == index_shape else expand(t, *index_shape), (n,)) for t in tensors]
+    stacked = flat[0] if len(flat) == 1 else concat(flat)
+    op = IndexOp(
+        basic,
+        [p for p, _, _ in advanced],
+        shaped,
+        index_shape,
+        [d for _, d, _ in advanced],
+        deterministic=config.deterministic,
+        check=config.check_indices,
+    )
+    return _apply(x, op, [x, stacked])
 
 
 def slice(x, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1):
@@ -802,7 +1145,7 @@ def slice(x, dim: int = 0, start: int | None = None, end: int | None = None, ste
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         _fail(x, "slice", f"slice step must be positive, got {step!r}")
     index = (_py_slice(None),) * d + (_py_slice(start, end, step),)
-    return _apply(x, GetItemOp("slice", _normalise_index(x, index)))
+    return _apply(x, GetItemOp("slice", _normalise_index(x, index)[0]))
 
 
 def narrow(x, dim: int, start: int, length: int):
@@ -818,22 +1161,27 @@ def narrow(x, dim: int, start: int, length: int):
     return slice(x, d, start, start + length)
 
 
-def _same_ranked(tensors, name: str):
+def _tensor_list(tensors, name: str) -> list:
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name}: expected a list or tuple of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{name}: expected a non-empty list of tensors")
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{t.name}:{str(t.dtype).replace('torch.', '')}" for t in tensors)
-        raise TypeError(f"{name}: tensors must have one dtype, got {listing}")
     return list(tensors)
+
+
+def _converted(t, dtype: torch.dtype):
+    """``t`` in ``dtype`` (a copy converting each element, whose gradient converts back)."""
+    return t if t.dtype == dtype else _apply(t, ConvertOp(dtype))
 
 
 def concat(tensors, dim: int = 0):
     """Join tensors along ``dim``; every other size must match. As in PyTorch, 1-d empty
-    tensors (shape (0,)) are skipped."""
-    tensors = _same_ranked(tensors, "concat")
+    tensors (shape (0,)) are skipped, and tensors of different dtypes are promoted to a common
+    one (bool < integers < floats, ``torch.promote_types``) by a converting copy."""
+    tensors = _tensor_list(tensors, "concat")
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
     kept = [t for t in tensors if tuple(t.shape) != (0,)] or tensors[:1]
     first = kept[0]
     ndim = len(first.shape)
@@ -853,6 +1201,7 @@ def concat(tensors, dim: int = 0):
                     f"{first.shape[k]} but got size {t.shape[k]} in dimension {k} ({first.name!r} has "
                     f"shape {tuple(first.shape)}, {t.name!r} has shape {tuple(t.shape)})"
                 )
+    kept = [_converted(t, dtype) for t in kept]
     return graph_of(kept).apply(ConcatOp("concat", d, len(kept)), kept)
 
 
@@ -860,8 +1209,8 @@ cat = concat
 
 
 def stack(tensors, dim: int = 0):
-    """Join same-shaped tensors along a new dim ``dim``."""
-    tensors = _same_ranked(tensors, "stack")
+    """Join same-shaped tensors along a new dim ``dim`` (dtypes promoted as in concat)."""
+    tensors = _tensor_list(tensors, "stack")
     first = tensors[0]
     for t in tensors:
         if tuple(t.shape) != tuple(first.shape):
@@ -1141,6 +1490,47 @@ _register(
         ]
     ),
 )
+
+
+def _advanced_samples(build):
+    """Samples from ``build(t, i)``: ``t(*shape)`` a random tensor of the dtype, ``i(size,
+    *shape)`` random int64 indices into a dim of ``size`` (negative ones too)."""
+
+    def samples(dtype, gen):
+        def i(size, *shape):
+            return torch.randint(-size, size, shape, generator=gen)
+
+        return build(lambda *shape: make(gen, *shape, dtype=dtype), i)
+
+    return samples
+
+
+_register(
+    "getitem_advanced",
+    getitem,
+    lambda x, index: x[index],
+    _advanced_samples(
+        lambda t, i: [
+            Sample((t(7, 5), (i(7, 13),)), name="x[idx], repeats", reduction=13),
+            Sample((t(5, 6, 7), (_py_slice(None), i(6, 2, 3))), name="x[:, idx 2x3]", reduction=6),
+            Sample((t(5, 6, 7), (i(5, 4), _py_slice(1, 5), i(7, 4))), name="x[i, 1:5, j] (apart: B first)"),
+            Sample((t(5, 6, 7), (i(5, 2, 1), i(6, 3))), name="x[i, j] broadcast"),
+            Sample((t(5, 6, 7), (_py_slice(1, 4), [0, -1, 2, 0], None)), name="x[1:4, list, None]", reduction=2),
+            Sample((t(5, 6, 7), (Ellipsis, [[0], [6]])), name="x[..., [[0], [6]]]"),
+            Sample((t(5, 6, 7), (i(5), _py_slice(None), i(7, 3))), name="x[0-d, :, j] (0-d drops its dim)"),
+            Sample((t(4, 3), (i(4, 0),)), name="empty index"),
+        ]
+    ),
+    lambda gen: _advanced_samples(
+        lambda t, i: [
+            Sample((t(5, 3), (i(5, 9),)), name="x[idx], repeats"),
+            Sample((t(3, 2, 4), (i(3, 3), _py_slice(None), i(4, 3))), name="x[i, :, j]"),
+            Sample((t(3, 4), ([0, -1, 0], _py_slice(1, 3))), name="x[list, 1:3]"),
+        ]
+    )(torch.float64, gen),
+    notes="index tensors and lists (gather forwards, scatter-add backwards)",
+)
+
 _register(
     "slice",
     slice,
@@ -1166,6 +1556,7 @@ _register(
             Sample(([t(5, 3, 11), t(5, 0, 11), t(5, 2, 11)], 1), name="middle with empty"),
             Sample(([t(0), t(2, 3)], 0), name="skips 1-d empty"),
             Sample(([t(4, 3)], 1), name="one tensor"),
+            Sample(([t(2, 3), torch.arange(6).reshape(2, 3), t(1, 3)], 0), name="with int64 (promoted)"),
         ]
     ),
     _tiny(lambda t: [Sample(([t(2, 3), t(2, 5)], 1), name="2x3+2x5"), Sample(([t(1, 4), t(3, 4)],), name="rows")]),
