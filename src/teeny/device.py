@@ -68,7 +68,8 @@ def _interpreter_loop_bounds() -> None:
 def _interpreter_bf16_rounding() -> None:
     """Triton 3.6's interpreter converts float32 to bfloat16 by truncation, where the GPU (and
     PyTorch) round to nearest even: every bfloat16 store on the CPU was biased towards zero by up
-    to one unit in the last place. Convert with round-to-nearest-even, as the GPU does."""
+    to one unit in the last place; and it bit-casts an integer to bfloat16. Convert the value,
+    rounding to nearest even, as the GPU does."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -79,18 +80,20 @@ def _interpreter_bf16_rounding() -> None:
         return
 
     def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest, ties to even
-            nan = np.isnan(src.data)
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar != tl.bfloat16:
+            # float32 (or an integer, which the interpreter bit-cast) to bfloat16: nearest even
+            values = np.asarray(src.data, dtype=np.float32)
+            bits = np.ascontiguousarray(values).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(values)
             if nan.any():
                 rounded = np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)  # stay a (quiet) NaN
-            return interpreter.TensorHandle(rounded.reshape(np.shape(src.data)), dst_type.scalar)
+            return interpreter.TensorHandle(rounded.reshape(np.shape(values)), dst_type.scalar)
         return original(self, src, dst_type)
 
     cast_impl._teeny = True
     builder.cast_impl = cast_impl
-    for name in ("create_fp_trunc",):  # bound to the original through a lambda: rebind
+    for name in ("create_fp_trunc", "create_si_to_fp", "create_ui_to_fp"):  # lambdas bound to the original
         setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
 
 

@@ -55,6 +55,7 @@ from ..kernel import ANY_DTYPES, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Launch, OpContext, RuntimeOp
+from .cast import to
 from .common import (
     MAX_DIMS,
     acc_dtype,
@@ -721,25 +722,6 @@ class ExpandOp(StridedViewOp):
         return sum_to_shape(ctx, dy, self.shape, ctx.grad_inputs[0])
 
 
-class ConvertOp(StridedViewOp):
-    """y = x converted to ``dtype`` (cat's type promotion); dx = dy converted back."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.name, self.dtype = "convert", dtype
-
-    def torch_view(self, x):
-        return x
-
-    def output_dtype(self, input_dtypes):
-        return self.dtype
-
-    def view(self, inputs):
-        return None
-
-    def backward_launches(self, ctx):
-        return [copy_launch(ctx.grad_output, ctx.grad_output, ctx.grad_inputs[0], ctx.grad_inputs[0])]
-
-
 class ConcatOp(RuntimeOp):
     """y = cat(xs, dim): each input copied into its place (one launch each); dx_i = the matching
     part of dy (a view where that part is contiguous, else a gather)."""
@@ -1171,7 +1153,7 @@ def _tensor_list(tensors, name: str) -> list:
 
 def _converted(t, dtype: torch.dtype):
     """``t`` in ``dtype`` (a copy converting each element, whose gradient converts back)."""
-    return t if t.dtype == dtype else _apply(t, ConvertOp(dtype))
+    return t if t.dtype == dtype else to(t, dtype)
 
 
 def concat(tensors, dim: int = 0):
