@@ -1,6 +1,7 @@
 """Loss family: what the generic harness (tests/test_ops.py) cannot see: ignore_index edge cases,
 label smoothing and probability targets with weights, long rows that need the column loop,
-out-of-range targets, bad input errors, layers, and what the cross-entropy saves."""
+out-of-range targets (checked and unchecked), gradients at kinks and zeros, float64 scalars at
+tight tolerance, bad input errors, layers, and what the cross-entropy saves."""
 
 import pytest
 import torch
