@@ -1,6 +1,7 @@
 """Loss family: what the generic harness (tests/test_ops.py) cannot see: ignore_index edge cases,
 label smoothing and probability targets with weights, long rows that need the column loop,
-out-of-range targets, bad input errors, layers, and what the cross-entropy saves."""
+out-of-range targets (checked and unchecked), gradients at kinks and zeros, float64 scalars at
+tight tolerance, bad input errors, layers, and what the cross-entropy saves."""
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ import teeny
 from teeny import Graph, GraphError, LoweringMode, TeenyError, lower
 from teeny.executor import Executor
 from teeny.interop.torch import apply as _apply
+from teeny.kernel import record_launches
 from teeny.kernels import loss as L
+from teeny.registry import make
 
 
 def apply(fn, *args, **kwargs):
@@ -147,13 +150,43 @@ def test_large_logits_are_stable():
 # --------------------------------------------------------------------- out-of-range targets
 
 
-def test_out_of_range_target_gives_nan_without_reading_out_of_bounds():
+def test_out_of_range_target_unchecked_gives_nan_without_reading_out_of_bounds(monkeypatch):
+    monkeypatch.setattr(teeny.config, "check_indices", False)  # read when the op is traced
     x = torch.randn(3, 4, requires_grad=True)
     out = apply(L.cross_entropy, x, torch.tensor([0, 7, -3]), reduction="none")
     assert not torch.isnan(out[0]) and torch.isnan(out[1:]).all()
     out.sum().backward()
     assert torch.isnan(x.grad[1:]).all() and not torch.isnan(x.grad[0]).any()
     assert torch.isnan(apply(L.nll_loss, x.detach(), torch.tensor([0, 4, 1])))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("fn", [L.cross_entropy, L.nll_loss])
+def test_out_of_range_target_checked_raises_naming_op_and_index(fn, reduction, monkeypatch):
+    monkeypatch.setattr(teeny.config, "check_indices", True)
+    x = torch.log_softmax(torch.randn(5, 4), 1)
+    with pytest.raises(
+        TeenyError, match=rf"op {fn.__name__} \(node .*target class index 9 is out of range.* 4 classes"
+    ):
+        apply(fn, x, torch.tensor([0, 9, 3, -100, 2]), reduction=reduction)
+    with pytest.raises(TeenyError, match=r"target class index (-3|4) is out of range.*ignore_index is 1"):
+        apply(fn, x, torch.tensor([-3, 1, 4, 0, 1]), ignore_index=1, reduction=reduction)
+    # ignored rows and in-range targets pass the check; spatial dims (N, C, d) too
+    _assert_matches(fn, getattr(F, fn.__name__), x, torch.tensor([0, 1, 3, -100, 2]), reduction=reduction)
+    with pytest.raises(TeenyError, match="target class index 4 is out of range"):
+        apply(fn, torch.randn(2, 4, 3), torch.tensor([[0, 1, 2], [3, 4, 0]]), reduction=reduction)
+
+
+def test_checked_index_error_surfaces_through_the_executor(monkeypatch):
+    monkeypatch.setattr(teeny.config, "check_indices", True)
+    g = Graph()
+    x, t = g.input("logits", (4, 3), requires_grad=True), g.input("target", (4,), torch.int64)
+    g.output(L.cross_entropy(x, t))
+    executor = Executor(lower(g, LoweringMode.TRAINING))
+    with pytest.raises(TeenyError, match=r"cross_entropy \(node 'cross_entropy_0', forward\): target class index 3 "):
+        executor.forward_train({"logits": torch.randn(4, 3), "target": torch.tensor([0, 3, 1, 2])})
+    loss, cache = executor.forward_train({"logits": torch.randn(4, 3), "target": torch.tensor([0, 2, 1, 2])})
+    assert torch.isfinite(loss) and executor.backward(cache)["logits"].isfinite().all()
 
 
 # ------------------------------------------------------------------------- element-wise edges
@@ -201,6 +234,77 @@ def test_empty_mean_is_nan_like_torch(fn, ref):
 def test_long_mean_two_pass_reduction():
     x, t = torch.randn(3001), torch.randn(3001)  # 3 programs of partials
     _assert_matches(L.mse_loss, F.mse_loss, x, t)
+
+
+# ------------------------------------------------------------- kinks and 0/0 in derivatives
+
+
+@pytest.mark.parametrize(
+    "fn,ref,x,t,kwargs",
+    [
+        # |d| == beta exactly (d / beta = sign(d) = +-1), d == 0, and beta = 0 (L1: sign(0) = 0)
+        (L.smooth_l1_loss, F.smooth_l1_loss, [0.3, -0.3, 0.0, 1.0], [0.0, 0.0, 0.0, 0.5], {"beta": 0.3}),
+        (L.smooth_l1_loss, F.smooth_l1_loss, [0.0, 1.0, -2.0], [0.0, 0.0, 0.0], {"beta": 0.0}),
+        (L.huber_loss, F.huber_loss, [0.7, -0.7, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0], {"delta": 0.7}),
+        (L.l1_loss, F.l1_loss, [1.0, 0.0, -1.0], [1.0, 0.5, -1.0], {}),
+        (L.mse_loss, F.mse_loss, [1.0, 0.0], [1.0, 0.5], {}),
+        # t = 0: the loss is 0, d/dx = -t = 0; d/dt is NaN, as PyTorch's xlogy gradient
+        (L.kl_div, F.kl_div, [-1.0, -2.0, -0.5], [0.0, 0.3, 0.7], {"reduction": "sum"}),
+        (L.binary_cross_entropy, F.binary_cross_entropy, [0.0, 1.0, 0.5, 0.0], [0.0, 1.0, 0.5, 1.0], {}),
+    ],
+)
+def test_gradients_at_kinks_and_zeros_match_torch(fn, ref, x, t, kwargs):
+    x, t = torch.tensor(x, dtype=torch.float64), torch.tensor(t, dtype=torch.float64)
+    for reduction in ("none", kwargs.pop("reduction", "mean")):
+        _assert_matches(fn, ref, x, t, atol=1e-12, rtol=1e-12, reduction=reduction, **kwargs)
+
+
+def test_kl_div_target_gradient_is_nan_only_where_torch_is():
+    x, t = torch.tensor([-1.0, -2.0]), torch.tensor([0.0, 0.3])
+    _, (dx, dt) = _assert_matches(L.kl_div, F.kl_div, x, t, reduction="sum", grad_out=torch.tensor(1.0))
+    assert dx.tolist() == [0.0, pytest.approx(-0.3)] and torch.isnan(dt[0]) and dt[1].isfinite()
+
+
+# ------------------------------------------------------------------ float64 all the way
+
+
+def test_huber_linear_region_gradient_is_delta_exactly_in_float64():
+    x = torch.tensor([2.0, -3.0, 0.25], dtype=torch.float64, requires_grad=True)
+    loss = apply(L.huber_loss, x, torch.zeros(3, dtype=torch.float64), reduction="sum", delta=0.7)
+    (dx,) = torch.autograd.grad(loss, x)
+    assert dx.tolist() == [0.7, -0.7, 0.25]  # not 0.699999988 (delta through float32)
+    assert loss.item() == 0.7 * (2.0 - 0.35) + 0.7 * (3.0 - 0.35) + 0.5 * 0.25 * 0.25
+
+
+# (fn, torch reference, input, target, kwargs): non-dyadic scalars and weights in float64
+def _float64_cases():
+    gen = torch.Generator().manual_seed(7)
+    rand = lambda *s, lo=-2.0, hi=2.0: make(gen, *s, dtype=torch.float64, low=lo, high=hi)  # noqa: E731
+    x, t = rand(5, 7), rand(5, 7)
+    p, q = rand(5, 7, lo=0.05, hi=0.95), rand(5, 7, lo=0.0, hi=1.0)
+    w = rand(7, lo=0.1, hi=2.0)
+    idx = torch.tensor([0, 6, -100, 3, 3])
+    probs = torch.softmax(rand(5, 7), 1)
+    return [
+        (L.smooth_l1_loss, F.smooth_l1_loss, x, t, {"beta": 0.3}),
+        (L.huber_loss, F.huber_loss, x, t, {"delta": 0.7, "reduction": "sum"}),
+        (L.binary_cross_entropy, F.binary_cross_entropy, p, q, {"weight": w}),
+        (L.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits, x, q, {"weight": w, "pos_weight": w}),
+        (L.kl_div, F.kl_div, torch.log(p), q, {"reduction": "batchmean"}),
+        (L.cross_entropy, F.cross_entropy, x, idx, {"weight": w, "label_smoothing": 0.1}),
+        (L.cross_entropy, F.cross_entropy, x, probs, {"weight": w, "label_smoothing": 0.3, "reduction": "none"}),
+        (L.nll_loss, F.nll_loss, torch.log_softmax(x, 1), idx, {"weight": w}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_float64_cases())))
+def test_float64_matches_torch_tightly_and_launches_take_float64_scalars(case):
+    fn, ref, x, t, kwargs = _float64_cases()[case]
+    with record_launches() as records:
+        _assert_matches(fn, ref, x, t, atol=1e-13, rtol=1e-13, **kwargs)
+    floats = {(r.kernel, name): kind for r in records for name, kind in r.scalar_types.items() if kind[:2] == "fp"}
+    assert floats and all(kind == "fp64" for kind in floats.values()), floats
+    assert all(r.dtype == torch.float64 for r in records)
 
 
 # --------------------------------------------------------------------------------- errors
@@ -305,7 +409,7 @@ def test_training_graph_with_constant_weight_saves_only_lse():
     logits, target = torch.randn(6, 11), torch.tensor([1, 10, 0, -100, 5, 5])
     loss, cache = executor.forward_train({"logits": logits, "target": target})
     (entry,) = cache.entries.values()
-    assert {k: tuple(v.shape) for k, v in entry["saved"].items()} == {"lse": (6,), "denominator": ()}
+    assert {k: tuple(v.shape) for k, v in entry["saved"].items()} == {"lse": (6,), "sums": (2,)}
     grads = executor.backward(cache)
     ref_x = logits.clone().requires_grad_(True)
     ref = F.cross_entropy(ref_x, target, weight=weight, label_smoothing=0.1)

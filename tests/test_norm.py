@@ -1,4 +1,6 @@
-"""Normalisation ops beyond the generic harness: running statistics, layers, long rows, errors."""
+"""Normalisation ops beyond the generic harness (tests/test_ops.py): running statistics, layers,
+long rows, multi-row tiles, a row-strided gradient read in place, constant rows (var = 0),
+float64 scalars (eps, momentum) at tight tolerance, errors."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from teeny import nn
 from teeny.executor import Executor
 from teeny.graph import Graph, GraphError
 from teeny.interop.torch import apply
+from teeny.kernel import KernelInstance, record_launches
 from teeny.kernels import norm
 from teeny.lowering import LoweringMode, lower
 from teeny.module import Module
@@ -268,3 +271,236 @@ def _forward_and_grads_match(fn, ref_fn, args, gen, tol):
     ref_grads = torch.autograd.grad(ref, args, dy)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------- a row-strided dy is read in place
+
+
+@pytest.fixture
+def dy_pointers(monkeypatch):
+    """The dy tensor each launch of norm_backward / norm_weight_backward received."""
+    seen = []
+    launch = KernelInstance.launch
+
+    def recording(self, grid, args, **options):
+        if self.kernel.name in ("norm_backward", "norm_weight_backward"):
+            seen.append((self.kernel.name, args[[p.name for p in self.kernel.params].index("dy_ptr")]))
+        return launch(self, grid, args, **options)
+
+    monkeypatch.setattr(KernelInstance, "launch", recording)
+    return seen
+
+
+# case -> (input shape, normalized / affine shape, teeny fn, torch fn) for a last dim of n; fns take (x, w, b)
+_STRIDED_CASES = {
+    "layer_norm": lambda n: ((4, 3, n), (n,), norm.layer_norm, F.layer_norm),
+    "rms_norm": lambda n: (
+        (5, n),
+        (n,),
+        lambda x, s, w, b: norm.rms_norm(x, s, w),
+        lambda x, s, w, b: F.rms_norm(x, s, w),
+    ),
+    "layer_norm 2-d": lambda n: ((4, 3, n), (3, n), norm.layer_norm, F.layer_norm),
+    "group_norm": lambda n: (
+        (3, 6, n),
+        (6,),
+        lambda x, s, w, b: norm.group_norm(x, 3, w, b),
+        lambda x, s, w, b: F.group_norm(x, 3, w, b),
+    ),
+    "group_norm (N, C)": lambda n: (
+        (5, 2 * n),
+        (2 * n,),
+        lambda x, s, w, b: norm.group_norm(x, 2, w, b),
+        lambda x, s, w, b: F.group_norm(x, 2, w, b),
+    ),
+}
+
+
+@pytest.mark.parametrize("n", [7, 19], ids=["one block", "column loop"])
+@pytest.mark.parametrize("case", list(_STRIDED_CASES))
+def test_row_strided_grad_output_is_read_without_a_copy(case, n, dy_pointers, monkeypatch, gen):
+    """Executor.backward(cache, grad_output=wide[..., 2:2+n]): the backward kernels read the slice
+    itself (its address and strides), and every gradient matches PyTorch. With 16-wide column
+    blocks, rows of 19+ elements loop and dw/db come from norm_weight_backward."""
+    monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+    shape, affine, fn, ref_fn = _STRIDED_CASES[case](n)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w = torch.rand(affine, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.randn(affine, generator=gen, dtype=torch.float64)
+    g = Graph()
+    xs = g.input("x", shape, torch.float64, requires_grad=True)
+    ws, bs = g.parameter("w", affine, dtype=torch.float64), g.parameter("b", affine, dtype=torch.float64)
+    g.output(fn(xs, affine, ws, bs))
+    ex = Executor(lower(g, LoweringMode.TRAINING), params={"w": w, "b": b})
+    _, cache = ex.forward_train({"x": x})
+    wide = torch.randn(*shape[:-1], shape[-1] + 5, generator=gen, dtype=torch.float64).to(teeny.DEVICE)
+    dy = wide[..., 2 : 2 + shape[-1]]
+    assert not dy.is_contiguous()
+    grads = ex.backward(cache, grad_output=dy)
+    assert dy_pointers and all(t.data_ptr() == dy.data_ptr() and t.stride() == dy.stride() for _, t in dy_pointers)
+    if n > 16:
+        assert "norm_weight_backward" in {name for name, _ in dy_pointers}
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    expected = torch.autograd.grad(ref_fn(xr, affine, wr, br), (xr, wr, br), dy.cpu(), allow_unused=True)
+    torch.testing.assert_close(grads["x"].cpu(), expected[0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ex.grads["w"].cpu(), expected[1], atol=1e-12, rtol=1e-12)
+    if expected[2] is not None:  # rms_norm has no bias
+        torch.testing.assert_close(ex.grads["b"].cpu(), expected[2], atol=1e-12, rtol=1e-12)
+
+
+def test_torch_side_slice_of_the_gradient_reaches_the_kernel_as_is(dy_pointers, gen):
+    """torch.cat(...)'s backward hands each piece a strided slice of its gradient: layer_norm
+    through the interop reads that slice (no contiguous copy), batch_norm gets a copy."""
+    x = torch.randn(6, 9, generator=gen).to(teeny.DEVICE).requires_grad_()
+    w = (torch.rand(9, generator=gen) + 0.5).to(teeny.DEVICE).requires_grad_()
+    y = apply(lambda x, w: norm.layer_norm(x, (9,), w), x, w)
+    z = torch.randn(6, 4, generator=gen).to(teeny.DEVICE)
+    dout = torch.randn(6, 13, generator=gen).to(teeny.DEVICE)
+    got = torch.autograd.grad(torch.cat([y, z], 1), (x, w), dout)
+    assert [not t.is_contiguous() for _, t in dy_pointers] == [True]
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(torch.cat([F.layer_norm(xr, (9,), wr), z], 1), (xr, wr), dout)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    dy_pointers.clear()
+    y = apply(lambda x: norm.batch_norm(x, None, None, training=True), x)
+    (gx,) = torch.autograd.grad(torch.cat([y, z], 1), x, dout)
+    assert [t.is_contiguous() for _, t in dy_pointers] == [True]
+    xr = x.detach().clone().requires_grad_()
+    (ex,) = torch.autograd.grad(torch.cat([F.batch_norm(xr, None, None, training=True), z], 1), xr, dout)
+    torch.testing.assert_close(gx, ex, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------- constant rows: var = 0, no 0/0 anywhere
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "case", ["layer_norm", "rms_norm of zeros", "group_norm", "batch_norm", "batch_norm eval", "layer_norm rows of 1"]
+)
+def test_constant_rows_give_finite_gradients_like_torch(case, dtype, gen):
+    """A constant row has var = 0: rstd = 1/sqrt(eps) is large but finite and xhat = 0, so every
+    gradient is a number, PyTorch's (rows of one element included: dx = 0)."""
+    x = torch.randn(4, 6, 5, generator=gen, dtype=dtype)
+    x[1] = 0.75  # a constant layer_norm row, group_norm group and (below) batch_norm channel
+    x[:, 2] = -1.25
+    w = torch.rand(6, 5, generator=gen, dtype=dtype) + 0.5
+    b = torch.randn(6, 5, generator=gen, dtype=dtype)
+    wc, bc = w[:, 0].contiguous(), b[:, 0].contiguous()
+    running = (torch.full((6,), -1.25, dtype=dtype), torch.zeros(6, dtype=dtype))  # var 0 for eval
+    fns = {
+        "layer_norm": (
+            lambda x, w, b: norm.layer_norm(x, (6, 5), w, b),
+            lambda x, w, b: F.layer_norm(x, (6, 5), w, b),
+            (x, w, b),
+        ),
+        "rms_norm of zeros": (
+            lambda x, w: norm.rms_norm(x, (5,), w, eps=1e-6),
+            lambda x, w: F.rms_norm(x, (5,), w, eps=1e-6),
+            (x * 0, w[0].contiguous()),
+        ),
+        "group_norm": (
+            lambda x, w, b: norm.group_norm(x, 3, w, b),
+            lambda x, w, b: F.group_norm(x, 3, w, b),
+            (x, wc, bc),
+        ),
+        "batch_norm": (
+            lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True),
+            lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+            (x, wc, bc),
+        ),
+        "batch_norm eval": (
+            lambda x, w, b, rm, rv: norm.batch_norm(x, rm, rv, w, b),
+            lambda x, w, b, rm, rv: F.batch_norm(x, rm, rv, w, b),
+            (x, wc, bc, *running),
+        ),
+        "layer_norm rows of 1": (lambda x: norm.layer_norm(x, (1,)), lambda x: F.layer_norm(x, (1,)), (x[..., :1],)),
+    }
+    fn, ref_fn, args = fns[case]
+    args = [a.contiguous().to(teeny.DEVICE).requires_grad_(i < 3) for i, a in enumerate(args)]
+    out = apply(fn, *args)
+    dy = torch.randn(out.shape, generator=gen, dtype=dtype).to(teeny.DEVICE)
+    wanted = [a for a in args if a.requires_grad]
+    grads = torch.autograd.grad(out, wanted, dy)
+    refs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    expected = torch.autograd.grad(ref_fn(*refs), [r for r in refs if r.requires_grad], dy)
+    tol = 1e-10 if dtype == torch.float64 else 2e-3
+    for g, e in zip(grads, expected):
+        assert torch.isfinite(g).all() and torch.isfinite(e).all()
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------ float64 all the way
+
+
+def test_layer_norm_float64_eps_is_float64():
+    """The row [0.003, -0.002] with eps 1e-5: var = 6.25e-6 is comparable to eps, so eps as
+    float32 would give 0.6201736777666285 (issue 17)."""
+    x = torch.tensor([[0.003, -0.002]], dtype=torch.float64).to(teeny.DEVICE)
+    y = apply(lambda t: norm.layer_norm(t, (2,)), x)
+    assert y[0, 0].item() == pytest.approx(0.6201736729460423, rel=1e-15, abs=0)
+
+
+def _float64_norm_cases(gen):
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 1e-3  # noqa: E731 (var ~ eps)
+    affine = lambda n: (torch.rand(n, generator=gen, dtype=torch.float64) + 0.5,) * 1  # noqa: E731
+    return {
+        "layer_norm": (
+            (rand(3, 5), *affine(5)),
+            lambda x, w: norm.layer_norm(x, (5,), w, eps=1.1e-6),
+            lambda x, w: F.layer_norm(x, (5,), w, eps=1.1e-6),
+        ),
+        "rms_norm": (
+            (rand(3, 5), *affine(5)),
+            lambda x, w: norm.rms_norm(x, (5,), w, eps=3e-7),
+            lambda x, w: F.rms_norm(x, (5,), w, eps=3e-7),
+        ),
+        "group_norm": (
+            (rand(2, 6, 1), *affine(6)),
+            lambda x, w: norm.group_norm(x, 3, w),
+            lambda x, w: F.group_norm(x, 3, w),
+        ),
+        "batch_norm": (
+            (rand(6, 3), *affine(3)),
+            lambda x, w: norm.batch_norm(x, None, None, w, training=True, eps=1.3e-6),
+            lambda x, w: F.batch_norm(x, None, None, w, training=True, eps=1.3e-6),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
+def test_float64_matches_torch_tightly_and_launches_take_float64_scalars(case, gen):
+    """Small rows (var near eps) and non-dyadic eps: a float32 eps moves dx by ~1e-8."""
+    args, fn, ref_fn = _float64_norm_cases(gen)[case]
+    args = [a.to(teeny.DEVICE).requires_grad_() for a in args]
+    with record_launches() as records:
+        out = apply(fn, *args)
+        dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(teeny.DEVICE)
+        grads = torch.autograd.grad(out, args, dy)
+    refs = [a.detach().clone().requires_grad_() for a in args]
+    ref = ref_fn(*refs)
+    torch.testing.assert_close(out, ref, atol=1e-13, rtol=1e-13)
+    for g, e in zip(grads, torch.autograd.grad(ref, refs, dy)):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-12)
+    floats = {(r.kernel, name): kind for r in records for name, kind in r.scalar_types.items() if kind[:2] == "fp"}
+    assert floats.get(("norm_forward", "eps")) == "fp64" and set(floats.values()) == {"fp64"}, floats
+
+
+def test_batch_norm_running_stats_float64_with_momentum_0_1():
+    """Three training steps with momentum 0.1 (1 - momentum = 0.9 is not dyadic either): the
+    running statistics stay float64-exact against PyTorch (issue 17: 8.4e-8 off in float32)."""
+    gen = torch.Generator().manual_seed(3)
+    g = Graph()
+    layer = nn.BatchNorm1d(3, momentum=0.1, dtype=torch.float64)
+    g.output(_Net(layer)(g.input("x", (6, 3), torch.float64, requires_grad=True)))
+    ex = Executor(lower(g, LoweringMode.TRAINING))
+    ref = torch.nn.BatchNorm1d(3, momentum=0.1, dtype=torch.float64)
+    with record_launches() as records:
+        for _ in range(3):
+            x = torch.randn(6, 3, generator=gen, dtype=torch.float64) * 3 + 1
+            ex.forward_train({"x": x})
+            ref(x)
+    torch.testing.assert_close(ex.params["bn.running_mean"].cpu(), ref.running_mean.detach(), atol=0, rtol=1e-15)
+    torch.testing.assert_close(ex.params["bn.running_var"].cpu(), ref.running_var.detach(), atol=0, rtol=1e-15)
+    (forward,) = {r.kernel: r for r in records}.values()
+    assert forward.scalar_types["momentum"] == "fp64" and forward.scalar_types["eps"] == "fp64"

@@ -3,14 +3,18 @@ and row losses over classes (cross-entropy, NLL), with reduction "none" | "mean"
 
 Element-wise losses share one kernel pair. ``pointwise_loss_forward`` computes
 l_i = w_i * LOSS(x_i, t_i) (w: an optional weight broadcast over the input, pos_weight an
-optional argument of the maths); ``pointwise_loss_backward`` computes
-dx_i = dy_i * w_i * dLOSS/dx and dt_i = dy_i * w_i * dLOSS/dt (dy_i = dy / divisor when reduced:
-divisor = n for "mean", batch size for "batchmean", 1 for "sum").
+optional argument of the maths, ``kink`` where smooth L1 and Huber turn from quadratic to
+linear: beta, delta); ``pointwise_loss_backward`` computes dx_i = dy_i * w_i * dLOSS/dx and
+dt_i = dy_i * w_i * dLOSS/dt (dy_i = dy / divisor when reduced: divisor = n for "mean", batch
+size for "batchmean", 1 for "sum"). At the kinks the derivatives are PyTorch's: sign(0) = 0 for
+L1 (and smooth L1 with beta = 0), d / beta = sign(d) at |d| = beta, clamp(d, -delta, delta) for
+Huber; KL divergence's target gradient log(t) + 1 - x is NaN at t = 0, as PyTorch's.
 
 Reductions to a scalar never use atomics: each program writes the fp32 (fp64 for float64)
-sum of its block to a partials buffer, and ``finish_loss_sum`` (one program) adds the partials,
-divides by the divisor or, for weighted class losses, by the sum of the per-program weight
-partials, and writes the loss (bit-reproducible).
+sum of its block (for "mean", divided by the divisor) to a partials buffer that
+``common.sum_partials`` adds into the loss. A mean weighted by the data (class losses: the sum
+of the target classes' weights) sums the loss and the weights side by side, and ``loss_ratio``
+divides them (bit-reproducible).
 
 Cross-entropy and NLL are one fused row kernel pair (``class_loss_forward``/``_backward``)
 over rows of C classes (input (N, C) or (N, C, d1, ...), class stride d1*...):
@@ -24,14 +28,16 @@ over rows of C classes (input (N, C) or (N, C, d1, ...), class stride d1*...):
 
 with s = dy (per row) or dy / denominator ("mean": sum of w_t over non-ignored rows for class
 indices, number of rows for probabilities). NLL is the same kernel on log-probabilities
-(lse = 0, p = 0, eps = 0). The forward saves only lse per row (and, for probability targets,
-the per-row target mass sum_c w_c q'_c); the backward writes dx straight into the gradient
-buffer from the saved logits and lse: no other logits-sized buffer exists.
+(no lse: lse = 0, p = 0, eps = 0). The forward saves only lse per row (and, for probability
+targets, the per-row target mass sum_c w_c q'_c); the backward writes dx straight into the
+gradient buffer from the saved logits and lse: no other logits-sized buffer exists.
 
 Rows whose target is ignore_index give loss 0 and gradient 0. A class index outside [0, C)
-that is not ignore_index is never read out of bounds (the load is masked): its row's loss and
-gradient are NaN, which makes a reduced loss NaN (PyTorch raises instead; teeny cannot without
-a host sync). BCE inputs outside [0, 1] likewise give NaN instead of PyTorch's error.
+that is not ignore_index is never read out of bounds (the load is masked). With
+``teeny.config.check_indices`` (on by default on the CPU) the forward writes it to a flag and
+the run raises an error naming the op and the index; without the check its row's loss and
+gradient are NaN, which makes a reduced loss NaN. BCE inputs outside [0, 1] give NaN instead
+of PyTorch's error.
 """
 
 from __future__ import annotations
@@ -43,13 +49,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import config
 from ..device import INTERPRETER
 from ..graph import Tensor, graph_of
-from ..kernel import kernel
+from ..kernel import dtype_name, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, away_from, make, register
-from ..runtime import ArgVisitor, RuntimeOp, TeenyError
-from .common import ELEMENTWISE_BLOCK, cdiv, upcast
+from ..runtime import ArgVisitor, Launch, RuntimeOp, TeenyError
+from .common import ELEMENTWISE_BLOCK, acc_dtype, cdiv, pow2, sum_partials, upcast
 
 __all__ = [
     "mse_loss",
@@ -75,31 +82,33 @@ NN_LAYERS = [
     "CrossEntropyLoss",
 ]
 
-BLOCK = ELEMENTWISE_BLOCK  # element-wise losses and the final sum of partials
+BLOCK = ELEMENTWISE_BLOCK  # element-wise losses
 MAX_BLOCK_C = 4096  # widest column block of the row kernels (longer rows loop)
 # rows x columns handled by one program of the row kernels (the interpreter pays per program, not per element)
 ROW_TILE = 65536 if INTERPRETER else 4096
 
 _REDUCTIONS = ("none", "mean", "sum")
 
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# REDUCTION: what the kernels do with the per-element (per-row) losses
+REDUCE_NONE = tl.constexpr(0)  # store each one
+REDUCE_SUM = tl.constexpr(1)  # a partial sum per program
+REDUCE_MEAN = tl.constexpr(2)  # a partial sum per program, divided by ``divisor``
+REDUCE_WEIGHTED_MEAN = tl.constexpr(3)  # partial sums of the loss and of the target weights (class losses)
 
 
 # ======================================================================= element-wise kernels
 
 
 @triton.jit
-def _broadcast_load(ptr, offsets, numel, mask, ENABLED: tl.constexpr, like):
-    """ptr[offsets % numel] (a tensor broadcast over the input's trailing dims); 1 if disabled."""
-    if ENABLED:
+def _broadcast_load(ptr, offsets, numel, mask, like):
+    """ptr[offsets % numel] (a tensor broadcast over the input's trailing dims); 1 without ptr."""
+    if ptr is not None:
         return upcast(tl.load(ptr + offsets % numel, mask=mask, other=0.0))
     else:
         return tl.full(like.shape, 1.0, like.dtype)
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("w_ptr", "pw_ptr", "dx_ptr", "dt_ptr"))
 def pointwise_loss_backward(
     x_ptr,
     t_ptr,
@@ -111,35 +120,32 @@ def pointwise_loss_backward(
     n,
     w_numel,
     pw_numel,
-    a,
-    b,
+    kink,
     divisor,
     GRAD: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_POS_WEIGHT: tl.constexpr,
-    REDUCED: tl.constexpr,
-    WANT_DX: tl.constexpr,
-    WANT_DT: tl.constexpr,
+    REDUCTION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.5))  # 0.5: a harmless value for every loss
     t = upcast(tl.load(t_ptr + offsets, mask=mask, other=0.5))
-    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, HAS_POS_WEIGHT, x)
-    if REDUCED:
+    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, x)
+    if REDUCTION == REDUCE_NONE:
+        dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
+    elif REDUCTION == REDUCE_MEAN:
         dy = upcast(tl.load(dy_ptr)) / divisor
     else:
-        dy = upcast(tl.load(dy_ptr + offsets, mask=mask, other=0.0))
-    scale = dy * _broadcast_load(w_ptr, offsets, w_numel, mask, HAS_WEIGHT, x)
-    dx, dt = GRAD(x, t, pw, a, b)
-    if WANT_DX:
+        dy = upcast(tl.load(dy_ptr))
+    scale = dy * _broadcast_load(w_ptr, offsets, w_numel, mask, x)
+    dx, dt = GRAD(x, t, pw, kink)
+    if dx_ptr is not None:
         tl.store(dx_ptr + offsets, (dx * scale).to(dx_ptr.dtype.element_ty), mask=mask)
-    if WANT_DT:
+    if dt_ptr is not None:
         tl.store(dt_ptr + offsets, (dt * scale).to(dt_ptr.dtype.element_ty), mask=mask)
 
 
-@kernel(backward=pointwise_loss_backward, half=True)
+@kernel(backward=pointwise_loss_backward, half=True, optional=("w_ptr", "pw_ptr"))
 def pointwise_loss_forward(
     x_ptr,
     t_ptr,
@@ -149,61 +155,37 @@ def pointwise_loss_forward(
     n,
     w_numel,
     pw_numel,
-    a,
-    b,
+    kink,
+    divisor,
     LOSS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_POS_WEIGHT: tl.constexpr,
-    REDUCE: tl.constexpr,
+    REDUCTION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """out: the loss per element (REDUCE_NONE), or one fp32/fp64 partial sum per program."""
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.5))  # 0.5: a harmless value for every loss
     t = upcast(tl.load(t_ptr + offsets, mask=mask, other=0.5))
-    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, HAS_POS_WEIGHT, x)
-    loss = LOSS(x, t, pw, a, b) * _broadcast_load(w_ptr, offsets, w_numel, mask, HAS_WEIGHT, x)
-    if REDUCE:  # out_ptr: the fp32/fp64 partial sums, one per program
-        tl.store(out_ptr + pid, tl.sum(tl.where(mask, loss, 0.0), axis=0))
-    else:
+    pw = _broadcast_load(pw_ptr, offsets, pw_numel, mask, x)
+    loss = LOSS(x, t, pw, kink) * _broadcast_load(w_ptr, offsets, w_numel, mask, x)
+    if REDUCTION == REDUCE_NONE:
         tl.store(out_ptr + offsets, loss.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        partial = tl.sum(tl.where(mask, loss, 0.0), axis=0)
+        if REDUCTION == REDUCE_MEAN:
+            partial = partial / divisor
+        tl.store(out_ptr + pid, partial)
 
 
 @kernel(half=True)
-def finish_loss_sum(
-    partials_ptr,
-    den_partials_ptr,
-    out_ptr,
-    den_ptr,
-    n_partials,
-    divisor,
-    MEAN: tl.constexpr,
-    DATA_DENOM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out = sum(partials) / den, den = sum(den_partials) (saved to den_ptr) or divisor; one program."""
-    acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
-    den_acc = tl.zeros([BLOCK], dtype=partials_ptr.dtype.element_ty)
-    for start in range(0, n_partials, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n_partials
-        acc += tl.load(partials_ptr + offsets, mask=mask, other=0.0)
-        if DATA_DENOM:
-            den_acc += tl.load(den_partials_ptr + offsets, mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    if MEAN:
-        if DATA_DENOM:
-            den = tl.sum(den_acc, axis=0)
-            tl.store(den_ptr, den)
-            total = total / den
-        else:
-            total = total / divisor
-    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+def loss_ratio(sums_ptr, out_ptr):
+    """out = sums[0] / sums[1]: a weighted mean from the sums of the loss and of the weights."""
+    tl.store(out_ptr, (tl.load(sums_ptr) / tl.load(sums_ptr + 1)).to(out_ptr.dtype.element_ty))
 
 
 # ------------------------------------------------------------------ element-wise loss maths
-# LOSS(x, t, pw, a, b) -> l and GRAD(x, t, pw, a, b) -> (dl/dx, dl/dt), in float32/64.
+# LOSS(x, t, pw, kink) -> l and GRAD(x, t, pw, kink) -> (dl/dx, dl/dt), in float32/64.
 
 
 @triton.jit
@@ -212,61 +194,65 @@ def _sign(d):
 
 
 @triton.jit
-def _mse(x, t, pw, a, b):
+def _mse(x, t, pw, kink):
     return (x - t) * (x - t)
 
 
 @triton.jit
-def _mse_grad(x, t, pw, a, b):
+def _mse_grad(x, t, pw, kink):
     return 2.0 * (x - t), 2.0 * (t - x)
 
 
 @triton.jit
-def _l1(x, t, pw, a, b):
+def _l1(x, t, pw, kink):
     return tl.abs(x - t)
 
 
 @triton.jit
-def _l1_grad(x, t, pw, a, b):
+def _l1_grad(x, t, pw, kink):
     s = _sign(x - t)
     return s, -s
 
 
 @triton.jit
-def _smooth_l1(x, t, pw, beta, b):
+def _smooth_l1(x, t, pw, beta):
     d = tl.abs(x - t)
     return tl.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
 
 
 @triton.jit
-def _smooth_l1_grad(x, t, pw, beta, b):
+def _smooth_l1_grad(x, t, pw, beta):
     d = x - t
     g = tl.where(tl.abs(d) < beta, d / beta, _sign(d))
     return g, -g
 
 
 @triton.jit
-def _huber(x, t, pw, delta, b):
+def _huber(x, t, pw, delta):
     d = tl.abs(x - t)
     return tl.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta))
 
 
 @triton.jit
-def _huber_grad(x, t, pw, delta, b):
+def _huber_grad(x, t, pw, delta):
+    # clamp(d, -delta, delta) with tl.where, not tl.minimum/maximum: those round a Python-float
+    # scalar (the interpreter's delta, any literal) to float32 first, and they drop a NaN d
     d = x - t
-    g = tl.minimum(tl.maximum(d, -delta), delta)
+    g = tl.where(d > delta, delta, tl.where(d < -delta, -delta, d))
     return g, -g
 
 
 @triton.jit
-def _bce(x, t, pw, a, b):
+def _bce(x, t, pw, kink):
     log_x = tl.maximum(tl.log(x), -100.0)
     log_1mx = tl.maximum(tl.log(1.0 - x), -100.0)
     return (t - 1.0) * log_1mx - t * log_x
 
 
 @triton.jit
-def _bce_grad(x, t, pw, a, b):
+def _bce_grad(x, t, pw, kink):
+    # PyTorch clamps at its float EPSILON 1e-12, float32 in every dtype: so does tl.maximum (it makes a
+    # float32 tensor of a Python float), which keeps float64 results equal to PyTorch's
     dx = (x - t) / tl.maximum((1.0 - x) * x, 1e-12)
     return dx, tl.log(1.0 - x) - tl.log(x)
 
@@ -278,34 +264,34 @@ def _softplus_neg(x):
 
 
 @triton.jit
-def _bce_logits(x, t, pw, a, b):
+def _bce_logits(x, t, pw, kink):
     return (1.0 - t) * x + ((pw - 1.0) * t + 1.0) * _softplus_neg(x)
 
 
 @triton.jit
-def _bce_logits_grad(x, t, pw, a, b):
+def _bce_logits_grad(x, t, pw, kink):
     sigmoid_neg = 1.0 / (1.0 + tl.exp(x))
     return (1.0 - t) - ((pw - 1.0) * t + 1.0) * sigmoid_neg, (pw - 1.0) * _softplus_neg(x) - x
 
 
 @triton.jit
-def _kl_div(x, t, pw, a, b):
+def _kl_div(x, t, pw, kink):
     return tl.where(t == 0.0, 0.0, t * tl.log(t)) - t * x
 
 
 @triton.jit
-def _kl_div_grad(x, t, pw, a, b):
+def _kl_div_grad(x, t, pw, kink):
     # t / t: NaN at t = 0, as PyTorch's xlogy gradient
     return -t, tl.log(t) + t / t - x
 
 
 @triton.jit
-def _kl_div_log_target(x, t, pw, a, b):
+def _kl_div_log_target(x, t, pw, kink):
     return tl.exp(t) * (t - x)
 
 
 @triton.jit
-def _kl_div_log_target_grad(x, t, pw, a, b):
+def _kl_div_log_target_grad(x, t, pw, kink):
     e = tl.exp(t)
     return -e, e * (t - x + 1.0)
 
@@ -330,10 +316,6 @@ def _suffix_broadcasts(shape, target_shape) -> bool:
     return tuple(stripped) == tuple(target_shape[len(target_shape) - len(stripped) :])
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 class PointwiseLossOp(RuntimeOp):
     """An element-wise loss: inputs (input, target[, weight][, pos_weight]).
     ``loss``/``grad`` are its @triton.jit maths; weights get no gradient (as in PyTorch)."""
@@ -343,10 +325,10 @@ class PointwiseLossOp(RuntimeOp):
     saves_inputs = True
 
     def __init__(
-        self, name, loss, grad, reduction="mean", a=0.0, b=0.0, has_weight=False, has_pos_weight=False, divisor=None
+        self, name, loss, grad, reduction="mean", kink=0.0, has_weight=False, has_pos_weight=False, divisor=None
     ):
         self.name, self.loss, self.grad = name, loss, grad
-        self.reduction, self.a, self.b = reduction, float(a), float(b)
+        self.reduction, self.kink = reduction, float(kink)
         self.has_weight, self.has_pos_weight = has_weight, has_pos_weight
         self.divisor = divisor  # fn(input_shape) -> the "mean" divisor (default numel)
         self.n_activation_inputs = 2 + has_weight + has_pos_weight
@@ -354,9 +336,9 @@ class PointwiseLossOp(RuntimeOp):
     def check_inputs(self, input_shapes, input_dtypes):
         x, t = input_shapes[0], input_shapes[1]
         if not input_dtypes[0].is_floating_point:
-            raise TypeError(f"input must be floating point, got {_dtype_name(input_dtypes[0])}")
+            raise TypeError(f"input must be floating point, got {dtype_name(input_dtypes[0])}")
         if not input_dtypes[1].is_floating_point:
-            raise TypeError(f"target must be floating point like the input, got {_dtype_name(input_dtypes[1])}")
+            raise TypeError(f"target must be floating point like the input, got {dtype_name(input_dtypes[1])}")
         if tuple(x) != tuple(t):
             raise ValueError(f"target shape {tuple(t)} must equal the input shape {tuple(x)}")
         names = ["weight"] * self.has_weight + ["pos_weight"] * self.has_pos_weight
@@ -370,62 +352,46 @@ class PointwiseLossOp(RuntimeOp):
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0]) if self.reduction == "none" else ()
 
-    def _weights(self, tensors):
-        w = tensors[2] if self.has_weight else tensors[0]
-        pw = tensors[2 + self.has_weight] if self.has_pos_weight else tensors[0]
-        return w, pw
-
-    def forward(self, ctx):
-        x, t = ctx.inputs[0], ctx.inputs[1]
-        w, pw = self._weights(ctx.inputs)
-        n = x.numel()
-        programs = cdiv(n, BLOCK)
-        reduce = self.reduction != "none"
-        dest = ctx.empty((max(programs, 1),), _acc_dtype(ctx.dtype)) if reduce else ctx.output  # partials or loss
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(dest)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(
-            self.b
+    def _args(self, inputs) -> dict:
+        """The arguments both kernels take: input, target, the weights and the scalars."""
+        x, t = inputs[0], inputs[1]
+        w = inputs[2] if self.has_weight else None
+        pw = inputs[2 + self.has_weight] if self.has_pos_weight else None
+        mode = {"none": REDUCE_NONE, "sum": REDUCE_SUM, "mean": REDUCE_MEAN}[self.reduction]
+        divisor = self.divisor(x.shape) if self.divisor is not None else math.prod(x.shape)
+        return dict(
+            x_ptr=x,
+            t_ptr=t,
+            w_ptr=w,
+            pw_ptr=pw,
+            n=x.numel(),
+            w_numel=w.numel() if w is not None else 1,
+            pw_numel=pw.numel() if pw is not None else 1,
+            kink=self.kink,
+            divisor=divisor,
+            REDUCTION=mode,
         )
-        v.visit_constexpr(self.loss).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
-        v.visit_constexpr(reduce).visit_constexpr(BLOCK)
-        ctx.launch(pointwise_loss_forward, (programs, 1, 1), v, work=n)
-        if reduce:
-            _finish(ctx, dest, programs, divisor=self._divisor(x.shape))
 
-    def _divisor(self, shape) -> int:
-        if self.reduction != "mean":
-            return 1
-        return self.divisor(shape) if self.divisor is not None else math.prod(shape)
+    def forward_launches(self, ctx):
+        n = ctx.inputs[0].numel()
+        if self.reduction == "none":
+            args = ArgVisitor().visit(out_ptr=ctx.output, LOSS=self.loss, **self._args(ctx.inputs))
+            return [Launch(pointwise_loss_forward, (cdiv(n, BLOCK),), args, BLOCK, work=n)]
+        programs = max(cdiv(n, BLOCK), 1)  # one program even for no elements: the mean of nothing is NaN
+        partials = ctx.empty((programs, 1), acc_dtype(ctx.dtype))
+        args = ArgVisitor().visit(out_ptr=partials, LOSS=self.loss, **self._args(ctx.inputs))
+        return [Launch(pointwise_loss_forward, (programs,), args, BLOCK, work=n), *sum_partials(partials, ctx.output)]
 
-    def has_backward(self):
-        return True
-
-    def backward_kernels(self):
-        return (pointwise_loss_backward,)
-
-    def kernels(self):
-        return (pointwise_loss_forward, finish_loss_sum)
-
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         _refuse_weight_grads(ctx, range(2, len(ctx.grad_inputs)))
-        x, t = ctx.inputs[0], ctx.inputs[1]
-        w, pw = self._weights(ctx.inputs)
         dx, dt = ctx.grad_inputs[0], ctx.grad_inputs[1]
         if dx is None and dt is None:
-            return
-        n = x.numel()
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(t).visit_ptr(w).visit_ptr(pw).visit_ptr(ctx.grad_output)
-        v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
-        v.visit_i64(n).visit_i64(max(w.numel(), 1)).visit_i64(max(pw.numel(), 1)).visit_float(self.a).visit_float(
-            self.b
+            return []
+        n = ctx.inputs[0].numel()
+        args = ArgVisitor().visit(
+            dy_ptr=ctx.grad_output, dx_ptr=dx, dt_ptr=dt, GRAD=self.grad, **self._args(ctx.inputs)
         )
-        v.visit_i64(self._divisor(x.shape))
-        v.visit_constexpr(self.grad).visit_constexpr(self.has_weight).visit_constexpr(self.has_pos_weight)
-        v.visit_constexpr(self.reduction != "none").visit_constexpr(dx is not None).visit_constexpr(dt is not None)
-        v.visit_constexpr(BLOCK)
-        ctx.launch(pointwise_loss_backward, (cdiv(n, BLOCK), 1, 1), v, work=n)
+        return [Launch(pointwise_loss_backward, (cdiv(n, BLOCK),), args, BLOCK, work=n)]
 
 
 def _refuse_weight_grads(ctx, indices) -> None:
@@ -438,17 +404,6 @@ def _refuse_weight_grads(ctx, indices) -> None:
             )
 
 
-def _finish(ctx, partials, n_partials, divisor=1, den_partials=None, den_out=None) -> None:
-    """Second pass of a reduced loss: ctx.output = sum(partials) / divisor, or with
-    ``den_partials``: / sum(den_partials), which is also written to ``den_out``."""
-    v = ArgVisitor()
-    v.visit_ptr(partials).visit_ptr(den_partials if den_partials is not None else partials).visit_ptr(ctx.output)
-    v.visit_ptr(den_out if den_out is not None else partials).visit_i64(n_partials).visit_i64(divisor)
-    v.visit_constexpr(den_partials is not None or divisor != 1).visit_constexpr(den_partials is not None)
-    v.visit_constexpr(BLOCK)
-    ctx.launch(finish_loss_sum, (1, 1, 1), v, work=1)
-
-
 # ======================================================================= class-loss kernels
 
 
@@ -459,16 +414,14 @@ def _row_offsets(rows, n_classes, inner):
 
 
 @triton.jit
-def _class_target(
-    target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT: tl.constexpr, like
-):
+def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, like):
     """For class-index targets: (t, active = not ignored, ok = active and in range, w_t, x_t)."""
     t = tl.load(target_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     active = row_mask & (t != ignore_index)
     ok = active & (t >= 0) & (t < n_classes)
     t_safe = tl.where(ok, t, 0)
     x_t = upcast(tl.load(x_ptr + base + t_safe * inner, mask=ok, other=0.0))
-    if HAS_WEIGHT:
+    if weight_ptr is not None:
         w_t = upcast(tl.load(weight_ptr + t_safe, mask=ok, other=0.0))
     else:
         w_t = tl.where(ok, 1.0, 0.0).to(like.dtype)
@@ -476,14 +429,14 @@ def _class_target(
 
 
 @triton.jit
-def _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT: tl.constexpr, like):
-    if HAS_WEIGHT:
+def _class_weights(weight_ptr, cols, col_mask, like):
+    if weight_ptr is not None:
         return upcast(tl.load(weight_ptr + cols, mask=col_mask, other=0.0))
     else:
         return tl.where(col_mask, 1.0, 0.0).to(like.dtype)
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("weight_ptr", "lse_ptr", "mass_ptr", "den_ptr", "dx_ptr", "dtarget_ptr"))
 def class_loss_backward(
     x_ptr,
     target_ptr,
@@ -499,46 +452,41 @@ def class_loss_backward(
     inner,
     ignore_index,
     label_smoothing,
+    smoothing_per_class,
     divisor,
-    FROM_LOGITS: tl.constexpr,
-    TARGET_PROBS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
     SMOOTHING: tl.constexpr,
-    REDUCED: tl.constexpr,
-    DATA_DENOM: tl.constexpr,
-    WANT_DX: tl.constexpr,
-    WANT_DT: tl.constexpr,
+    REDUCTION: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """dx (and, for probability targets, dtarget) of ROWS rows per program. lse_ptr: cross-entropy
+    (None: NLL on log-probabilities); mass_ptr: probability targets (None: class indices)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = _row_offsets(rows, n_classes, inner)
     zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
-    if REDUCED:
-        dy = upcast(tl.load(dy_ptr))
-        if DATA_DENOM:
-            dy = dy / tl.load(den_ptr)
-        else:
-            dy = dy / divisor
-        scale = zero + dy
-    else:
+    if REDUCTION == REDUCE_NONE:
         scale = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
-    if FROM_LOGITS:
+    elif REDUCTION == REDUCE_MEAN:
+        scale = zero + upcast(tl.load(dy_ptr)) / divisor
+    elif REDUCTION == REDUCE_WEIGHTED_MEAN:
+        scale = zero + upcast(tl.load(dy_ptr)) / tl.load(den_ptr)
+    else:
+        scale = zero + upcast(tl.load(dy_ptr))
+    if lse_ptr is not None:
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     else:
         lse = zero
-    eps = label_smoothing
-    if TARGET_PROBS:
+    if mass_ptr is not None:
         mass = tl.load(mass_ptr + rows, mask=row_mask, other=0.0)
     else:
         t, active, ok, w_t, x_t = _class_target(
-            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT, zero
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero
         )
         # ignored rows: 0; class index out of range: NaN (see module docstring)
         row_value = tl.where(active, float("nan"), 0.0)
         w_total = zero + n_classes
-        if SMOOTHING and HAS_WEIGHT:
+        if SMOOTHING and weight_ptr is not None:
             w_sum = tl.zeros([BLOCK_C], dtype=zero.dtype)
             for c0 in range(0, n_classes, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
@@ -550,103 +498,112 @@ def class_loss_backward(
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
         x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
-        if FROM_LOGITS:
+        if lse_ptr is not None:
             p = tl.exp(x - lse[:, None])
         else:
             p = x * 0.0
-        w = _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT, zero)[None, :]
-        if TARGET_PROBS:
+        w = _class_weights(weight_ptr, cols, col_mask, zero)[None, :]
+        if mass_ptr is not None:
             q = upcast(tl.load(target_ptr + offsets, mask=mask, other=0.0))
             if SMOOTHING:
-                q = q * (1.0 - eps) + eps / n_classes
+                q = q * (1.0 - label_smoothing) + smoothing_per_class
             dx = scale[:, None] * (p * mass[:, None] - w * q)
-            if WANT_DT:
-                dq = scale[:, None] * (1.0 - eps) * w * (lse[:, None] - x)
+            if dtarget_ptr is not None:
+                dq = scale[:, None] * (1.0 - label_smoothing) * w * (lse[:, None] - x)
                 tl.store(dtarget_ptr + offsets, dq.to(dtarget_ptr.dtype.element_ty), mask=mask)
         else:
-            g = (1.0 - eps) * w_t[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+            g = (1.0 - label_smoothing) * w_t[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
             if SMOOTHING:
-                g += (eps / n_classes) * (w_total[:, None] * p - w)
+                g += smoothing_per_class * (w_total[:, None] * p - w)
             dx = tl.where(ok[:, None], scale[:, None] * g, row_value[:, None])
-        if WANT_DX:
+        if dx_ptr is not None:
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@kernel(backward=class_loss_backward, half=True)
+@kernel(backward=class_loss_backward, half=True, optional=("weight_ptr", "lse_ptr", "mass_ptr", "bad_index_ptr"))
 def class_loss_forward(
     x_ptr,
     target_ptr,
     weight_ptr,
     out_ptr,
-    den_ptr,
     lse_ptr,
     mass_ptr,
+    bad_index_ptr,
     n_rows,
     n_classes,
     inner,
     ignore_index,
     label_smoothing,
-    FROM_LOGITS: tl.constexpr,
-    TARGET_PROBS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    smoothing_per_class,
+    divisor,
     SMOOTHING: tl.constexpr,
-    REDUCE: tl.constexpr,
+    REDUCTION: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """The loss of ROWS rows per program (per row, or partial sums: see REDUCTION), lse (cross-
+    entropy: lse_ptr given), the target mass (probability targets: mass_ptr given). With
+    bad_index_ptr, a class index out of range (not ignore_index) is written there."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = _row_offsets(rows, n_classes, inner)
     zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
-    eps = label_smoothing
     m = zero - float("inf")  # running max and sum of exp(x - max): the online log-sum-exp
     s = zero
     sum_wx = zero  # sum_c w_c x_c (label smoothing) or sum_c w_c q'_c x_c (probabilities)
     w_total = zero  # sum_c w_c (label smoothing) or sum_c w_c q'_c (probabilities)
-    if FROM_LOGITS or SMOOTHING or TARGET_PROBS:
+    if lse_ptr is not None or SMOOTHING or mass_ptr is not None:
         for c0 in range(0, n_classes, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             col_mask = cols < n_classes
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
             x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
-            if FROM_LOGITS:
+            if lse_ptr is not None:
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
                 m = m_new
-            w = _class_weights(weight_ptr, cols, col_mask, HAS_WEIGHT, zero)[None, :]
-            if TARGET_PROBS:
+            w = _class_weights(weight_ptr, cols, col_mask, zero)[None, :]
+            if mass_ptr is not None:
                 q = upcast(tl.load(target_ptr + offsets, mask=mask, other=0.0))
                 if SMOOTHING:
-                    q = tl.where(mask, q * (1.0 - eps) + eps / n_classes, 0.0)
+                    q = tl.where(mask, q * (1.0 - label_smoothing) + smoothing_per_class, 0.0)
                 w = w * q
             w = tl.where(mask, w, 0.0)
             sum_wx += tl.sum(w * tl.where(mask, x, 0.0), axis=1)
             w_total += tl.sum(w, axis=1)
-    if FROM_LOGITS:
+    if lse_ptr is not None:
         lse = tl.where(m == float("-inf"), m, m + tl.log(s))
         tl.store(lse_ptr + rows, lse, mask=row_mask)
     else:
         lse = zero
-    if TARGET_PROBS:
+    if mass_ptr is not None:
         loss = w_total * lse - sum_wx
         tl.store(mass_ptr + rows, w_total, mask=row_mask)
+        w_t = zero
     else:
         t, active, ok, w_t, x_t = _class_target(
-            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, HAS_WEIGHT, zero
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero
         )
-        loss = (1.0 - eps) * w_t * (lse - x_t)
+        if bad_index_ptr is not None:  # any of the bad indices (programs and lanes race: one of them lands)
+            tl.store(bad_index_ptr + rows * 0, t, mask=active & ~ok)
+        loss = (1.0 - label_smoothing) * w_t * (lse - x_t)
         if SMOOTHING:
-            loss += (eps / n_classes) * (w_total * lse - sum_wx)
+            loss += smoothing_per_class * (w_total * lse - sum_wx)
         loss = tl.where(ok, loss, tl.where(active, float("nan"), 0.0))
-    if REDUCE:  # out_ptr / den_ptr: per-program partial sums of the loss and of w_t
-        tl.store(out_ptr + pid, tl.sum(tl.where(row_mask, loss, 0.0), axis=0))
-        if not TARGET_PROBS:
-            tl.store(den_ptr + pid, tl.sum(w_t, axis=0))
-    else:
+    if REDUCTION == REDUCE_NONE:
         tl.store(out_ptr + rows, loss.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:  # out_ptr: per-program partial sums [programs, 1] or, with the target weights, [programs, 2]
+        partial = tl.sum(tl.where(row_mask, loss, 0.0), axis=0)
+        if REDUCTION == REDUCE_MEAN:
+            partial = partial / divisor
+        if REDUCTION == REDUCE_WEIGHTED_MEAN:
+            tl.store(out_ptr + 2 * pid, partial)
+            tl.store(out_ptr + 2 * pid + 1, tl.sum(w_t, axis=0))
+        else:
+            tl.store(out_ptr + pid, partial)
 
 
 class ClassLossOp(RuntimeOp):
@@ -662,13 +619,14 @@ class ClassLossOp(RuntimeOp):
         self.has_weight = has_weight
         self.n_activation_inputs = 2 + has_weight
         self.target_probs = False  # decided from the target's dtype in check_inputs
+        self.check_indices = config.check_indices  # read at trace time (see teeny.config)
 
     # --- shapes --------------------------------------------------------------------------
     def check_inputs(self, input_shapes, input_dtypes):
         x, t = tuple(input_shapes[0]), tuple(input_shapes[1])
         what = "logits" if self.from_logits else "log-probabilities"
         if not input_dtypes[0].is_floating_point:
-            raise TypeError(f"input ({what}) must be floating point, got {_dtype_name(input_dtypes[0])}")
+            raise TypeError(f"input ({what}) must be floating point, got {dtype_name(input_dtypes[0])}")
         if len(x) == 0:
             raise ValueError(
                 f"input ({what}) must have a class dimension: shape (C,), (N, C) or (N, C, d1, ...), got ()"
@@ -679,7 +637,7 @@ class ClassLossOp(RuntimeOp):
         self.target_probs = input_dtypes[1].is_floating_point
         if self.target_probs:
             if not self.from_logits:
-                raise TypeError(f"target must be class indices (int64), got {_dtype_name(input_dtypes[1])}")
+                raise TypeError(f"target must be class indices (int64), got {dtype_name(input_dtypes[1])}")
             if t != x:
                 raise ValueError(
                     f"class-probability target of shape {t} must have the input's shape {x} "
@@ -689,7 +647,7 @@ class ClassLossOp(RuntimeOp):
             if input_dtypes[1] not in (torch.int64, torch.uint8):
                 raise TypeError(
                     f"target must be class indices of dtype int64 (or class probabilities of the "
-                    f"input's float dtype), got {_dtype_name(input_dtypes[1])}"
+                    f"input's float dtype), got {dtype_name(input_dtypes[1])}"
                 )
             expected = () if len(x) == 1 else x[:1] + x[2:]
             if t != expected:
@@ -709,88 +667,105 @@ class ClassLossOp(RuntimeOp):
         return math.prod(shape) // n_classes, n_classes, inner
 
     def _blocks(self, n_rows, n_classes):
-        block_c = min(triton.next_power_of_2(n_classes), MAX_BLOCK_C)
-        rows = max(1, min(ROW_TILE // block_c, triton.next_power_of_2(max(n_rows, 1))))
+        block_c = min(pow2(n_classes), MAX_BLOCK_C)
+        rows = max(1, min(ROW_TILE // block_c, pow2(n_rows)))
         return rows, block_c
+
+    def _reduction_mode(self) -> tl.constexpr:
+        if self.reduction == "none":
+            return REDUCE_NONE
+        if self.reduction == "sum":
+            return REDUCE_SUM
+        return REDUCE_MEAN if self.target_probs else REDUCE_WEIGHTED_MEAN  # class indices: by the target weights
 
     def extra_outputs(self, input_shapes, dtype):
         n_rows = self._dims(input_shapes[0])[0]
-        acc = _acc_dtype(dtype)
+        acc = acc_dtype(dtype)
         extras = {}
         if self.from_logits:
             extras["lse"] = ((n_rows,), acc)
         if self.target_probs:
             extras["target_mass"] = ((n_rows,), acc)
-        if self.reduction == "mean" and not self.target_probs:
-            extras["denominator"] = ((), acc)
+        if self._reduction_mode() == REDUCE_WEIGHTED_MEAN:
+            extras["sums"] = ((2,), acc)  # the loss and the target weights, summed
         return extras
 
-    # --- forward -------------------------------------------------------------------------
-    def kernels(self):
-        return (class_loss_forward, finish_loss_sum)
-
-    def _common(self, ctx, v):
+    def _args(self, ctx) -> dict:
+        """The arguments both kernels take."""
         n_rows, n_classes, inner = self._dims(ctx.input_shapes[0])
-        v.visit_i64(n_rows).visit_i64(n_classes).visit_i64(inner).visit_i64(self.ignore_index)
-        v.visit_float(self.label_smoothing)
-        return n_rows, n_classes
-
-    def _flags(self, v):
-        v.visit_constexpr(self.from_logits).visit_constexpr(self.target_probs).visit_constexpr(self.has_weight)
-        v.visit_constexpr(self.label_smoothing > 0)
-
-    def forward(self, ctx):
-        x, target = ctx.inputs[0], ctx.inputs[1]
-        weight = ctx.inputs[2] if self.has_weight else x
-        n_rows, n_classes, _ = self._dims(x.shape)
         rows, block_c = self._blocks(n_rows, n_classes)
-        programs = cdiv(n_rows, rows)
-        reduce = self.reduction != "none"
-        acc = _acc_dtype(ctx.dtype)
-        partials = ctx.empty((max(programs, 1),), acc) if reduce else ctx.output
-        den_partials = ctx.empty((max(programs, 1),), acc) if reduce and not self.target_probs else None
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(target).visit_ptr(weight).visit_ptr(partials)
-        v.visit_ptr(den_partials if den_partials is not None else partials)
-        v.visit_ptr(ctx.saved.get("lse", partials)).visit_ptr(ctx.saved.get("target_mass", partials))
-        self._common(ctx, v)
-        self._flags(v)
-        v.visit_constexpr(reduce).visit_constexpr(rows).visit_constexpr(block_c)
-        ctx.launch(class_loss_forward, (programs, 1, 1), v, work=n_rows)
-        if den_partials is not None and self.reduction == "mean":
-            _finish(ctx, partials, programs, den_partials=den_partials, den_out=ctx.saved["denominator"])
-        elif reduce:
-            _finish(ctx, partials, programs, divisor=n_rows if self.reduction == "mean" else 1)
+        return dict(
+            x_ptr=ctx.inputs[0],
+            target_ptr=ctx.inputs[1],
+            weight_ptr=ctx.inputs[2] if self.has_weight else None,
+            lse_ptr=ctx.saved.get("lse"),
+            mass_ptr=ctx.saved.get("target_mass"),
+            n_rows=n_rows,
+            n_classes=n_classes,
+            inner=inner,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            # eps / C on the host: under the interpreter a float argument divided by an int one is float32
+            smoothing_per_class=self.label_smoothing / n_classes,
+            divisor=n_rows,
+            SMOOTHING=self.label_smoothing > 0,
+            REDUCTION=self._reduction_mode(),
+            ROWS=rows,
+            BLOCK_C=block_c,
+        )
+
+    # --- forward -------------------------------------------------------------------------
+    def forward_launches(self, ctx):
+        args = self._args(ctx)
+        n_rows, n_classes, programs = args["n_rows"], args["n_classes"], cdiv(args["n_rows"], args["ROWS"])
+        mode = args["REDUCTION"]
+        bad_index = None
+        if self.check_indices and not self.target_probs:
+            bad_index = ctx.zeros((1,), torch.int64)
+            ctx.check_after(bad_index, lambda index: self._describe_bad_index(index, n_classes))
+        if mode == REDUCE_NONE:
+            out = ctx.output
+        else:
+            programs = max(programs, 1)  # one program even for no rows: the mean of nothing is NaN
+            out = ctx.empty((programs, 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc_dtype(ctx.dtype))
+        launch = Launch(
+            class_loss_forward,
+            (programs,),
+            ArgVisitor().visit(out_ptr=out, bad_index_ptr=bad_index, **args),
+            work=n_rows,
+        )
+        if mode == REDUCE_NONE:
+            return [launch]
+        if mode == REDUCE_SUM or mode == REDUCE_MEAN:
+            return [launch, *sum_partials(out, ctx.output)]
+        sums = ctx.saved["sums"]
+        ratio = Launch(loss_ratio, (1,), ArgVisitor().visit(sums_ptr=sums, out_ptr=ctx.output), work=1)
+        return [launch, *sum_partials(out, sums), ratio]
+
+    def _describe_bad_index(self, index: int, n_classes: int) -> str:
+        return (
+            f"target class index {index} is out of range: the input has {n_classes} classes (0 to "
+            f"{n_classes - 1}) and ignore_index is {self.ignore_index} (teeny.config.check_indices)"
+        )
 
     # --- backward ------------------------------------------------------------------------
-    def has_backward(self):
-        return True
-
-    def backward_kernels(self):
-        return (class_loss_backward,)
-
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         _refuse_weight_grads(ctx, [2])
-        x, target = ctx.inputs[0], ctx.inputs[1]
-        weight = ctx.inputs[2] if self.has_weight else x
         dx = ctx.grad_inputs[0]
-        dt = ctx.grad_inputs[1] if self.target_probs else None
-        if dx is None and dt is None:
-            return
-        n_rows, n_classes, _ = self._dims(x.shape)
-        rows, block_c = self._blocks(n_rows, n_classes)
-        lse = ctx.saved.get("lse", x)
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(target).visit_ptr(weight).visit_ptr(lse).visit_ptr(ctx.saved.get("target_mass", lse))
-        v.visit_ptr(ctx.grad_output).visit_ptr(ctx.saved.get("denominator", lse))
-        v.visit_ptr(dx if dx is not None else dt).visit_ptr(dt if dt is not None else dx)
-        self._common(ctx, v)
-        v.visit_i64(n_rows if self.reduction == "mean" else 1)
-        self._flags(v)
-        v.visit_constexpr(self.reduction != "none").visit_constexpr("denominator" in ctx.saved)
-        v.visit_constexpr(dx is not None).visit_constexpr(dt is not None)
-        v.visit_constexpr(rows).visit_constexpr(block_c)
-        ctx.launch(class_loss_backward, (cdiv(n_rows, rows), 1, 1), v, work=x.numel())
+        dtarget = ctx.grad_inputs[1] if self.target_probs else None
+        if dx is None and dtarget is None:
+            return []
+        fields = self._args(ctx)
+        sums = ctx.saved.get("sums")
+        args = ArgVisitor().visit(
+            dy_ptr=ctx.grad_output,
+            den_ptr=sums[1:] if sums is not None else None,  # the sum of the target weights
+            dx_ptr=dx,
+            dtarget_ptr=dtarget,
+            **fields,
+        )
+        grid = (cdiv(fields["n_rows"], fields["ROWS"]),)
+        return [Launch(class_loss_backward, grid, args, work=ctx.inputs[0].numel())]
 
 
 # ============================================================================ functional ops
@@ -806,11 +781,11 @@ def _tensor_arg(graph, value, like, name):
     raise TypeError(f"{name} must be a teeny Tensor, a torch.Tensor or None, got {type(value).__name__}")
 
 
-def _pointwise(name, input, target, loss, grad, reduction, a=0.0, b=0.0, weight=None, pos_weight=None, divisor=None):
+def _pointwise(name, input, target, loss, grad, reduction, kink=0.0, weight=None, pos_weight=None, divisor=None):
     graph = graph_of(input, target)
     weight = _tensor_arg(graph, weight, input, "weight")
     pos_weight = _tensor_arg(graph, pos_weight, input, "pos_weight")
-    op = PointwiseLossOp(name, loss, grad, reduction, a, b, weight is not None, pos_weight is not None, divisor)
+    op = PointwiseLossOp(name, loss, grad, reduction, kink, weight is not None, pos_weight is not None, divisor)
     return graph.apply(op, [t for t in (input, target, weight, pos_weight) if t is not None])
 
 
@@ -831,14 +806,16 @@ def smooth_l1_loss(input, target, reduction: str = "mean", beta: float = 1.0):
     """0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta (d = input - target; beta = 0: L1)."""
     if beta < 0:
         raise ValueError(f"smooth_l1_loss: beta must be non-negative, got {beta}")
-    return _pointwise("smooth_l1_loss", input, target, _smooth_l1, _smooth_l1_grad, _check_reduction(reduction), a=beta)
+    return _pointwise(
+        "smooth_l1_loss", input, target, _smooth_l1, _smooth_l1_grad, _check_reduction(reduction), kink=beta
+    )
 
 
 def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0):
     """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta)."""
     if delta <= 0:
         raise ValueError(f"huber_loss: delta must be positive, got {delta}")
-    return _pointwise("huber_loss", input, target, _huber, _huber_grad, _check_reduction(reduction), a=delta)
+    return _pointwise("huber_loss", input, target, _huber, _huber_grad, _check_reduction(reduction), kink=delta)
 
 
 def binary_cross_entropy(input, target, weight=None, reduction: str = "mean"):
@@ -1099,9 +1076,9 @@ _register_pointwise("l1_loss", l1_loss, F.l1_loss, _regression_pair((0.0,)))
 _register_pointwise("smooth_l1_loss", smooth_l1_loss, F.smooth_l1_loss, _regression_pair((0.0, 1.0, -1.0)))
 _register_pointwise(
     "smooth_l1_loss_beta",
-    lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.5, **kw),
-    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.5, **kw),
-    _regression_pair((0.0, 0.5, -0.5)),
+    lambda x, t, **kw: smooth_l1_loss(x, t, beta=0.3, **kw),  # not a power of two: float64 must stay float64
+    lambda x, t, **kw: F.smooth_l1_loss(x, t, beta=0.3, **kw),
+    _regression_pair((0.0, 0.3, -0.3)),
 )
 _register_pointwise(
     "smooth_l1_loss_beta0",

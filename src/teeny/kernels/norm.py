@@ -2,12 +2,12 @@
 
 Every op normalises "statistics rows" of x: y = (x - mean) * rstd * w + b with
 rstd = 1 / sqrt(var + eps) (biased variance; rms_norm: mean = 0, var = mean(x^2)). Where the
-rows lie is the op's *layout*:
+rows lie is the op's layout (``Rows``):
 
-* ``ROWS`` (layer_norm, rms_norm, group_norm): row r is contiguous, x[r * row_len + j]; the
+* rows of x (layer_norm, rms_norm, group_norm): row r is contiguous, x[r * row_len + j]; the
   affine channel of element j is (r % groups) * (channels / groups) + j // spatial
   (layer/rms: groups = spatial = 1, so the channel is j).
-* ``CHANNELS`` (batch_norm over x viewed as (N, C, S)): row c gathers x[n, c, s] for all n, s
+* channels (batch_norm over x viewed as (N, C, S)): row c gathers x[n, c, s] for all n, s
   (j = n * S + s); its affine channel is c.
 
 Backward, with xhat = (x - mean) * rstd and g = dy * w, per row of length L:
@@ -16,24 +16,28 @@ Backward, with xhat = (x - mean) * rstd and g = dy * w, per row of length L:
     dx = rstd * g                                          (batch_norm on running statistics)
     dw[c] = sum over the elements of channel c of dy * xhat,   db[c] = sum of dy
 
+A constant row has var = 0: rstd = 1 / sqrt(eps) is large but finite and xhat = 0, so every
+formula stays finite, as in PyTorch (no 0/0 anywhere).
+
 The kernels work on 2-D tiles of ROWS statistics rows x BLOCK columns (``_tile``): under the
 interpreter, which pays per program and per tl operation, a tile holds thousands of elements
 so that a small problem is a handful of programs; on the GPU a tile is about ``GPU_TILE``
 elements (one long row, or several short ones). A row that fits one block is loaded once and
 kept in registers; a longer row loops over column blocks (forward: per-block means and M2
 merged with Chan's formula; backward: a pass for the row sums, a pass for dx). The forward
-saves mean/rstd per row, from which the backward recomputes xhat.
+saves mean/rstd per row, from which the backward recomputes xhat. The backward reads dy in
+place when it is row-strided (``strided_grad_output``: e.g. a slice of a wider gradient).
 
-dw/db: for ``CHANNELS`` a row is a whole channel, so ``norm_backward`` writes its sums
-directly (``PER_ROW``). When the channel of column j is j (layer_norm, rms_norm) and a row
-fits one block, ``norm_backward`` also reduces dw/db (``PER_PROGRAM``, as in Liger-Kernel and
-the Triton layer-norm tutorial): each program loops over its ``tiles_per_program`` tiles,
-accumulates dy * xhat and dy in fp32 registers and writes ONE partial row; ``sum_partials``
-adds the partial rows. Then backward reads x and dy once. Otherwise (group_norm, rows longer
-than one block) ``norm_weight_backward`` writes partial rows over a (outer, channels,
-spatial) view of x. No locks, no atomics: bit-reproducible.
-Half-precision inputs compute in float32, float64 in float64. Column loop bounds (ROW_LEN,
-SPATIAL, ...) are compile-time constants (one compile per row length on the GPU).
+dw/db: for batch_norm a row is a whole channel, so ``norm_backward`` writes its sums directly
+(``PER_ROW``). When the channel of column j is j (layer_norm, rms_norm) and a row fits one
+block, ``norm_backward`` also reduces dw/db (``PER_PROGRAM``, as in Liger-Kernel and the Triton
+layer-norm tutorial): each program loops over its ``tiles_per_program`` tiles, accumulates
+dy * xhat and dy in fp32 registers and writes ONE partial row; ``common.sum_partials`` adds the
+partial rows. Then backward reads x and dy once. Otherwise (group_norm, rows longer than one
+block) ``norm_weight_backward`` writes partial rows over a (outer, channels, spatial) view of x.
+No locks, no atomics: bit-reproducible. Half-precision inputs compute in float32, float64 in
+float64 (eps and momentum included). Column loop bounds (ROW_LEN, SPATIAL, ...) are
+compile-time constants (one compile per row length on the GPU).
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ import triton.language as tl
 from .. import init
 from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
-from ..kernel import kernel
+from ..kernel import Kernel, kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import cdiv
+from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp
+from .common import acc_dtype, cdiv, pow2, sum_partials, sum_to_shape_kernel, tl_acc_dtype
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "batch_norm"]
 NN_LAYERS = ["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d"]
@@ -67,21 +71,39 @@ PROGRAMS_PER_SM = 2  # programs (= dw/db partial rows) of the fused backward on 
 INTERPRETER_PROGRAMS = 4  # the same under the interpreter
 ROWS_PER_WEIGHT_PROGRAM = 32  # rows reduced by one program of norm_weight_backward
 
-# where the statistics come from (a compile-time constant of the kernels)
-BATCH_STATS, RUNNING_STATS = 0, 1
-# the affine channel of column j of statistics row r (compile-time constant CHANNEL)
-COLUMN_CHANNEL, ROW_CHANNEL, GROUP_CHANNEL = 0, 1, 2  # j; r; (r % groups) * channels_per_group + j // SPATIAL
-# where norm_backward writes dw / db (compile-time constants DW, DB)
-NO_GRAD, PER_ROW, PER_PROGRAM = 0, 1, 2
+# STATS: where the statistics come from
+BATCH_STATS, RUNNING_STATS = tl.constexpr(0), tl.constexpr(1)
+# CHANNEL: the affine channel of column j of statistics row r
+COLUMN_CHANNEL = tl.constexpr(0)  # j (layer_norm, rms_norm)
+ROW_CHANNEL = tl.constexpr(1)  # r (batch_norm)
+GROUP_CHANNEL = tl.constexpr(2)  # (r % groups) * channels_per_group + j // SPATIAL (group_norm)
+# AFFINE_GRAD: what norm_backward writes to dw_ptr / db_ptr (when given)
+PER_ROW = tl.constexpr(1)  # the sum over each statistics row (one row = one channel)
+PER_PROGRAM = tl.constexpr(2)  # one partial row per program, summed by common.sum_partials
+# DY_ROW_LEN when dy is laid out like x (contiguous); otherwise it is the length of dy's rows
+DY_LIKE_X = tl.constexpr(0)
 
-# Index maths, written inline in every kernel (a @triton.jit helper call costs milliseconds
-# per call under the interpreter). Column j of statistics row r lies at
+# Index maths is written inline in the kernels (a @triton.jit helper call costs about 0.3 ms per
+# call and program under the interpreter; dy's offsets take one, _dy_offsets). Column j of statistics row r lies at
 #     r * row_stride + (j // INNER) * outer_stride + j % INNER
-# (ROWS: row_stride = INNER = ROW_LEN, so it is r * ROW_LEN + j; CHANNELS: row_stride = INNER =
-# SPATIAL, outer_stride = C * SPATIAL).
+# (rows of x: row_stride = INNER = ROW_LEN, so it is r * ROW_LEN + j; channels: row_stride =
+# INNER = SPATIAL, outer_stride = C * SPATIAL). dy lies where x does unless it is row-strided:
+# then x's flat index i lies at (i // DY_ROW_LEN) * dy_row_stride + i % DY_ROW_LEN.
 
 
-@kernel(half=True)
+@triton.jit
+def _dy_offsets(offs, rows, c, dy_row_stride, ROW_LEN: tl.constexpr, DY_ROW_LEN: tl.constexpr):
+    """Offsets of dy at x's offsets ``offs`` (rows x columns c of statistics rows of x)."""
+    if DY_ROW_LEN == DY_LIKE_X:
+        return offs
+    elif DY_ROW_LEN == ROW_LEN:  # a statistics row is one row of dy (layer_norm over the last dim)
+        return rows.to(tl.int64)[:, None] * dy_row_stride + c[None, :]
+    else:
+        flat = rows.to(tl.int64)[:, None] * ROW_LEN + c[None, :]
+        return (flat // DY_ROW_LEN) * dy_row_stride + flat % DY_ROW_LEN
+
+
+@kernel(half=True, optional=("w_ptr", "dx_ptr", "mean_ptr", "dw_ptr", "db_ptr"))
 def norm_backward(
     x_ptr,
     w_ptr,
@@ -97,23 +119,22 @@ def norm_backward(
     outer_stride,
     channels_per_group,
     groups,
+    dy_row_stride,
     ROW_LEN: tl.constexpr,
     INNER: tl.constexpr,
     SPATIAL: tl.constexpr,
     CHANNEL: tl.constexpr,
-    CENTRED: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
     STATS: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    DW: tl.constexpr,
-    DB: tl.constexpr,
+    AFFINE_GRAD: tl.constexpr,
+    DY_ROW_LEN: tl.constexpr,
     COMPUTE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (WRITE_DX), and dw/db
-    PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over its rows of dy * xhat;
-    needs ROW_LEN <= BLOCK and CHANNEL == COLUMN_CHANNEL)."""
+    """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (when dx_ptr is given),
+    and dw/db (when given) PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over
+    its rows of dy * xhat; needs ROW_LEN <= BLOCK and COLUMN_CHANNEL). Centred (mean_ptr given)
+    or not (rms_norm)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < ROW_LEN
@@ -122,7 +143,7 @@ def norm_backward(
     else:
         col_offs = (cols // INNER).to(tl.int64) * outer_stride + cols % INNER
     w_cols = tl.zeros([BLOCK], dtype=COMPUTE)
-    if HAS_WEIGHT and CHANNEL == 0 and ROW_LEN <= BLOCK:  # the same weights for every row: load them once
+    if w_ptr is not None and CHANNEL == COLUMN_CHANNEL and ROW_LEN <= BLOCK:  # the same for every row: load once
         w_cols = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(COMPUTE)
     dw_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)  # PER_PROGRAM sums, reduced over rows at the end
     db_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)
@@ -131,45 +152,49 @@ def norm_backward(
         row_mask = rows < n_rows
         base = rows.to(tl.int64) * row_stride
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None] if CENTRED else rstd * 0
+        if mean_ptr is not None:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
+        else:
+            mean = rstd * 0
         if ROW_LEN <= BLOCK:  # one block: x and dy stay in registers
             mask = row_mask[:, None] & col_mask[None, :]
             offs = base[:, None] + col_offs[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+            dy_offs = _dy_offsets(offs, rows, cols, dy_row_stride, ROW_LEN, DY_ROW_LEN)
+            dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(COMPUTE)
             g = dy
-            if HAS_WEIGHT:
-                if CHANNEL == 0:
+            if w_ptr is not None:
+                if CHANNEL == COLUMN_CHANNEL:
                     g = dy * w_cols[None, :]
-                elif CHANNEL == 1:
+                elif CHANNEL == ROW_CHANNEL:
                     g = dy * tl.load(w_ptr + rows[:, None], mask=row_mask[:, None], other=0.0).to(COMPUTE)
                 else:
                     channel = ((rows % groups) * channels_per_group)[:, None] + (cols // SPATIAL)[None, :]
                     g = dy * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
             xhat = dy * 0
-            if STATS == 0 or DW != 0:
+            if STATS == BATCH_STATS or dw_ptr is not None:
                 xhat = tl.where(mask, (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd, 0.0)
-            if WRITE_DX:
-                if STATS == 0:
+            if dx_ptr is not None:
+                if STATS == BATCH_STATS:
                     mean_g_xhat = tl.sum(g * xhat, 1)[:, None] / ROW_LEN
-                    if CENTRED:
+                    if mean_ptr is not None:
                         dx = rstd * (g - tl.sum(g, 1)[:, None] / ROW_LEN - xhat * mean_g_xhat)
                     else:
                         dx = rstd * (g - xhat * mean_g_xhat)
                 else:
                     dx = rstd * g
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            if DW == 1:
+            if dw_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(dw_ptr + rows, tl.sum(dy * xhat, 1).to(dw_ptr.dtype.element_ty), mask=row_mask)
-            if DB == 1:
+            if db_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(db_ptr + rows, tl.sum(dy, 1).to(db_ptr.dtype.element_ty), mask=row_mask)
-            if DW == 2:
+            if dw_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
                 dw_acc += dy * xhat
-            if DB == 2:
+            if db_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
                 db_acc += dy
         else:  # a pass for the row sums (and PER_ROW dw/db), a pass for dx
             zero = tl.zeros([ROWS], dtype=COMPUTE)
             sum_g, sum_g_xhat, sum_dy, sum_dy_xhat = zero, zero, zero, zero
-            if STATS == 0 or DW != 0 or DB != 0:
+            if STATS == BATCH_STATS or dw_ptr is not None or db_ptr is not None:
                 for start in range(0, ROW_LEN, BLOCK):
                     c = start + cols
                     mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
@@ -177,13 +202,14 @@ def norm_backward(
                         offs = base[:, None] + c[None, :]
                     else:
                         offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
-                    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                    dy_offs = _dy_offsets(offs, rows, c, dy_row_stride, ROW_LEN, DY_ROW_LEN)
+                    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(COMPUTE)
                     xhat = tl.where(mask, (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd, 0.0)
                     g = dy
-                    if HAS_WEIGHT:
-                        if CHANNEL == 0:
+                    if w_ptr is not None:
+                        if CHANNEL == COLUMN_CHANNEL:
                             channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
-                        elif CHANNEL == 1:
+                        elif CHANNEL == ROW_CHANNEL:
                             channel, channel_mask = rows[:, None], row_mask[:, None]
                         else:
                             channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
@@ -193,11 +219,11 @@ def norm_backward(
                     sum_g_xhat += tl.sum(g * xhat, 1)
                     sum_dy += tl.sum(dy, 1)
                     sum_dy_xhat += tl.sum(dy * xhat, 1)
-            if DW == 1:
+            if dw_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(dw_ptr + rows, sum_dy_xhat.to(dw_ptr.dtype.element_ty), mask=row_mask)
-            if DB == 1:
+            if db_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(db_ptr + rows, sum_dy.to(db_ptr.dtype.element_ty), mask=row_mask)
-            if WRITE_DX:
+            if dx_ptr is not None:
                 mean_g = (sum_g / ROW_LEN)[:, None]
                 mean_g_xhat = (sum_g_xhat / ROW_LEN)[:, None]
                 for start in range(0, ROW_LEN, BLOCK):
@@ -207,32 +233,33 @@ def norm_backward(
                         offs = base[:, None] + c[None, :]
                     else:
                         offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
-                    g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-                    if HAS_WEIGHT:
-                        if CHANNEL == 0:
+                    dy_offs = _dy_offsets(offs, rows, c, dy_row_stride, ROW_LEN, DY_ROW_LEN)
+                    g = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(COMPUTE)
+                    if w_ptr is not None:
+                        if CHANNEL == COLUMN_CHANNEL:
                             channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
-                        elif CHANNEL == 1:
+                        elif CHANNEL == ROW_CHANNEL:
                             channel, channel_mask = rows[:, None], row_mask[:, None]
                         else:
                             channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
                             channel_mask = mask
                         g = g * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
-                    if STATS == 0:
+                    if STATS == BATCH_STATS:
                         xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd
-                        if CENTRED:
+                        if mean_ptr is not None:
                             dx = rstd * (g - mean_g - xhat * mean_g_xhat)
                         else:
                             dx = rstd * (g - xhat * mean_g_xhat)
                     else:
                         dx = rstd * g
                     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    if DW == 2:
+    if dw_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
         tl.store(dw_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(dw_acc, 0), mask=col_mask)
-    if DB == 2:
+    if db_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
         tl.store(db_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(db_acc, 0), mask=col_mask)
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("mean_ptr", "dw_partial_ptr", "db_partial_ptr"))
 def norm_weight_backward(
     x_ptr,
     dy_ptr,
@@ -243,11 +270,10 @@ def norm_weight_backward(
     outer,
     channels,
     groups,
+    dy_row_stride,
     SPATIAL: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
-    CENTRED: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr,
+    DY_ROW_LEN: tl.constexpr,
     COMPUTE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -267,40 +293,36 @@ def norm_weight_backward(
         row_mask = c_mask & (a < outer)
         stats_row = a * groups + c // (channels // groups)
         rstd = tl.load(rstd_ptr + stats_row, mask=row_mask, other=0.0).to(COMPUTE)
-        mean = tl.load(mean_ptr + stats_row, mask=row_mask, other=0.0).to(COMPUTE) if CENTRED else rstd * 0
+        if mean_ptr is not None:
+            mean = tl.load(mean_ptr + stats_row, mask=row_mask, other=0.0).to(COMPUTE)
+        else:
+            mean = rstd * 0
         for s_start in range(0, SPATIAL, BLOCK_S):
             s_cur = s_start + s
             mask = row_mask[:, None] & (s_cur < SPATIAL)[None, :]
             offs = (a * channels + c[:, None]) * SPATIAL + s_cur[None, :]
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-            if HAS_DW:
+            if DY_ROW_LEN == DY_LIKE_X:
+                dy_offs = offs
+            else:  # offs is x's flat index
+                dy_offs = (offs // DY_ROW_LEN) * dy_row_stride + offs % DY_ROW_LEN
+            dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(COMPUTE)
+            if dw_partial_ptr is not None:
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                 dw += dy * (x - mean[:, None]) * rstd[:, None]
-            if HAS_DB:
+            if db_partial_ptr is not None:
                 db += dy
     partial = pid.to(tl.int64) * channels + c
-    if HAS_DW:
+    if dw_partial_ptr is not None:
         tl.store(dw_partial_ptr + partial, tl.sum(dw, 1), mask=c_mask)
-    if HAS_DB:
+    if db_partial_ptr is not None:
         tl.store(db_partial_ptr + partial, tl.sum(db, 1), mask=c_mask)
 
 
-@kernel(half=True)
-def sum_partials(partial_ptr, out_ptr, n, num_partials, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[j] = sum over p of partial[p, j] (the second pass of a cross-program reduction),
-    BLOCK_P partial rows at a time."""
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n
-    parts = tl.arange(0, BLOCK_P)
-    total = tl.zeros([BLOCK_P, BLOCK_N], dtype=partial_ptr.dtype.element_ty)
-    for start in range(0, num_partials, BLOCK_P):
-        p = start + parts
-        mask = (p < num_partials)[:, None] & col_mask[None, :]
-        total += tl.load(partial_ptr + p.to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(total, 0).to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@kernel(backward=(norm_backward, norm_weight_backward, sum_partials), half=True)
+@kernel(
+    backward=(norm_backward, norm_weight_backward, sum_to_shape_kernel),
+    half=True,
+    optional=("w_ptr", "b_ptr", "mean_ptr", "running_mean_ptr", "running_var_ptr"),
+)
 def norm_forward(
     x_ptr,
     w_ptr,
@@ -321,21 +343,18 @@ def norm_forward(
     INNER: tl.constexpr,
     SPATIAL: tl.constexpr,
     CHANNEL: tl.constexpr,
-    CENTRED: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
     STATS: tl.constexpr,
-    UPDATE_RUNNING: tl.constexpr,
     COMPUTE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One tile of ROWS rows per program: mean, rstd (saved), y, and the running statistics."""
+    """One tile of ROWS rows per program: mean (centred: mean_ptr given), rstd (saved), y, and the
+    running statistics (batch statistics with running_mean_ptr given)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = rows.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK)
-    if STATS == 1:  # RUNNING_STATS: batch_norm in inference
+    if STATS == RUNNING_STATS:  # batch_norm in inference
         mean = tl.load(running_mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
         rstd = 1.0 / tl.sqrt(tl.load(running_var_ptr + rows, mask=row_mask, other=1.0).to(COMPUTE) + eps)
     else:
@@ -346,7 +365,7 @@ def norm_forward(
             else:
                 offs = base[:, None] + ((cols // INNER).to(tl.int64) * outer_stride + cols % INNER)[None, :]
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-            if CENTRED:
+            if mean_ptr is not None:
                 mean = tl.sum(x, 1) / ROW_LEN
                 d = tl.where(mask, x - mean[:, None], 0.0)
                 m2 = tl.sum(d * d, 1)
@@ -364,7 +383,7 @@ def norm_forward(
                 else:
                     offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-                if CENTRED:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
+                if mean_ptr is not None:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
                     n_block = tl.minimum(ROW_LEN - start, BLOCK).to(COMPUTE)
                     mean_block = tl.sum(x, 1) / n_block
                     d = tl.where(mask, x - mean_block[:, None], 0.0)
@@ -376,14 +395,14 @@ def norm_forward(
                 else:
                     m2 += tl.sum(x * x, 1)
         rstd = 1.0 / tl.sqrt(m2 / ROW_LEN + eps)
-        if UPDATE_RUNNING:  # running_var takes the unbiased variance, as in PyTorch
+        if running_mean_ptr is not None:  # running_var takes the unbiased variance, as in PyTorch
             running_mean = tl.load(running_mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
             running_var = tl.load(running_var_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
             new_mean = (1.0 - momentum) * running_mean + momentum * mean
             new_var = (1.0 - momentum) * running_var + momentum * (m2 / (ROW_LEN - 1))
             tl.store(running_mean_ptr + rows, new_mean.to(running_mean_ptr.dtype.element_ty), mask=row_mask)
             tl.store(running_var_ptr + rows, new_var.to(running_var_ptr.dtype.element_ty), mask=row_mask)
-    if CENTRED:
+    if mean_ptr is not None:
         tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_mask)
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_mask)
     for start in range(0, ROW_LEN, BLOCK):
@@ -393,19 +412,22 @@ def norm_forward(
             offs = base[:, None] + c[None, :]
         else:
             offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
-        if STATS == 1 or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
+        if STATS == RUNNING_STATS or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-        y = (x - mean[:, None]) * rstd[:, None] if CENTRED else x * rstd[:, None]
-        if HAS_WEIGHT or HAS_BIAS:
-            if CHANNEL == 0:  # the affine channels as a row, a column or a tile (broadcast against y)
+        if mean_ptr is not None:
+            y = (x - mean[:, None]) * rstd[:, None]
+        else:
+            y = x * rstd[:, None]
+        if w_ptr is not None or b_ptr is not None:
+            if CHANNEL == COLUMN_CHANNEL:  # the affine channels as a row, a column or a tile (broadcast against y)
                 channel, channel_mask = c[None, :], (c < ROW_LEN)[None, :]
-            elif CHANNEL == 1:
+            elif CHANNEL == ROW_CHANNEL:
                 channel, channel_mask = rows[:, None], row_mask[:, None]
             else:
                 channel, channel_mask = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :], mask
-            if HAS_WEIGHT:
+            if w_ptr is not None:
                 y = y * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
-            if HAS_BIAS:
+            if b_ptr is not None:
                 y = y + tl.load(b_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -413,12 +435,8 @@ def norm_forward(
 # ------------------------------------------------------------------------------ RuntimeOp
 
 
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _block(n: int) -> int:
-    return max(16, min(triton.next_power_of_2(max(n, 1)), MAX_BLOCK))
+    return max(16, min(pow2(n), MAX_BLOCK))
 
 
 def _tile(rows: int, row_len: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -426,21 +444,16 @@ def _tile(rows: int, row_len: int, dtype: torch.dtype) -> tuple[int, int]:
     (on the GPU, half as many float64 elements: they take two registers each)."""
     block = _block(row_len)
     budget = INTERPRETER_TILE if INTERPRETER else GPU_TILE // (2 if dtype == torch.float64 else 1)
-    return max(1, min(budget // block, triton.next_power_of_2(max(rows, 1)))), block
+    return max(1, min(budget // block, pow2(rows))), block
 
 
-def _num_warps(tile: int, elements_per_warp: int) -> int:
-    """Warps for a tile of ``tile`` elements: about ``elements_per_warp`` each, 4 to 16."""
-    return max(4, min(16, tile // elements_per_warp))
-
-
-def _launch_options(kernel, tile: int, elements_per_warp: int) -> dict:
-    """num_warps for the tile and two pipeline stages for the row loop (bench/NOTES.md: on the H200
-    stages=2 beat 1 and the default 3 for bf16 16384x4096), unless the kernel was tuned
-    (Kernel.tune, bench/tune_launch.py)."""
+def _launch_block(kernel: Kernel, block: int, tile: int, elements_per_warp: int) -> Block:
+    """The ``BLOCK`` size, num_warps for the tile (about ``elements_per_warp`` each, 4 to 16) and
+    two pipeline stages for the row loop (bench/NOTES.md: on the H200 stages=2 beat 1 and the
+    default 3 for bf16 16384x4096), unless the kernel was tuned (Kernel.tune, bench/tune_launch.py)."""
     if INTERPRETER or kernel.launch_options:
-        return {}
-    return {"num_warps": _num_warps(tile, elements_per_warp), "num_stages": 2}
+        return Block(block)
+    return Block(block, num_warps=max(4, min(16, tile // elements_per_warp)), num_stages=2)
 
 
 @functools.cache
@@ -458,8 +471,13 @@ def _dims(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
-def _compute_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _dy_layout(ctx: OpContext) -> dict:
+    """DY_ROW_LEN and dy_row_stride of the backward kernels: DY_LIKE_X for a contiguous dy, else
+    the length of dy's last dim and the distance between its rows."""
+    dy = ctx.grad_output
+    if dy.is_contiguous():
+        return dict(DY_ROW_LEN=DY_LIKE_X, dy_row_stride=0)
+    return dict(DY_ROW_LEN=dy.shape[-1], dy_row_stride=ctx.grad_output_row_stride)
 
 
 @dataclass(frozen=True)
@@ -471,45 +489,41 @@ class Rows:
     inner: int
     row_stride: int
     outer_stride: int
-    spatial: int  # elements per channel in a row (ROWS layouts)
+    spatial: int  # elements per channel in a row (rows of x)
     channels: int
     groups: int
     channel_is_row: bool = False
 
     @property
-    def channel(self) -> int:
+    def channel(self) -> tl.constexpr:
         """The CHANNEL constant of the kernels."""
         if self.channel_is_row:
             return ROW_CHANNEL
         return COLUMN_CHANNEL if self.groups == 1 and self.spatial == 1 else GROUP_CHANNEL
 
-    def pack(self, v: ArgVisitor) -> None:
-        """The runtime index arguments, then the compile-time ones (ROW_LEN ... CHANNEL)."""
-        v.visit_i64(self.row_stride).visit_i64(self.outer_stride)
-        v.visit_i64(self.channels // max(self.groups, 1)).visit_i64(self.groups)
-
-    def pack_constexprs(self, v: ArgVisitor) -> None:
-        for value in (self.row_len, max(self.inner, 1), self.spatial, self.channel):
-            v.visit_constexpr(value)
-
-
-def _sum_partials(ctx: OpContext, partial: torch.Tensor, out: torch.Tensor) -> None:
-    """out = partial.sum(0) with ``sum_partials``."""
-    num_partials, n = partial.shape
-    block_n = min(triton.next_power_of_2(max(n, 1)), 1024 if INTERPRETER else 64)
-    block_p = min(triton.next_power_of_2(max(num_partials, 1)), 64 if INTERPRETER else 32)
-    v = ArgVisitor().visit_ptr(partial).visit_ptr(out).visit_i64(n).visit_i64(num_partials)
-    v.visit_constexpr(block_p).visit_constexpr(block_n)
-    ctx.launch(sum_partials, (cdiv(n, block_n),), v, work=n)
+    def index_args(self) -> dict:
+        """The kernels' index arguments, by name."""
+        return dict(
+            n_rows=self.rows,
+            row_stride=self.row_stride,
+            outer_stride=self.outer_stride,
+            channels_per_group=self.channels // max(self.groups, 1),
+            groups=self.groups,
+            ROW_LEN=self.row_len,
+            INNER=max(self.inner, 1),
+            SPATIAL=self.spatial,
+            CHANNEL=self.channel,
+        )
 
 
 class NormOp(RuntimeOp):
     """One normalisation node. Inputs: x, then (batch_norm) running_mean, running_var, then
-    weight and bias when given. Subclasses say where the statistics rows lie (``geometry``)."""
+    weight and bias when given. Subclasses say where the statistics rows lie (``stats_rows``)."""
 
     n_activation_inputs = 1
     kernel = norm_forward
     centred = True
+    strided_grad_output = True  # the backward reads dy in place from a row-strided gradient
 
     def __init__(self, name: str, eps: float, has_weight: bool, has_bias: bool, n_running: int = 0):
         self.name, self.eps = name, float(eps)
@@ -520,7 +534,7 @@ class NormOp(RuntimeOp):
         self.differentiable_inputs = (0,) + affine  # running statistics never get a gradient
         self.saves_inputs = (0,) + ((self.weight_index,) if has_weight else ())
 
-    def geometry(self, shape) -> Rows:
+    def stats_rows(self, shape) -> Rows:
         raise NotImplementedError
 
     def affine_shape(self, shape) -> tuple[int, ...]:
@@ -536,20 +550,18 @@ class NormOp(RuntimeOp):
             )
 
     def extra_outputs(self, input_shapes, dtype):
-        rows = self.geometry(input_shapes[0]).rows
-        stats = {"rstd": ((rows,), _stats_dtype(dtype))}
+        rows = self.stats_rows(input_shapes[0]).rows
+        stats = {"rstd": ((rows,), acc_dtype(dtype))}
         if self.centred:
-            stats["mean"] = ((rows,), _stats_dtype(dtype))
+            stats["mean"] = ((rows,), acc_dtype(dtype))
         return stats
 
-    def stats_source(self) -> int:
+    def stats_source(self) -> tl.constexpr:
         return BATCH_STATS
 
     def running_stats(self, ctx: OpContext):
+        """(running_mean, running_var) the forward reads or updates, or (None, None)."""
         return None, None
-
-    def update_running(self) -> bool:
-        return False
 
     def momentum(self) -> float:
         return 0.0
@@ -560,132 +572,116 @@ class NormOp(RuntimeOp):
         b = tensors[self.bias_index] if self.has_bias else None
         return w, b
 
-    def forward(self, ctx: OpContext) -> None:
+    def forward_launches(self, ctx: OpContext) -> list[Launch]:
         (x,) = ctx.inputs
         w, b = self._affine([x, *ctx.params])
-        geo = self.geometry(x.shape)
-        rows_per_tile, block = _tile(geo.rows, geo.row_len, ctx.dtype)
+        rows = self.stats_rows(x.shape)
+        rows_per_tile, block = _tile(rows.rows, rows.row_len, ctx.dtype)
         running_mean, running_var = self.running_stats(ctx)
-        mean = ctx.saved.get("mean", ctx.saved["rstd"])  # rms_norm keeps no mean: never read
-        v = ArgVisitor()
-        for ptr in (x, w, b, ctx.output, mean, ctx.saved["rstd"], running_mean, running_var):
-            v.visit_ptr(x if ptr is None else ptr)  # x stands in for absent tensors (never read)
-        v.visit_i64(geo.rows)
-        geo.pack(v)
-        v.visit_float(self.eps).visit_float(self.momentum())
-        geo.pack_constexprs(v)
-        for flag in (
-            self.centred,
-            self.has_weight,
-            self.has_bias,
-            self.stats_source(),
-            self.update_running(),
-            _compute_dtype(ctx.dtype),
-            rows_per_tile,
-            block,
-        ):
-            v.visit_constexpr(flag)
-        ctx.launch(
-            norm_forward,
-            (cdiv(geo.rows, rows_per_tile),),
-            v,
-            work=geo.rows * geo.row_len,
-            **_launch_options(norm_forward, rows_per_tile * block, 1024),
+        args = ArgVisitor().visit(
+            x_ptr=x,
+            w_ptr=w,
+            b_ptr=b,
+            y_ptr=ctx.output,
+            mean_ptr=ctx.saved.get("mean"),
+            rstd_ptr=ctx.saved["rstd"],
+            running_mean_ptr=running_mean,
+            running_var_ptr=running_var,
+            eps=self.eps,
+            momentum=self.momentum(),
+            STATS=self.stats_source(),
+            COMPUTE=tl_acc_dtype(ctx.dtype),
+            ROWS=rows_per_tile,
+            **rows.index_args(),
         )
+        grid = (cdiv(rows.rows, rows_per_tile),)
+        return [Launch(norm_forward, grid, args, _launch_block(norm_forward, block, rows_per_tile * block, 1024))]
 
-    def has_backward(self) -> bool:
-        return True
-
-    def backward_kernels(self):
-        return (norm_backward, norm_weight_backward, sum_partials)
-
-    def backward(self, ctx: OpContext) -> None:
+    def backward_launches(self, ctx: OpContext) -> list[Launch]:
         x = ctx.inputs[0]
         w, _ = self._affine([x, *ctx.params])
         (dx,) = ctx.grad_inputs
         dw, db = self._affine([dx, *ctx.grad_params])
-        dy = ctx.grad_output
-        geo = self.geometry(x.shape)
-        rows_per_tile, block = _tile(geo.rows, geo.row_len, ctx.dtype)
-        mean, rstd = ctx.saved.get("mean", ctx.saved["rstd"]), ctx.saved["rstd"]
-        if geo.channel_is_row:  # a row is a whole channel: its sums are dw, db
+        rows = self.stats_rows(x.shape)
+        rows_per_tile, block = _tile(rows.rows, rows.row_len, ctx.dtype)
+        if rows.channel_is_row:  # a row is a whole channel: its sums are dw, db
             target = PER_ROW
-        elif geo.channel == COLUMN_CHANNEL and geo.row_len <= block:  # fused: partial rows per program
+        elif rows.channel == COLUMN_CHANNEL and rows.row_len <= block:  # fused: partial rows per program
             target = PER_PROGRAM
         else:
             target = None  # norm_weight_backward
-        dw_target = NO_GRAD if dw is None or target is None else target
-        db_target = NO_GRAD if db is None or target is None else target
-        n_tiles = cdiv(geo.rows, rows_per_tile)
-        tiles_per_program = 1
-        if PER_PROGRAM in (dw_target, db_target):
-            tiles_per_program = max(1, cdiv(n_tiles, _max_programs()))
+        fused = target is not None and (dw is not None or db is not None)
+        n_tiles = cdiv(rows.rows, rows_per_tile)
+        tiles_per_program = max(1, cdiv(n_tiles, _max_programs())) if fused and target == PER_PROGRAM else 1
         n_programs = cdiv(n_tiles, tiles_per_program)
-        partials = {
-            name: ctx.empty((n_programs, geo.row_len), _stats_dtype(ctx.dtype)) if t == PER_PROGRAM else g
-            for name, g, t in (("dw", dw, dw_target), ("db", db, db_target))
-        }
-        if dx is not None or dw_target != NO_GRAD or db_target != NO_GRAD:
-            v = ArgVisitor()
-            for ptr in (x, w, dy, dx, mean, rstd, partials["dw"], partials["db"]):
-                v.visit_ptr(x if ptr is None else ptr)
-            v.visit_i64(geo.rows).visit_i64(tiles_per_program)
-            geo.pack(v)
-            geo.pack_constexprs(v)
-            for flag in (
-                self.centred,
-                self.has_weight,
-                self.stats_source(),
-                dx is not None,
-                dw_target,
-                db_target,
-                _compute_dtype(ctx.dtype),
-                rows_per_tile,
-                block,
-            ):
-                v.visit_constexpr(flag)
-            ctx.launch(
-                norm_backward,
-                (n_programs,),
-                v,
-                work=geo.rows * geo.row_len,
-                **_launch_options(norm_backward, rows_per_tile * block, 512),
-            )
-        for grad, t, name in ((dw, dw_target, "dw"), (db, db_target, "db")):
-            if t == PER_PROGRAM:
-                _sum_partials(ctx, partials[name], grad)
-        if target is None and (dw is not None or db is not None):
-            self._weight_backward(ctx, x, dy, mean, rstd, dw, db, geo.channels, geo.spatial, geo.groups)
 
-    def _weight_backward(self, ctx, x, dy, mean, rstd, dw, db, channels, spatial, groups) -> None:
+        def written_by_norm_backward(grad):  # dw or db as norm_backward writes it (or None)
+            if grad is None or target is None:
+                return None
+            return ctx.empty((n_programs, rows.row_len), acc_dtype(ctx.dtype)) if target == PER_PROGRAM else grad
+
+        dw_out, db_out = written_by_norm_backward(dw), written_by_norm_backward(db)
+        launches = []
+        if dx is not None or fused:
+            args = ArgVisitor().visit(
+                x_ptr=x,
+                w_ptr=w,
+                dy_ptr=ctx.grad_output,
+                dx_ptr=dx,
+                mean_ptr=ctx.saved.get("mean"),
+                rstd_ptr=ctx.saved["rstd"],
+                dw_ptr=dw_out,
+                db_ptr=db_out,
+                tiles_per_program=tiles_per_program,
+                STATS=self.stats_source(),
+                AFFINE_GRAD=target if target is not None else PER_ROW,  # unused without dw_ptr / db_ptr
+                COMPUTE=tl_acc_dtype(ctx.dtype),
+                ROWS=rows_per_tile,
+                **rows.index_args(),
+                **_dy_layout(ctx),
+            )
+            launch_block = _launch_block(norm_backward, block, rows_per_tile * block, 512)
+            launches.append(Launch(norm_backward, (n_programs,), args, launch_block))
+        if fused and target == PER_PROGRAM:
+            for grad, partial in ((dw, dw_out), (db, db_out)):
+                if grad is not None:
+                    launches += sum_partials(partial, grad)
+        if target is None and (dw is not None or db is not None):
+            launches += self._weight_backward(ctx, rows, dw, db)
+        return launches
+
+    def _weight_backward(self, ctx: OpContext, rows: Rows, dw, db) -> list[Launch]:
+        """dw/db through norm_weight_backward's partial rows and ``sum_partials``."""
+        x, channels, spatial = ctx.inputs[0], rows.channels, rows.spatial
         outer = x.numel() // max(channels * spatial, 1)
         n_partials = cdiv(outer, ROWS_PER_WEIGHT_PROGRAM)
-        block_s = min(triton.next_power_of_2(max(spatial, 1)), 256)
-        block_c = max(1, min(triton.next_power_of_2(max(channels, 1)), 2048 // block_s, 1024))
-        partial_dtype = _stats_dtype(ctx.dtype)
-        partials = {
-            name: ctx.empty((n_partials, channels), partial_dtype) if g is not None else None
-            for name, g in (("dw", dw), ("db", db))
-        }
-        v = ArgVisitor()
-        for ptr in (x, dy, mean, rstd, partials["dw"], partials["db"]):
-            v.visit_ptr(x if ptr is None else ptr)
-        v.visit_i64(outer).visit_i64(channels).visit_i64(groups)
-        for flag in (
-            spatial,
-            ROWS_PER_WEIGHT_PROGRAM,
-            self.centred,
-            dw is not None,
-            db is not None,
-            _compute_dtype(ctx.dtype),
-            block_c,
-            block_s,
-        ):
-            v.visit_constexpr(flag)
-        ctx.launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), v, work=x.numel())
-        for grad, partial in ((dw, partials["dw"]), (db, partials["db"])):
+        block_s = min(pow2(spatial), 256)
+        block_c = max(1, min(pow2(channels), 2048 // block_s, 1024))
+        dw_partial, db_partial = (
+            ctx.empty((n_partials, channels), acc_dtype(ctx.dtype)) if g is not None else None for g in (dw, db)
+        )
+        args = ArgVisitor().visit(
+            x_ptr=x,
+            dy_ptr=ctx.grad_output,
+            mean_ptr=ctx.saved.get("mean"),
+            rstd_ptr=ctx.saved["rstd"],
+            dw_partial_ptr=dw_partial,
+            db_partial_ptr=db_partial,
+            outer=outer,
+            channels=channels,
+            groups=rows.groups,
+            SPATIAL=spatial,
+            ROWS_PER_PROGRAM=ROWS_PER_WEIGHT_PROGRAM,
+            COMPUTE=tl_acc_dtype(ctx.dtype),
+            BLOCK_C=block_c,
+            BLOCK_S=block_s,
+            **_dy_layout(ctx),
+        )
+        launches = [Launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), args)]
+        for grad, partial in ((dw, dw_partial), (db, db_partial)):
             if grad is not None:
-                _sum_partials(ctx, partial, grad)
+                launches += sum_partials(partial, grad)
+        return launches
 
 
 class LayerNormOp(NormOp):
@@ -699,7 +695,7 @@ class LayerNormOp(NormOp):
     def affine_shape(self, shape):
         return self.normalized_shape
 
-    def geometry(self, shape):
+    def stats_rows(self, shape):
         row_len = math.prod(self.normalized_shape)
         rows = math.prod(shape[: len(shape) - len(self.normalized_shape)])
         return Rows(
@@ -726,7 +722,7 @@ class GroupNormOp(NormOp):
     def affine_shape(self, shape):
         return (shape[1],) if len(shape) >= 2 else (0,)
 
-    def geometry(self, shape):
+    def stats_rows(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
         row_len = (c // self.num_groups) * spatial
         return Rows(
@@ -756,6 +752,8 @@ class BatchNormOp(NormOp):
     """batch_norm over x of shape (N, C, *): one statistics row per channel. Inputs: x,
     running_mean, running_var (when given), weight, bias (when given)."""
 
+    strided_grad_output = False  # its rows (channels) gather dy across rows of the gradient
+
     def __init__(self, has_running, training, momentum, eps, has_weight, has_bias):
         super().__init__("batch_norm", eps, has_weight, has_bias, n_running=2 if has_running else 0)
         self.has_running, self.training, self._momentum = has_running, bool(training), float(momentum)
@@ -763,7 +761,7 @@ class BatchNormOp(NormOp):
     def affine_shape(self, shape):
         return (shape[1],) if len(shape) >= 2 else (0,)
 
-    def geometry(self, shape):
+    def stats_rows(self, shape):
         n, c, spatial = shape[0], shape[1], math.prod(shape[2:])
         return Rows(
             c,
@@ -790,9 +788,6 @@ class BatchNormOp(NormOp):
 
     def running_stats(self, ctx):
         return (ctx.params[0], ctx.params[1]) if self.has_running else (None, None)
-
-    def update_running(self):
-        return self.training and self.has_running
 
     def momentum(self):
         return self._momentum
