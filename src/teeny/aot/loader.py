@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +93,7 @@ def _kernels_by_name(plan: dict, program) -> dict[str, Kernel]:
     return kernels
 
 
-def install_kernels(bundle: Bundle, plan: dict, program, where: str) -> list[dict]:
+def install_kernels(bundle: Bundle, plan: dict, program, where: str) -> list[CompiledKernel]:
     """Place every binary of ``plan`` in the cache of the JITFunction that launches it."""
     kernels = _kernels_by_name(plan, program)
     device = triton_driver.active.get_current_device()
@@ -119,9 +121,25 @@ def install_kernels(bundle: Bundle, plan: dict, program, where: str) -> list[dic
             cache, _, cache_target, _, _ = jit.device_caches[device]
             if cache_target.arch != plan["arch"]:
                 raise BundleError(f"{where}: Triton targets sm_{cache_target.arch} here, the plan sm_{plan['arch']}")
-            cache.setdefault(entry["key"], compiled)
-            installed.append(entry)
+            installed.append(cache.setdefault(entry["key"], compiled))
     return installed
+
+
+def prepare_launchers(compiled: list[CompiledKernel], threads: int | None = None) -> None:
+    """Build each binary's host launcher now, in parallel: a small C module Triton compiles with
+    the system's C compiler (and caches) the first time a kernel of that signature launches,
+    which the JIT path does one kernel at a time. Only host work (no CUDA call); a launcher that
+    fails here is built at its launch as usual."""
+    launcher_cls = triton_driver.active.launcher_cls
+
+    def build(kernel: CompiledKernel) -> None:
+        try:
+            launcher_cls(kernel.src, kernel.metadata)
+        except Exception:  # the launch builds it again and reports a real failure
+            pass
+
+    with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(build, compiled))
 
 
 class LoadedBundle:
@@ -177,12 +195,14 @@ def load(
     seed: int | None = None,
     device: torch.device | str | None = None,
     cuda_graph: bool | None = None,
+    prepare: bool = True,
 ) -> LoadedBundle:
     """Load the bundle ``path`` for this process's GPU and return its program, ready to run
     with zero JIT compilations. Refused (``BundleError``) when the bundle holds no kernels for
     this GPU's compute capability, or was built by another teeny or Triton. Parameters come
     from ``params``, else the bundle, else the initialisers with ``seed`` (default: the build's).
-    ``cuda_graph`` captures training steps as CUDA graphs (default: on the GPU)."""
+    ``cuda_graph`` captures training steps as CUDA graphs (default: on the GPU); ``prepare``
+    builds Triton's host launchers of all kernels up front, in parallel (``prepare_launchers``)."""
     bundle = Bundle(path)
     where = f"bundle {bundle.path}"
     manifest = bundle.manifest
@@ -213,7 +233,9 @@ def load(
         except (KeyError, ValueError) as exc:
             raise BundleError(f"{where}: the parameters do not fit the program: {exc}") from None
     check_same_program(plan["program"], program, executor, where)
-    install_kernels(bundle, plan, program, where)
+    compiled = install_kernels(bundle, plan, program, where)
+    if prepare:
+        prepare_launchers(compiled)
     optimizer = train_step = None
     if program.mode is LoweringMode.TRAINING:
         from ..train import TrainConfig, TrainStep, make_optimizer
