@@ -240,7 +240,16 @@ def test_load_refuses_damaged_and_foreign_files(bundles, tmp_path):
             aot.load(bundles["mlp", "inference"])
 
 
-def test_build_command_refuses_bad_arguments(tmp_path, capsys):
+def test_build_command(bundles, tmp_path, capsys):
+    """``teeny build`` writes a bundle (the MLP's inference kernels are in the session's Triton
+    cache by now) and refuses bad arguments before starting any worker."""
+    out = tmp_path / "mlp.teeny"
+    assert (
+        main(["build", "mlp", "--mode", "inference", "--batch-size", "16", "--target", "cuda:90", "-o", str(out)]) == 0
+    )
+    assert "cuda:90@132: 3 kernels" in capsys.readouterr().out
+    manifest = aot.Bundle(out).manifest
+    assert manifest["source"] == {"kind": "model", "model": "mlp", "size": "small", "batch_size": 16}
     assert main(["build", "mlp", "--target", "rocm:90", "-o", str(tmp_path / "x.teeny")]) == 2
     assert "only CUDA targets" in capsys.readouterr().err
     assert main(["build", "resnet", "-o", str(tmp_path / "x.teeny")]) == 2
@@ -260,3 +269,21 @@ def test_intercepted_launches_run_nothing():
     assert torch.equal(out, torch.zeros(5))
     ((name, args),) = seen
     assert name == "accumulate_kernel" and args[:3] == [a, b, out] and args[3] == 5
+
+
+def test_integers_that_change_between_runs_are_reported():
+    """A specialised integer argument that differs between runs (a host counter) may need a
+    binary a later run will not find; one that is not specialised (do_not_specialize, spec None)
+    may vary freely."""
+    from teeny.aot.capture import varying_specialisations
+
+    def launch(seed, spec):
+        return {
+            "where": "op dropout (node 'd', forward)",
+            "kernel": "k",
+            "args": [{"name": "seed", "value": seed, "spec": spec}],
+        }
+
+    assert varying_specialisations({"a": [launch(3, None)], "b": [launch(8, None)]}) == []
+    (warning,) = varying_specialisations({"a": [launch(1, 1)], "b": [launch(16, "D")]})
+    assert "argument 'seed' takes the values [1, 16]" in warning

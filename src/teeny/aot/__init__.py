@@ -28,11 +28,14 @@ Bundle format, version 1: a zip archive (``.teeny``) holding
 * ``targets/<cuda90>/plan.json``: ``program`` (inputs, parameters with their arena offsets,
   outputs, nodes with op, inputs, shape, dtype and whether they run backwards, the lowering's
   kernel instances), ``buffers`` (every storage a launch touches: bytes, label), ``runs``
-  (``train_step``, ``accumulate_step``, ``forward``: each launch in order with its site, kernel,
-  dtype, grid, launch options, binary and packed arguments: per parameter its Triton type,
-  specialisation, and buffer + element offset or value), ``kernels`` (per binary: id, kernel,
-  module, dtype, float64 scalars, the kernel's source key, Triton's cache key, signature,
-  constexprs (the tile configuration), attributes, num_warps, num_stages, shared memory, files);
+  (``train_step``, ``accumulate_step``, ``forward``: each launch in order with its site, phase
+  (forward, backward, accumulate, clip, optimizer), kernel, dtype, grid, launch options, binary
+  and packed arguments: per parameter its Triton type, specialisation, and buffer + element
+  offset or value), ``kernels`` (per binary: id, kernel, module, dtype, float64 scalars, whether
+  it is a declared backward kernel, the phases that launch it, the kernel's source key, Triton's
+  cache key, signature, constexprs (the tile configuration: BLOCK sizes), attributes, num_warps,
+  num_stages, shared memory, files), ``warnings`` (specialised integers that change between
+  runs), ``compile_seconds``;
 * ``targets/<cuda90>/kernels/k<N>.cubin | .ptx | .json``: the binary, its PTX, Triton's metadata;
 * ``graph.pkl``: a stored graph (kernels and Triton functions by reference; a pickle: load
   bundles you trust); ``params.safetensors``: the parameters, when stored.
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -248,6 +252,8 @@ def _write(out: Path, job: dict, result: dict, targets: list[Target], seconds: f
                 "compile_seconds": plan["compile_seconds"],
             }
         )
+        for message in plan["warnings"]:
+            warnings.warn(f"{out}: {t.name}: {message}", stacklevel=3)
     if job["graph_pickle"] is not None:
         files["graph.pkl"] = job["graph_pickle"]
     stored = result.get("params") if job["init_params"] else job["stored"]

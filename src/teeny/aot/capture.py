@@ -210,6 +210,34 @@ def _buffer_labels(executor, optimizer, feed) -> dict[int, str]:
     return labels
 
 
+def varying_specialisations(runs: dict[str, list]) -> list[str]:
+    """Launch sites whose specialised integer arguments take other values in another run (a
+    host-side counter, a seed): a later run may ask for a specialisation (``== 1``, ``% 16``)
+    the bundle does not hold. A node's launches are matched across runs by site, kernel and
+    occurrence."""
+    seen: dict[tuple, list] = {}
+    for launches in runs.values():
+        count: dict[tuple, int] = {}
+        for launch in launches:
+            if "(node '" not in launch["where"]:
+                continue  # gradient accumulation and optimizer sites are not one launch per run
+            site = (launch["where"], launch["kernel"])
+            count[site] = count.get(site, 0) + 1
+            seen.setdefault((*site, count[site]), []).append(launch)
+    warnings = []
+    for (where, kernel, _), launches in seen.items():
+        for i, arg in enumerate(launches[0]["args"]):
+            args = [launch["args"][i] for launch in launches]
+            values = {a.get("value") for a in args if type(a.get("value")) is int}
+            if len(values) > 1 and any(a["spec"] is not None for a in args):
+                warnings.append(
+                    f"{where}: kernel {kernel} argument '{arg['name']}' takes the values {sorted(values)} in "
+                    "different runs and Triton specialises it (== 1, % 16): a later run may need a binary the "
+                    "bundle does not hold (declare it do_not_specialize in the kernel's @triton.jit)"
+                )
+    return sorted(set(warnings))
+
+
 def backward_kernel_names() -> set[str]:
     """Names of the kernels some forward kernel declares as its backward."""
     from .. import ops  # noqa: F401  (registers every op family)
@@ -289,6 +317,7 @@ def plan_target(target: Target, program: Program, train: dict | None, seed: int 
             }
         )
     plan = {
+        "warnings": varying_specialisations(runs),
         "target": target.name,
         "arch": target.arch,
         "sm_count": target.sm_count,
