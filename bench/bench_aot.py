@@ -35,27 +35,40 @@ import time
 from pathlib import Path
 
 BUDGET_S = 170
-BUNDLES = {
-    "gpt-training": ("gpt", "training", "cuda:90,cuda:80"),
-    "gpt-inference": ("gpt", "inference", "cuda:90"),
-    "mlp-training": ("mlp", "training", "cuda:90"),
+BUNDLES = {  # name: (model, mode, also for sm_80)
+    "gpt-training": ("gpt", "training", True),
+    "gpt-inference": ("gpt", "inference", False),
+    "mlp-training": ("mlp", "training", False),
 }
 
 
-def build_bundles(folder: Path) -> dict:
-    """The bundles of BUNDLES in ``folder`` (two worker processes in parallel); build seconds."""
+def this_gpu() -> str:
+    """``cuda:ARCH@SMS`` of this machine's GPU (a MIG slice has fewer SMs), else ``cuda:90``."""
+    code = (
+        "import torch; p = torch.cuda.get_device_properties(0); "
+        "print(f'cuda:{p.major}{p.minor}@{p.multi_processor_count}')"
+    )
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+    except subprocess.TimeoutExpired:
+        return ""
+
+
+def build_bundles(folder: Path, target: str) -> dict:
+    """The bundles of BUNDLES in ``folder`` for ``target`` (two worker processes in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from teeny import aot
 
     folder.mkdir(parents=True, exist_ok=True)
     groups: dict[str, list] = {}
-    for name, (model, mode, target) in BUNDLES.items():
-        groups.setdefault(target, []).append((model, folder / f"{name}.teeny", {"target": target, "mode": mode}))
+    for name, (model, mode, with_80) in BUNDLES.items():
+        targets = f"{target},cuda:80" if with_80 and not target.startswith("cuda:80") else target
+        groups.setdefault(targets, []).append((model, folder / f"{name}.teeny", {"target": targets, "mode": mode}))
     started = time.perf_counter()
     with ThreadPoolExecutor(len(groups)) as pool:
         list(pool.map(aot.build_many, groups.values()))
-    return {"build_seconds": round(time.perf_counter() - started, 1)}
+    return {"build_seconds": round(time.perf_counter() - started, 1), "targets": sorted(groups)}
 
 
 # ------------------------------------------------------------------------------ a case
@@ -68,6 +81,8 @@ def child(spec: dict) -> None:
     import torch
 
     import teeny
+
+    teeny.device  # noqa: B018  (the device first: it decides interpreter or GPU before triton loads)
     from teeny import aot
     from teeny.kernel import record_launches
     from teeny.optim import constant_schedule, cosine_schedule
@@ -89,7 +104,7 @@ def child(spec: dict) -> None:
             optimizer = make_optimizer(
                 executor, TrainConfig(**{k: train[k] for k in ("optimizer", "lr", "weight_decay", "momentum")})
             )
-            step = TrainStep(executor, optimizer, train["clip"], cuda_graph=True)
+            step = TrainStep(executor, optimizer, train["clip"], cuda_graph=teeny.DEVICE.type == "cuda")
         else:
             bundle = aot.load(bundles / f"{model}-training.teeny", prepare=spec["prepare"])
             out["target"] = bundle.target
@@ -101,11 +116,10 @@ def child(spec: dict) -> None:
         schedule = (
             cosine_schedule(total, train["warmup_steps"]) if train["schedule"] == "cosine" else constant_schedule()
         )
-        feeds = []
-        for feed in task.batches(0, batch, 0):
-            feeds.append(feed)
-            if len(feeds) == steps:
-                break
+        feeds, epoch = [], 0
+        while len(feeds) < steps:  # the first steps of a run: epoch 0, then 1, ...
+            feeds.extend(feed for _, feed in zip(range(steps - len(feeds)), task.batches(epoch, batch, 0)))
+            epoch += 1
         losses = []
         with record_launches() as first_launches:
             optimizer.lr = train["lr"] * schedule(0)
@@ -123,8 +137,7 @@ def child(spec: dict) -> None:
                 logits = Executor(program, seed=0).forward({"x": x})
             else:
                 logits = aot.load(bundles / "gpt-inference.teeny", prepare=spec["prepare"]).forward({"x": x})
-            torch.cuda.synchronize()
-            torch.save(logits.cpu(), spec["result"] + ".logits.pt")
+            torch.save(logits.cpu(), spec["result"] + ".logits.pt")  # .cpu() synchronises
     out["marks"] = {k: round(v, 3) for k, v in marks.items()}
     out["losses"] = losses
     out["compilations"] = len(compiled)
@@ -141,13 +154,16 @@ def run_case(case: str, spec: dict, folder: Path, deadline: float) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(folder / spec.pop("cache")))
     spec = {**spec, "case": case, "result": str(result), "t0": time.time()}
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=max(10.0, deadline + 30 - time.perf_counter()),
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=max(10.0, deadline + 30 - time.perf_counter()),
+        )
+    except subprocess.TimeoutExpired as exc:
+        return {"case": case, "error": f"timed out after {exc.timeout:.0f} s"}
     wall = time.perf_counter() - started
     if proc.returncode != 0 or not result.exists():
         return {"case": case, "error": (proc.stderr or proc.stdout)[-2500:], "wall_s": round(wall, 1)}
@@ -198,13 +214,14 @@ def main() -> None:
     parser.add_argument("--bundles", type=Path, help="use the bundles in this folder instead of building them")
     parser.add_argument("--build-only", type=Path, metavar="DIR", help="build the bundles into DIR and stop")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--target", help="build for this target (default: this machine's GPU, e.g. cuda:90@132)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
         return
     if args.build_only:
-        print(json.dumps(build_bundles(args.build_only)))
+        print(json.dumps(build_bundles(args.build_only, args.target or "cuda:90")))
         return
     from teeny import aot
 
@@ -215,8 +232,8 @@ def main() -> None:
         bundles = args.bundles
         if bundles is None:
             bundles = folder / "bundles"
-            report.update(build_bundles(bundles))
-            print(f"built the bundles in {report['build_seconds']} s", flush=True)
+            report.update(build_bundles(bundles, args.target or this_gpu() or "cuda:90"))
+            print(f"built the bundles for {report['targets']} in {report['build_seconds']} s", flush=True)
         report["bundles"] = {
             name: {t["name"]: t["kernels"] for t in aot.Bundle(bundles / f"{name}.teeny").manifest["targets"]}
             for name in BUNDLES

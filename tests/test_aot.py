@@ -10,6 +10,7 @@ plan names. Running the binaries needs the GPU: bench/bench_aot.py.
 Compiled kernels are shared within the session through one Triton cache folder.
 """
 
+import contextlib
 import json
 import os
 import zipfile
@@ -27,10 +28,23 @@ from teeny.models import MLP
 TARGETS = "cuda:90,cuda:80"
 
 
+def shared_folder(request, tmp_path_factory, name):
+    """A folder for the session: under pytest-xdist one that every worker shares (the first
+    worker to get there fills it, the others wait for it), else a fresh temporary one."""
+    if not hasattr(request.config, "workerinput"):
+        return tmp_path_factory.mktemp(name), contextlib.nullcontext()
+    from filelock import FileLock
+
+    folder = tmp_path_factory.getbasetemp().parent / name
+    folder.mkdir(exist_ok=True)
+    return folder, FileLock(str(folder) + ".lock")
+
+
 @pytest.fixture(scope="module")
-def triton_cache(tmp_path_factory):
+def triton_cache(request, tmp_path_factory):
     old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    folder, _ = shared_folder(request, tmp_path_factory, "triton-cache")
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
     yield
     if old is None:
         os.environ.pop("TRITON_CACHE_DIR", None)
@@ -49,14 +63,18 @@ def tiny_graph():
 
 
 @pytest.fixture(scope="module")
-def bundles(triton_cache, tmp_path_factory):
+def bundles(request, triton_cache, tmp_path_factory):
     """Every bundle of the module, built in one worker process (training first: the inference
-    bundles' kernels are then found in the Triton cache)."""
-    folder = tmp_path_factory.mktemp("bundles")
+    bundles' kernels are then found in the Triton cache), once per session."""
+    folder, lock = shared_folder(request, tmp_path_factory, "bundles")
     keys = [("mlp", "training"), ("gpt", "training"), ("mlp", "inference"), ("gpt", "inference")]
     items = [(model, folder / f"{model}-{mode}.teeny", {"target": TARGETS, "mode": mode}) for model, mode in keys]
     items.append((tiny_graph(), folder / "tiny.teeny", {"target": TARGETS, "train": {"optimizer": "sgd"}}))
-    return dict(zip([*keys, "graph"], aot.build_many(items)))
+    with lock:
+        if not (folder / "done").exists():
+            aot.build_many(items)
+            (folder / "done").touch()
+    return dict(zip([*keys, "graph"], [path for _, path, _ in items]))
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +305,22 @@ def test_integers_that_change_between_runs_are_reported():
     assert varying_specialisations({"a": [launch(3, None)], "b": [launch(8, None)]}) == []
     (warning,) = varying_specialisations({"a": [launch(1, 1)], "b": [launch(16, "D")]})
     assert "argument 'seed' takes the values [1, 16]" in warning
+
+
+@pytest.mark.skipif(teeny.DEVICE.type != "cuda", reason="runs the compiled kernels: needs the GPU")
+def test_a_loaded_bundle_trains_like_the_jit_path_with_no_compilation(bundles):
+    from teeny.executor import Executor
+    from teeny.lowering import LoweringMode, lower
+    from teeny.train import TrainConfig, TrainStep, make_optimizer
+
+    with aot.count_compilations() as compiled:
+        bundle = aot.load(bundles["mlp", "training"])
+        batch = bundle.manifest["source"]["batch_size"]
+        feeds = [feed for _, feed in zip(range(3), bundle.task.batches(0, batch, 0))]
+        losses = [float(bundle.step(feed)) for feed in feeds]
+    assert compiled == []
+    train = bundle.manifest["train"]
+    executor = Executor(lower(bundle.task.train_graph(batch), LoweringMode.TRAINING), seed=0)
+    config = TrainConfig(**{k: train[k] for k in ("optimizer", "lr", "weight_decay", "momentum")})
+    step = TrainStep(executor, make_optimizer(executor, config), train["clip"], cuda_graph=True)
+    assert [float(step(feed)) for feed in feeds] == losses

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .. import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
+
+# isort: split
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
