@@ -262,12 +262,20 @@ def test_build_command(bundles, tmp_path, capsys):
     """``teeny build`` writes a bundle (the MLP's inference kernels are in the session's Triton
     cache by now) and refuses bad arguments before starting any worker."""
     out = tmp_path / "mlp.teeny"
-    assert (
-        main(["build", "mlp", "--mode", "inference", "--batch-size", "16", "--target", "cuda:90", "-o", str(out)]) == 0
-    )
+    argv = ["build", "mlp", "--mode", "inference", "--batch-size", "16", "--target", "cuda:90", "--params", "init"]
+    assert main([*argv, "-o", str(out)]) == 0
     assert "cuda:90@132: 3 kernels" in capsys.readouterr().out
-    manifest = aot.Bundle(out).manifest
-    assert manifest["source"] == {"kind": "model", "model": "mlp", "size": "small", "batch_size": 16}
+    bundle = aot.Bundle(out)
+    assert bundle.manifest["source"] == {"kind": "model", "model": "mlp", "size": "small", "batch_size": 16}
+    from safetensors.torch import load
+
+    from teeny.executor import Executor
+    from teeny.lowering import lower
+    from teeny.models import make_task
+
+    stored = load(bundle.read(bundle.manifest["params"]))  # the initial parameters, as the JIT path makes them
+    expected = Executor(lower(make_task("mlp")._graph(16, False)), seed=0, device="cpu").state_dict()
+    assert stored.keys() == expected.keys() and all(torch.equal(stored[k], expected[k]) for k in stored)
     assert main(["build", "mlp", "--target", "rocm:90", "-o", str(tmp_path / "x.teeny")]) == 2
     assert "only CUDA targets" in capsys.readouterr().err
     assert main(["build", "resnet", "-o", str(tmp_path / "x.teeny")]) == 2

@@ -7,7 +7,6 @@ The format is described in ``teeny.aot``'s docstring.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import zipfile
@@ -137,9 +136,6 @@ class Bundle:
     def has(self, name: str) -> bool:
         return name in self._data
 
-    def names(self) -> list[str]:
-        return sorted(self._data)
-
     def plan(self, target: str) -> dict:
         """The plan (program, buffers, launches, kernels) for the target named ``target``."""
         entry = next((t for t in self.manifest["targets"] if t["name"] == target), None)
@@ -149,13 +145,6 @@ class Bundle:
 
     def target_names(self) -> list[str]:
         return [t["name"] for t in self.manifest["targets"]]
-
-    def to_bytes(self) -> bytes:
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            for name, data in self._data.items():
-                archive.writestr(name, data)
-        return buffer.getvalue()
 
 
 def check_versions(manifest: dict, teeny_version: str, triton_version: str, where: str = "bundle") -> None:
