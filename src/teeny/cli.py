@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="same as the global --device",
     )
+
+    p_build = sub.add_parser("build", help="compile a model's kernels ahead of time for GPU targets (no GPU needed)")
+    p_build.add_argument("model", help=f"one of: {', '.join(MODELS)}, or module:function (batch size -> Graph)")
+    p_build.add_argument("--target", default="cuda:90", help="cuda:ARCH[@SMS], comma-separated: cuda:90,cuda:80")
+    p_build.add_argument("--mode", choices=["training", "inference"], default="training")
+    p_build.add_argument("--batch-size", type=_positive_int)
+    p_build.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p_build.add_argument("--params", metavar="CHECKPOINT", help="store these parameters (a checkpoint, or 'init')")
+    p_build.add_argument("--seed", type=int, default=0)
+    p_build.add_argument("-o", "--out", required=True, help="the bundle file to write")
     return parser
 
 
@@ -87,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ops(args)
         if args.command == "gradcheck":
             return cmd_gradcheck(args)
+        if args.command == "build":
+            from .aot import cmd_build
+
+            return cmd_build(args)
         return cmd_train(args, parser)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

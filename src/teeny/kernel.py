@@ -191,6 +191,7 @@ class LaunchRecord:
 
 
 _RECORDERS: list[list[LaunchRecord]] = []
+_INTERCEPTORS: list[Callable] = []
 
 
 @contextlib.contextmanager
@@ -202,6 +203,19 @@ def record_launches() -> Iterator[list[LaunchRecord]]:
         yield log
     finally:
         _RECORDERS.remove(log)
+
+
+@contextlib.contextmanager
+def intercept_launches(handler: Callable) -> Iterator[None]:
+    """Inside the ``with`` block no kernel runs: each launch calls
+    ``handler(instance, jit, grid, args, options)`` instead (``jit`` is the Triton function the
+    launch would run, ``args`` in signature order, ``options`` Triton's launch options). How an
+    ahead-of-time build (``teeny.aot``) sees every launch a program makes, on meta tensors."""
+    _INTERCEPTORS.append(handler)
+    try:
+        yield
+    finally:
+        _INTERCEPTORS.remove(handler)
 
 
 @dataclass(frozen=True)
@@ -231,6 +245,9 @@ class KernelInstance:
             jit = self.kernel.jit_with_float64(wide)
         for log in _RECORDERS:
             log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
+        if _INTERCEPTORS:
+            _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
+            return
         jit[grid](*args, **options)
 
 
