@@ -28,6 +28,10 @@ _EXPORTS = {
     "PackingError": "runtime",
     "RuntimeOp": "runtime",
     "TeenyError": "runtime",
+    "Launch": "runtime",
+    "Block": "runtime",
+    "KernelLaunchError": "runtime",
+    "record_launches": "kernel",
     "Graph": "graph",
     "GraphError": "graph",
     "Tensor": "graph",
@@ -44,6 +48,7 @@ _EXPORTS = {
     "OpInfo": "registry",
     "Sample": "registry",
     "register": "registry",
+    "load": "aot",
 }
 _SUBMODULES = {
     "device",
@@ -62,6 +67,8 @@ _SUBMODULES = {
     "executor",
     "runtime",
     "module",
+    "config",
+    "aot",
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)

@@ -7,11 +7,13 @@ behaviour it was built with) unless its description says otherwise.
 
 ``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
 precision by default, float64 is always exact.
-``deterministic``: ops whose fastest backward adds with atomics (embedding) use a sort-based,
-bit-reproducible one instead.
-``check_indices``: embedding indices and class indices of losses are checked against their
-range inside the kernels, and an out-of-range index raises an error naming the op instead of
-reading garbage. On by default under the interpreter (CPU), off on the GPU, where the check
+``deterministic``: ops whose fastest backward adds with atomics (embedding, getitem with index
+tensors) use a sort-based, bit-reproducible one instead.
+``check_indices``: embedding indices, getitem index tensors and the class indices of
+cross_entropy / nll_loss are checked against their range inside the kernels, and an
+out-of-range index raises an error naming the op and the index instead of reading garbage
+(with the check off, an out-of-range embedding or getitem index reads 0 and gets no gradient,
+and an out-of-range class gives a NaN loss). On by default under the interpreter (CPU), off on the GPU, where the check
 costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
 """
 
