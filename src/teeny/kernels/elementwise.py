@@ -358,7 +358,7 @@ def _pow_impl(a, b):
         magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
         fractional = b != tl.floor(b)
         odd = tl.abs(b - 2.0 * tl.floor(0.5 * b)) == 1.0
-        result = tl.where(odd & _sign_bit(a), -magnitude, magnitude)
+        result = tl.where(odd & _sign_bit(a), magnitude * -1.0, magnitude)  # (-m is 0 - m: +0.0 for 0)
         result = tl.where((a < 0) & (a > float("-inf")) & fractional, float("nan"), result)
         one = (b == 0) | (a == 1) | ((a == -1) & (tl.abs(b) == float("inf")))
         return tl.where(one, 1.0, result)

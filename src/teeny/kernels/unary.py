@@ -69,12 +69,12 @@ def _root(x):
 
 @triton.jit
 def _neg(x, a, b):
-    return -x
+    return x * -1.0  # Triton's -x is 0 - x, which gives +0.0 for 0.0 (PyTorch: -0.0)
 
 
 @triton.jit
 def _neg_grad(x, dy, a, b):
-    return -dy
+    return dy * -1.0
 
 
 @triton.jit
