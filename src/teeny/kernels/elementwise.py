@@ -20,7 +20,7 @@ Backward writes the gradient of a FULL operand straight into its buffer; the gra
 broadcast operand is written output-shaped in float32 (float64 for float64) and summed back to
 the operand's shape by ``common.sum_to_shape``. Where an operand's gradient is ``dout`` itself
 (add, sub's first operand) no kernel runs for it: a view of ``dout``, or ``dout`` summed to the
-operand's shape. The rounded divisions and PyTorch's derivative of them are zero.
+operand's shape. The rounded divisions are piecewise constant: their gradient is zero, as PyTorch's.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ STRIDED = tl.constexpr(4)  # broadcast to the output through a strided layout
 _POW_LIBDEVICE = tl.constexpr(not INTERPRETER)  # the interpreter has no libdevice
 
 Shape = tuple[int, ...]
+Operand = Tensor | int | float  # a tensor or a Python number
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -81,15 +82,15 @@ def _flat_index(pid, BLOCK: tl.constexpr, INT64: tl.constexpr):
 
 @triton.jit
 def _computed(v, like_ptr):
-    """``v`` in the dtype the kernel computes in: ``like_ptr``'s element type (the output's, to
-    which PyTorch promotes an integer operand, through float32 for halves as it does), float32
-    for halves."""
+    """``v`` in the dtype the kernel computes in: the output's (``like_ptr``'s), float32 for halves.
+    An operand of another dtype (an integer bound of a float clamp) is converted to the output's
+    dtype first, through float32 for halves, as PyTorch converts it."""
     ty = like_ptr.dtype.element_ty
     if ty == tl.float64 or not ty.is_floating():
         v = v.to(ty)
     else:
-        if v.dtype != ty and v.dtype != tl.int1:  # (the 3.6 interpreter converts bool to bf16 wrongly)
-            v = v.to(tl.float32).to(ty)
+        if v.dtype != ty and v.dtype != tl.int1:  # a bool goes straight to float32: the 3.6
+            v = v.to(tl.float32).to(ty)  # interpreter converts bool to bfloat16 wrongly
         v = v.to(tl.float32)
     return v
 
@@ -673,22 +674,22 @@ _CLAMP_MIN = Maths(_clamp_min, _clamp_min_grad, reads=((0, 1), (0, 1), ()), inte
 _CLAMP_MAX = Maths(_clamp_max, _clamp_max_grad, reads=((0, 2), (), (0, 2)), integers=True)
 
 
-def add(input, other, alpha=1) -> Tensor:
+def add(input: Operand, other: Operand, alpha: float = 1) -> Tensor:
     """input + alpha * other, broadcasting; either operand may be a Python number."""
     return _apply("add", _ADD_ALPHA1 if alpha == 1 else _ADD, [input, other], alpha)
 
 
-def sub(input, other, alpha=1) -> Tensor:
+def sub(input: Operand, other: Operand, alpha: float = 1) -> Tensor:
     """input - alpha * other, broadcasting; either operand may be a Python number."""
     return _apply("sub", _ADD, [input, other], -alpha)
 
 
-def mul(input, other) -> Tensor:
+def mul(input: Operand, other: Operand) -> Tensor:
     """input * other, broadcasting; either operand may be a Python number."""
     return _apply("mul", _MUL, [input, other])
 
 
-def div(input, other, rounding_mode: str | None = None) -> Tensor:
+def div(input: Operand, other: Operand, rounding_mode: str | None = None) -> Tensor:
     """input / other, broadcasting; either operand may be a Python number. ``rounding_mode``
     "trunc" rounds the quotient toward zero, "floor" down (PyTorch's floor division, whose
     gradient is zero)."""
@@ -699,7 +700,7 @@ def div(input, other, rounding_mode: str | None = None) -> Tensor:
     return _apply("div", _DIV_ROUNDED[rounding_mode], [input, other])
 
 
-def pow(input, exponent) -> Tensor:
+def pow(input: Operand, exponent: Operand) -> Tensor:
     """input ** exponent, broadcasting; either may be a Python number. A negative base needs an
     integer exponent (NaN otherwise). Exponents 2, 0.5 and -1 given as numbers run as square,
     sqrt and reciprocal (exact)."""
@@ -709,17 +710,17 @@ def pow(input, exponent) -> Tensor:
     return _apply("pow", _POW, [input, exponent])
 
 
-def maximum(input, other) -> Tensor:
+def maximum(input: Operand, other: Operand) -> Tensor:
     """Element-wise maximum (NaN propagates); at ties each operand gets half the gradient."""
     return _apply("maximum", _MAXIMUM, [input, other])
 
 
-def minimum(input, other) -> Tensor:
+def minimum(input: Operand, other: Operand) -> Tensor:
     """Element-wise minimum (NaN propagates); at ties each operand gets half the gradient."""
     return _apply("minimum", _MINIMUM, [input, other])
 
 
-def where(condition, input, other) -> Tensor:
+def where(condition: Tensor, input: Operand, other: Operand) -> Tensor:
     """input where condition else other (bool condition; all three broadcast together)."""
     if not isinstance(condition, Tensor):
         raise TypeError(f"where: condition must be a bool teeny Tensor, got {type(condition).__name__}")
@@ -728,7 +729,7 @@ def where(condition, input, other) -> Tensor:
     return _apply("where", _WHERE, [condition, input, other], bool_slots=(0,))
 
 
-def clamp(input, min=None, max=None) -> Tensor:
+def clamp(input: Tensor, min: Operand | None = None, max: Operand | None = None) -> Tensor:
     """min(max(input, min), max), as PyTorch: min and max are numbers or tensors (broadcast,
     float or integer); a NaN bound gives NaN; integer tensors clamp to integers (to floats with a
     float bound). The gradient passes where min <= input <= max (all elements are max where

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..device import INTERPRETER
-from ..graph import graph_of
+from ..graph import Tensor, graph_of
 from ..kernel import dtype_name, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, make, register
@@ -71,6 +71,7 @@ __all__ = ["sum", "mean", "max", "min", "var", "std", "logsumexp", "softmax", "l
 NN_LAYERS = ["Softmax", "LogSoftmax"]
 
 _bmax, _bmin = builtins.max, builtins.min  # this module defines ops named max/min/sum
+Dims = int | list[int] | tuple[int, ...] | None  # the axes to reduce (None or []: all)
 
 # what a reduction pass accumulates (OP of reduce_partial / reduce_finish)
 SUM = tl.constexpr(0)  # x
@@ -596,7 +597,7 @@ class ReduceOp(RuntimeOp):
         ]
 
 
-def _reduce(x, kind, dim, keepdim, correction=1):
+def _reduce(x: Tensor, kind: str, dim: Dims, keepdim: bool, correction: float = 1) -> Tensor:
     return graph_of(x).apply(ReduceOp(kind, dim, keepdim, correction), [x])
 
 
@@ -798,49 +799,49 @@ class SoftmaxOp(RuntimeOp):
 # ------------------------------------------------------------------------ functional ops
 
 
-def sum(x, dim=None, keepdim: bool = False):
+def sum(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.sum: the sum over ``dim`` (None or [] : every axis)."""
     return _reduce(x, "sum", dim, keepdim)
 
 
-def mean(x, dim=None, keepdim: bool = False):
+def mean(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.mean over ``dim`` (None: every axis); the mean of nothing is NaN."""
     return _reduce(x, "mean", dim, keepdim)
 
 
-def max(x, dim=None, keepdim: bool = False):
+def max(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.amax: the largest value over ``dim`` (values only; NaN propagates); the gradient
     is split evenly among tied maxima."""
     return _reduce(x, "max", dim, keepdim)
 
 
-def min(x, dim=None, keepdim: bool = False):
+def min(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.amin: the smallest value over ``dim``; gradient split evenly among ties."""
     return _reduce(x, "min", dim, keepdim)
 
 
-def var(x, dim=None, correction: float = 1, keepdim: bool = False):
+def var(x: Tensor, dim: Dims = None, correction: float = 1, keepdim: bool = False) -> Tensor:
     """torch.var: sum (x - mean)^2 / max(0, N - correction) over ``dim``."""
     return _reduce(x, "var", dim, keepdim, correction)
 
 
-def std(x, dim=None, correction: float = 1, keepdim: bool = False):
+def std(x: Tensor, dim: Dims = None, correction: float = 1, keepdim: bool = False) -> Tensor:
     """torch.std: sqrt of ``var``."""
     return _reduce(x, "std", dim, keepdim, correction)
 
 
-def logsumexp(x, dim, keepdim: bool = False):
+def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
     """torch.logsumexp: log sum exp(x) over ``dim``, computed stably."""
     return _reduce(x, "logsumexp", dim, keepdim)
 
 
-def softmax(x, dim: int = -1, dtype: torch.dtype | None = None):
+def softmax(x: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
     """torch.softmax over ``dim`` (any dim, any row length), computed in float32 for halves;
     with ``dtype`` the input is converted to it first and the result is in it."""
     return graph_of(x).apply(SoftmaxOp(dim, dtype=dtype), [x])
 
 
-def log_softmax(x, dim: int = -1, dtype: torch.dtype | None = None):
+def log_softmax(x: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
     """torch.log_softmax over ``dim`` (``dtype`` as for ``softmax``)."""
     return graph_of(x).apply(SoftmaxOp(dim, log=True, dtype=dtype), [x])
 

@@ -39,7 +39,7 @@ class UnaryOp(ActivationOp):
             raise TypeError(f"only floating-point tensors are supported, got {dtype_name(input_dtypes[0])}")
 
 
-def unary(x, name: str, fn, grad) -> Tensor:
+def unary(x: Tensor, name: str, fn, grad) -> Tensor:
     """The node applying the maths pair ``fn``/``grad`` to the teeny Tensor ``x``."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: input must be a teeny Tensor, got {type(x).__name__}")
@@ -187,57 +187,57 @@ POW_AS_UNARY = {2.0: (_square, _square_grad), 0.5: (_sqrt, _sqrt_grad), -1.0: (_
 # ------------------------------------------------------------------------------ functional ops
 
 
-def neg(input) -> Tensor:
+def neg(input: Tensor) -> Tensor:
     """-input."""
     return unary(input, "neg", _neg, _neg_grad)
 
 
-def abs(input) -> Tensor:
+def abs(input: Tensor) -> Tensor:
     """|input|; the gradient at 0 is 0, as in PyTorch."""
     return unary(input, "abs", _abs, _abs_grad)
 
 
-def exp(input) -> Tensor:
+def exp(input: Tensor) -> Tensor:
     """e ** input."""
     return unary(input, "exp", _exp, _exp_grad)
 
 
-def log(input) -> Tensor:
+def log(input: Tensor) -> Tensor:
     """The natural logarithm (NaN below 0, -inf at 0)."""
     return unary(input, "log", _log, _log_grad)
 
 
-def sqrt(input) -> Tensor:
+def sqrt(input: Tensor) -> Tensor:
     """The square root, correctly rounded."""
     return unary(input, "sqrt", _sqrt, _sqrt_grad)
 
 
-def rsqrt(input) -> Tensor:
+def rsqrt(input: Tensor) -> Tensor:
     """1 / sqrt(input)."""
     return unary(input, "rsqrt", _rsqrt, _rsqrt_grad)
 
 
-def reciprocal(input) -> Tensor:
+def reciprocal(input: Tensor) -> Tensor:
     """1 / input."""
     return unary(input, "reciprocal", _reciprocal, _reciprocal_grad)
 
 
-def square(input) -> Tensor:
+def square(input: Tensor) -> Tensor:
     """input * input."""
     return unary(input, "square", _square, _square_grad)
 
 
-def sin(input) -> Tensor:
+def sin(input: Tensor) -> Tensor:
     """The sine (radians)."""
     return unary(input, "sin", _sin, _sin_grad)
 
 
-def cos(input) -> Tensor:
+def cos(input: Tensor) -> Tensor:
     """The cosine (radians)."""
     return unary(input, "cos", _cos, _cos_grad)
 
 
-def erf(input) -> Tensor:
+def erf(input: Tensor) -> Tensor:
     """The error function."""
     return unary(input, "erf", _erf, _erf_grad)
 
