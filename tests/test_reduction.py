@@ -298,6 +298,16 @@ def test_softmax_dtype_converts_first(source, target, log):
     assert apply(lambda u: teeny.ops.softmax(u, 0, dtype=target), x.to(teeny.DEVICE)).dtype == target
 
 
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_softmax_dtype_gradcheck(log):
+    """Finite differences through the conversion both ways (float32 steps: one end is float32)."""
+    fn = teeny.ops.log_softmax if log else teeny.ops.softmax
+    gen = torch.Generator().manual_seed(2)
+    for source, target in ((torch.float32, torch.float64), (torch.float64, torch.float32)):
+        x = torch.randn(3, 5, generator=gen).to(source)
+        teeny.gradcheck(lambda t, target=target: fn(t, 1, dtype=target), x, dtype=torch.float32)
+
+
 def _bmin_dtype(a, b):
     """The less precise of two float dtypes."""
     order = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
