@@ -1,5 +1,6 @@
 """Reductions and softmax: what the generic harness does not see (ties, long rows through the
-looping and split paths, NaN/inf semantics, bad input, layers)."""
+looping and split paths, NaN/inf semantics and the gradients at 0/0 points, softmax's dtype=,
+float64 corrections reaching the kernels as float64, bad input, layers)."""
 
 import math
 import warnings
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 import teeny
 from teeny.graph import Graph, GraphError, graph_of
 from teeny.interop.torch import apply
+from teeny.kernel import record_launches
 from teeny.kernels.reduction import ReduceOp, SoftmaxOp, plan_reduction
+from teeny.registry import OPS, tolerance
 
 
 def _grad(fn, x, *args, **kwargs):
@@ -72,7 +75,7 @@ def test_split_reduction_of_long_row(kind):
     assert plan.n_split > 1 and plan.chunk > plan.block_r  # split, and each split loops
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 5000, generator=gen)
-    op = ReduceOp(kind, None, False, block=64)
+    op = ReduceOp(kind, None, False, max_block=64)
     out, g = _grad(_teeny(_with_op(op)), x)
     refs = {
         "sum": torch.sum,
@@ -90,7 +93,7 @@ def test_split_reduction_of_long_row(kind):
 def test_split_reduction_several_outputs_leading_axis():
     """Reduce dim 0 of (3000, 3) (outputs contiguous) through the split path, keepdim."""
     x = torch.randn(3000, 3, dtype=torch.float64)
-    op = ReduceOp("var", 0, True, block=16)
+    op = ReduceOp("var", 0, True, max_block=16)
     assert op.plan((3000, 3)).n_split > 1
     out, g = _grad(_teeny(_with_op(op)), x)
     ref, rg = _grad(lambda t: torch.var(t, dim=0, keepdim=True), x)
@@ -114,8 +117,8 @@ def test_plan_large_scalar_reduction_uses_partials(monkeypatch):
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_long_row_loops(log):
     x = torch.randn(2, 5000, dtype=torch.float64) * 3
-    op = SoftmaxOp(-1, log=log, block=256)
-    assert not op._layout((2, 5000))[3]  # not a single block: the online loop runs
+    op = SoftmaxOp(-1, log=log, max_block=256)
+    assert not op._layout((2, 5000))["SINGLE"]  # not a single block: the online loop runs
     out, g = _grad(_teeny(_with_op(op)), x)
     ref_fn = F.log_softmax if log else F.softmax
     gen = torch.Generator().manual_seed(1)
@@ -133,7 +136,7 @@ def test_softmax_long_row_loops(log):
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_non_last_dim_loop_path(log):
     x = torch.randn(3, 300, 2, dtype=torch.float64)
-    op = SoftmaxOp(1, log=log, block=32)
+    op = SoftmaxOp(1, log=log, max_block=32)
     dy = torch.randn(3, 300, 2, dtype=torch.float64)
     xt = x.clone().requires_grad_(True)
     yt = apply(_with_op(op), xt)
@@ -147,7 +150,7 @@ def test_softmax_non_last_dim_loop_path(log):
 
 def test_softmax_half_long_row():
     x = torch.randn(1, 3000).to(torch.float16)
-    out = apply(_with_op(SoftmaxOp(-1, block=128)), x)
+    out = apply(_with_op(SoftmaxOp(-1, max_block=128)), x)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), F.softmax(x.double(), -1), atol=1e-3, rtol=1e-2)
 
@@ -160,7 +163,7 @@ def test_softmax_infinities_match_torch():
     for fn, ref in ((teeny.ops.softmax, F.softmax), (teeny.ops.log_softmax, F.log_softmax)):
         torch.testing.assert_close(apply(fn, x, dim=-1), ref(x, -1), equal_nan=True)
         torch.testing.assert_close(
-            apply(_with_op(SoftmaxOp(-1, log=fn is teeny.ops.log_softmax, block=2)), x), ref(x, -1), equal_nan=True
+            apply(_with_op(SoftmaxOp(-1, log=fn is teeny.ops.log_softmax, max_block=2)), x), ref(x, -1), equal_nan=True
         )
 
 
@@ -189,6 +192,149 @@ def test_fractional_correction():
     ref, rg = _grad(lambda t: torch.std(t, dim=1, correction=0.5), x)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g, rg)
+
+
+# ----------------------------------------------------------------------------- 0/0 in the derivative
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _seeded_grad(fn, x, seed_gen=7):
+    """fn(x) and its gradient for a fixed random dy (teeny's apply or torch alike)."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed_gen), dtype=out.dtype)
+    (g,) = torch.autograd.grad(out, x, dy.to(out.device))
+    return out.detach().cpu(), g.cpu()
+
+
+@pytest.mark.parametrize("max_block", [None, 16])  # 16: the looping and split paths
+@pytest.mark.parametrize("kind", ["std", "var"])
+def test_constant_rows_have_zero_gradient(kind, max_block):
+    """std of a row whose elements are all equal is 0 and its gradient 0, not 0/0 (as PyTorch);
+    var's is 0 too. Rows of several lengths, with and without a correction."""
+    x = torch.tensor([[2.5] * 300, [-1.0] * 300, list(range(300))], dtype=torch.float64)
+    ref_fn = getattr(torch, kind)
+    for correction in (1, 0.5):
+        for dim, shape in ((1, (3, 300)), (0, (300, 3)), ((0, 1), (1, 900))):
+            t = x.reshape(shape) if dim != 0 else x.T.contiguous()
+            op = ReduceOp(kind, dim, False, correction, max_block=max_block)
+            out, g = _seeded_grad(lambda u: apply(_with_op(op), u), t)
+            ref, rg = _seeded_grad(lambda u: ref_fn(u, dim=dim, correction=correction), t)
+            torch.testing.assert_close(out, ref)
+            torch.testing.assert_close(g, rg)
+            assert not g.isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["std", "var"])
+def test_gradient_without_degrees_of_freedom_follows_pytorch(kind):
+    """correction >= N: the forward divides by max(0, N - correction) (inf or NaN), while
+    PyTorch's gradient keeps N - correction (finite when negative)."""
+    x = torch.tensor([[2.0, 1.0, 3.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for correction in (3, 4, 5.5):
+            out, g = _seeded_grad(lambda u: apply(getattr(teeny.ops, kind), u, dim=1, correction=correction), x)
+            ref, rg = _seeded_grad(lambda u: getattr(torch, kind)(u, dim=1, correction=correction), x)
+            torch.testing.assert_close(out, ref, equal_nan=True)
+            torch.testing.assert_close(g, rg, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_extremum_gradient_of_a_row_holding_nan_is_nan(kind):
+    """The max of a row holding NaN is NaN, no element equals it, and PyTorch's gradient
+    dy / #ties * [x == y] is then NaN for the whole row; other rows split ties as usual."""
+    x = torch.tensor([[1.0, NAN, 3.0, 3.0], [2.0, 2.0, -1.0, 0.0], [NAN, NAN, 0.0, 1.0]], dtype=torch.float64)
+    ref_fn = torch.amax if kind == "max" else torch.amin
+    for dim in (1, None):
+        out, g = _seeded_grad(lambda u: apply(getattr(teeny.ops, kind), u, dim=dim), x)
+        ref, rg = _seeded_grad(lambda u: ref_fn(u, dim=() if dim is None else dim), x)
+        torch.testing.assert_close(out, ref, equal_nan=True)
+        torch.testing.assert_close(g, rg, equal_nan=True)
+
+
+def test_logsumexp_gradient_of_infinite_rows():
+    """exp(x - y) where x and y are both infinite is NaN in PyTorch too; a finite x next to +inf
+    gets 0."""
+    x = torch.tensor([[-INF, -INF], [INF, 1.0], [INF, INF], [-INF, 0.0]], dtype=torch.float64)
+    out, g = _seeded_grad(lambda u: apply(teeny.ops.logsumexp, u, dim=1), x)
+    ref, rg = _seeded_grad(lambda u: torch.logsumexp(u, dim=1), x)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    torch.testing.assert_close(g, rg, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- softmax dtype=
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        (torch.float32, torch.float64),
+        (torch.float64, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+    ],
+    ids=str,
+)
+def test_softmax_dtype_converts_first(source, target, log):
+    """softmax(x, dim, dtype=): x converted to dtype first, the maths and the result in it, the
+    gradient converted back to x's dtype, as PyTorch; one block and the looping path, last and
+    inner dims. float64 results match PyTorch's to float64 rounding."""
+    gen = torch.Generator().manual_seed(11)
+    name = "log_softmax" if log else "softmax"
+    for shape, dim, max_block in (((3, 37), -1, None), ((5, 3, 11), 1, None), ((2, 300), -1, 32), ((4, 9, 3), 1, 4)):
+        x = (torch.randn(shape, generator=gen) * 3).to(source)
+        op = SoftmaxOp(dim, log=log, dtype=target, max_block=max_block)
+        out, g = _seeded_grad(lambda u: apply(_with_op(op), u.to(teeny.DEVICE)), x)
+        ref, rg = _seeded_grad(lambda u: getattr(F, name)(u, dim, dtype=target), x)
+        assert out.dtype == target and g.dtype == source
+        tight = target == torch.float64
+        atol, rtol = (1e-13, 1e-13) if tight else tolerance(_bmin_dtype(source, target), shape[dim])
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(g.double(), rg.double(), **({} if tight else dict(atol=2 * atol, rtol=2 * rtol)))
+    assert apply(lambda u: teeny.ops.softmax(u, 0, dtype=target), x.to(teeny.DEVICE)).dtype == target
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_softmax_dtype_gradcheck(log):
+    """Finite differences through the conversion both ways (float32 steps: one end is float32)."""
+    fn = teeny.ops.log_softmax if log else teeny.ops.softmax
+    gen = torch.Generator().manual_seed(2)
+    for source, target in ((torch.float32, torch.float64), (torch.float64, torch.float32)):
+        x = torch.randn(3, 5, generator=gen).to(source)
+        teeny.gradcheck(lambda t, target=target: fn(t, 1, dtype=target), x, dtype=torch.float32)
+
+
+def _bmin_dtype(a, b):
+    """The less precise of two float dtypes."""
+    order = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    return min(a, b, key=order.index)
+
+
+# ----------------------------------------------------------------------------- float64 scalars
+
+
+@pytest.mark.parametrize("name", ["var_correction0.3", "std_correction0.7"])
+def test_float64_corrections_reach_the_kernels_as_float64(name, gen):
+    """A non-dyadic correction (N - 0.3 is the divisor) is a float scalar: float64 launches
+    receive it as float64 (LaunchRecord.scalar_types), and float64 results and gradients match
+    PyTorch to the tight float64 tolerance."""
+    info = OPS[name]
+    for sample in info.samples(torch.float64, gen):
+        (x,) = sample.args
+        if not x.numel():
+            continue
+        with record_launches() as log:
+            out, g = _seeded_grad(lambda u: apply(info.op, u, **sample.kwargs), x)
+        ref, rg = _seeded_grad(lambda u: info.ref(u, **sample.kwargs), x)
+        atol, rtol = tolerance(torch.float64, sample.reduction)
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(g, rg, atol=atol, rtol=rtol)
+        divisors = {(r.kernel, r.scalar_types.get("divisor")) for r in log if r.dtype == torch.float64}
+        assert ("reduce_backward", "fp64") in divisors and ("reduce_partial", "fp64") in divisors, divisors
 
 
 # ----------------------------------------------------------------------------- dims and shapes
@@ -252,9 +398,11 @@ def test_bad_dtype_and_empty_extremum():
         teeny.ops.max(_symbolic((0, 4)), dim=0)
     assert teeny.ops.min(_symbolic((0, 4)), dim=1).shape == (0,)  # torch allows this
     with pytest.raises(GraphError, match="alternates kept and reduced axes"):
-        teeny.ops.sum(_symbolic((2,) * 9), dim=(1, 3, 5, 7))
+        teeny.ops.sum(_symbolic((2,) * 13), dim=(1, 3, 5, 7, 9, 11))
     with pytest.raises(ValueError, match="power of two"):
-        SoftmaxOp(-1, block=100)
+        SoftmaxOp(-1, max_block=100)
+    with pytest.raises(GraphError, match="dtype must be a floating-point torch.dtype or None, got torch.int64"):
+        teeny.ops.softmax(_symbolic((3, 4)), -1, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------- layers

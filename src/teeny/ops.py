@@ -19,6 +19,7 @@ from .kernels.loss import *  # noqa: F401,F403
 from .kernels.norm import *  # noqa: F401,F403
 from .kernels.reduction import *  # noqa: F401,F403
 from .kernels.shape import *  # noqa: F401,F403
+from .kernels.unary import *  # noqa: F401,F403
 from .registry import OPS, OpInfo
 
 bind_operators(

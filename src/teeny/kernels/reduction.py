@@ -5,27 +5,33 @@ input's shape into *groups*: size-1 axes are dropped and neighbouring axes that 
 or both reduced merge, so ``(5, 3, 11)`` reduced over ``(0, 2)`` becomes kept ``[3]`` (stride
 11) and reduced ``[5, 11]`` (strides 33, 1). Output element ``o`` (row-major over the kept
 groups, which is the contiguous output) and reduced position ``r`` (row-major over the reduced
-groups) address ``x[offset(o, kept) + offset(r, reduced)]``; up to four groups of each kind
-(every axis list of a tensor of up to 8 dims). A program reduces a ``BLOCK_OUT x BLOCK_R`` tile
-at a time, looping over its chunk of ``r``; when few outputs share a long reduction (a sum to a
-scalar), the reduction is split over programs that write float32 (float64) partials, and a
-second pass combines them and applies the finish (no atomics: results are reproducible).
-Half inputs accumulate in float32.
+groups) address ``x[offset(o, kept) + offset(r, reduced)]`` (``common.strided_offsets``; up to
+``MAX_DIMS`` groups of each kind). A program reduces a ``BLOCK_OUT x BLOCK_R`` tile at a time,
+looping over its chunk of ``r``; when few outputs share a long reduction (a sum to a scalar),
+the reduction is split over programs that write float32 (float64) partials, and a second pass
+combines them (``common.sum_partials`` for a plain sum, ``reduce_finish`` where a max/min
+combines or a finish remains). No atomics: results are reproducible. Half inputs accumulate in
+float32.
 
     sum:        y = sum_r x                         dx = dy
     mean:       y = sum_r x / N                     dx = dy / N
-    amax/amin:  y = max_r x (NaN propagates)        dx = dy * [x == y] / #[x == y]  (ties split evenly)
+    amax/amin:  y = max_r x (NaN propagates)        dx = dy / #[x == y] * [x == y]  (ties split evenly;
+                                                         NaN for a row holding NaN, as PyTorch)
     var:        mu = mean x; y = sum (x - mu)^2 / max(0, N - correction)
                                                     dx = dy * 2 (x - mu) / (N - correction)
-    std:        y = sqrt(var)                       dx = dy * (x - mu) / ((N - correction) y)
+    std:        y = sqrt(var)                       dx = dy * (x - mu) / ((N - correction) y), 0 where y = 0
     logsumexp:  m = max x (0 where infinite); y = m + log sum exp(x - m)
                                                     dx = dy * exp(x - y)
 
 var/std and logsumexp are two exact passes over x (the mean resp. the max first, as PyTorch).
+The gradients follow PyTorch's formulas at the edges too: std of a constant row has gradient 0
+(not 0/0), and the divisor of var/std's gradient is N - correction even where it is <= 0.
 
 **Softmax** over any dim: rows are ``(outer, inner)`` pairs, row elements ``inner`` apart.
 A row up to ``BLOCK_L`` long is held in registers (one read, one write); a longer row runs
 an online max/sum-of-exponentials loop over column blocks, then a second loop that writes.
+With ``dtype=`` the input is converted to that dtype first (as PyTorch) and the result and
+the maths are in it; the gradient is converted back to the input's dtype.
 
     softmax:      y = exp(x - m) / s,  s = sum exp(x - m)      dx = y * (dy - sum(dy * y))
     log_softmax:  y = x - m - log s                            dx = dy - exp(y) * sum(dy)
@@ -44,37 +50,47 @@ import triton
 import triton.language as tl
 
 from ..device import INTERPRETER
-from ..graph import graph_of
-from ..kernel import kernel
+from ..graph import Tensor, graph_of
+from ..kernel import dtype_name, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, RuntimeOp
-from .common import cdiv, upcast
+from ..runtime import ArgVisitor, Launch, RuntimeOp
+from .common import (
+    MAX_DIMS,
+    acc_dtype,
+    cdiv,
+    pow2,
+    strided_offsets,
+    sum_partials,
+    sum_to_shape_kernel,
+    upcast,
+    visit_layout,
+)
 
 __all__ = ["sum", "mean", "max", "min", "var", "std", "logsumexp", "softmax", "log_softmax"]
 NN_LAYERS = ["Softmax", "LogSoftmax"]
 
 _bmax, _bmin = builtins.max, builtins.min  # this module defines ops named max/min/sum
+Dims = int | list[int] | tuple[int, ...] | None  # the axes to reduce (None or []: all)
 
-# what a reduction pass accumulates (constexpr OP of reduce_partial / reduce_finish)
-_SUM: tl.constexpr = 0  # x
-_MAX: tl.constexpr = 1
-_MIN: tl.constexpr = 2
-_SQDEV: tl.constexpr = 3  # (x - c)^2, c the row's mean
-_SUMEXP: tl.constexpr = 4  # exp(x - c), c the row's max (0 where infinite)
-_COUNT: tl.constexpr = 5  # [x == c], c the row's max/min
-# how a pass finishes (constexpr FIN)
-_FIN_DIV: tl.constexpr = 0  # acc / divisor
-_FIN_SQRT: tl.constexpr = 1  # sqrt(acc / divisor)
-_FIN_LOG: tl.constexpr = 2  # log(acc) + c
-# which gradient (constexpr GRAD of reduce_backward)
-_GRAD_SUM: tl.constexpr = 0  # dy / divisor
-_GRAD_EXTREMUM: tl.constexpr = 1  # dy [x == y] / count
-_GRAD_VAR: tl.constexpr = 2  # 2 dy (x - mu) / divisor
-_GRAD_STD: tl.constexpr = 3  # dy (x - mu) / (divisor y)
-_GRAD_LSE: tl.constexpr = 4  # dy exp(x - y)
+# what a reduction pass accumulates (OP of reduce_partial / reduce_finish)
+SUM = tl.constexpr(0)  # x
+MAX = tl.constexpr(1)
+MIN = tl.constexpr(2)
+SQDEV = tl.constexpr(3)  # (x - c)^2, c the row's mean
+SUMEXP = tl.constexpr(4)  # exp(x - c), c the row's max (0 where infinite)
+COUNT = tl.constexpr(5)  # [x == c], c the row's max/min
+# how a pass finishes (FIN)
+FIN_DIV = tl.constexpr(0)  # acc / divisor
+FIN_SQRT = tl.constexpr(1)  # sqrt(acc / divisor)
+FIN_LOG = tl.constexpr(2)  # log(acc) + c
+# which gradient (GRAD of reduce_backward)
+GRAD_SUM = tl.constexpr(0)  # dy / divisor
+GRAD_EXTREMUM = tl.constexpr(1)  # dy / count * [x == y]
+GRAD_VAR = tl.constexpr(2)  # 2 dy (x - mu) / divisor
+GRAD_STD = tl.constexpr(3)  # dy (x - mu) / (divisor y), 0 where y = 0
+GRAD_LSE = tl.constexpr(4)  # dy exp(x - y)
 
-MAX_GROUPS = 4
 # The interpreter pays per program instance and per operation, not per element: few, wide programs.
 TILE = 16384 if INTERPRETER else 2048  # elements per reduction tile
 SPLIT_TARGET = 4 if INTERPRETER else 256  # programs to aim for when a reduction is split
@@ -88,32 +104,9 @@ SOFTMAX_MAX_BLOCK = 16384 if INTERPRETER else 4096  # longer rows take the loopi
 
 @triton.jit
 def _acc_full(shape, value, ptr):
-    """A tensor of ``value`` in the accumulation dtype of ``ptr``'s elements."""
-    if ptr.dtype.element_ty == tl.float64:
-        return tl.full(shape, value, tl.float64)
-    else:
-        return tl.full(shape, value, tl.float32)
-
-
-@triton.jit
-def _group_offsets(idx, s1, s2, s3, t0, t1, t2, t3, N: tl.constexpr):
-    """Memory offset of flat index ``idx`` over N <= 4 row-major groups (sizes s0..s3, the
-    last N used, s0 implied) with strides t0..t3."""
-    if N == 1:
-        off = idx * t3
-    else:
-        off = (idx % s3) * t3
-        idx = idx // s3
-        if N == 2:
-            off += idx * t2
-        else:
-            off += (idx % s2) * t2
-            idx = idx // s2
-            if N == 3:
-                off += idx * t1
-            else:
-                off += (idx % s1) * t1 + (idx // s1) * t0
-    return off
+    """A tensor of ``value`` in the accumulation dtype of ``ptr``'s elements (zeros plus the value:
+    the 3.6 interpreter cannot fill a bfloat16 tensor with a constant other than 0)."""
+    return upcast(tl.zeros(shape, ptr.dtype.element_ty)) + value
 
 
 @triton.jit
@@ -127,33 +120,21 @@ def _min_nan(a, b):
 
 
 @triton.jit
-def _fill_masked(v, mask, OP: tl.constexpr):
-    """Masked-off lanes become the identity of OP's combine."""
-    if OP == 1:
-        v = tl.where(mask, v, float("-inf"))
-    elif OP == 2:
-        v = tl.where(mask, v, float("inf"))
+def _identity_value(OP: tl.constexpr):
+    """The identity of OP's combine (masked-off lanes take it)."""
+    if OP == MAX:
+        return float("-inf")
+    elif OP == MIN:
+        return float("inf")
     else:
-        v = tl.where(mask, v, 0.0)
-    return v
-
-
-@triton.jit
-def _identity(shape, ptr, OP: tl.constexpr):
-    if OP == 1:
-        acc = _acc_full(shape, float("-inf"), ptr)
-    elif OP == 2:
-        acc = _acc_full(shape, float("inf"), ptr)
-    else:
-        acc = _acc_full(shape, 0.0, ptr)
-    return acc
+        return 0.0
 
 
 @triton.jit
 def _reduce_tile(v, axis: tl.constexpr, OP: tl.constexpr):
-    if OP == 1:
+    if OP == MAX:
         r = tl.reduce(v, axis, _max_nan)
-    elif OP == 2:
+    elif OP == MIN:
         r = tl.reduce(v, axis, _min_nan)
     else:
         r = tl.sum(v, axis)
@@ -162,9 +143,9 @@ def _reduce_tile(v, axis: tl.constexpr, OP: tl.constexpr):
 
 @triton.jit
 def _combine(a, b, OP: tl.constexpr):
-    if OP == 1:
+    if OP == MAX:
         r = _max_nan(a, b)
-    elif OP == 2:
+    elif OP == MIN:
         r = _min_nan(a, b)
     else:
         r = a + b
@@ -179,9 +160,9 @@ def _safe_max(m):
 
 @triton.jit
 def _finish(acc, c, divisor, FIN: tl.constexpr):
-    if FIN == 0:
+    if FIN == FIN_DIV:
         y = acc / divisor
-    elif FIN == 1:
+    elif FIN == FIN_SQRT:
         y = tl.sqrt(acc / divisor)
     else:
         y = tl.log(acc) + _safe_max(c)
@@ -191,7 +172,88 @@ def _finish(acc, c, divisor, FIN: tl.constexpr):
 # ------------------------------------------------------------------------ reduction kernels
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("x_ptr", "y_ptr", "aux_ptr"))
+def reduce_backward(
+    x_ptr,
+    y_ptr,
+    aux_ptr,
+    dy_ptr,
+    dx_ptr,
+    n_out,
+    R,
+    chunk,
+    kd0,
+    kd1,
+    kd2,
+    kd3,
+    kd4,
+    kt0,
+    kt1,
+    kt2,
+    kt3,
+    kt4,
+    kt5,
+    rd0,
+    rd1,
+    rd2,
+    rd3,
+    rd4,
+    rt0,
+    rt1,
+    rt2,
+    rt3,
+    rt4,
+    rt5,
+    divisor,
+    GRAD: tl.constexpr,
+    KEPT_NDIM: tl.constexpr,
+    RED_NDIM: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """dx for every reduction (see the module docstring); aux is the row's mean (var/std) or
+    tie count (amax/amin). Same tiling as reduce_partial; dx has x's contiguous layout."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    row_mask = rows < n_out
+    row_offsets = strided_offsets(rows, kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5, KEPT_NDIM)
+    dy = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
+    if y_ptr is not None:
+        y = upcast(tl.load(y_ptr + rows, mask=row_mask, other=1.0))
+    if aux_ptr is not None:
+        aux = upcast(tl.load(aux_ptr + rows, mask=row_mask, other=1.0))
+    if GRAD == GRAD_SUM:
+        g = dy / divisor
+    elif GRAD == GRAD_EXTREMUM:
+        g = dy / aux
+    elif GRAD == GRAD_VAR:
+        g = 2.0 * dy / divisor
+    elif GRAD == GRAD_STD:
+        g = tl.where(y == 0, 0.0, dy / (divisor * y))  # PyTorch: a constant row's std has gradient 0
+    else:
+        g = dy
+    start = tl.program_id(1).to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, R)
+    for col0 in range(start, end, BLOCK_R):
+        cols = col0 + tl.arange(0, BLOCK_R)
+        mask = row_mask[:, None] & (cols < end)[None, :]
+        offsets = (
+            row_offsets[:, None]
+            + strided_offsets(cols, rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5, RED_NDIM)[None, :]
+        )
+        if GRAD == GRAD_SUM:
+            dx = g[:, None] + tl.zeros([BLOCK_OUT, BLOCK_R], g.dtype)
+        else:
+            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
+            if GRAD == GRAD_EXTREMUM:  # a product, not a select: a row whose max is NaN (no tie) gets NaN
+                dx = g[:, None] * tl.where(x == y[:, None], 1.0, 0.0)
+            elif GRAD == GRAD_LSE:
+                dx = g[:, None] * tl.exp(x - y[:, None])
+            else:
+                dx = g[:, None] * (x - aux[:, None])
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(backward=(reduce_backward, sum_to_shape_kernel), half=True, optional=("center_ptr", "partial_ptr", "out_ptr"))
 def reduce_partial(
     x_ptr,
     center_ptr,
@@ -200,60 +262,71 @@ def reduce_partial(
     n_out,
     R,
     chunk,
-    ks1,
-    ks2,
-    ks3,
+    kd0,
+    kd1,
+    kd2,
+    kd3,
+    kd4,
     kt0,
     kt1,
     kt2,
     kt3,
-    rs1,
-    rs2,
-    rs3,
+    kt4,
+    kt5,
+    rd0,
+    rd1,
+    rd2,
+    rd3,
+    rd4,
     rt0,
     rt1,
     rt2,
     rt3,
+    rt4,
+    rt5,
     divisor,
     OP: tl.constexpr,
     FIN: tl.constexpr,
-    FINISH: tl.constexpr,
-    NK: tl.constexpr,
-    NR: tl.constexpr,
+    KEPT_NDIM: tl.constexpr,
+    RED_NDIM: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Program (i, s) reduces outputs [i*BLOCK_OUT, +BLOCK_OUT) over r in [s*chunk, +chunk):
-    with FINISH (one split) it writes finish(acc) to out, else acc to partial[s, o]."""
+    it writes acc to partial[s, o] when the reduction is split, else finish(acc) to out.
+    ``center`` is the row's mean (SQDEV) or max (SUMEXP, COUNT)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     row_mask = rows < n_out
-    row_offsets = _group_offsets(rows, ks1, ks2, ks3, kt0, kt1, kt2, kt3, NK)
-    if OP >= 3:
+    row_offsets = strided_offsets(rows, kd0, kd1, kd2, kd3, kd4, kt0, kt1, kt2, kt3, kt4, kt5, KEPT_NDIM)
+    if center_ptr is not None:
         center = upcast(tl.load(center_ptr + rows, mask=row_mask, other=0.0))
     else:
         center = _acc_full([BLOCK_OUT], 0.0, x_ptr)
-    acc = _identity([BLOCK_OUT], x_ptr, OP)
+    acc = _acc_full([BLOCK_OUT], _identity_value(OP), x_ptr)
     start = tl.program_id(1).to(tl.int64) * chunk
     end = tl.minimum(start + chunk, R)
     for col0 in range(start, end, BLOCK_R):
         cols = col0 + tl.arange(0, BLOCK_R)
         mask = row_mask[:, None] & (cols < end)[None, :]
-        offsets = row_offsets[:, None] + _group_offsets(cols, rs1, rs2, rs3, rt0, rt1, rt2, rt3, NR)[None, :]
+        offsets = (
+            row_offsets[:, None]
+            + strided_offsets(cols, rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5, RED_NDIM)[None, :]
+        )
         x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
-        if OP == 3:
+        if OP == SQDEV:
             x = (x - center[:, None]) * (x - center[:, None])
-        elif OP == 4:
+        elif OP == SUMEXP:
             x = tl.exp(x - _safe_max(center)[:, None])
-        elif OP == 5:
+        elif OP == COUNT:
             x = tl.where(x == center[:, None], 1.0, 0.0).to(acc.dtype)
-        acc = _combine(acc, _reduce_tile(_fill_masked(x, mask, OP), 1, OP), OP)
-    if FINISH:
-        tl.store(out_ptr + rows, _finish(acc, center, divisor, FIN).to(out_ptr.dtype.element_ty), mask=row_mask)
-    else:
+        acc = _combine(acc, _reduce_tile(tl.where(mask, x, _identity_value(OP)), 1, OP), OP)
+    if partial_ptr is not None:
         tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * n_out + rows, acc, mask=row_mask)
+    else:
+        tl.store(out_ptr + rows, _finish(acc, center, divisor, FIN).to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("center_ptr",))
 def reduce_finish(
     partial_ptr,
     center_ptr,
@@ -266,106 +339,29 @@ def reduce_finish(
     BLOCK_OUT: tl.constexpr,
     BLOCK_SPLIT: tl.constexpr,
 ):
-    """Second pass of a split reduction: out[o] = finish(combine_s partial[s, o])."""
+    """Second pass of a split reduction that combines by max/min or finishes (a plain sum takes
+    ``common.sum_partials``): out[o] = finish(combine_s partial[s, o])."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     row_mask = rows < n_out
-    acc = _identity([BLOCK_OUT], partial_ptr, OP)
+    acc = _acc_full([BLOCK_OUT], _identity_value(OP), partial_ptr)
     for s0 in range(0, n_split, BLOCK_SPLIT):
         splits = s0 + tl.arange(0, BLOCK_SPLIT)
         mask = (splits < n_split)[:, None] & row_mask[None, :]
         p = tl.load(partial_ptr + splits.to(tl.int64)[:, None] * n_out + rows[None, :], mask=mask, other=0.0)
-        acc = _combine(acc, _reduce_tile(_fill_masked(p, mask, OP), 0, OP), OP)
-    if FIN == 2:
+        acc = _combine(acc, _reduce_tile(tl.where(mask, p, _identity_value(OP)), 0, OP), OP)
+    if center_ptr is not None:
         center = upcast(tl.load(center_ptr + rows, mask=row_mask, other=0.0))
     else:
         center = acc
     tl.store(out_ptr + rows, _finish(acc, center, divisor, FIN).to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@kernel(half=True)
-def reduce_backward(
-    x_ptr,
-    y_ptr,
-    aux_ptr,
-    dy_ptr,
-    dx_ptr,
-    n_out,
-    R,
-    chunk,
-    ks1,
-    ks2,
-    ks3,
-    kt0,
-    kt1,
-    kt2,
-    kt3,
-    rs1,
-    rs2,
-    rs3,
-    rt0,
-    rt1,
-    rt2,
-    rt3,
-    divisor,
-    GRAD: tl.constexpr,
-    NK: tl.constexpr,
-    NR: tl.constexpr,
-    BLOCK_OUT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """dx for every reduction (see the module docstring); aux is the row's mean (var/std) or
-    tie count (amax/amin). Same tiling as reduce_partial; dx has x's contiguous layout."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    row_mask = rows < n_out
-    row_offsets = _group_offsets(rows, ks1, ks2, ks3, kt0, kt1, kt2, kt3, NK)
-    dy = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
-    if GRAD == 0:
-        g = dy / divisor
-    elif GRAD == 1:
-        g = dy / upcast(tl.load(aux_ptr + rows, mask=row_mask, other=1.0))
-    elif GRAD == 2:
-        g = 2.0 * dy / divisor
-    else:
-        g = dy
-    if GRAD == 1 or GRAD >= 3:
-        y = upcast(tl.load(y_ptr + rows, mask=row_mask, other=1.0))
-        if GRAD == 3:
-            g = dy / (divisor * y)
-    if GRAD == 2 or GRAD == 3:
-        mu = upcast(tl.load(aux_ptr + rows, mask=row_mask, other=0.0))
-    start = tl.program_id(1).to(tl.int64) * chunk
-    end = tl.minimum(start + chunk, R)
-    for col0 in range(start, end, BLOCK_R):
-        cols = col0 + tl.arange(0, BLOCK_R)
-        mask = row_mask[:, None] & (cols < end)[None, :]
-        offsets = row_offsets[:, None] + _group_offsets(cols, rs1, rs2, rs3, rt0, rt1, rt2, rt3, NR)[None, :]
-        if GRAD == 0:
-            dx = g[:, None] + tl.zeros([BLOCK_OUT, BLOCK_R], g.dtype)
-        else:
-            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
-            if GRAD == 1:
-                dx = tl.where(x == y[:, None], g[:, None], 0.0)
-            elif GRAD == 4:
-                dx = g[:, None] * tl.exp(x - y[:, None])
-            else:
-                dx = g[:, None] * (x - mu[:, None])
-        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
 # ------------------------------------------------------------------------ reduction op
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(_bmax(int(n), 1))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _check_float(name: str, dtype: torch.dtype) -> None:
     if not dtype.is_floating_point:
-        raise TypeError(f"{name}: expects a floating-point tensor, got {_dtype_name(dtype)}")
+        raise TypeError(f"{name}: expects a floating-point tensor, got {dtype_name(dtype)}")
 
 
 def _normalize_dims(name: str, dim, ndim: int) -> tuple[int, ...]:
@@ -407,22 +403,19 @@ class ReductionPlan:
     def out_programs(self) -> int:
         return cdiv(self.n_out, self.block_out)
 
-    def geometry(self, visitor: ArgVisitor) -> None:
-        """Visit n_out, R, chunk and the group sizes/strides (kernel arguments n_out..rt3)."""
-        visitor.visit_i64(self.n_out).visit_i64(self.R).visit_i64(self.chunk)
-        for groups in (self.kept, self.reduced):
-            padded = ((1, 0),) * (MAX_GROUPS - len(groups)) + groups
-            for size, _ in padded[1:]:
-                visitor.visit_i64(size)
-            for _, stride in padded:
-                visitor.visit_i64(stride)
-
-    def constexprs(self, visitor: ArgVisitor) -> None:
-        visitor.visit_constexpr(len(self.kept)).visit_constexpr(len(self.reduced))
-        visitor.visit_constexpr(self.block_out).visit_constexpr(self.block_r)
+    def visit(self, args: ArgVisitor) -> ArgVisitor:
+        """Visit the kernels' tiling: n_out, R, chunk, the kept (k*) and reduced (r*) layouts
+        (innermost first) with their numbers of groups, BLOCK_OUT and BLOCK_R."""
+        args.visit(n_out=self.n_out, R=self.R, chunk=self.chunk)
+        for prefix, groups in (("k", self.kept), ("r", self.reduced)):
+            visit_layout(args, prefix, [s for s, _ in reversed(groups)], [t for _, t in reversed(groups)])
+        return args.visit(
+            KEPT_NDIM=len(self.kept), RED_NDIM=len(self.reduced), BLOCK_OUT=self.block_out, BLOCK_R=self.block_r
+        )
 
 
 def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | None = None) -> ReductionPlan:
+    """The tiling of reducing ``dims`` of a contiguous ``shape``; ``block`` caps BLOCK_R."""
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     groups: list[list] = []  # [size, stride, reduced]
     for axis, (size, stride) in enumerate(zip(shape, strides)):
@@ -436,18 +429,18 @@ def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | N
             groups.append([size, stride, reduced])
     kept = tuple((s, t) for s, t, r in groups if not r) or ((1, 0),)
     red = tuple((s, t) for s, t, r in groups if r) or ((1, 0),)
-    if len(kept) > MAX_GROUPS or len(red) > MAX_GROUPS:
+    if len(kept) > MAX_DIMS or len(red) > MAX_DIMS:
         raise ValueError(
             f"reducing dims {dims} of shape {shape} alternates kept and reduced axes more than "
-            f"{MAX_GROUPS} times; reduce in two steps"
+            f"{MAX_DIMS} times; reduce in two steps"
         )
     n_out, R = math.prod(s for s, _ in kept), math.prod(s for s, _ in red)
     if red[-1][1] == 1:  # the innermost axis is reduced: long contiguous rows
-        block_r = _bmin(_pow2(R), block or 1024)
-        block_out = _bmin(_pow2(n_out), _bmax(1, TILE // block_r))
+        block_r = _bmin(pow2(R), block or 1024)
+        block_out = _bmin(pow2(n_out), _bmax(1, TILE // block_r))
     else:  # outputs are contiguous: a wide tile of outputs, a few reduced positions
-        block_out = _bmin(_pow2(n_out), 64)
-        block_r = _bmin(_pow2(R), block or _bmax(1, TILE // block_out))
+        block_out = _bmin(pow2(n_out), 64)
+        block_r = _bmin(pow2(R), block or _bmax(1, TILE // block_out))
     chunks = _bmax(cdiv(R, block_r), 1)
     out_programs = cdiv(n_out, block_out)
     n_split = 1
@@ -458,19 +451,15 @@ def plan_reduction(shape: tuple[int, ...], dims: tuple[int, ...], block: int | N
     return ReductionPlan(kept, red, n_out, R, block_out, block_r, n_split, chunk)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-_FORWARD_OP = {"sum": _SUM, "mean": _SUM, "max": _MAX, "min": _MIN}
+_FORWARD_OP = {"sum": SUM, "mean": SUM, "max": MAX, "min": MIN}
 _GRAD = {
-    "sum": _GRAD_SUM,
-    "mean": _GRAD_SUM,
-    "max": _GRAD_EXTREMUM,
-    "min": _GRAD_EXTREMUM,
-    "var": _GRAD_VAR,
-    "std": _GRAD_STD,
-    "logsumexp": _GRAD_LSE,
+    "sum": GRAD_SUM,
+    "mean": GRAD_SUM,
+    "max": GRAD_EXTREMUM,
+    "min": GRAD_EXTREMUM,
+    "var": GRAD_VAR,
+    "std": GRAD_STD,
+    "logsumexp": GRAD_LSE,
 }
 _SAVES = {
     "sum": (False, False),
@@ -484,18 +473,18 @@ _SAVES = {
 
 
 class ReduceOp(RuntimeOp):
-    """One reduction of ``dim`` (see the module docstring); ``block`` caps BLOCK_R (tests use
+    """One reduction of ``dim`` (see the module docstring); ``max_block`` caps BLOCK_R (tests use
     a small one to force the looping and split paths)."""
 
     kernel = reduce_partial
 
-    def __init__(self, kind: str, dim=None, keepdim: bool = False, correction: float = 1, block: int | None = None):
+    def __init__(self, kind: str, dim=None, keepdim: bool = False, correction: float = 1, max_block: int | None = None):
         if kind not in _GRAD:
             raise ValueError(f"unknown reduction {kind!r}")
-        if block is not None and (block < 1 or block & (block - 1)):
-            raise ValueError(f"{kind}: block must be a power of two, got {block}")
+        if max_block is not None and (max_block < 1 or max_block & (max_block - 1)):
+            raise ValueError(f"{kind}: max_block must be a power of two, got {max_block}")
         self.name, self.kind, self.dim, self.keepdim = kind, kind, dim, bool(keepdim)
-        self.correction, self.block = correction, block
+        self.correction, self.max_block = correction, max_block
         self.saves_inputs, self.saves_output = _SAVES[kind]
 
     def _dims(self, shape) -> tuple[int, ...]:
@@ -525,88 +514,90 @@ class ReduceOp(RuntimeOp):
 
     def plan(self, shape) -> ReductionPlan:
         shape = tuple(shape)
-        return plan_reduction(shape, self._dims(shape), self.block)
+        return plan_reduction(shape, self._dims(shape), self.max_block)
 
     def extra_outputs(self, input_shapes, dtype):
         if self.kind in ("var", "std"):
-            return {"mean": ((self.plan(input_shapes[0]).n_out,), _acc_dtype(dtype))}
+            return {"mean": ((self.plan(input_shapes[0]).n_out,), acc_dtype(dtype))}
         return {}
 
-    def _divisor(self, plan: ReductionPlan):
+    def _divisor(self, plan: ReductionPlan, backward: bool = False) -> int | float:
+        """mean's N; var/std's N - correction (not below 0 in the forward: PyTorch's derivative
+        keeps the difference); 1 otherwise."""
         if self.kind == "mean":
             return plan.R
         if self.kind in ("var", "std"):
-            d = _bmax(0, plan.R - self.correction)
+            d = plan.R - self.correction if backward else _bmax(0, plan.R - self.correction)
             return int(d) if float(d).is_integer() else float(d)
         return 1
 
-    def kernels(self):
-        return (reduce_partial, reduce_finish)
+    def _pass(self, ctx, plan, x, out, op, fin=FIN_DIV, divisor=1, center=None) -> list[Launch]:
+        """One reduction of x into out: one launch, or float32 (float64) partials and a second
+        pass (``sum_partials`` for a plain sum, ``reduce_finish`` otherwise)."""
+        grid = (plan.out_programs, plan.n_split, 1)
+        args = plan.visit(ArgVisitor().visit(x_ptr=x, center_ptr=center, divisor=divisor, OP=op.value, FIN=fin.value))
+        if plan.n_split == 1:
+            return [Launch(reduce_partial, grid, args.visit(out_ptr=out), work=plan.n_out)]
+        partial = ctx.empty((plan.n_split, plan.n_out), acc_dtype(ctx.dtype))
+        launches = [Launch(reduce_partial, grid, args.visit(partial_ptr=partial), work=plan.n_out)]
+        if (op is SUM or op is COUNT) and fin is FIN_DIV and divisor == 1:
+            return launches + sum_partials(partial, out)
+        block_out = _bmin(pow2(plan.n_out), 64)
+        finish = ArgVisitor().visit(
+            partial_ptr=partial,
+            center_ptr=center,
+            out_ptr=out,
+            n_out=plan.n_out,
+            n_split=plan.n_split,
+            divisor=divisor,
+            OP=op.value,
+            FIN=fin.value,
+            BLOCK_OUT=block_out,
+            BLOCK_SPLIT=_bmin(pow2(plan.n_split), _bmax(1, TILE // block_out)),
+        )
+        return launches + [Launch(reduce_finish, (cdiv(plan.n_out, block_out), 1, 1), finish, work=plan.n_out)]
 
-    def _pass(self, ctx, plan, x, center, out, op, fin, divisor):
-        """One reduction of x into out (directly, or through partials and reduce_finish)."""
-        finish_here = plan.n_split == 1
-        acc = _acc_dtype(ctx.dtype)
-        partial = out if finish_here else ctx.empty((plan.n_split, plan.n_out), acc)
-        center = center if center is not None else partial
-        v = ArgVisitor().visit_ptr(x).visit_ptr(center).visit_ptr(partial).visit_ptr(out)
-        plan.geometry(v)
-        v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
-        v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(finish_here)
-        plan.constexprs(v)
-        ctx.launch(reduce_partial, (plan.out_programs, plan.n_split, 1), v, work=plan.n_out)
-        if not finish_here:
-            block_out = _bmin(_pow2(plan.n_out), 64)
-            v = ArgVisitor().visit_ptr(partial).visit_ptr(center).visit_ptr(out)
-            v.visit_i64(plan.n_out).visit_i64(plan.n_split)
-            v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
-            v.visit_constexpr(op).visit_constexpr(fin).visit_constexpr(block_out)
-            v.visit_constexpr(_bmin(_pow2(plan.n_split), _bmax(1, TILE // block_out)))
-            ctx.launch(reduce_finish, (cdiv(plan.n_out, block_out), 1, 1), v, work=plan.n_out)
-
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         (x,), out = ctx.inputs, ctx.output
         plan = self.plan(ctx.input_shapes[0])
         if self.kind in ("var", "std"):
             mean = ctx.saved["mean"]
-            self._pass(ctx, plan, x, None, mean, _SUM, _FIN_DIV, plan.R)
-            self._pass(
-                ctx, plan, x, mean, out, _SQDEV, _FIN_SQRT if self.kind == "std" else _FIN_DIV, self._divisor(plan)
+            fin = FIN_SQRT if self.kind == "std" else FIN_DIV
+            return self._pass(ctx, plan, x, mean, SUM, FIN_DIV, plan.R) + self._pass(
+                ctx, plan, x, out, SQDEV, fin, self._divisor(plan), center=mean
             )
-        elif self.kind == "logsumexp":
-            row_max = ctx.empty((plan.n_out,), _acc_dtype(ctx.dtype))
-            self._pass(ctx, plan, x, None, row_max, _MAX, _FIN_DIV, 1)
-            self._pass(ctx, plan, x, row_max, out, _SUMEXP, _FIN_LOG, 1)
-        else:
-            self._pass(ctx, plan, x, None, out, _FORWARD_OP[self.kind], _FIN_DIV, self._divisor(plan))
+        if self.kind == "logsumexp":
+            row_max = ctx.empty((plan.n_out,), acc_dtype(ctx.dtype))
+            return self._pass(ctx, plan, x, row_max, MAX) + self._pass(
+                ctx, plan, x, out, SUMEXP, FIN_LOG, center=row_max
+            )
+        return self._pass(ctx, plan, x, out, _FORWARD_OP[self.kind], FIN_DIV, self._divisor(plan))
 
-    def has_backward(self):
-        return True
-
-    def backward_kernels(self):
-        return (reduce_backward, reduce_partial, reduce_finish) if self.kind in ("max", "min") else (reduce_backward,)
-
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         dx = ctx.grad_inputs[0]
         if dx is None or dx.numel() == 0:
-            return
+            return []
         plan = self.plan(ctx.input_shapes[0])
-        x = ctx.inputs[0] if ctx.inputs[0] is not None else dx
-        y = ctx.output if ctx.output is not None else ctx.grad_output
-        aux = ctx.saved.get("mean", y)
-        if self.kind in ("max", "min"):  # how many elements tie for the extremum
-            aux = ctx.empty((plan.n_out,), _acc_dtype(ctx.dtype))
-            self._pass(ctx, plan, x, y, aux, _COUNT, _FIN_DIV, 1)
-        v = ArgVisitor().visit_ptr(x).visit_ptr(y).visit_ptr(aux).visit_ptr(ctx.grad_output).visit_ptr(dx)
-        plan.geometry(v)
-        divisor = self._divisor(plan)
-        v.visit_float(divisor) if isinstance(divisor, float) else v.visit_i64(divisor)
-        v.visit_constexpr(_GRAD[self.kind])
-        plan.constexprs(v)
-        ctx.launch(reduce_backward, (plan.out_programs, plan.n_split, 1), v, work=dx.numel())
+        x, y, aux = ctx.inputs[0], ctx.output, ctx.saved.get("mean")  # x, y: None where not saved
+        launches = []
+        if self.kind in ("max", "min"):  # aux: how many elements tie for the extremum
+            aux = ctx.empty((plan.n_out,), acc_dtype(ctx.dtype))
+            launches += self._pass(ctx, plan, x, aux, COUNT, center=y)
+        args = ArgVisitor().visit(
+            x_ptr=x,
+            y_ptr=y,
+            aux_ptr=aux,
+            dy_ptr=ctx.grad_output,
+            dx_ptr=dx,
+            divisor=self._divisor(plan, backward=True),
+            GRAD=_GRAD[self.kind].value,
+        )
+        return launches + [
+            Launch(reduce_backward, (plan.out_programs, plan.n_split, 1), plan.visit(args), work=dx.numel())
+        ]
 
 
-def _reduce(x, kind, dim, keepdim, correction=1):
+def _reduce(x: Tensor, kind: str, dim: Dims, keepdim: bool, correction: float = 1) -> Tensor:
     return graph_of(x).apply(ReduceOp(kind, dim, keepdim, correction), [x])
 
 
@@ -626,7 +617,8 @@ def softmax_backward(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """softmax: dx = y (dy - sum(dy y)); log_softmax: dx = dy - exp(y) sum(dy)."""
+    """softmax: dx = y (dy - sum(dy y)); log_softmax: dx = dy - exp(y) sum(dy), in y's dtype
+    (float32 for halves), written in x's."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     base = (rows // inner) * L * inner + rows % inner
@@ -665,6 +657,13 @@ def softmax_backward(
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _load_row(x_ptr, offsets, mask, y_ptr):
+    """x at offsets (-inf outside the row) converted to y's dtype first, as PyTorch's dtype=
+    converts the input, then computed in float32 for halves."""
+    return upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")).to(y_ptr.dtype.element_ty))
+
+
 @kernel(backward=softmax_backward, half=True)
 def softmax_forward(
     x_ptr,
@@ -687,7 +686,7 @@ def softmax_forward(
         cols = tl.arange(0, BLOCK_L)
         mask = row_mask[:, None] & (cols < L)[None, :]
         offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
-        x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+        x = _load_row(x_ptr, offsets, mask, y_ptr)
         m = tl.max(x, 1)
         shifted = x - m[:, None]
         e = tl.exp(shifted)
@@ -698,13 +697,13 @@ def softmax_forward(
             y = e / s[:, None]
         tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        m = _acc_full([BLOCK_ROWS], float("-inf"), x_ptr)
-        s = _acc_full([BLOCK_ROWS], 0.0, x_ptr)
+        m = _acc_full([BLOCK_ROWS], float("-inf"), y_ptr)
+        s = _acc_full([BLOCK_ROWS], 0.0, y_ptr)
         for col0 in range(0, L, BLOCK_L):
             cols = col0 + tl.arange(0, BLOCK_L)
             mask = row_mask[:, None] & (cols < L)[None, :]
             offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
-            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            x = _load_row(x_ptr, offsets, mask, y_ptr)
             m_new = tl.maximum(m, tl.max(x, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while a row is all -inf
             s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), 1)
@@ -714,7 +713,7 @@ def softmax_forward(
             cols = col0 + tl.arange(0, BLOCK_L)
             mask = row_mask[:, None] & (cols < L)[None, :]
             offsets = base[:, None] + cols.to(tl.int64)[None, :] * inner
-            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            x = _load_row(x_ptr, offsets, mask, y_ptr)
             if LOG:
                 y = x - m[:, None] - log_s[:, None]
             else:
@@ -726,20 +725,23 @@ def softmax_forward(
 
 
 class SoftmaxOp(RuntimeOp):
-    """softmax / log_softmax over ``dim``; ``block`` caps BLOCK_L (rows longer loop)."""
+    """softmax / log_softmax over ``dim``, in ``dtype`` (None: the input's); ``max_block`` caps
+    BLOCK_L (rows longer loop)."""
 
     kernel = softmax_forward
     saves_inputs = False
     saves_output = True
 
-    def __init__(self, dim: int, log: bool = False, block: int | None = None):
-        if block is not None and (block < 1 or block & (block - 1)):
-            raise ValueError(f"softmax: block must be a power of two, got {block}")
+    def __init__(self, dim: int, log: bool = False, dtype: torch.dtype | None = None, max_block: int | None = None):
+        if max_block is not None and (max_block < 1 or max_block & (max_block - 1)):
+            raise ValueError(f"softmax: max_block must be a power of two, got {max_block}")
         self.name = "log_softmax" if log else "softmax"
-        self.dim, self.log, self.block = dim, log, block
+        self.dim, self.log, self.dtype, self.max_block = dim, log, dtype, max_block
 
     def check_inputs(self, input_shapes, input_dtypes):
         _check_float(self.name, input_dtypes[0])
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise TypeError(f"{self.name}: dtype must be a floating-point torch.dtype or None, got {self.dtype!r}")
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
             raise TypeError(f"{self.name}: dim must be an int, got {self.dim!r}")
         ndim = len(input_shapes[0])
@@ -749,87 +751,99 @@ class SoftmaxOp(RuntimeOp):
                 f"{self.name}: dim {self.dim} is out of range for a {ndim}-d tensor (expected {-rank}..{rank - 1})"
             )
 
-    def _layout(self, shape):
-        """(n_rows, L, inner, SINGLE, BLOCK_ROWS, BLOCK_L)."""
+    def output_dtype(self, input_dtypes):
+        return self.dtype or input_dtypes[0]
+
+    def _layout(self, shape) -> dict:
+        """The kernels' row layout: n_rows, L, inner, SINGLE, BLOCK_ROWS, BLOCK_L."""
         shape = tuple(shape) or (1,)
         d = self.dim % len(shape)
         L, inner = shape[d], math.prod(shape[d + 1 :])
         n_rows = math.prod(shape[:d]) * inner
         if inner == 1:  # rows are contiguous: long row blocks, few rows
-            block_l = _bmin(_pow2(L), self.block or SOFTMAX_MAX_BLOCK)
-            block_rows = _bmin(_pow2(n_rows), _bmax(1, TILE // block_l))
+            block_l = _bmin(pow2(L), self.max_block or SOFTMAX_MAX_BLOCK)
+            block_rows = _bmin(pow2(n_rows), _bmax(1, TILE // block_l))
         else:  # neighbouring rows are contiguous: a wide tile of rows, short row blocks
-            block_rows = _bmin(_pow2(n_rows), _pow2(inner), 32)
-            block_l = _bmin(_pow2(L), self.block or _bmax(1, SOFTMAX_MAX_BLOCK // block_rows))
-        return n_rows, L, inner, L <= block_l, block_rows, block_l
+            block_rows = _bmin(pow2(n_rows), pow2(inner), 32)
+            block_l = _bmin(pow2(L), self.max_block or _bmax(1, SOFTMAX_MAX_BLOCK // block_rows))
+        return dict(n_rows=n_rows, L=L, inner=inner, SINGLE=L <= block_l, BLOCK_ROWS=block_rows, BLOCK_L=block_l)
 
-    def _launch(self, ctx, kernel_, ptrs):
-        n_rows, L, inner, single, block_rows, block_l = self._layout(ctx.input_shapes[0])
-        v = ArgVisitor()
-        for p in ptrs:
-            v.visit_ptr(p)
-        v.visit_i64(n_rows).visit_i64(L).visit_i64(inner)
-        v.visit_constexpr(self.log).visit_constexpr(single).visit_constexpr(block_rows).visit_constexpr(block_l)
-        ctx.launch(kernel_, (cdiv(n_rows, block_rows), 1, 1), v)
+    def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], y_ptr=output, LOG=self.log, **self._layout(output_shape))
 
-    def forward(self, ctx):
-        self._launch(ctx, softmax_forward, [ctx.inputs[0], ctx.output])
+    def grid(self, input_shapes, output_shape):
+        layout = self._layout(output_shape)
+        return (cdiv(layout["n_rows"], layout["BLOCK_ROWS"]), 1, 1)
 
-    def has_backward(self):
-        return True
+    def pack_backward_args(
+        self,
+        inputs,
+        params,
+        output,
+        output_shape,
+        grad_output,
+        grad_output_row_stride,
+        grad_inputs,
+        grad_params,
+        visitor,
+        saved=None,
+    ):
+        visitor.visit(
+            y_ptr=output, dy_ptr=grad_output, dx_ptr=grad_inputs[0], LOG=self.log, **self._layout(output_shape)
+        )
 
-    def backward(self, ctx):
-        if ctx.grad_inputs[0] is not None:
-            self._launch(ctx, softmax_backward, [ctx.output, ctx.grad_output, ctx.grad_inputs[0]])
+    def backward_grid(self, input_shapes, output_shape):
+        return self.grid(input_shapes, output_shape)
 
 
 # ------------------------------------------------------------------------ functional ops
 
 
-def sum(x, dim=None, keepdim: bool = False):
+def sum(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.sum: the sum over ``dim`` (None or [] : every axis)."""
     return _reduce(x, "sum", dim, keepdim)
 
 
-def mean(x, dim=None, keepdim: bool = False):
+def mean(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.mean over ``dim`` (None: every axis); the mean of nothing is NaN."""
     return _reduce(x, "mean", dim, keepdim)
 
 
-def max(x, dim=None, keepdim: bool = False):
+def max(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.amax: the largest value over ``dim`` (values only; NaN propagates); the gradient
     is split evenly among tied maxima."""
     return _reduce(x, "max", dim, keepdim)
 
 
-def min(x, dim=None, keepdim: bool = False):
+def min(x: Tensor, dim: Dims = None, keepdim: bool = False) -> Tensor:
     """torch.amin: the smallest value over ``dim``; gradient split evenly among ties."""
     return _reduce(x, "min", dim, keepdim)
 
 
-def var(x, dim=None, correction: float = 1, keepdim: bool = False):
+def var(x: Tensor, dim: Dims = None, correction: float = 1, keepdim: bool = False) -> Tensor:
     """torch.var: sum (x - mean)^2 / max(0, N - correction) over ``dim``."""
     return _reduce(x, "var", dim, keepdim, correction)
 
 
-def std(x, dim=None, correction: float = 1, keepdim: bool = False):
+def std(x: Tensor, dim: Dims = None, correction: float = 1, keepdim: bool = False) -> Tensor:
     """torch.std: sqrt of ``var``."""
     return _reduce(x, "std", dim, keepdim, correction)
 
 
-def logsumexp(x, dim, keepdim: bool = False):
+def logsumexp(x: Tensor, dim: Dims, keepdim: bool = False) -> Tensor:
     """torch.logsumexp: log sum exp(x) over ``dim``, computed stably."""
     return _reduce(x, "logsumexp", dim, keepdim)
 
 
-def softmax(x, dim: int = -1):
-    """torch.softmax over ``dim`` (any dim, any row length), computed in float32 for halves."""
-    return graph_of(x).apply(SoftmaxOp(dim), [x])
+def softmax(x: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
+    """torch.softmax over ``dim`` (any dim, any row length), computed in float32 for halves;
+    with ``dtype`` the input is converted to it first and the result is in it."""
+    return graph_of(x).apply(SoftmaxOp(dim, dtype=dtype), [x])
 
 
-def log_softmax(x, dim: int = -1):
-    """torch.log_softmax over ``dim``."""
-    return graph_of(x).apply(SoftmaxOp(dim, log=True), [x])
+def log_softmax(x: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Tensor:
+    """torch.log_softmax over ``dim`` (``dtype`` as for ``softmax``)."""
+    return graph_of(x).apply(SoftmaxOp(dim, log=True, dtype=dtype), [x])
 
 
 # ------------------------------------------------------------------------ layers
@@ -926,16 +940,17 @@ for _kind, _fn in _OPS.items():
             gradcheck_samples=_gradcheck(_GRADCHECK_CASES),
         )
     )
-register(
-    OpInfo(
-        "var_correction0",
-        lambda x, **kw: var(x, correction=0, **kw),
-        lambda x, **kw: _REFS["var"](x, correction=0, **kw),
-        _reduction_samples(_REDUCE_CASES[:6]),
-        family="reduction",
-        gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2]),
+for _kind, _correction in (("var", 0), ("var", 0.3), ("std", 0.7)):  # a non-dyadic correction is a float scalar
+    register(
+        OpInfo(
+            f"{_kind}_correction{_correction}",
+            _OPS[_kind],
+            _REFS[_kind],
+            _reduction_samples(_REDUCE_CASES[:6], {"correction": _correction}),
+            family="reduction",
+            gradcheck_samples=_gradcheck(_GRADCHECK_CASES[:2], {"correction": _correction}),
+        )
     )
-)
 
 _SOFTMAX_CASES = [
     ((3, 37), -1),
