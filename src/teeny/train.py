@@ -173,6 +173,7 @@ class TrainStep:
         if cuda_graph and executor.device.type != "cuda":
             raise ValueError("CUDA graphs need the GPU")
         self.executor, self.optimizer, self.clip, self.cuda_graph = executor, optimizer, clip, cuda_graph
+        self.with_grad = [v.name for v, _, _ in optimizer.slots]  # the backward writes every one of them
         self.calls = 0
         self.graph = None
         self.static_feed: dict[str, torch.Tensor] = {}
@@ -190,7 +191,7 @@ class TrainStep:
 
     def __call__(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         self.calls += 1
-        self.optimizer.prepare()
+        self.optimizer.prepare(self.with_grad)
         if not self.cuda_graph or self.calls == 1:
             return self._body(feed)
         if self.graph is None:
