@@ -231,6 +231,9 @@ class DataParallel:
             raise ValueError("DataParallel: wrap the optimizer before its first step")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if getattr(executor, "_data_parallel", None) is not None:
+            raise ValueError("DataParallel: this executor is already data-parallel")
+        executor._data_parallel = self
         self.world, self.executor, self.optimizer, self.zero = world, executor, optimizer, zero
         self.bucket_mb = bucket_mb
         self.buckets = self._plan_buckets(bucket_mb)

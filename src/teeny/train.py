@@ -562,18 +562,18 @@ def train(
 
     # only now create the run folder: a failed check above leaves nothing behind
     last_saved = None
+    continuing = resume is not None and out is not None and Path(resume).resolve() == (out / CHECKPOINT_NAME).resolve()
     if out and lead:
-        earlier = _run_dir_files(out) if out.is_dir() else []
+        earlier = _run_dir_files(out) if out.is_dir() and not continuing else []
         out.mkdir(parents=True, exist_ok=True)
         (out / (CHECKPOINT_NAME + ".tmp")).unlink(missing_ok=True)  # left by a crash mid-write
-        same = resume is not None and Path(resume).resolve() == (out / CHECKPOINT_NAME).resolve()
-        if same:
-            last_saved = step
-        elif not resume and earlier:
+        if earlier:  # another run's files: this run starts its own log there
             say(f"{out} held an earlier run ({', '.join(earlier)}): starting afresh there")
             for name in earlier:
                 (out / name).unlink()
-    metrics = MetricsLog(out if lead else None, keep_until=step if resume else None)
+    if continuing:
+        last_saved = step
+    metrics = MetricsLog(out if lead else None, keep_until=step if continuing else None)
     meta = {"model": task.name, "model_spec": spec, "config": settings}
 
     def stop(at: int, why: str) -> None:
