@@ -133,6 +133,26 @@ def worker(scenario: str, out: Path) -> int:
             config.checkpoint_every = 1
             resume = str(out / "killed" / "checkpoint.safetensors") if scenario == "resumed" else None
             train(_task(torch.float32, die_at=die_at), config, resume=resume, log=quiet)
+        elif scenario == "nccl":  # world size 1 on the GPU: the step with its collectives as one CUDA graph
+            import warnings
+
+            from teeny import Executor, LoweringMode, lower
+            from teeny.optim import AdamW
+            from teeny.train import TrainStep
+
+            task = _task(torch.float32)
+            feeds = list(task.batches(0, BATCH, 0))
+            report = {}
+            for kind in ("plain", "parallel"):
+                ex = Executor(lower(task.build(BATCH), LoweringMode.TRAINING), seed=0)
+                opt = AdamW(ex, lr=0.02)
+                parallel = td.DataParallel(world, ex, opt, bucket_mb=100 * 4 / 2**20) if kind == "parallel" else None
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("error", message="CUDA graph capture failed")  # fail, not fall back
+                    step = TrainStep(ex, opt, clip=0.5, cuda_graph=True, parallel=parallel)
+                    losses = [float(step(feeds[i % len(feeds)], 10)) for i in range(6)]
+                report[kind] = {"losses": losses, "captured": step.graph is not None}
+            (out / "nccl.json").write_text(json.dumps(report))
         elif scenario in ("dies", "hangs"):
             task = _task(
                 torch.float64, die_at=3 if scenario == "dies" else None, hang_at=3 if scenario == "hangs" else None
@@ -156,7 +176,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, out: Path, world: int = 2, wait: float = 300.0, **env) -> list[subprocess.Popen]:
+def _launch(scenario: str, out: Path, world: int = 2, **env) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -170,6 +190,7 @@ def _launch(scenario: str, out: Path, world: int = 2, wait: float = 300.0, **env
             "MASTER_PORT": str(port),
             "TEENY_DEVICE": "cpu",
             "OMP_NUM_THREADS": "1",
+            "NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off
             **{k: str(v) for k, v in env.items()},
         }
         procs.append(
@@ -296,6 +317,24 @@ def test_teeny_train_nproc_2_resumes_exactly(tmp_path):
     straight, resumed = _params(tmp_path / "straight"), _params(tmp_path / "split")
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key
+
+
+def test_nccl_world_of_one_inside_a_captured_step(tmp_path):
+    """On a GPU: one NCCL process; the data-parallel step, collectives included, is captured as
+    one CUDA graph and gives the plain step's losses."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (NCCL)")
+    out = tmp_path / "nccl"
+    out.mkdir()
+    for rank, (code, err) in enumerate(_finish(_launch("nccl", out, world=1, TEENY_DEVICE="cuda"))):
+        assert code == 0, f"rank {rank}: {err[-3000:]}"
+    report = json.loads((out / "nccl.json").read_text())
+    assert report["plain"]["captured"] and report["parallel"]["captured"], report
+    torch.testing.assert_close(
+        torch.tensor(report["parallel"]["losses"]), torch.tensor(report["plain"]["losses"]), rtol=1e-6, atol=1e-7
+    )
 
 
 if __name__ == "__main__":
