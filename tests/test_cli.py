@@ -79,3 +79,60 @@ def test_command_runs_in_a_fresh_process():
     )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)) == len(all_ops())
+
+
+def _teeny(*argv, **kwargs):
+    """The command in a fresh interpreter, as a user runs it."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def test_output_closed_early_ends_quietly():
+    """`teeny ops | head` used to end in a BrokenPipeError traceback (`true` reads nothing and
+    leaves at once, so the listing always meets a closed pipe)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        f"{sys.executable} -m teeny ops | true; echo ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.stdout.strip() == "141", result.stdout
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+def test_device_cuda_without_a_gpu_is_one_line(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = _teeny("--device", "cuda", "ops")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "no CUDA device" in result.stderr, result.stderr
+
+
+def test_train_refuses_an_unusable_out_before_training(tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert main(["train", "mlp", "--out", str(file / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "lies under" in err and "which is a file" in err and "Traceback" not in err
+
+
+def test_train_resume_with_nothing_left_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "mlp", "--epochs", "1", "--steps", "2", "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    ckpt = str(out / "checkpoint.safetensors")
+    assert main(["train", "mlp", "--epochs", "1", "--steps", "2", "--resume", ckpt, "--no-progress"]) == 0
+    assert "nothing left to do" in capsys.readouterr().out
+    assert main(["train", "mlp", "--epochs", "1", "--batch-size", "32", "--resume", ckpt, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size=64" in err and "--batch-size 64" in err and "--allow-change batch_size" in err

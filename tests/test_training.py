@@ -1,5 +1,11 @@
 """End to end: a teeny MLP against the same PyTorch MLP (gradients, and 50 optimizer steps of
-losses), kill-and-resume, checkpoint integrity, and the `teeny train` command's errors."""
+losses), kill-and-resume, checkpoint integrity, resume refusals, diverging runs, run folders,
+the `teeny train` command's errors, and the README's example."""
+
+import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +15,16 @@ import teeny
 from teeny import Graph, LoweringMode, lower, nn, ops
 from teeny.models import MLP
 from teeny.optim import SGD, AdamW
-from teeny.train import CheckpointError, TrainConfig, load_checkpoint, save_checkpoint, train
+from teeny.train import (
+    CallableTask,
+    CheckpointError,
+    DivergedError,
+    RunDirError,
+    TrainConfig,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+)
 
 
 class TorchMLP(torch.nn.Module):
@@ -89,6 +104,15 @@ def test_fifty_steps_of_losses_match_pytorch(dtype, rel, kind):
         assert diff < rel, f"step {step}: teeny {float(loss)} torch {ref_loss.item()}"
 
 
+CKPT = "checkpoint.safetensors"
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
 def _config(tmp_path, name, **kw):
     return TrainConfig(
         epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name), progress=False, log_every=1, **kw
@@ -143,13 +167,15 @@ def test_atomic_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save_checkpoint(path, ex, opt, step=1)
     import safetensors.torch
 
-    def crash(*args, **kwargs):
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a checkpoint")
         raise OSError("disk full")
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(OSError):
         save_checkpoint(path, ex, opt, step=2)
     assert load_checkpoint(path)[2]["step"] == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.safetensors"]  # no .tmp left behind
 
 
 @pytest.mark.parametrize(
@@ -159,6 +185,8 @@ def test_atomic_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         (["train", "mlp", "--epochs", "0"], "must be >= 1"),
         (["train", "mlp", "--lr", "abc"], "expected a number"),
         (["train", "mlp", "--optimizer", "rmsprop"], "invalid choice"),
+        (["train", "mlp", "--lr", "inf"], "must be a finite number"),
+        (["train", "mlp", "--weight-decay", "nan"], "must be a finite number >= 0"),
     ],
 )
 def test_cli_bad_input_is_a_clear_message(argv, message, capsys):
@@ -182,13 +210,11 @@ def test_cli_unreadable_checkpoint(tmp_path, capsys):
     assert "unreadable" in capsys.readouterr().err
 
 
-def test_train_your_own_graph_and_data(tmp_path):
-    """The loop with a user's own graph (linear regression, mse loss) and data."""
-    from teeny.train import CallableTask
-
+def _regression(name="regression", rows=96):
+    """A user's own graph (linear regression, mse loss) and data."""
     gen = torch.Generator().manual_seed(0)
     true_w = torch.randn(1, 7, generator=gen)
-    xs = torch.randn(96, 7, generator=gen)
+    xs = torch.randn(rows, 7, generator=gen)
     ys = xs @ true_w.T + 0.5
 
     def build(batch):
@@ -198,17 +224,160 @@ def test_train_your_own_graph_and_data(tmp_path):
         return g
 
     def batches(epoch, batch, seed):
-        order = torch.randperm(96, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        for i in range(0, 96, batch):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for i in range(0, rows - batch + 1, batch):
             yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
 
-    task = CallableTask("regression", build, batches, lambda batch: 96 // batch)
+    return CallableTask(name, build, batches, lambda batch: rows // batch), true_w
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def test_train_your_own_graph_and_data(tmp_path):
+    task, true_w = _regression()
     config = TrainConfig(epochs=30, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
-    result = train(task, config, log=lambda *_: None)
+    result = train(task, config, log=_quiet)
     params = result["executor"].params
     weight = [v for k, v in params.items() if k.endswith("weight")][0]
     torch.testing.assert_close(weight.cpu(), true_w, atol=1e-3, rtol=1e-3)
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoint.safetensors").exists()
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    def refuse(name):
+        raise AssertionError(f"{path} holds {name}, which is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("lr,why", [(1e30, r"the loss is (inf|nan)"), (3.0, "over 10000 times its first value")])
+def test_diverging_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, lr, why):
+    """--lr 1e30 overflows to inf/nan; a large lr grows the loss geometrically: both stop (they
+    used to run on, exit 0 and save an all-NaN checkpoint), the checkpoint stays the last good one."""
+    task, _ = _regression()
+    config = TrainConfig(
+        epochs=20, batch_size=16, lr=lr, optimizer="sgd", momentum=0.0, out=str(tmp_path), progress=False
+    )
+    config.checkpoint_every = 1
+    with pytest.raises(DivergedError, match=why) as info:
+        train(task, config, log=_quiet)
+    step = int(re.match(r"step (\d+):", str(info.value)).group(1))
+    assert step >= 2 and f"from step {step - 1}" in str(info.value)
+    params, _, meta = load_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert int(meta["step"]) == step - 1 and all(bool(torch.isfinite(p).all()) for p in params.values())
+    rows = _strict_rows(tmp_path / "metrics.jsonl")
+    assert rows[-1]["event"] == "diverged" and rows[-1]["step"] == step
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_checkpoint_keeps_the_model_and_the_whole_configuration(tmp_path):
+    task, _ = _regression()
+    config = TrainConfig(epochs=1, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
+    train(task, config, log=_quiet)
+    _, _, meta = load_checkpoint(tmp_path / "checkpoint.safetensors")
+    assert meta["model"] == "regression"
+    saved = json.loads(meta["config"])
+    assert saved == {**config.settings(), "world_size": 1}
+
+
+def _resume(tmp_path, task, allow_change=(), **changes):
+    settings = dict(epochs=2, batch_size=16, lr=0.05, optimizer="sgd", schedule="cosine", progress=False)
+    settings.update(changes)
+    config = TrainConfig(**settings, out=str(tmp_path / "run"))
+    ckpt = str(tmp_path / "run" / "checkpoint.safetensors")
+    return train(task, config, resume=ckpt, allow_change=allow_change, log=_quiet)
+
+
+def test_resume_refuses_a_change_that_breaks_exactness(tmp_path):
+    task, _ = _regression()
+    first = TrainConfig(
+        epochs=2, batch_size=16, lr=0.05, optimizer="sgd", schedule="cosine", out=str(tmp_path / "run"), progress=False
+    )
+    train(task, dataclasses_replace(first, max_steps=3), log=_quiet)
+    for change, setting in [
+        (dict(batch_size=8), "batch_size"),
+        (dict(optimizer="adam"), "optimizer"),
+        (dict(lr=0.01), "lr"),
+        (dict(epochs=4), "epochs"),  # a cosine schedule depends on the total
+    ]:
+        with pytest.raises(CheckpointError, match=rf"with {setting}=.*--allow-change {setting}"):
+            _resume(tmp_path, task, **change)
+    other, _ = _regression(name="other")
+    with pytest.raises(CheckpointError, match="of model 'regression', not 'other'"):
+        _resume(tmp_path, other)
+    result = _resume(tmp_path, task, allow_change=["lr"], lr=0.01)  # deliberately
+    assert result["step"] == 12
+    assert _resume(tmp_path, task, lr=0.01) == {"step": 12, "nothing_to_do": True}  # the checkpoint has lr 0.01 now
+
+
+def test_resume_may_add_epochs_under_a_constant_schedule(tmp_path):
+    """With a constant schedule more epochs continue the same run: 2 then 4 epochs equal 4."""
+    task, _ = _regression()
+
+    def config(name, **kw):
+        return TrainConfig(batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path / name), progress=False, **kw)
+
+    straight = train(task, config("straight", epochs=4), log=_quiet)
+    train(task, config("split", epochs=2), log=_quiet)
+    resumed = train(task, config("split", epochs=4), resume=str(tmp_path / "split" / CKPT), log=_quiet)
+    for name, value in straight["executor"].params.items():
+        assert torch.equal(value, resumed["executor"].params[name]), name
+    steps = [r["step"] for r in _strict_rows(tmp_path / "split" / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 25))  # one log, no row twice
+
+
+def test_resume_drops_log_rows_written_after_the_checkpoint(tmp_path):
+    task, _ = _regression()
+    config = TrainConfig(epochs=1, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
+    config.checkpoint_every = 2
+    train(task, dataclasses_replace(config, max_steps=2), log=_quiet)
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a run killed after step 3, past its checkpoint
+        f.write(json.dumps({"step": 3, "epoch": 0, "loss": 1.0, "lr": 0.05}) + "\n")
+    train(task, config, resume=str(tmp_path / CKPT), log=_quiet)
+    steps = [r["step"] for r in _strict_rows(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_new_run_into_the_same_folder_starts_a_fresh_log(tmp_path):
+    task, _ = _regression()
+    config = TrainConfig(epochs=1, batch_size=32, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
+    train(task, config, log=_quiet)
+    said = []
+    train(task, dataclasses_replace(config, max_steps=1), log=said.append)
+    assert any("earlier run" in line and "starting afresh" in line for line in said)
+    assert [r["step"] for r in _strict_rows(tmp_path / "metrics.jsonl")] == [1, 1]  # its loss and its epoch row
+
+
+def test_unusable_out_folder_is_refused_before_training(tmp_path):
+    task, _ = _regression()
+    file = tmp_path / "a_file"
+    file.write_text("x")
+
+    def run(out, **kw):
+        config = TrainConfig(epochs=1, batch_size=16, lr=0.05, optimizer="sgd", out=str(out), progress=False)
+        return train(task, config, log=_quiet, **kw)
+
+    with pytest.raises(RunDirError, match="is a file"):
+        run(file)
+    with pytest.raises(RunDirError, match="lies under .*a_file, which is a file"):
+        run(file / "sub" / "dir")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(RunDirError, match="not writable"):
+            run(locked / "run")
+    with pytest.raises(CheckpointError, match="does not exist"):  # a failed resume creates no folder
+        run(tmp_path / "new" / "run", resume=str(tmp_path / "missing.safetensors"))
+    assert not (tmp_path / "new").exists()
+
+
+def test_readme_python_example_runs_as_written():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README.md has no Python example"
+    exec(compile(blocks[0], "README.md", "exec"), {"print": _quiet})
 
 
 def test_train_step_refuses_to_capture_per_run_state():

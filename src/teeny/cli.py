@@ -1,17 +1,25 @@
 """The ``teeny`` command: ``teeny ops``, ``teeny gradcheck [OP ...]``, ``teeny train MODEL``.
 
 The device is chosen before teeny is imported (``--device`` sets TEENY_DEVICE), because the
-Triton interpreter must be switched on before any kernel is defined.
+Triton interpreter must be switched on before any kernel is defined. Each subcommand is one
+``add_<name>`` function (its arguments) and one ``cmd_<name>`` function (what it does).
+
+``teeny train`` runs data-parallel when started by torchrun (``torchrun --nproc-per-node N -m
+teeny train MODEL ...``); ``teeny train MODEL --nproc N`` starts torchrun itself. Exit codes: 0
+done, 1 training failed (the loss diverged, a process died or hung), 2 bad input (arguments,
+checkpoint, output folder), 130 interrupted, 141 output closed early (``teeny ops | head``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 MODELS = ("mlp", "cnn", "gpt")  # teeny.models.make_task knows each; kept here so parsing imports no kernel
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _positive_int(text: str) -> int:
@@ -29,8 +37,20 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
@@ -38,73 +58,79 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="teeny", description="Triton kernel pairs that train models.")
     parser.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda"],
+        choices=DEVICES,
         default=None,
         help="where kernels run (default: the GPU if there is one, else the Triton interpreter)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p_ops = sub.add_parser("ops", help="list every registered op with its dtypes and whether it has a backward")
-    p_ops.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p_grad = sub.add_parser("gradcheck", help="check backward kernels against central finite differences (float64)")
-    p_grad.add_argument("ops", nargs="*", metavar="OP", help="ops to check (default: all)")
-    p_grad.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p_train = sub.add_parser("train", help="train a model")
-    p_train.add_argument("model", help=f"one of: {', '.join(MODELS)}")
-    p_train.add_argument("--epochs", type=_positive_int)
-    p_train.add_argument("--batch-size", type=_positive_int)
-    p_train.add_argument("--lr", type=_positive_float)
-    p_train.add_argument("--optimizer", choices=["sgd", "adam", "adamw"])
-    p_train.add_argument("--weight-decay", type=float)
-    p_train.add_argument("--schedule", choices=["constant", "cosine"])
-    p_train.add_argument("--clip", type=_positive_float, help="clip gradients to this global norm")
-    p_train.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
-    p_train.add_argument("--seed", type=int, default=0)
-    p_train.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
-    p_train.add_argument("--out", default="runs/latest", help="folder for checkpoint, metrics.jsonl and loss.png")
-    p_train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint file")
-    p_train.add_argument("--no-progress", action="store_true")
-    p_train.add_argument(
-        "--device",
-        dest="train_device",
-        choices=["auto", "cpu", "cuda"],
-        default=None,
-        help="same as the global --device",
-    )
-
-    p_build = sub.add_parser("build", help="compile a model's kernels ahead of time for GPU targets (no GPU needed)")
-    p_build.add_argument("model", help=f"one of: {', '.join(MODELS)}, or module:function (batch size -> Graph)")
-    p_build.add_argument("--target", default="cuda:90", help="cuda:ARCH[@SMS], comma-separated: cuda:90,cuda:80")
-    p_build.add_argument("--mode", choices=["training", "inference"], default="training")
-    p_build.add_argument("--batch-size", type=_positive_int)
-    p_build.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
-    p_build.add_argument("--params", metavar="CHECKPOINT", help="store these parameters (a checkpoint, or 'init')")
-    p_build.add_argument("--seed", type=int, default=0)
-    p_build.add_argument("-o", "--out", required=True, help="the bundle file to write")
+    add_ops(sub)
+    add_gradcheck(sub)
+    add_train(sub)
+    add_build(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    device = getattr(args, "train_device", None) or args.device
-    if device:
-        os.environ["TEENY_DEVICE"] = device
+    args.argv = argv
+    problem = _choose_device(getattr(args, "train_device", None) or args.device)
+    if problem:
+        print(f"teeny: {problem}", file=sys.stderr)
+        return 2
     try:
-        if args.command == "ops":
-            return cmd_ops(args)
-        if args.command == "gradcheck":
-            return cmd_gradcheck(args)
-        if args.command == "build":
-            from .aot import cmd_build
-
-            return cmd_build(args)
-        return cmd_train(args, parser)
+        return args.run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `teeny ops | head`: the reader left; end quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the final flush at exit must not fail again
+        return 141
+
+
+def _choose_device(device: str | None) -> str | None:
+    """Set TEENY_DEVICE before anything imports teeny's kernels; a problem as one line, or None."""
+    if device:
+        os.environ["TEENY_DEVICE"] = device
+    choice = os.environ.get("TEENY_DEVICE", "auto").strip().lower() or "auto"
+    if choice not in (*DEVICES, "gpu"):
+        return f"TEENY_DEVICE={choice!r}: expected one of {', '.join(DEVICES)}"
+    if choice in ("cuda", "gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda, but torch sees no CUDA device here (use --device cpu, or run on a GPU machine)"
+    return None
+
+
+# ------------------------------------------------------------------------------ teeny ops
+
+
+def add_build(sub) -> None:
+    p = sub.add_parser("build", help="compile a model's kernels ahead of time for GPU targets (no GPU needed)")
+    p.add_argument("model", help=f"one of: {', '.join(MODELS)}, or module:function (batch size -> Graph)")
+    p.add_argument("--target", default="cuda:90", help="cuda:ARCH[@SMS], comma-separated: cuda:90,cuda:80")
+    p.add_argument("--mode", choices=["training", "inference"], default="training")
+    p.add_argument("--batch-size", type=_positive_int)
+    p.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p.add_argument("--params", metavar="CHECKPOINT", help="store these parameters (a checkpoint, or 'init')")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--out", required=True, help="the bundle file to write")
+    p.set_defaults(run=cmd_build)
+
+
+def cmd_build(args) -> int:
+    from .aot import cmd_build as build
+
+    return build(args)
+
+
+def add_ops(sub) -> None:
+    p = sub.add_parser("ops", help="list every registered op with its dtypes and whether it has a backward")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_ops)
 
 
 def cmd_ops(args) -> int:
@@ -129,6 +155,16 @@ def cmd_ops(args) -> int:
         print(f"{r['name']:24} {r['family']:12} {'yes' if r['backward'] else 'no':8}  {', '.join(r['dtypes'])}")
     print(f"{len(rows)} ops, {sum(r['backward'] for r in rows)} with a backward")
     return 0
+
+
+# ------------------------------------------------------------------------ teeny gradcheck
+
+
+def add_gradcheck(sub) -> None:
+    p = sub.add_parser("gradcheck", help="check backward kernels against central finite differences (float64)")
+    p.add_argument("ops", nargs="*", metavar="OP", help="ops to check (default: all)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_gradcheck)
 
 
 def cmd_gradcheck(args) -> int:
@@ -190,39 +226,174 @@ def cmd_gradcheck(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_train(args, parser) -> int:
+# ---------------------------------------------------------------------------- teeny train
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model (data-parallel with --nproc N or under torchrun)")
+    p.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--epochs", type=_positive_int)
+    p.add_argument("--batch-size", type=_positive_int, help="the global batch (split over --nproc processes)")
+    p.add_argument("--lr", type=_positive_float)
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"])
+    p.add_argument("--weight-decay", type=_non_negative_float)
+    p.add_argument("--schedule", choices=["constant", "cosine"])
+    p.add_argument("--clip", type=_positive_float, help="clip gradients to this global norm")
+    p.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
+    p.add_argument("--checkpoint-every", type=_positive_int, metavar="STEPS", help="default: every epoch")
+    p.add_argument(
+        "--out",
+        help="folder for checkpoint, metrics.jsonl and loss.png (default: the resumed checkpoint's folder, else "
+        "runs/latest); a run that does not resume replaces an earlier run's files there",
+    )
+    p.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint file")
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="SETTING",
+        help="resume although SETTING (e.g. batch_size, lr; comma-separated or repeated; 'all') differs from the "
+        "checkpoint's, which breaks exactness",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=_positive_int, help="train data-parallel on N processes (starts torchrun)")
+    p.add_argument("--zero", action="store_true", help="data-parallel: shard the optimizer state (ZeRO stage 1)")
+    p.add_argument("--bucket-mb", type=_positive_float, help="data-parallel: gradient bucket size (MiB, default 25)")
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="data-parallel: seconds to wait for another process before stopping (default 600)",
+    )
+    p.add_argument(
+        "--device",
+        dest="train_device",
+        choices=DEVICES,
+        default=None,
+        help="same as the global --device",
+    )
+    p.set_defaults(run=cmd_train)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def cmd_train(args) -> int:
     if args.model not in MODELS:
         print(f"teeny train: unknown model {args.model!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
         return 2
-    import torch  # noqa: F401
+    if args.nproc and not _under_torchrun():
+        return start_torchrun(args.nproc, _without_nproc(args.argv))
+    world = None
+    if _under_torchrun():
+        from .distributed import DistributedError, init
 
+        if args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
+            started = os.environ["WORLD_SIZE"]
+            print(f"teeny train: --nproc {args.nproc}, but torchrun started {started} processes", file=sys.stderr)
+            return 2
+        try:
+            world = init(timeout=args.timeout)  # before any kernel: binds this process to its GPU
+        except DistributedError as exc:
+            print(f"teeny train: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return _train(args, world)
+    finally:
+        if world is not None:
+            from .distributed import shutdown
+
+            shutdown()
+
+
+def _train(args, world) -> int:
+    lead = world is None or world.rank == 0
+    say = print if lead else (lambda *a, **k: None)
     from . import device
+    from .distributed import DistributedError
     from .models import make_task
-    from .train import CheckpointError, TrainConfig, train
+    from .train import CheckpointError, DivergedError, TrainConfig, train
 
     task = make_task(args.model, args.size)
     settings = dict(task.defaults)
     settings.pop("epoch_tokens", None)
-    for key in ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "schedule", "clip"):
+    for key in ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "schedule", "clip", "checkpoint_every"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
-    config = TrainConfig(**settings, seed=args.seed, out=args.out, max_steps=args.steps, progress=not args.no_progress)
-    print(
-        f"teeny train {args.model} on {device.describe()}: {config.epochs} epochs, batch {config.batch_size}, "
+    if args.bucket_mb is not None:
+        settings["bucket_mb"] = args.bucket_mb
+    out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else "runs/latest")
+    config = TrainConfig(
+        **settings, seed=args.seed, out=out, max_steps=args.steps, progress=not args.no_progress, zero=args.zero
+    )
+    where = device.describe() if world is None else f"{world.size} processes on {device.describe()}"
+    say(
+        f"teeny train {args.model} on {where}: {config.epochs} epochs, batch {config.batch_size}, "
         f"{config.optimizer} lr {config.lr}"
     )
+    allow = [name.strip() for item in args.allow_change for name in item.split(",") if name.strip()]
     try:
-        result = train(task, config, resume=args.resume)
+        result = train(task, config, resume=args.resume, allow_change=allow, world=world, log=say)
     except (CheckpointError, ValueError) as exc:
-        print(f"teeny train: {exc}", file=sys.stderr)
+        if lead:
+            print(f"teeny train: {exc}", file=sys.stderr)
         return 2
+    except DivergedError as exc:
+        if lead:
+            print(f"teeny train: {exc}", file=sys.stderr)
+        return 1
+    except DistributedError as exc:
+        print(f"teeny train: {exc}", file=sys.stderr)
+        return 1
+    if result.get("nothing_to_do"):
+        return 0
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items() if k != "executor"}
-    print("final:", json.dumps(shown))
-    if args.model == "gpt":
-        print("sample:\n" + task.sample(result["executor"].params))
-    if args.out:
-        print(f"checkpoint, metrics.jsonl and loss.png in {args.out}")
+    say("final:", json.dumps(shown))
+    if args.model == "gpt" and lead:
+        say("sample:\n" + task.sample(result["executor"].params))
+    say(f"checkpoint, metrics.jsonl and loss.png in {config.out}")
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    rest, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == "--nproc":
+            skip = True
+        elif not token.startswith("--nproc="):
+            rest.append(token)
+    return rest
+
+
+def start_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m teeny ARGV`` on ``nproc`` processes of this machine through torchrun
+    (standalone rendezvous) and return the exit code of the first process that failed (0 if
+    none did). Each process prints its own errors; rank 0 prints the progress."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
+    options = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--no-python", sys.executable, "-m", "teeny", *argv]
+    )
+    try:
+        run(options)
+    except ChildFailedError as exc:
+        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        first = min(codes)
+        code = codes[first]
+        if code not in (1, 2):  # not one of teeny's own failures, which the process has explained
+            print(f"teeny train: process {first} ended with exit code {code}", file=sys.stderr)
+        return code if code > 0 else 1
     return 0
 
 

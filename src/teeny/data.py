@@ -1,5 +1,6 @@
 """Data sets that ship offline: scikit-learn's handwritten digits and a character corpus made
-from the Python standard library's own source files (present on every machine)."""
+from the Python standard library's own source files (present on every machine), and ``shard``,
+which gives each process of a data-parallel run its rows of a global batch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def shard(feed: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s rows of a global batch: the ``rank``-th of ``world_size`` equal slices along
+    the first dimension of every tensor. The global batches come in an order fixed by (seed,
+    epoch), so each process sees a disjoint shard of every epoch fixed by (seed, epoch, rank),
+    and the processes together see exactly the batches a single process would."""
+    sliced = {}
+    for name, t in feed.items():
+        rows = t.shape[0] if t.dim() else 0
+        if rows % world_size:
+            raise ValueError(f"input {name!r} has {rows} rows, which do not split evenly over {world_size} processes")
+        part = rows // world_size
+        sliced[name] = t[rank * part : (rank + 1) * part]
+    return sliced
 
 
 @dataclass

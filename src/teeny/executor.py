@@ -3,7 +3,10 @@ chain rule backwards, and owns the parameters and their gradients.
 
 Parameters live in one flat arena per dtype and their gradients in another, so zeroing the
 gradients or an optimizer step is one launch whatever the number of parameters;
-``executor.params[name]`` and ``executor.grads[name]`` are views into the arenas.
+``executor.params[name]`` and ``executor.grads[name]`` are views into the arenas. An arena
+holds first the parameters the backward writes, in the order it finishes their gradients, then
+the other trainable ones, then the non-trainable ones (``arena_order``): an optimizer updates
+the prefix ``grad_numel[dtype]`` and never touches the rest.
 
 ``forward_train`` returns the outputs and an ``ActivationCache`` holding, per node, only the
 tensors its op declared it needs (``saves_inputs``, ``saves_output``, ``extra_outputs``).
@@ -25,6 +28,33 @@ from .graph import Value
 from .kernels.accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context, row_stride
 from .runtime import TeenyError
+
+
+def gradient_final_node(program: Program) -> dict[int, int]:
+    """For each parameter the backward writes (value id), the index of the node whose backward
+    writes its gradient last: the first node that uses it, since the backward runs in reverse."""
+    final: dict[int, int] = {}
+    for index, p in enumerate(program.nodes):
+        for v, wanted in zip(p.node.inputs, p.grad_mask):
+            if wanted and v.kind == "param":
+                final.setdefault(v.id, index)
+    return final
+
+
+def arena_order(program: Program) -> list[Value]:
+    """The parameters in arena order: first those the backward writes, in reverse order of first
+    use (the order in which the backward finishes their gradients, so that the finished gradients
+    grow as a prefix of the arena and data-parallel buckets are contiguous ranges), then trainable
+    parameters the loss does not reach, then non-trainable ones (BatchNorm's running statistics,
+    frozen weights). An optimizer updates the first group only, in one launch per arena."""
+    final = gradient_final_node(program)
+    params = program.params
+    written = sorted((v for v in params if v.id in final), key=lambda v: -final[v.id])  # stable: ties keep graph order
+    return [
+        *written,
+        *(v for v in params if v.id not in final and v.requires_grad),
+        *(v for v in params if not v.requires_grad),
+    ]
 
 
 class ActivationCache:
@@ -78,7 +108,7 @@ class Executor:
     def _build_arenas(self, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         by_dtype: dict[torch.dtype, list[Value]] = {}
-        for v in self.program.params:
+        for v in arena_order(self.program):
             by_dtype.setdefault(v.dtype, []).append(v)
         self.param_arenas: dict[torch.dtype, torch.Tensor] = {}
         self.grad_arenas: dict[torch.dtype, torch.Tensor] = {}
@@ -86,29 +116,37 @@ class Executor:
         self.grads: dict[str, torch.Tensor] = {}
         self._param_by_id: dict[int, torch.Tensor] = {}
         self._grad_by_id: dict[int, torch.Tensor] = {}
+        # the layout: each arena's parameters in order with their offsets, and how long the prefix of
+        # parameters the backward writes is (all an optimizer updates; the rest it never touches)
+        self.arena_params: dict[torch.dtype, list[tuple[Value, int]]] = {}
+        self.grad_numel: dict[torch.dtype, int] = {}
+        written = gradient_final_node(self.program)
         for dtype, values in by_dtype.items():
             total = sum(v.numel for v in values)
             arena = torch.empty(total, dtype=dtype, device=self.device)
             grads = torch.zeros(total, dtype=dtype, device=self.device) if self.training else None
             offset = 0
+            self.arena_params[dtype] = []
             for v in values:
-                view = arena[offset : offset + v.numel].view(v.shape)
-                init = v.init(tuple(v.shape), generator, dtype)
-                if tuple(init.shape) != tuple(v.shape):
-                    raise TeenyError(
-                        f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}"
-                    )
-                view.copy_(init)
-                self.params[v.name] = view
-                self._param_by_id[v.id] = view
+                self.params[v.name] = arena[offset : offset + v.numel].view(v.shape)
+                self._param_by_id[v.id] = self.params[v.name]
                 if grads is not None:
                     gview = grads[offset : offset + v.numel].view(v.shape)
                     self.grads[v.name] = gview
                     self._grad_by_id[v.id] = gview
+                self.arena_params[dtype].append((v, offset))
                 offset += v.numel
+            self.grad_numel[dtype] = sum(v.numel for v in values if v.id in written)
             self.param_arenas[dtype] = arena
             if grads is not None:
                 self.grad_arenas[dtype] = grads
+        for v in self.program.params:  # initialise in graph order: a value does not depend on the layout
+            init = v.init(tuple(v.shape), generator, v.dtype)
+            if tuple(init.shape) != tuple(v.shape):
+                raise TeenyError(
+                    f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}"
+                )
+            self._param_by_id[v.id].copy_(init)
 
     def load_params(self, params: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy values into the parameters (e.g. from a checkpoint or a PyTorch model)."""

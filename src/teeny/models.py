@@ -117,6 +117,7 @@ class Task:
     name: str
     model: Module
     defaults: dict = field(default_factory=dict)
+    spec: dict = field(default_factory=dict)  # what else defines the model (e.g. gpt's size), kept in checkpoints
 
     def train_graph(self, batch_size: int, dtype: torch.dtype) -> Graph:
         """The training graph: inputs x, y; outputs (loss, logits)."""
@@ -216,6 +217,10 @@ class CharTask(Task):
     def steps_per_epoch(self, batch_size: int) -> int:
         return max(1, self.epoch_tokens // (batch_size * self.block_size))
 
+    def loss_count(self, feed: dict[str, torch.Tensor]) -> int:
+        """The targets the mean cross-entropy averages over (those not equal to its ignore_index)."""
+        return int((feed["y"] != -100).sum())
+
     def batches(self, epoch: int, batch_size: int, seed: int):
         gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
         for _ in range(self.steps_per_epoch(batch_size)):
@@ -262,56 +267,44 @@ class CharTask(Task):
         return self.corpus.decode(ids)
 
 
+# each model's training defaults, readable without loading its data (the `teeny train --nproc`
+# launcher checks the batch size against the number of processes before starting them)
+DEFAULTS: dict[tuple[str, str], dict] = {
+    ("mlp", "small"): dict(epochs=15, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0, schedule="cosine"),
+    ("cnn", "small"): dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0),
+    ("gpt", "small"): dict(
+        epochs=5,
+        batch_size=32,
+        lr=3e-3,
+        optimizer="adamw",
+        weight_decay=0.01,
+        epoch_tokens=40_000,
+        clip=1.0,
+        schedule="cosine",
+    ),
+    ("gpt", "large"): dict(
+        epochs=10, batch_size=64, lr=1e-3, optimizer="adamw", weight_decay=0.01, epoch_tokens=2_000_000, clip=1.0
+    ),
+}
+
+
+def model_defaults(name: str, size: str = "small") -> dict:
+    """The training defaults of built-in model ``name`` (``size`` matters for gpt only)."""
+    return dict(DEFAULTS[(name, size if name == "gpt" else "small")])
+
+
 def make_task(name: str, size: str = "small") -> Task:
+    if name not in ("mlp", "cnn", "gpt"):
+        raise KeyError(name)
+    defaults = model_defaults(name, size)
     if name == "mlp":
-        return DigitsTask(
-            "mlp",
-            MLP(),
-            image=False,
-            defaults=dict(epochs=15, batch_size=64, lr=3e-3, optimizer="adamw", weight_decay=0.0, schedule="cosine"),
-        )
+        return DigitsTask("mlp", MLP(), image=False, defaults=defaults)
     if name == "cnn":
-        return DigitsTask(
-            "cnn",
-            CNN(),
-            image=True,
-            defaults=dict(epochs=15, batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.0),
-        )
-    if name == "gpt":
-        corpus = CharCorpus()
-        if size == "large":
-            return CharTask(
-                corpus,
-                block_size=128,
-                d_model=256,
-                n_heads=8,
-                n_layers=4,
-                defaults=dict(
-                    epochs=10,
-                    batch_size=64,
-                    lr=1e-3,
-                    optimizer="adamw",
-                    weight_decay=0.01,
-                    epoch_tokens=2_000_000,
-                    clip=1.0,
-                ),
-            )
-        return CharTask(
-            corpus,
-            block_size=32,
-            d_model=48,
-            n_heads=4,
-            n_layers=2,
-            defaults=dict(
-                epochs=5,
-                batch_size=32,
-                lr=3e-3,
-                optimizer="adamw",
-                weight_decay=0.01,
-                epoch_tokens=40_000,
-                clip=1.0,
-                schedule="cosine",
-            ),
-            eval_batches=4,
-        )
-    raise KeyError(name)
+        return DigitsTask("cnn", CNN(), image=True, defaults=defaults)
+    corpus = CharCorpus()
+    if size == "large":
+        task = CharTask(corpus, block_size=128, d_model=256, n_heads=8, n_layers=4, defaults=defaults)
+    else:
+        task = CharTask(corpus, block_size=32, d_model=48, n_heads=4, n_layers=2, defaults=defaults, eval_batches=4)
+    task.spec = {"size": size}
+    return task

@@ -1,21 +1,32 @@
-"""Optimizers and learning-rate schedules over an ``Executor``'s parameter arenas.
-
-Parameters and gradients live in one flat arena per dtype, so a step is one kernel launch per
-arena (one in practice) whatever the number of parameters. Optimizer state (momentum buffers,
-Adam moments) is laid out like the arena. The update rules are PyTorch's (see
+"""Optimizers over the executor's flat parameter arenas: an update is one kernel launch per
+arena (one in practice) whatever the number of parameters. The update rules are PyTorch's (see
 ``teeny.kernels.optim``). Learning-rate schedules are plain functions of the step that the
 training loop applies by setting ``optimizer.lr``.
+
+What an optimizer touches is what ``torch.optim`` touches. The executor lays each arena out
+with the parameters its backward writes first (``Executor.arena_order``), so an update covers
+that prefix only: non-trainable parameters (frozen weights, BatchNorm's running statistics) and
+trainable ones the loss does not reach are never changed, not even by weight decay. A parameter
+without a gradient in a step (no backward since ``zero_grad``: PyTorch's ``.grad is None``) is
+skipped as PyTorch skips it: no decay, no momentum or moment update, and its step count (Adam's
+bias correction, SGD's first-step momentum) does not advance. Each parameter keeps its own step
+count; consecutive parameters with a gradient and equal counts share one launch, so the common
+step is one launch over the prefix. Optimizer state (momentum buffers, Adam moments) is laid out
+like that prefix (or like the ranges a process owns, for ZeRO-1: ``Optimizer.own``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from .executor import Executor
+from .graph import Value
 from .kernels import optim as K
+from .kernels.common import sum_partials
 from .kernels.optim import (
     BLOCK,
     adam_step_kernel,
@@ -25,12 +36,34 @@ from .kernels.optim import (
     sgd_step_kernel,
     sum_squares_partial_kernel,
 )
-from .runtime import ArgVisitor, Launch, launch_kernel
+from .runtime import ArgVisitor, Launch, TeenyError, launch_kernel
+
+Ranges = dict[torch.dtype, list[tuple[int, int]]]  # per arena dtype: [start, end) element ranges
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = True) -> None:
-    if not (value > 0 or (allow_zero and value == 0)) or math.isnan(value):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if not (value > 0 or (allow_zero and value == 0)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _tiling(spans: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]] | None:
+    """The ranges that cover [0, n) one after another with the ends of ``spans`` (None if they stop short)."""
+    bounds = [0] + [b for _, b, _ in spans]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(spans))] if bounds[-1] == n else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One update launch: arena elements [start, end) of one dtype, whose optimizer state starts at
+    ``state_start`` and whose parameters share the step count in slot ``slot``; ``range_index``
+    is the owned range it lies in."""
+
+    dtype: torch.dtype
+    start: int
+    end: int
+    state_start: int
+    slot: int
+    range_index: int
 
 
 class Optimizer:
@@ -43,49 +76,155 @@ class Optimizer:
         self.executor = executor
         self.lr = float(lr)
         self.base_lr = float(lr)
-        self.step_count = 0
-        # lr, step and the other hyperparameters, read by the kernels from device memory (K.LR, ...)
-        self.hyper = torch.zeros(K.N_HYPER, dtype=torch.float64, device=executor.device)
-        self.state: dict[str, dict[torch.dtype, torch.Tensor]] = {
-            name: {dtype: torch.zeros_like(arena) for dtype, arena in executor.param_arenas.items()}
+        self.step_count = 0  # steps taken (prepare calls)
+        # the parameters the backward writes, in arena order, each with its own step count
+        self.slots: list[tuple[Value, torch.dtype, int]] = [
+            (v, dtype, offset)
+            for dtype, entries in executor.arena_params.items()
+            for v, offset in entries
+            if offset < executor.grad_numel[dtype]
+        ]
+        self.param_steps = [0] * len(self.slots)
+        # lr and the other hyperparameters (K.LR, ...), then the step counts, read by the kernels from device memory
+        self.hyper = torch.zeros(K.N_HYPER + len(self.slots), dtype=torch.float64, device=executor.device)
+        # the ranges of each arena this optimizer updates, with where their state starts
+        self.ranges: dict[torch.dtype, list[tuple[int, int, int]]] = {
+            dtype: [(0, n, 0)] for dtype, n in executor.grad_numel.items() if n
+        }
+        self.sharded = False
+        self.state = self._allocate_state()
+        self.segments: list[Segment] = []
+
+    def _allocate_state(self) -> dict[str, dict[torch.dtype, torch.Tensor]]:
+        device = self.executor.device
+        sizes = {dtype: sum(end - start for start, end, _ in ranges) for dtype, ranges in self.ranges.items()}
+        return {
+            name: {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
             for name in self.state_names
         }
+
+    def own(self, ranges: Ranges) -> None:
+        """Update only these ranges of the arenas (ZeRO-1: each process updates its shard, then the
+        processes gather the parameters); the optimizer state then holds these ranges alone, one
+        after another. Call before the first step."""
+        if self.step_count:
+            raise TeenyError("Optimizer.own(): call it before the first step")
+        owned: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+        for dtype, spans in ranges.items():
+            limit, offset = self.executor.grad_numel.get(dtype, 0), 0
+            owned[dtype] = []
+            for start, end in spans:
+                if not 0 <= start <= end <= limit:
+                    raise ValueError(f"Optimizer.own(): [{start}, {end}) is outside the {limit} updatable elements")
+                owned[dtype].append((start, end, offset))
+                offset += end - start
+        tiled = all(
+            [(a, b) for a, b, _ in owned.get(dtype, [])] == _tiling(owned.get(dtype, []), n)
+            for dtype, n in self.executor.grad_numel.items()
+            if n
+        )
+        self.ranges, self.sharded = owned, not tiled  # sharded: the state of some elements lives elsewhere
+        self.state = self._allocate_state()
 
     def zero_grad(self) -> None:
         self.executor.zero_grad()
 
-    def step(self) -> None:
-        """One update of every parameter: ``prepare()`` then ``launch()``."""
-        self.prepare()
+    def step(self, with_grad: Iterable[str] | None = None) -> None:
+        """One update of every parameter that has a gradient: ``prepare()`` then ``launch()``."""
+        self.prepare(with_grad)
         self.launch()
 
-    def prepare(self) -> None:
-        """Advance the step count and publish lr and step to the device (host side)."""
+    def prepare(self, with_grad: Iterable[str] | None = None) -> None:
+        """Host side of a step: advance the step counts of the parameters with a gradient, plan the
+        launches, and publish lr and the step counts to the device. ``with_grad`` names the
+        parameters that have a gradient this step; by default those a backward has written since
+        the executor's last ``zero_grad`` (write into ``executor.grads`` yourself only after one)."""
+        names = self._with_grad(with_grad)
         self.step_count += 1
+        for i, (v, _, _) in enumerate(self.slots):
+            if v.name in names:
+                self.param_steps[i] += 1
+        self.segments = self._plan(names)
         values = [0.0] * K.N_HYPER
-        values[K.LR.value], values[K.STEP.value] = self.lr, float(self.step_count)
+        values[K.LR.value] = self.lr
         for slot, value in self.hyperparameters().items():
             values[slot.value] = float(value)
-        self.hyper.copy_(torch.tensor(values, dtype=torch.float64))
+        self.hyper.copy_(torch.tensor(values + [float(s) for s in self.param_steps], dtype=torch.float64))
+
+    def _with_grad(self, with_grad: Iterable[str] | None) -> set[str]:
+        if with_grad is None:
+            written = self.executor._zeroed  # the gradients no backward has written since zero_grad
+            return {v.name for v, _, _ in self.slots if v.id not in written}
+        names = set(with_grad)
+        unknown = sorted(names - {v.name for v, _, _ in self.slots})
+        if unknown:
+            raise ValueError(
+                f"with_grad names {unknown}, which the backward never writes (non-trainable parameters, or "
+                "ones the loss does not reach): an optimizer does not update them"
+            )
+        return names
+
+    def _plan(self, names: set[str]) -> list[Segment]:
+        """The launches of a step: each owned range cut into runs of consecutive parameters that
+        have a gradient and equal step counts (one run, one launch, in the common case)."""
+        segments = []
+        for dtype, ranges in self.ranges.items():
+            runs: list[tuple[int, int, int]] = []  # (start, end, slot)
+            for i, (v, vdtype, offset) in enumerate(self.slots):
+                if vdtype != dtype or v.name not in names:
+                    continue
+                if runs and runs[-1][1] == offset and self.param_steps[runs[-1][2]] == self.param_steps[i]:
+                    runs[-1] = (runs[-1][0], offset + v.numel, runs[-1][2])
+                else:
+                    runs.append((offset, offset + v.numel, i))
+            for index, (lo, hi, state_lo) in enumerate(ranges):
+                for start, end, slot in runs:
+                    a, b = max(lo, start), min(hi, end)
+                    if a < b:
+                        segments.append(Segment(dtype, a, b, state_lo + a - lo, slot, index))
+        return segments
 
     def hyperparameters(self) -> dict:
         """The constant hyperparameters by buffer slot."""
         return {}
 
-    def launch(self) -> None:
-        """The update kernels alone (one launch per arena): what a CUDA graph captures."""
-        for dtype, params in self.executor.param_arenas.items():
-            if params.numel():
-                self._update(dtype, params, self.executor.grad_arenas[dtype])
+    def launch(
+        self,
+        before: Callable[[torch.dtype, int], None] | None = None,
+        after: Callable[[torch.dtype, int], None] | None = None,
+    ) -> None:
+        """The update kernels alone (one launch per arena in the common case): what a CUDA graph
+        captures. ``before(dtype, i)`` / ``after(dtype, i)`` run around the launches of owned range
+        i (data-parallel training waits there for that range's gradients and gathers it after)."""
+        for dtype, ranges in self.ranges.items():
+            for index in range(len(ranges)):
+                if before is not None:
+                    before(dtype, index)
+                for segment in self.segments:
+                    if segment.dtype == dtype and segment.range_index == index:
+                        self._update(segment)
+                if after is not None:
+                    after(dtype, index)
 
-    def _update(self, dtype, params, grads) -> None:
+    def _views(self, s: Segment) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Parameters, gradients, state and step count of segment ``s``."""
+        n = s.end - s.start
+        params = self.executor.param_arenas[s.dtype][s.start : s.end]
+        grads = self.executor.grad_arenas[s.dtype][s.start : s.end]
+        state = {name: t[s.dtype][s.state_start : s.state_start + n] for name, t in self.state.items()}
+        step = self.hyper[K.N_HYPER + s.slot : K.N_HYPER + s.slot + 1]
+        return params, grads, state, step
+
+    def _update(self, segment: Segment) -> None:
         raise NotImplementedError
 
     # --- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Step counts and state (of the owned ranges, when sharded)."""
         out = {
             "step": torch.tensor(self.step_count, dtype=torch.int64),
             "lr": torch.tensor(self.lr, dtype=torch.float64),
+            "param_steps": torch.tensor(self.param_steps, dtype=torch.int64),
         }
         for name, arenas in self.state.items():
             for dtype, t in arenas.items():
@@ -93,23 +232,31 @@ class Optimizer:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.step_count = int(state["step"])
-        self.lr = float(state["lr"])
+        """Load a state written by ``state_dict`` of an unsharded optimizer (a sharded one takes its
+        own ranges out of it)."""
+        steps = state.get("param_steps")
+        if steps is None or tuple(steps.shape) != (len(self.slots),):
+            raise ValueError(
+                f"optimizer state has {'no' if steps is None else len(steps)} parameter step counts, "
+                f"expected {len(self.slots)}"
+            )
         for name, arenas in self.state.items():
             for dtype, t in arenas.items():
                 key = f"{name}.{str(dtype).replace('torch.', '')}"
                 if key not in state:
                     raise KeyError(f"optimizer state is missing {key!r}")
-                if state[key].shape != t.shape:
-                    raise ValueError(
-                        f"optimizer state {key!r} has shape {tuple(state[key].shape)}, expected {tuple(t.shape)}"
-                    )
-                t.copy_(state[key].to(t.device, t.dtype))
+                full = self.executor.grad_numel[dtype]
+                if tuple(state[key].shape) != (full,):
+                    raise ValueError(f"optimizer state {key!r} has shape {tuple(state[key].shape)}, expected ({full},)")
+                source = state[key].to(t.device, t.dtype)
+                for start, end, offset in self.ranges[dtype]:
+                    t[offset : offset + end - start].copy_(source[start:end])
+        self.step_count = int(state["step"])
+        self.lr = float(state["lr"])
+        self.param_steps = [int(s) for s in steps]
 
 
 class SGD(Optimizer):
-    state_names = ("momentum_buffer",)
-
     def __init__(
         self,
         executor: Executor,
@@ -124,25 +271,25 @@ class SGD(Optimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         self.momentum, self.dampening, self.weight_decay, self.nesterov = momentum, dampening, weight_decay, nesterov
+        self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(executor, lr)
 
     def hyperparameters(self) -> dict:
         return {K.MOMENTUM: self.momentum, K.DAMPENING: self.dampening, K.WEIGHT_DECAY: self.weight_decay}
 
-    def _update(self, dtype, params, grads) -> None:
-        n = params.numel()
-        buf = self.state["momentum_buffer"][dtype]
+    def _update(self, segment: Segment) -> None:
+        params, grads, state, step = self._views(segment)
         args = ArgVisitor().visit(
             p_ptr=params,
             g_ptr=grads,
-            buf_ptr=buf,
+            buf_ptr=state.get("momentum_buffer"),
             hyper_ptr=self.hyper,
-            n=n,
+            step_ptr=step,
+            n=params.numel(),
             NESTEROV=self.nesterov,
-            USE_MOMENTUM=self.momentum != 0,
             BLOCK=BLOCK,
         )
-        launch_kernel(Launch(sgd_step_kernel, (blocks(n),), args), dtype, "optimizer SGD")
+        launch_kernel(Launch(sgd_step_kernel, (blocks(params.numel()),), args), segment.dtype, "optimizer SGD")
 
 
 class Adam(Optimizer):
@@ -168,19 +315,21 @@ class Adam(Optimizer):
     def hyperparameters(self) -> dict:
         return {K.BETA1: self.betas[0], K.BETA2: self.betas[1], K.EPS: self.eps, K.WEIGHT_DECAY: self.weight_decay}
 
-    def _update(self, dtype, params, grads) -> None:
-        n = params.numel()
+    def _update(self, segment: Segment) -> None:
+        params, grads, state, step = self._views(segment)
         args = ArgVisitor().visit(
             p_ptr=params,
             g_ptr=grads,
-            m_ptr=self.state["exp_avg"][dtype],
-            v_ptr=self.state["exp_avg_sq"][dtype],
+            m_ptr=state["exp_avg"],
+            v_ptr=state["exp_avg_sq"],
             hyper_ptr=self.hyper,
-            n=n,
+            step_ptr=step,
+            n=params.numel(),
             DECOUPLED=self.decoupled,
             BLOCK=BLOCK,
         )
-        launch_kernel(Launch(adam_step_kernel, (blocks(n),), args), dtype, f"optimizer {type(self).__name__}")
+        where = f"optimizer {type(self).__name__}"
+        launch_kernel(Launch(adam_step_kernel, (blocks(params.numel()),), args), segment.dtype, where)
 
 
 class AdamW(Adam):
@@ -200,30 +349,52 @@ class AdamW(Adam):
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 
 
-def clip_grad_norm(executor: Executor, max_norm: float) -> torch.Tensor:
-    """Scale all gradients so that their global L2 norm is at most ``max_norm`` (like
-    torch.nn.utils.clip_grad_norm_); returns the norm before clipping as a device tensor
-    (no host synchronisation)."""
+def clip_grad_norm(
+    executor: Executor,
+    max_norm: float,
+    *,
+    norm_ranges: Ranges | None = None,
+    scale_ranges: Ranges | None = None,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm`` (like
+    torch.nn.utils.clip_grad_norm_); returns the norm before clipping as a float64 device tensor
+    (no host synchronisation). The norm is summed in float64 from per-block partial sums (float32
+    blocks for float32 gradients, float64 for float64 ones).
+
+    By default every gradient the backward writes counts and is scaled. Data-parallel training
+    with sharded gradients passes the ``norm_ranges`` it counts and the ``scale_ranges`` it scales,
+    and ``reduce``, which sums the one-element float64 sum of squares across processes in place."""
     _check_positive("max_norm", max_norm, allow_zero=False)
-    arenas = [g for g in executor.grad_arenas.values() if g.numel()]
-    counts = [blocks(g.numel()) for g in arenas]
-    device = executor.device
-    partials = torch.empty(max(sum(counts), 1), dtype=torch.float32, device=device)
-    norm = torch.zeros(1, dtype=torch.float32, device=device)
-    factor = torch.ones(1, dtype=torch.float32, device=device)
-    offset = 0
+    prefix = {dtype: [(0, n)] for dtype, n in executor.grad_numel.items() if n}
+    norm_ranges = prefix if norm_ranges is None else norm_ranges
+    scale_ranges = prefix if scale_ranges is None else scale_ranges
     where = "clip_grad_norm"
-    for grads, count in zip(arenas, counts):
+    device = executor.device
+    pieces = [executor.grad_arenas[d][a:b] for d, spans in norm_ranges.items() for a, b in spans if b > a]
+    counts = [blocks(g.numel()) for g in pieces]
+    partials = torch.empty(max(sum(counts), 1), dtype=torch.float64, device=device)
+    sum_squares = torch.zeros(1, dtype=torch.float64, device=device)
+    offset = 0
+    for grads, count in zip(pieces, counts):
         args = ArgVisitor().visit(g_ptr=grads, partial_ptr=partials[offset:], n=grads.numel(), BLOCK=BLOCK)
         launch_kernel(Launch(sum_squares_partial_kernel, (count,), args), grads.dtype, where)
         offset += count
-    args = ArgVisitor().visit(
-        partial_ptr=partials, n_partials=offset, norm_ptr=norm, factor_ptr=factor, max_norm=float(max_norm), BLOCK=BLOCK
-    )
-    launch_kernel(Launch(clip_factor_kernel, (1,), args), torch.float32, where)
-    for grads in arenas:
-        args = ArgVisitor().visit(g_ptr=grads, factor_ptr=factor, n=grads.numel(), BLOCK=BLOCK)
-        launch_kernel(Launch(scale_by_factor_kernel, (blocks(grads.numel()),), args), grads.dtype, where)
+    if offset:
+        for launch in sum_partials(partials[:offset].view(offset, 1), sum_squares):
+            launch_kernel(launch, torch.float64, where)
+    if reduce is not None:
+        reduce(sum_squares)
+    norm = torch.empty(1, dtype=torch.float64, device=device)
+    factor = torch.empty(1, dtype=torch.float64, device=device)
+    args = ArgVisitor().visit(sum_squares_ptr=sum_squares, norm_ptr=norm, factor_ptr=factor, max_norm=float(max_norm))
+    launch_kernel(Launch(clip_factor_kernel, (1,), args), torch.float64, where)
+    for dtype, spans in scale_ranges.items():
+        for a, b in spans:
+            if b > a:
+                grads = executor.grad_arenas[dtype][a:b]
+                args = ArgVisitor().visit(g_ptr=grads, factor_ptr=factor, n=b - a, BLOCK=BLOCK)
+                launch_kernel(Launch(scale_by_factor_kernel, (blocks(b - a),), args), dtype, where)
     return norm[0]
 
 

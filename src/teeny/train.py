@@ -2,40 +2,71 @@
 evaluation, a progress bar, metrics as JSON lines, a loss curve PNG, and checkpoints that
 resume exactly.
 
-A checkpoint (safetensors) holds the parameters, the optimizer state and the position (global
-step). Data order is a function of (seed, epoch), so a run resumed from the checkpoint of step
-s sees the same batches from step s on as an uninterrupted run, and ends with the same
-parameters. Checkpoints are written to a temporary file, flushed, and renamed over the old one,
-so a crash mid-write leaves the previous checkpoint intact.
+A checkpoint (safetensors) holds the parameters, the optimizer state, the position (global
+step), the model's name and the whole training configuration. Data order is a function of
+(seed, epoch), so a run resumed from the checkpoint of step s sees the same batches from step s
+on as an uninterrupted run, and ends with the same parameters; a resume whose settings would
+break that (another batch size, optimizer, learning rate, ... or, under a cosine schedule,
+another number of epochs) is refused, naming the setting, unless ``allow_change`` lists it.
+Checkpoints are written to a temporary file, flushed, and renamed over the old one, so a crash
+mid-write leaves the previous checkpoint intact (and no temporary file survives a failed write).
+
+A loss that is not finite, or that grows past ``diverge_factor`` times its first value, stops
+training with ``DivergedError`` naming the step; the last checkpoint written is from before it.
+``metrics.jsonl`` is strict JSON (a non-finite value is written as null). A run that does not
+resume starts a fresh folder: the metrics, checkpoint and plot of an earlier run there are
+replaced.
+
+Under ``torch.distributed`` (``teeny.distributed.init()``, e.g. started by torchrun), ``train``
+runs data-parallel: the batch size is the global batch, split evenly over the processes; each
+sees its rows of every batch (a disjoint shard, fixed by seed, epoch and rank); gradients are
+averaged through ``teeny.distributed.DataParallel``; only rank 0 prints, writes metrics, plots and
+checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .data import shard
 from .executor import Executor
 from .graph import Graph
 from .lowering import LoweringMode, lower
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
 
-CHECKPOINT_FORMAT = "teeny-checkpoint-1"
+if TYPE_CHECKING:
+    from .distributed import DataParallel, World
+
+CHECKPOINT_FORMAT = "teeny-checkpoint-2"
+CHECKPOINT_NAME = "checkpoint.safetensors"
 
 
 class CheckpointError(Exception):
-    """A checkpoint cannot be used: unreadable, truncated, or for another model."""
+    """A checkpoint cannot be used: unreadable, truncated, for another model, or written with
+    settings that the resumed run would not continue exactly."""
+
+
+class RunDirError(ValueError):
+    """The output folder cannot hold a run (a file, under a file, or not writable)."""
+
+
+class DivergedError(RuntimeError):
+    """The loss became non-finite or diverged; training stopped."""
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 10
-    batch_size: int = 32
+    batch_size: int = 32  # the global batch: split evenly over the processes of a data-parallel run
     lr: float = 1e-3
     optimizer: str = "adamw"
     weight_decay: float = 0.0
@@ -50,24 +81,67 @@ class TrainConfig:
     progress: bool = True
     dtype: torch.dtype = torch.float32
     cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
-    log_every: int | None = None  # read the loss back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
+    log_every: int | None = None  # read the losses back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
+    diverge_factor: float | None = 1e4  # stop at a loss over this times max(|first loss|, 1); None: non-finite only
+    zero: bool = False  # data-parallel: shard the optimizer state over the processes (ZeRO stage 1)
+    bucket_mb: float = 25.0  # data-parallel: gradient all-reduce bucket size in MiB
 
     def validate(self) -> None:
+        def finite(x) -> bool:
+            return x is None or math.isfinite(x)
+
         checks = [
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"learning rate must be > 0, got {self.lr}"),
+            (self.lr > 0 and finite(self.lr), f"learning rate must be a finite number > 0, got {self.lr}"),
             (
                 self.optimizer in OPTIMIZERS,
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}",
             ),
             (self.schedule in ("constant", "cosine"), f"unknown schedule {self.schedule!r}; choose constant or cosine"),
-            (self.clip is None or self.clip > 0, f"clip must be > 0, got {self.clip}"),
-            (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
+            (
+                self.clip is None or (self.clip > 0 and finite(self.clip)),
+                f"clip must be a finite number > 0, got {self.clip}",
+            ),
+            (
+                self.weight_decay >= 0 and finite(self.weight_decay),
+                f"weight decay must be a finite number >= 0, got {self.weight_decay}",
+            ),
+            (self.momentum >= 0 and finite(self.momentum), f"momentum must be finite and >= 0, got {self.momentum}"),
+            (self.warmup_steps >= 0, f"warmup steps must be >= 0, got {self.warmup_steps}"),
+            (
+                self.diverge_factor is None or self.diverge_factor > 1,
+                f"diverge_factor must be > 1 or None, got {self.diverge_factor}",
+            ),
+            (self.bucket_mb > 0 and finite(self.bucket_mb), f"bucket size must be > 0 MiB, got {self.bucket_mb}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def settings(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (stored in checkpoints)."""
+        values = asdict(self)
+        values["dtype"] = str(self.dtype).replace("torch.", "")
+        return values
+
+
+# what a resumed run must share with its checkpoint to continue it exactly (epochs too under a
+# cosine schedule, whose shape depends on the total number of steps)
+EXACT_SETTINGS = (
+    "batch_size",
+    "lr",
+    "optimizer",
+    "weight_decay",
+    "momentum",
+    "schedule",
+    "warmup_steps",
+    "clip",
+    "seed",
+    "dtype",
+    "zero",
+    "world_size",
+)
 
 
 def make_optimizer(executor: Executor, config: TrainConfig) -> Optimizer:
@@ -81,25 +155,36 @@ def make_optimizer(executor: Executor, config: TrainConfig) -> Optimizer:
 
 
 def save_checkpoint(
-    path: str | os.PathLike, executor: Executor, optimizer: Optimizer, step: int, meta: dict | None = None
+    path: str | os.PathLike,
+    executor: Executor,
+    optimizer: Optimizer,
+    step: int,
+    meta: dict | None = None,
+    optimizer_state: dict[str, torch.Tensor] | None = None,
 ) -> None:
+    """Write parameters, optimizer state (``optimizer_state`` if given, e.g. gathered from the
+    shards of a ZeRO-1 run, else ``optimizer.state_dict()``), step and ``meta`` atomically."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    state = optimizer.state_dict() if optimizer_state is None else optimizer_state
     tensors = {f"param/{k}": v.detach().cpu().contiguous() for k, v in executor.params.items()}
-    tensors.update({f"optim/{k}": v.detach().cpu().contiguous() for k, v in optimizer.state_dict().items()})
+    tensors.update({f"optim/{k}": v.detach().cpu().contiguous() for k, v in state.items()})
     metadata = {
         "format": CHECKPOINT_FORMAT,
         "step": str(step),
         "optimizer": type(optimizer).__name__,
-        **{k: str(v) for k, v in (meta or {}).items()},
+        **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (meta or {}).items()},
     }
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
@@ -115,11 +200,55 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises several types for a damaged file
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): {exc}") from None
-    if metadata.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not a teeny checkpoint (format {metadata.get('format')!r})")
+    found = metadata.get("format")
+    if found != CHECKPOINT_FORMAT:
+        if isinstance(found, str) and found.startswith("teeny-checkpoint-"):
+            raise CheckpointError(
+                f"{path} was written by another version of teeny ({found}, this one reads {CHECKPOINT_FORMAT}): "
+                "its optimizer state is laid out differently, so it cannot be resumed"
+            )
+        raise CheckpointError(f"{path} is not a teeny checkpoint (format {found!r})")
     params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
     state = {k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")}
     return params, state, metadata
+
+
+def _flag(setting: str) -> str:
+    return "--nproc" if setting == "world_size" else "--" + setting.replace("_", "-")
+
+
+def check_resumable(
+    path: str | os.PathLike,
+    meta: dict[str, str],
+    task,
+    settings: dict[str, Any],
+    allow_change: Iterable[str] = (),
+) -> None:
+    """Refuse to resume from a checkpoint of another model, or with settings that would not continue
+    its run exactly (``settings``: ``TrainConfig.settings()`` plus ``world_size``), unless
+    ``allow_change`` names them (``"all"``: any)."""
+    model = meta.get("model")
+    if model is not None and model != task.name:
+        raise CheckpointError(f"checkpoint {path} is of model {model!r}, not {task.name!r}")
+    spec = json.loads(meta.get("model_spec", "{}"))
+    if spec != dict(getattr(task, "spec", {})):
+        raise CheckpointError(f"checkpoint {path} is of {task.name} {spec}, not {dict(getattr(task, 'spec', {}))}")
+    saved = json.loads(meta.get("config", "{}"))
+    allowed = set(allow_change)
+    names = list(EXACT_SETTINGS)
+    if "cosine" in (saved.get("schedule"), settings.get("schedule")):
+        names.append("epochs")
+    if "all" in allowed:
+        return
+    differ = [k for k in names if k in saved and saved[k] != settings.get(k) and k not in allowed]
+    if differ:
+        was = ", ".join(f"{k}={saved[k]}" for k in differ)
+        now = ", ".join(f"{k}={settings.get(k)}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {path} was written with {was}; this run has {now}: resuming would not continue that run "
+            f"exactly. Use the checkpoint's settings ({' '.join(f'{_flag(k)} {saved[k]}' for k in differ)}), or "
+            f"pass --allow-change {','.join(differ)} to resume with the new ones deliberately"
+        )
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -133,7 +262,9 @@ class CallableTask:
     * ``batches(epoch, batch_size, seed)`` yields input feeds (dicts of tensors) in an order
       fixed by its arguments (so that resuming is exact),
     * ``steps_per_epoch(batch_size)`` says how many it yields,
-    * ``evaluate(params)`` (optional) returns metrics from the current parameters.
+    * ``evaluate(params)`` (optional) returns metrics from the current parameters,
+    * ``loss_count(feed)`` (optional, for data-parallel runs) says how many terms the loss of a
+      feed averages over (default: its rows), so that ranks' losses combine into the global mean.
     """
 
     name: str
@@ -141,9 +272,20 @@ class CallableTask:
     batches: Callable[[int, int, int], Iterable[dict]]
     steps_per_epoch: Callable[[int], int]
     evaluate: Callable[[dict], dict] = lambda params: {}
+    loss_count: Callable[[dict], int] | None = None
 
     def train_graph(self, batch_size: int, dtype: torch.dtype = torch.float32):
         return self.build(batch_size)
+
+
+def loss_count(task, feed: dict[str, torch.Tensor]) -> int:
+    """How many terms the loss of ``feed`` averages over: the task's ``loss_count(feed)`` if it
+    has one, else the rows (first dimension) of the feed's first tensor."""
+    count = getattr(task, "loss_count", None)
+    if callable(count):
+        return int(count(feed))
+    first = next(iter(feed.values()))
+    return int(first.shape[0]) if first.dim() else 1
 
 
 # ------------------------------------------------------------------------- one step
@@ -155,12 +297,21 @@ class TrainStep:
     On a GPU the whole step is a fixed sequence of launches over static shapes, so with
     ``cuda_graph=True`` it is captured once as a CUDA graph and replayed: the first call runs
     eagerly (compiling every kernel), the second captures, later ones copy the batch into the
-    static input buffers and replay. The learning rate and step count reach the optimizer
+    static input buffers and replay. The learning rate and step counts reach the optimizer
     kernels through device memory (``Optimizer.prepare``), so schedules keep working.
+    With ``parallel`` (a ``teeny.distributed.DataParallel``) the step also combines the ranks'
+    losses and gradients (collectives included in the captured graph where NCCL allows it).
     Returns the loss as a device tensor (reading it is the caller's choice: it synchronises).
     """
 
-    def __init__(self, executor: Executor, optimizer: Optimizer, clip: float | None = None, cuda_graph: bool = False):
+    def __init__(
+        self,
+        executor: Executor,
+        optimizer: Optimizer,
+        clip: float | None = None,
+        cuda_graph: bool = False,
+        parallel: DataParallel | None = None,
+    ):
         blockers = [p.node.name for p in executor.program.nodes if not p.op.capturable]
         if cuda_graph and blockers:
             import warnings
@@ -173,24 +324,40 @@ class TrainStep:
         if cuda_graph and executor.device.type != "cuda":
             raise ValueError("CUDA graphs need the GPU")
         self.executor, self.optimizer, self.clip, self.cuda_graph = executor, optimizer, clip, cuda_graph
+        self.parallel = parallel
+        self.with_grad = [v.name for v, _, _ in optimizer.slots]  # the backward writes every one of them
         self.calls = 0
         self.graph = None
+        self.captured_segments = None
         self.static_feed: dict[str, torch.Tensor] = {}
         self.static_loss = None
 
     def _body(self, feed) -> torch.Tensor:
-        self.executor.zero_grad()
-        outputs, cache = self.executor.forward_train(feed)
+        executor, parallel = self.executor, self.parallel
+        executor.zero_grad()
+        if parallel is not None:
+            parallel.start_step()
+        outputs, cache = executor.forward_train(feed)
         loss = outputs[0] if isinstance(outputs, tuple) else outputs
-        self.executor.backward(cache)
+        executor.backward(cache, None if parallel is None else parallel.loss_seed(loss))
+        if parallel is None:
+            if self.clip:
+                clip_grad_norm(executor, self.clip)
+            self.optimizer.launch()
+            return loss
+        parallel.end_backward()
         if self.clip:
-            clip_grad_norm(self.executor, self.clip)
-        self.optimizer.launch()
-        return loss
+            clip_grad_norm(executor, self.clip, **parallel.clip_options())
+        self.optimizer.launch(before=parallel.wait_range, after=parallel.gather_range)
+        return parallel.finish_step(loss)
 
-    def __call__(self, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, feed: dict[str, torch.Tensor], loss_count: int | None = None) -> torch.Tensor:
         self.calls += 1
-        self.optimizer.prepare()
+        self.optimizer.prepare(self.with_grad)
+        if self.parallel is not None:
+            self.parallel.set_loss_count(loss_count if loss_count is not None else len(next(iter(feed.values()))))
+        if self.graph is not None and self.optimizer.segments != self.captured_segments:
+            self.graph = None  # the launches changed (per-parameter step counts diverged): capture again
         if not self.cuda_graph or self.calls == 1:
             return self._body(feed)
         if self.graph is None:
@@ -211,6 +378,7 @@ class TrainStep:
                 torch.cuda.synchronize(device)
                 return self._body(feed)
             self.graph = graph
+            self.captured_segments = list(self.optimizer.segments)
         else:
             for k, v in feed.items():
                 self.static_feed[k].copy_(v, non_blocking=True)
@@ -221,16 +389,39 @@ class TrainStep:
 # ------------------------------------------------------------------------------ loop
 
 
+def _strict(value: Any) -> Any:
+    """JSON has no NaN or Infinity: non-finite floats become null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class MetricsLog:
-    def __init__(self, out: Path | None):
+    """Rows of metrics, kept in memory and (when ``out`` is set) appended to ``metrics.jsonl``
+    as strict JSON. ``keep_until``: resuming at that step, keep the earlier rows of the file and
+    drop any written after it (by a run that went on past its last checkpoint); otherwise the
+    file starts afresh."""
+
+    def __init__(self, out: Path | None, keep_until: int | None = None):
         self.path = out / "metrics.jsonl" if out else None
         self.rows: list[dict] = []
+        if self.path is None:
+            return
+        if keep_until is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash
+                if isinstance(row, dict) and row.get("step", 0) <= keep_until:
+                    self.rows.append(row)
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in self.rows)
 
     def write(self, **row) -> None:
+        row = {k: _strict(v) for k, v in row.items()}
         self.rows.append(row)
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def plot_losses(rows: list[dict], path: Path) -> None:
@@ -239,11 +430,10 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows if "loss" in r]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    points = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, losses, label="train loss")
-    evals = [r for r in rows if "val_loss" in r]
+    ax.plot([s for s, _ in points], [v for _, v in points], label="train loss")
+    evals = [r for r in rows if r.get("val_loss") is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss")
         if "unigram_entropy" in evals[-1]:
@@ -256,93 +446,246 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def train(task, config: TrainConfig, resume: str | None = None, log=print) -> dict:
+def check_out_dir(out: Path) -> None:
+    """Raise ``RunDirError`` unless ``out`` is (or can be made) a writable folder; creates nothing."""
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunDirError(f"--out {out} lies under {existing}, which is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunDirError(f"--out {out}: {existing} is not writable")
+
+
+def _run_dir_files(out: Path) -> list[str]:
+    return [name for name in (CHECKPOINT_NAME, "metrics.jsonl", "loss.png") if (out / name).exists()]
+
+
+class _Losses:
+    """The losses of the steps since the last read, kept on the device (a read synchronises):
+    one copy per step, one transfer per ``log_every`` steps."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.buffer = torch.zeros(size, dtype=torch.float64, device=device)
+        self.steps: list[tuple[int, int, float]] = []  # (step, epoch, lr)
+
+    def add(self, loss: torch.Tensor, step: int, epoch: int, lr: float) -> None:
+        self.buffer[len(self.steps)].copy_(loss.detach().reshape(()))
+        self.steps.append((step, epoch, lr))
+
+    def read(self) -> list[tuple[int, int, float, float]]:
+        if not self.steps:
+            return []
+        values = self.buffer[: len(self.steps)].tolist()
+        rows = [(s, e, lr, v) for (s, e, lr), v in zip(self.steps, values)]
+        self.steps = []
+        return rows
+
+
+def train(
+    task,
+    config: TrainConfig,
+    resume: str | None = None,
+    log=print,
+    allow_change: Iterable[str] = (),
+    world: World | None = None,
+) -> dict:
     """Train ``task``'s model; returns the final metrics (and writes logs and checkpoints to
-    ``config.out`` when set)."""
+    ``config.out`` when set). ``resume``: a checkpoint to continue from; ``allow_change``: settings
+    the resumed run may change although that breaks exactness (``"all"`` for any). ``world``: the
+    data-parallel process group (default: ``teeny.distributed.current()``, None outside one).
+    A resume with nothing left to do returns ``{"step": ..., "nothing_to_do": True}``."""
+    from . import distributed
+
     config.validate()
+    world = distributed.current() if world is None else world
+    size, rank = (world.size, world.rank) if world is not None else (1, 0)
+    lead = rank == 0
+    say = log if lead else (lambda *args, **kwargs: None)
+    if config.batch_size % size:
+        raise ValueError(
+            f"batch size {config.batch_size} does not divide evenly over {size} processes: choose a multiple of {size}"
+        )
+    local_batch = config.batch_size // size
     out = Path(config.out) if config.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    graph = task.train_graph(config.batch_size, config.dtype)
-    executor = Executor(lower(graph, LoweringMode.TRAINING), seed=config.seed)
-    optimizer = make_optimizer(executor, config)
     steps_per_epoch = task.steps_per_epoch(config.batch_size)
     if steps_per_epoch < 1:
         raise ValueError(f"batch size {config.batch_size} is larger than the training set")
     total_steps = steps_per_epoch * config.epochs
+    stop_at = min(total_steps, config.max_steps) if config.max_steps is not None else total_steps
+    settings = {**config.settings(), "world_size": size}
+    spec = dict(getattr(task, "spec", {}))
+
+    # rank 0 checks the folder and the checkpoint before anything is built or created
+    loaded: dict[str, Any] = {}
+
+    def check() -> int:
+        if out:
+            check_out_dir(out)
+        if not resume:
+            return 0
+        params, state, meta = load_checkpoint(resume)
+        check_resumable(resume, meta, task, settings, allow_change)
+        loaded.update(params=params, state=state)
+        return int(meta["step"])
+
+    step = distributed.agree(world, check)
+    if resume and step >= stop_at:
+        say(
+            f"checkpoint {resume} is at step {step} of {stop_at}: nothing left to do "
+            "(raise --epochs or --steps to train further)"
+        )
+        return {"step": step, "nothing_to_do": True}
+
+    graph = task.train_graph(local_batch, config.dtype)
+    executor = Executor(lower(graph, LoweringMode.TRAINING), seed=config.seed, device=world and world.device)
+    optimizer = make_optimizer(executor, config)
+    parallel = None
+    if world is not None:
+        parallel = distributed.DataParallel(world, executor, optimizer, zero=config.zero, bucket_mb=config.bucket_mb)
+        say(parallel.describe())
+    if resume:
+
+        def load() -> None:
+            try:
+                executor.load_params(loaded["params"])
+                optimizer.load_state_dict(loaded["state"])
+            except (KeyError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {resume} does not fit model {task.name}: {exc}") from None
+
+        distributed.agree(world, load)
+        if parallel is not None:
+            parallel.sync_from_lead(loaded.get("state"))
+        say(f"resumed from {resume} at step {step}")
+
+    # only now create the run folder: a failed check above leaves nothing behind
+    last_saved = None
+    continuing = resume is not None and out is not None and Path(resume).resolve() == (out / CHECKPOINT_NAME).resolve()
+    if out and lead:
+        earlier = _run_dir_files(out) if out.is_dir() and not continuing else []
+        out.mkdir(parents=True, exist_ok=True)
+        (out / (CHECKPOINT_NAME + ".tmp")).unlink(missing_ok=True)  # left by a crash mid-write
+        if earlier:  # another run's files: this run starts its own log there
+            say(f"{out} held an earlier run ({', '.join(earlier)}): starting afresh there")
+            for name in earlier:
+                (out / name).unlink()
+    if continuing:
+        last_saved = step
+    metrics = MetricsLog(out if lead else None, keep_until=step if continuing else None)
+    meta = {"model": task.name, "model_spec": spec, "config": settings}
+
+    def stop(at: int, why: str) -> None:
+        """Training went bad at step ``at``: log it (strict JSON), plot, and raise."""
+        metrics.write(step=at, event="diverged", detail=why)
+        if out and lead and metrics.rows:
+            plot_losses(metrics.rows, out / "loss.png")
+        kept = (
+            f"the last good checkpoint, from step {last_saved}, is {out / CHECKPOINT_NAME}"
+            if last_saved is not None
+            else "no checkpoint was written before it"
+        )
+        raise DivergedError(f"step {at}: {why}; training stopped ({kept})")
+
+    def save() -> None:
+        nonlocal last_saved
+        if not out:
+            return
+        if not all(bool(torch.isfinite(arena).all()) for arena in executor.param_arenas.values()):
+            stop(step, "the parameters are no longer finite")
+        state = parallel.optimizer_state_dict() if parallel is not None else None  # a collective under ZeRO-1
+        path = out / CHECKPOINT_NAME
+        distributed.agree(world, lambda: save_checkpoint(path, executor, optimizer, step, meta, optimizer_state=state))
+        last_saved = step
+
     schedule = cosine_schedule(total_steps, config.warmup_steps) if config.schedule == "cosine" else constant_schedule()
     on_gpu = executor.device.type == "cuda"
     use_graph = on_gpu if config.cuda_graph is None else config.cuda_graph
     log_every = config.log_every or (20 if on_gpu else 1)
-    train_step = TrainStep(executor, optimizer, config.clip, cuda_graph=use_graph)
-    step = 0
-    if resume:
-        params, state, meta = load_checkpoint(resume)
-        try:
-            executor.load_params(params)
-            optimizer.load_state_dict(state)
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {resume} does not fit model {task.name}: {exc}") from None
-        step = int(meta["step"])
-        log(f"resumed from {resume} at step {step}")
-    metrics = MetricsLog(out)
+    train_step = TrainStep(executor, optimizer, config.clip, cuda_graph=use_graph, parallel=parallel)
+    losses = _Losses(log_every, executor.device)
     last_eval: dict = {}
-    stop_at = min(total_steps, config.max_steps) if config.max_steps is not None else total_steps
+    first_loss: list[float] = []
+    epoch_sum, epoch_count = 0.0, 0
     progress = None
-    if config.progress:
+    if config.progress and lead:
         from tqdm import tqdm
 
         progress = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
     t_start, samples = time.perf_counter(), 0
+
+    def flush() -> None:
+        """Read the pending losses (one synchronisation), log them, stop if one went bad."""
+        nonlocal epoch_sum, epoch_count
+        for s, epoch, lr, value in losses.read():
+            bad = not math.isfinite(value)
+            if not bad and not first_loss:
+                first_loss.append(value)
+            factor = config.diverge_factor
+            limit = factor * max(abs(first_loss[0]), 1.0) if factor and first_loss else None
+            if bad or (limit is not None and value > limit):
+                metrics.write(step=s, epoch=epoch, loss=value, lr=lr)
+                grown = f"the loss reached {value:.4g}, over {factor:g} times its first value"
+                stop(s, f"the loss is {value}" if bad else grown)
+            metrics.write(step=s, epoch=epoch, loss=value, lr=lr)
+            epoch_sum, epoch_count = epoch_sum + value, epoch_count + 1
+            if progress is not None:
+                rate = samples / max(time.perf_counter() - t_start, 1e-9)
+                progress.set_postfix(loss=f"{value:.4f}", samples_per_s=f"{rate:.0f}")
+
     try:
         for epoch in range(step // steps_per_epoch, config.epochs):
             skip = step - epoch * steps_per_epoch  # batches already done in this epoch (resuming)
-            epoch_loss, epoch_batches = torch.zeros((), dtype=torch.float64, device=executor.device), 0
+            epoch_sum, epoch_count, epoch_batches = 0.0, 0, 0
             for index, feed in enumerate(task.batches(epoch, config.batch_size, config.seed)):
                 if index < skip:
                     continue
                 if step >= stop_at:
                     break
+                if size > 1:
+                    feed = shard(feed, rank, size)
                 optimizer.lr = config.lr * schedule(step)
-                loss = train_step(feed)
+                loss = train_step(feed, loss_count(task, feed) if parallel is not None else None)
                 step += 1
                 samples += config.batch_size
                 epoch_batches += 1
-                epoch_loss += loss.detach().double()  # stays on the device: no synchronisation
+                losses.add(loss, step, epoch, optimizer.lr)
                 if step % log_every == 0 or step == stop_at:
-                    loss_value = float(loss)
-                    metrics.write(step=step, epoch=epoch, loss=loss_value, lr=optimizer.lr)
-                    if progress is not None:
-                        rate = samples / max(time.perf_counter() - t_start, 1e-9)
-                        progress.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:.0f}")
+                    flush()
                 if progress is not None:
                     progress.update(1)
-                if out and config.checkpoint_every and step % config.checkpoint_every == 0:
-                    save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
+                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                    flush()
+                    save()
+            flush()
             if step >= stop_at and epoch_batches == 0:
                 break
             finished_epoch = step % steps_per_epoch == 0 or step >= stop_at
             if epoch_batches and finished_epoch:
                 last_eval = task.evaluate(executor.params)
-                mean_loss = float(epoch_loss) / epoch_batches
+                mean_loss = epoch_sum / max(epoch_count, 1)
                 metrics.write(step=step, epoch=epoch, train_loss=mean_loss, **last_eval)
                 shown = ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                 line = f"epoch {epoch + 1}/{config.epochs}: loss {mean_loss:.4f}, {shown}"
-                (progress.write if progress is not None else log)(line)
-                if out and not config.checkpoint_every:
-                    save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
+                (progress.write if progress is not None else say)(line)
+                if not config.checkpoint_every:
+                    save()
             if step >= stop_at:
                 break
     finally:
         if progress is not None:
             progress.close()
+    flush()
     elapsed = time.perf_counter() - t_start
-    if out:
-        save_checkpoint(out / "checkpoint.safetensors", executor, optimizer, step)
-    if out and metrics.rows:
+    if out and last_saved != step:
+        save()
+    if out and lead and metrics.rows:
         plot_losses(metrics.rows, out / "loss.png")
     result = {"step": step, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9), **last_eval}
     if getattr(task, "block_size", None):
         result["tokens_per_s"] = result["samples_per_s"] * task.block_size
+    if parallel is not None:
+        result["memory_per_rank"] = parallel.memory()
     result["executor"] = executor
     return result

@@ -1,16 +1,17 @@
-"""Optimizer update kernels over flat parameter arenas: one launch updates every parameter.
+"""Optimizer update kernels over flat parameter arenas: one launch updates a whole range of one.
 
-SGD (PyTorch's rule), for gradient g of parameter p:
-    g <- g + wd * p;  b <- g on the first step else momentum * b + (1 - dampening) * g
+SGD (PyTorch's rule), for gradient g of parameter p at its step t:
+    g <- g + wd * p;  b <- g at t = 1 else momentum * b + (1 - dampening) * g
     g <- g + momentum * b (Nesterov) or b (momentum > 0);  p <- p - lr * g
-Adam / AdamW (PyTorch's rule), step t:
+Adam / AdamW (PyTorch's rule), at the parameter's step t:
     AdamW: p <- p * (1 - lr * wd)      Adam: g <- g + wd * p
     m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-Global-norm clipping: partial sums of g^2 per program (fp32), a second pass sums them to the
-norm and writes the factor min(1, max_norm / (norm + 1e-6)) to device memory, and a scaling
-pass multiplies every gradient by it, so no step waits on the host.
-Updates compute in float32 (float64 for float64 arenas).
+Global-norm clipping: per-program partial sums of g^2 (float32 sums, float64 for float64
+gradients) land in a float64 buffer, ``common.sum_partials`` adds them to the squared norm,
+and a one-program kernel writes the norm and the factor min(1, max_norm / (norm + 1e-6)) to
+device memory, which a scaling pass multiplies every gradient by: no step waits on the host.
+Updates compute in float32 (float64 for float64 arenas, hyperparameters included).
 """
 
 import triton
@@ -23,25 +24,25 @@ BLOCK = ELEMENTWISE_BLOCK
 
 # Slots of the float64 hyperparameter buffer every update kernel reads. Kept in device memory,
 # not passed as scalars: a captured CUDA graph then uses the values of the step being replayed,
-# and float64 arenas get float64 hyperparameters (Triton passes Python floats as float32).
-LR, STEP, BETA1, BETA2, EPS, WEIGHT_DECAY, MOMENTUM, DAMPENING = (tl.constexpr(i) for i in range(8))
-N_HYPER = 8
+# and float64 arenas get float64 hyperparameters. The step count of each parameter follows the
+# N_HYPER slots (a launch reads the count its range shares through ``step_ptr``).
+LR, BETA1, BETA2, EPS, WEIGHT_DECAY, MOMENTUM, DAMPENING = (tl.constexpr(i) for i in range(7))
+N_HYPER = 7
 
 
-@kernel(half=True)
-def sgd_step_kernel(
-    p_ptr, g_ptr, buf_ptr, hyper_ptr, n, NESTEROV: tl.constexpr, USE_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr
-):
+@kernel(half=True, optional=("buf_ptr",))
+def sgd_step_kernel(p_ptr, g_ptr, buf_ptr, hyper_ptr, step_ptr, n, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    """``buf_ptr`` is the momentum buffer (``None`` without momentum)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
     lr = tl.load(hyper_ptr + LR).to(p.dtype)
-    first = tl.load(hyper_ptr + STEP) == 1.0
-    momentum = tl.load(hyper_ptr + MOMENTUM).to(p.dtype)
-    dampening = tl.load(hyper_ptr + DAMPENING).to(p.dtype)
     g = g + tl.load(hyper_ptr + WEIGHT_DECAY).to(p.dtype) * p
-    if USE_MOMENTUM:
+    if buf_ptr is not None:
+        first = tl.load(step_ptr) == 1.0
+        momentum = tl.load(hyper_ptr + MOMENTUM).to(p.dtype)
+        dampening = tl.load(hyper_ptr + DAMPENING).to(p.dtype)
         old = upcast(tl.load(buf_ptr + offsets, mask=mask))
         buf = tl.where(first, g, momentum * old + (1.0 - dampening) * g)
         tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=mask)
@@ -53,13 +54,13 @@ def sgd_step_kernel(
 
 
 @kernel(half=True)
-def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, n, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, step_ptr, n, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = upcast(tl.load(p_ptr + offsets, mask=mask))
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
     lr64 = tl.load(hyper_ptr + LR)
-    t = tl.load(hyper_ptr + STEP)
+    t = tl.load(step_ptr)
     beta1 = tl.load(hyper_ptr + BETA1)
     beta2 = tl.load(hyper_ptr + BETA2)
     step_size = (lr64 / (1.0 - tl.exp(t * tl.log(beta1)))).to(p.dtype)
@@ -82,18 +83,17 @@ def adam_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, n, DECOUPLED: tl.con
 
 @kernel(half=True)
 def sum_squares_partial_kernel(g_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    """partial[program] = sum of g^2 over the program's block, into a float64 buffer."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(g_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
+    g = upcast(tl.load(g_ptr + offsets, mask=offsets < n, other=0.0))
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(g * g, axis=0).to(partial_ptr.dtype.element_ty))
 
 
-@kernel(dtypes=None, half=True)
-def clip_factor_kernel(partial_ptr, n_partials, norm_ptr, factor_ptr, max_norm, BLOCK: tl.constexpr):
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, n_partials, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        total += tl.load(partial_ptr + offsets, mask=offsets < n_partials, other=0.0)
-    norm = tl.sqrt(tl.sum(total, axis=0))
+@kernel
+def clip_factor_kernel(sum_squares_ptr, norm_ptr, factor_ptr, max_norm):
+    """norm = sqrt(sum of squares); factor = min(1, max_norm / (norm + 1e-6)), launched as the
+    float64 instance (so ``max_norm`` arrives as float64)."""
+    norm = tl.sqrt(tl.load(sum_squares_ptr))
     tl.store(norm_ptr, norm)
     tl.store(factor_ptr, tl.minimum(max_norm / (norm + 1e-6), 1.0))
 
@@ -102,8 +102,8 @@ def clip_factor_kernel(partial_ptr, n_partials, norm_ptr, factor_ptr, max_norm, 
 def scale_by_factor_kernel(g_ptr, factor_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    factor = tl.load(factor_ptr)
     g = upcast(tl.load(g_ptr + offsets, mask=mask))
+    factor = tl.load(factor_ptr).to(g.dtype)
     tl.store(g_ptr + offsets, (g * factor).to(g_ptr.dtype.element_ty), mask=mask)
 
 
