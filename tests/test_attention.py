@@ -254,7 +254,8 @@ torch.cuda.is_available = lambda: True
 torch.cuda.current_device = lambda: 0
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -271,6 +272,8 @@ except Exception as exc:
 
 from teeny import ops, runtime
 from teeny.graph import Graph
+from teeny.kernels import attention
+from teeny.kernels.attention import AttentionTiles, Tiles
 from teeny.lowering import LoweringMode, lower
 
 recorded = []
@@ -281,9 +284,10 @@ def record(launch, instance, *args, **kwargs):
 runtime.run_launch = record
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
-POINTEE = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "i1", torch.int64: "i64"}
 results, seen = [], set()
 for case in json.loads(sys.argv[1]):
+    tiles = case.get("tiles")  # [[block_m, block_n, warps, stages]] * 3: forward, dq, dkdv
+    attention.TILE_OVERRIDE = AttentionTiles(*(Tiles(*t) for t in tiles)) if tiles else None
     dtype = DTYPES[case["dtype"]]
     graph = Graph()
     wants = case.get("grad", [True, True, True])
@@ -298,25 +302,42 @@ for case in json.loads(sys.argv[1]):
         block = runtime.as_block(launch.block)
         values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
         types = instance.scalar_types(launch.kernel.params, values)
-        signature, constexprs = {}, {}
-        for p, value in zip(launch.kernel.params, values):
-            if p.kind == "constexpr" or (p.kind == "ptr" and value is None):
+        wide = frozenset(n for n, t in types.items() if t == "fp64")
+        fn = launch.kernel.jit_with_float64(wide) if wide else launch.kernel.jit
+        # the signature, constants and alignment hints Triton's launcher would derive
+        signature, constexprs, attrs = {}, {}, {}
+        for i, (p, jp, value) in enumerate(zip(launch.kernel.params, fn.params, values)):
+            if p.kind == "constexpr" or value is None:
                 signature[p.name], constexprs[p.name] = "constexpr", value
-            elif p.kind == "ptr":
-                signature[p.name] = "*" + POINTEE[value.dtype]
-            else:
-                signature[p.name] = "i64" if p.kind == "i64" else types[p.name]
+                continue
+            specialize = not jp.do_not_specialize and not isinstance(value, float)
+            align = not jp.do_not_specialize_on_alignment
+            ty, key = native_specialize_impl(BaseBackend, value, False, specialize, align)
+            if jp.annotation_type:
+                ty = jp.annotation_type
+            elif ty == "constexpr":
+                signature[p.name], constexprs[p.name] = "constexpr", key
+                continue
+            signature[p.name] = ty
+            if key == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
         options = {k: v for k, v in (("num_warps", block.num_warps), ("num_stages", block.num_stages)) if v}
         key = (launch.kernel.name, str(sorted(signature.items())), str(sorted(constexprs.items())), str(options))
         if key in seen:
             continue
         seen.add(key)
-        wide = frozenset(n for n, t in types.items() if t == "fp64")
-        fn = launch.kernel.jit_with_float64(wide) if wide else launch.kernel.jit
         row = dict(case=case["name"], kernel=launch.kernel.name)
         try:
-            ptx = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options).asm["ptx"]
-            row.update(ok=True, wgmma=ptx.count("wgmma.mma_async"))
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
+            ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+            row.update(
+                ok=True,
+                wgmma=ptx.count("wgmma.mma_async"),
+                pipelined="async_copy_global_to_local" in ttgir,
+                shared=compiled.metadata.shared,
+                options=options,
+                blocks=[constexprs.get("BLOCK_M"), constexprs.get("BLOCK_N")],
+            )
         except Exception as exc:
             cause = exc
             while cause.__cause__ is not None:
@@ -370,8 +391,9 @@ def _compile_cases(dtype):
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_kernels_compile_for_the_h200(dtype, tmp_path):
     """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
-    interpreter cannot show. Every variant teeny launches compiles for sm_90 here; bf16 uses
-    Hopper's wgmma in all three kernels. Slow (a few seconds per kernel)."""
+    interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
+    signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
+    pipelined (cp.async) loads in all three kernels. Slow (a few seconds per kernel)."""
     import json
     import os
     import subprocess
@@ -398,8 +420,8 @@ def test_kernels_compile_for_the_h200(dtype, tmp_path):
     assert not failed, "\n".join(f"{r['case']}: {r['kernel']}: {r['error']}" for r in failed)
     kernels = {r["kernel"] for r in rows}
     assert {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"} <= kernels
-    if dtype == "bfloat16":
-        assert all(r["wgmma"] > 0 for r in rows), rows
+    if dtype == "bfloat16":  # Hopper tensor cores, loads pipelined through shared memory
+        assert all(r["wgmma"] > 0 and r["pipelined"] for r in rows), rows
 
 
 # --------------------------------------------------------------------------- broadcasting
