@@ -1,5 +1,7 @@
 """scaled_dot_product_attention and CausalSelfAttention: what the generic harness does not see
-(several key/query blocks, fully masked rows, partial gradients, what is saved, errors)."""
+(several key/query blocks on every tiling, fully masked rows, partial gradients, what is saved,
+float64 scalars and bool masks, that the GPU kernels compile, broadcast batch dims, the dropout
+mask's statistics and its reuse in backward, errors)."""
 
 import math
 
@@ -11,6 +13,10 @@ import teeny
 from teeny import ops
 from teeny.graph import Graph, GraphError
 from teeny.interop.torch import apply
+from teeny.kernel import record_launches
+from teeny.kernels import attention
+from teeny.kernels.attention import AttentionTiles, Tiles
+from teeny.kernels.common import mix_seed
 from teeny.lowering import LoweringMode, lower
 from teeny.registry import tolerance
 
@@ -47,20 +53,22 @@ def _compare(gen, dtype, tensors, reduction, **kwargs):
     return out.cpu(), [g.cpu() for g in grads]
 
 
-@pytest.fixture(params=["default", "per-head 16x16", "packed 16x16"])
-def tiling(request, monkeypatch):
-    """The default tiling (the interpreter packs heads into one wide tile), the GPU's per-head
-    tiling with 16 x 16 tiles, and packed 16 x 16 tiles (many blocks straddling head boundaries)."""
-    from teeny.kernels import attention
+TILINGS = {
+    "16x16": AttentionTiles(Tiles(16, 16), Tiles(16, 16), Tiles(16, 16)),
+    # the GPU's shapes of tiles: forward/dq with more queries than keys, dkdv with more keys
+    "32x16 / dkdv 16x32": AttentionTiles(Tiles(32, 16), Tiles(32, 16), Tiles(16, 32)),
+}
 
-    if request.param == "per-head 16x16":
-        monkeypatch.setattr(attention, "PACK_HEADS", False)
+
+@pytest.fixture(params=["default", *TILINGS])
+def tiling(request, monkeypatch):
+    """The default tiles (one wide tile per head under the interpreter), and small tiles of
+    either aspect, so that a head spans several query and key blocks: the unchecked loops, the
+    causal diagonal and the partial last blocks all run."""
+    if request.param != "default":
         if not teeny.device.INTERPRETER:
-            pytest.skip("the GPU's tiling is the default there")
-    elif request.param == "packed 16x16":
-        if not teeny.device.INTERPRETER:
-            pytest.skip("packing heads is an interpreter tiling")
-        monkeypatch.setattr(attention, "PACKED_TILE", 16)
+            pytest.skip("the GPU's tiles are the default there")
+        monkeypatch.setattr(attention, "TILE_OVERRIDE", TILINGS[request.param])
     return request.param
 
 
@@ -151,20 +159,387 @@ def test_training_saves_output_and_logsumexp_but_no_attention_matrix(gen):
     assert set(grads) == {"q", "k", "v"}
 
 
-def test_float64_matches_torch_tightly(gen):
-    q, k, v = _qkv(gen, torch.float64, (2, 3, 17, 5), (2, 3, 19, 5))
-    mask = torch.randn(17, 19, generator=gen, dtype=torch.float64)
-    out = apply(ops.scaled_dot_product_attention, q, k, v, attn_mask=mask.to(DEV))
-    ref = F.scaled_dot_product_attention(_ref(q), _ref(k), _ref(v), attn_mask=mask)
-    # the default scale 1/sqrt(D) reaches the kernel as a float32 scalar: ~1e-7 relative
-    torch.testing.assert_close(out.cpu(), ref, atol=1e-6, rtol=1e-6)
-
-
 def test_default_scale_is_one_over_sqrt_head_dim(gen):
     q, k, v = _qkv(gen, torch.float32, (1, 1, 5, 7), (1, 1, 6, 7))
     a = apply(ops.scaled_dot_product_attention, q, k, v)
     b = apply(ops.scaled_dot_product_attention, q, k, v, scale=1 / math.sqrt(7))
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scale", [-0.45, 0.0], ids=["negative", "zero"])
+def test_negative_and_zero_scales(gen, tiling, scale):
+    """The kernels fold |scale| into exp2 and flip the sign of q (k in dkdv) for a negative one.
+    The reference is written out: PyTorch's math path gives NaN for a negative causal scale
+    (it multiplies q and k by sqrt(scale))."""
+    tensors = _qkv(gen, torch.float32, (2, 2, 19, 6), (2, 2, 23, 6))
+    out = apply(ops.scaled_dot_product_attention, *tensors, scale=scale, is_causal=True)
+    q, k, v = ref_in = [_ref(t) for t in tensors]
+    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(~torch.ones(19, 23, dtype=torch.bool).tril(), -math.inf)
+    ref = torch.softmax(scores, -1) @ v
+    atol, rtol = tolerance(torch.float32, 23)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
+    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, tensors, grad_out.float().to(DEV))
+    for g, r in zip(grads, torch.autograd.grad(ref, ref_in, grad_out)):
+        torch.testing.assert_close(g.cpu().double(), r, atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------- float64
+
+TIGHT = dict(atol=1e-12, rtol=1e-12)  # float64 all the way: rounding of a few dozen terms
+
+
+def _compare_float64(gen, tensors, **kwargs):
+    kwargs = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    out = apply(ops.scaled_dot_product_attention, *tensors, **kwargs)
+    ref_in = [_ref(t) for t in tensors]
+    ref_kwargs = {k: (_ref(v, False) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    ref = F.scaled_dot_product_attention(*ref_in, **ref_kwargs)
+    torch.testing.assert_close(out.cpu(), ref, **TIGHT)
+    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, tensors, grad_out.to(DEV))
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r, **TIGHT, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs",
+    [
+        (((1, 1, 4, 7), (1, 1, 6, 7), (1, 1, 6, 3)), {}),  # default scale 1/sqrt(7)
+        (((5, 8), (6, 8), (6, 5)), {"scale": 0.3}),
+        (((2, 3, 17, 5), (2, 3, 19, 5), None), {"is_causal": True}),
+    ],
+    ids=["default scale", "scale 0.3", "causal"],
+)
+def test_float64_scales_reach_the_kernels_as_float64(gen, shapes, kwargs):
+    """Issue 17: a float32 scale was off by ~1e-8 in float64; non-dyadic scales now match to
+    float64 rounding, and every launch passes the scale (and the dropout scale) as fp64."""
+    tensors = _qkv(gen, torch.float64, *shapes)
+    with record_launches() as log:
+        _compare_float64(gen, tensors, **kwargs)
+    launches = [r for r in log if r.kernel.startswith("attention")]
+    assert {r.kernel for r in launches} == {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"}
+    for r in launches:
+        assert r.scalar_types["scale"] == "fp64" and r.scalar_types["dropout_scale"] == "fp64", r
+
+
+@pytest.mark.parametrize(
+    "shapes, mask_shape",
+    [
+        (((1, 1, 5, 4), (1, 1, 9, 4)), (5, 9)),
+        (((1, 1, 5, 4), (1, 1, 9, 4)), (1, 1, 1, 9)),  # key padding
+        (((2, 2, 37, 40), (2, 2, 45, 40)), (37, 45)),
+    ],
+    ids=["(5,9) mask", "key padding", "(2,2,37,40)"],
+)
+def test_float64_bool_masks(gen, tiling, shapes, mask_shape):
+    """Issue 17's cases (they failed to compile on the GPU; test_kernels_compile_for_the_h200
+    compiles them here), at float64 precision on every tiling."""
+    tensors = _qkv(gen, torch.float64, *shapes)
+    mask = torch.rand(mask_shape, generator=gen) > 0.3
+    mask[..., 0] = True  # no fully masked row: PyTorch's float64 reference gives NaN there
+    _compare_float64(gen, tensors, attn_mask=mask)
+
+
+# The GPU compile check runs in a fresh process with the interpreter off (teeny then builds
+# real @triton.jit kernels) and torch told that a GPU exists; it lowers each case (lowering's
+# dry run packs every launch without running it), records the launches and compiles each one
+# for sm_90 with the signature and constexprs it would launch with.
+_COMPILE_CHECK = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0
+import triton
+import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+@triton.jit
+def probe(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+try:
+    triton.compile(ASTSource(probe, {"x_ptr": "*fp32"}, {}), target=TARGET)
+except Exception as exc:
+    print("SKIP " + json.dumps(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:300]))
+    sys.exit(0)
+
+from teeny import ops, runtime
+from teeny.graph import Graph
+from teeny.kernels import attention
+from teeny.kernels.attention import AttentionTiles, Tiles
+from teeny.lowering import LoweringMode, lower
+
+recorded = []
+run_launch = runtime.run_launch
+def record(launch, instance, *args, **kwargs):
+    recorded.append((launch, instance))
+    return run_launch(launch, instance, *args, **kwargs)
+runtime.run_launch = record
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
+results, seen = [], set()
+for case in json.loads(sys.argv[1]):
+    tiles = case.get("tiles")  # [[block_m, block_n, warps, stages]] * 3: forward, dq, dkdv
+    attention.TILE_OVERRIDE = AttentionTiles(*(Tiles(*t) for t in tiles)) if tiles else None
+    dtype = DTYPES[case["dtype"]]
+    graph = Graph()
+    wants = case.get("grad", [True, True, True])
+    q, k, v = (graph.input(n, tuple(s), dtype, requires_grad=w) for n, s, w in zip("qkv", case["shapes"], wants))
+    kwargs = dict(case.get("kwargs", {}))
+    if "mask" in case:
+        kwargs["attn_mask"] = graph.input("mask", tuple(case["mask"]), DTYPES[case["mask_dtype"]])
+    graph.output(ops.scaled_dot_product_attention(q, k, v, **kwargs))
+    recorded.clear()
+    lower(graph, LoweringMode.TRAINING)
+    for launch, instance in recorded:
+        block = runtime.as_block(launch.block)
+        values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
+        types = instance.scalar_types(launch.kernel.params, values)
+        wide = frozenset(n for n, t in types.items() if t == "fp64")
+        fn = launch.kernel.jit_with_float64(wide) if wide else launch.kernel.jit
+        # the signature, constants and alignment hints Triton's launcher would derive
+        signature, constexprs, attrs = {}, {}, {}
+        for i, (p, jp, value) in enumerate(zip(launch.kernel.params, fn.params, values)):
+            if p.kind == "constexpr" or value is None:
+                signature[p.name], constexprs[p.name] = "constexpr", value
+                continue
+            specialize = not jp.do_not_specialize and not isinstance(value, float)
+            align = not jp.do_not_specialize_on_alignment
+            ty, key = native_specialize_impl(BaseBackend, value, False, specialize, align)
+            if jp.annotation_type:
+                ty = jp.annotation_type
+            elif ty == "constexpr":
+                signature[p.name], constexprs[p.name] = "constexpr", key
+                continue
+            signature[p.name] = ty
+            if key == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        options = {k: v for k, v in (("num_warps", block.num_warps), ("num_stages", block.num_stages)) if v}
+        key = (launch.kernel.name, str(sorted(signature.items())), str(sorted(constexprs.items())), str(options))
+        if key in seen:
+            continue
+        seen.add(key)
+        row = dict(case=case["name"], kernel=launch.kernel.name)
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
+            ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+            row.update(
+                ok=True,
+                wgmma=ptx.count("wgmma.mma_async"),
+                pipelined="async_copy_global_to_local" in ttgir,
+                shared=compiled.metadata.shared,
+                options=options,
+                blocks=[constexprs.get("BLOCK_M"), constexprs.get("BLOCK_N")],
+            )
+        except Exception as exc:
+            cause = exc
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            row.update(ok=False, error=f"{type(cause).__name__}: {str(cause)[-500:]}")
+        results.append(row)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _case(name, dtype, q, k, v, mask=None, mask_dtype="bool", grad=(True, True, True), **kwargs):
+    case = dict(name=name, dtype=dtype, shapes=[q, k, v], kwargs=kwargs, grad=list(grad))
+    if mask is not None:
+        case.update(mask=mask, mask_dtype=mask_dtype)
+    return case
+
+
+def _compile_cases(dtype):
+    """Cases that between them launch every variant of the kernels in ``dtype``: both mask
+    kinds, causal, dropout, GQA, broadcast batch dims (sum_to_shape), and partial gradients
+    (the dq kernel computing only delta, dkdv writing only dK or only dV)."""
+    odd = ((2, 2, 37, 40), (2, 2, 45, 40), (2, 2, 45, 40))
+    cases = [
+        _case("bool mask, odd lengths and head dim", dtype, *odd, mask=(37, 45)),
+        _case(
+            "float mask, gqa, k/v broadcast over batch",
+            dtype,
+            (2, 4, 37, 40),
+            (2, 45, 40),
+            (2, 45, 24),
+            mask=(4, 37, 45),
+            mask_dtype=dtype,
+            enable_gqa=True,
+        ),
+        _case("causal dropout, only dK", dtype, *odd, grad=(False, True, False), is_causal=True, dropout_p=0.2),
+        _case("causal, only dV", dtype, *odd, grad=(False, False, True), is_causal=True),
+    ]
+    if dtype == "float64":  # issue 17's own cases
+        cases += [
+            _case("issue 17 (5,9) bool mask", dtype, (1, 1, 5, 4), (1, 1, 9, 4), (1, 1, 9, 4), mask=(5, 9)),
+            _case("issue 17 key padding", dtype, (1, 1, 5, 4), (1, 1, 9, 4), (1, 1, 9, 4), mask=(1, 1, 1, 9)),
+        ]
+    if dtype == "bfloat16":  # the benchmark's shape: the tensor-core path
+        cases = [
+            _case("causal 4x16x2048x64", dtype, *[(4, 16, 2048, 64)] * 3, is_causal=True),
+            _case("bool mask 8x12x1024x64", dtype, *[(8, 12, 1024, 64)] * 3, mask=(8, 1, 1024, 1024)),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_kernels_compile_for_the_h200(dtype, tmp_path):
+    """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
+    interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
+    signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
+    pipelined (cp.async) loads in all three kernels. Slow (a few seconds per kernel)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "compile_check.py"  # Triton reads kernel source from a file
+    script.write_text(_COMPILE_CHECK)
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(_compile_cases(dtype))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    lines = done.stdout.splitlines()
+    skip = [line for line in lines if line.startswith("SKIP ")]
+    if skip:
+        pytest.skip(json.loads(skip[0][5:]))
+    results = [line for line in lines if line.startswith("RESULTS ")]
+    assert results, f"compile check crashed:\n{done.stderr[-3000:]}"
+    rows = json.loads(results[0][8:])
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, "\n".join(f"{r['case']}: {r['kernel']}: {r['error']}" for r in failed)
+    kernels = {r["kernel"] for r in rows}
+    assert {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"} <= kernels
+    if dtype == "bfloat16":  # Hopper tensor cores, loads pipelined through shared memory
+        assert all(r["wgmma"] > 0 and r["pipelined"] for r in rows), rows
+
+
+# --------------------------------------------------------------------------- broadcasting
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape",
+    [
+        ((2, 3, 5, 4), (7, 4), (7, 4)),
+        ((5, 4), (2, 3, 7, 4), (2, 3, 7, 4)),
+        ((2, 3, 5, 4), (3, 7, 4), (3, 7, 4)),
+        ((2, 3, 5, 4), (2, 1, 7, 4), (2, 1, 7, 4)),
+        ((3, 5, 4), (2, 3, 7, 4), (7, 6)),
+        ((1, 3, 5, 4), (2, 3, 7, 4), (2, 1, 7, 4)),
+        ((2, 1, 5, 4), (2, 3, 7, 4), (2, 3, 7, 4)),
+        ((2, 2, 3, 5, 4), (2, 2, 3, 7, 4), (3, 7, 4)),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_dims_broadcast_like_torch(gen, q_shape, k_shape, v_shape, causal):
+    """Issue 18: query, key and value of different ranks (or size-1 dims) broadcast as in PyTorch,
+    and the gradient of a broadcast operand is summed over the dims it was broadcast along."""
+    tensors = _qkv(gen, torch.float32, q_shape, k_shape, v_shape)
+    _compare(gen, torch.float32, tensors, 7 * 6, is_causal=causal)
+
+
+def test_gqa_with_broadcast_batch(gen, tiling):
+    q, k, v = _qkv(gen, torch.float32, (2, 4, 9, 5), (2, 11, 5), (2, 11, 3))  # 2 key/value heads, no batch dim
+    _compare(gen, torch.float32, [q, k, v], 22, enable_gqa=True, is_causal=True)
+
+
+def test_mask_broadcast_with_broadcast_inputs(gen, tiling):
+    q, k, v = _qkv(gen, torch.float32, (2, 3, 9, 5), (11, 5), (3, 11, 4))
+    mask = torch.rand(3, 1, 11, generator=gen) > 0.2
+    mask[..., 0] = True
+    _compare(gen, torch.float32, [q, k, v], 11, attn_mask=mask)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def _dropout_reference(q, k, v, p, step_seed, causal=False):
+    """float64 attention whose weights are multiplied by the Philox mask of ``step_seed``,
+    computed in numpy (an account of the mask independent of the kernels)."""
+    q, k, v = (_ref(t) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    weights = torch.softmax(scores, -1)
+    keep = attention.dropout_keep_reference(step_seed, weights[..., 0, 0].numel(), *weights.shape[-2:], p)
+    return (weights * keep.reshape(weights.shape) / (1 - p)) @ v, (q, k, v)
+
+
+def _dropout_executor(shapes, **kwargs):
+    g = Graph()
+    ins = [g.input(n, s, torch.float32, requires_grad=True) for n, s in zip("qkv", shapes)]
+    g.output(ops.scaled_dot_product_attention(*ins, **kwargs))
+    return teeny.Executor(lower(g, LoweringMode.TRAINING))
+
+
+def test_dropout_keeps_weights_with_probability_one_minus_p_and_rescales(gen):
+    """q = k = 0 makes every weight 1/Lk and v = identity returns the weights: each output is
+    0 or 1 / ((1 - p) Lk), about a fraction p are 0, their mean is 1/Lk, and the zeros are
+    exactly the Philox mask of the run's seed."""
+    p, lk = 0.3, 64
+    q = torch.zeros(1, 2, 48, 8)
+    k = torch.zeros(1, 2, lk, 8)
+    v = torch.eye(lk).expand(1, 2, lk, lk).contiguous()
+    ex = _dropout_executor([q.shape, k.shape, v.shape], dropout_p=p, seed=11)
+    out = ex.forward({"q": q, "k": k, "v": v}).cpu().double()
+    scaled = out * lk * (1 - p)
+    kept = scaled > 0.5
+    torch.testing.assert_close(scaled[kept], torch.ones_like(scaled[kept]))
+    assert torch.all(scaled[~kept] == 0)
+    assert abs((~kept).double().mean().item() - p) < 0.03  # 6144 draws: std 0.006
+    assert abs(out.mean().item() * lk - 1) < 0.05
+    expected = attention.dropout_keep_reference(mix_seed(11, 0), 2, 48, lk, p).reshape(kept.shape)
+    assert torch.equal(kept, expected)
+
+
+def test_dropout_draws_a_new_mask_per_run_and_backward_uses_its_forwards(gen):
+    shapes = [(2, 2, 13, 6), (2, 2, 17, 6), (2, 2, 17, 5)]
+    q, k, v = _qkv(gen, torch.float32, *shapes)
+    ex = _dropout_executor(shapes, dropout_p=0.4, seed=5, is_causal=True)
+    feed = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
+    out1, cache1 = ex.forward_train(feed)
+    out2, cache2 = ex.forward_train(feed)
+    assert not torch.allclose(out1, out2)
+    grad_out = torch.randn(out1.shape, generator=gen, dtype=torch.float64)
+    grads = ex.backward(cache1, grad_out.float())  # after the second forward: the first run's mask
+    for step, out in ((0, out1), (1, out2)):
+        ref, ref_in = _dropout_reference(q, k, v, 0.4, mix_seed(5, step), causal=True)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+        if step == 0:
+            for name, r in zip("qkv", torch.autograd.grad(ref, ref_in, grad_out)):
+                torch.testing.assert_close(grads[name].cpu().double(), r, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_fixed_mask_repeats_and_seeds_differ(gen):
+    shapes = [(1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4)]
+    q, k, v = _qkv(gen, torch.float32, *shapes)
+    feed = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
+    fixed = _dropout_executor(shapes, dropout_p=0.5, seed=3, fixed_mask=True)
+    assert torch.equal(fixed.forward(feed), fixed.forward(feed))
+    other = _dropout_executor(shapes, dropout_p=0.5, seed=4, fixed_mask=True)
+    assert not torch.equal(fixed.forward(feed), other.forward(feed))
+
+
+def test_dropout_of_one_gives_zeros_and_dropout_is_not_captured(gen):
+    shapes = [(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4)]
+    q, k, v = _qkv(gen, torch.float32, *shapes)
+    ex = _dropout_executor(shapes, dropout_p=1.0)
+    out, cache = ex.forward_train({"q": q.detach(), "k": k.detach(), "v": v.detach()})
+    assert torch.all(out == 0)
+    grads = ex.backward(cache, torch.ones(out.shape))
+    assert all(torch.all(g == 0) for g in grads.values())
+    assert [p.op.capturable for p in ex.program.nodes] == [False]  # the per-run seed is host state
+    assert [p.op.capturable for p in _dropout_executor(shapes).program.nodes] == [True]
 
 
 # --------------------------------------------------------------------------------- errors
@@ -182,11 +557,12 @@ def _trace(shapes, dtypes=None, **kwargs):
     "shapes, dtypes, kwargs, message",
     [
         ([(1, 2, 5, 4), (1, 2, 6, 3), (1, 2, 6, 4)], None, {}, "same head dim"),
-        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 7, 4)], None, {}, "key and value must agree"),
-        ([(1, 2, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {}, "same batch dims"),
-        ([(1, 4, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {"enable_gqa": True}, "must divide query heads"),
-        ([(5, 4), (6, 4, 1, 1, 1), (6, 4, 1, 1, 1)], None, {}, "2 to 4 dimensions"),
-        ([(2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4)], None, {}, "same number of dimensions"),
+        ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 7, 4)], None, {}, "key and value must have the same length"),
+        ([(1, 2, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {}, "not broadcastable.*enable_gqa"),
+        ([(1, 4, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)], None, {"enable_gqa": True}, "divide the query heads"),
+        ([(1, 4, 5, 4), (1, 2, 6, 4), (1, 1, 6, 4)], None, {"enable_gqa": True}, "must be equal"),
+        ([(4,), (6, 4), (6, 4)], None, {}, "at least 2 dimensions"),
+        ([(2, 3, 4, 5, 4), (2, 1, 4, 7, 4), (1, 3, 1, 7, 4)], None, {}, "cannot index"),
         ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 7)], None, {}, "not broadcastable"),
         ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (1, 1, 1, 5, 6)], None, {}, "not broadcastable"),
         ([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)], [torch.float32] * 3 + [torch.int64], {}, "bool or have"),
@@ -206,8 +582,10 @@ def test_bad_inputs_raise_clear_errors(shapes, dtypes, kwargs, message):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="not both"):
         _trace([(1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), (5, 6)], is_causal=True)
-    with pytest.raises(ValueError, match="dropout_p"):
-        _trace([(1, 2, 5, 4)] * 3, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+        _trace([(1, 2, 5, 4)] * 3, dropout_p=1.5)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        _trace([(1, 2, 5, 4)] * 3, scale="0.5")
 
 
 # --------------------------------------------------------------------------------- layer

@@ -1,24 +1,38 @@
-"""Attention: fused (flash-style) scaled dot-product attention.
+"""Attention: fused (flash-style) scaled dot-product attention, forward and backward.
 
-For one head, with queries q (Lq, D), keys k (Lk, D), values v (Lk, Dv), an optional mask and
-scale c (default 1/sqrt(D)):
+For one head, with queries q (Lq, D), keys k (Lk, D), values v (Lk, Dv), scale c (default
+1/sqrt(D)), an optional mask and attention dropout with probability p:
 
-    S = c * q k^T + bias       (bias: the additive float mask, or 0 / -inf from a boolean mask
-                               and from causal masking, top-left aligned: key j <= query i)
-    P = softmax(S) row-wise,   O = P v,   lse = logsumexp(S) row-wise
+    S = c q k^T + B        B: the additive float mask, or 0 / -inf from a boolean mask and from
+                           causal masking (top-left aligned: query i sees keys j <= i)
+    P = softmax(S) row-wise,   lse = logsumexp(S) row-wise
+    Z = keep / (1 - p)     keep ~ Bernoulli(1 - p) per (head, query, key), from Philox counters
+    O = (P * Z) V
 
-The forward walks over key blocks with an online softmax and keeps only O and lse (float32,
-float64 for float64), never the Lq x Lk matrix P. The backward recomputes P = exp(S - lse)
-block by block:
+and backward, with delta = rowsum(dO * O) (which equals rowsum(P * dP), dropout or not):
 
-    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta)  with  delta = rowsum(dO * O),
-    dQ = c dS K,   dK = c dS^T Q
+    dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - delta),   dQ = c dS K,   dK = c dS^T Q
 
-in three launches and without atomics: ``attention_backward_delta`` (delta per query row),
-``attention_backward_dkdv`` (one program per key block, looping over the query blocks of every
-query head that reads it) and ``attention_backward_dq`` (one program per query block, looping
-over key blocks). Products use ``tl.dot`` with float32 accumulation (float64 for float64;
-full IEEE precision for float32/float64 operands, bf16/fp16 tensor cores for half inputs).
+Forward: one program per (head, block of BLOCK_M queries) walks the key blocks with an online
+softmax in base 2 (exp2, with log2(e) folded into the scale: one multiply-add per score) and
+keeps only O and lse2 = lse * log2(e), never the Lq x Lk matrix P. Key blocks every query of
+the block may see in full (in range, not in any query's future) run a loop with no mask
+arithmetic; the blocks on the causal diagonal and the last partial block run a checked loop;
+causal programs stop at the diagonal, and the grid runs the longest query blocks first.
+
+Backward, two launches and no atomics: ``attention_backward_dq`` (a program per query block:
+delta for its rows, then dQ over the key blocks) runs first, then ``attention_backward_dkdv``
+(a program per key block of a key/value head: dK, dV over the query blocks of every query head
+that reads it, split into unchecked and checked loops like the forward). P is recomputed from
+lse2; the dropout mask is regenerated from the seed the forward saved. Products use ``tl.dot``
+with float32 accumulation (float64 for float64): bf16/fp16 tensor cores for half inputs, full
+IEEE precision for float32/float64 ones.
+
+Batch dims of q, k, v (and the mask) broadcast as in PyTorch; the kernels index them as two
+levels (outer, head) with a stride per operand (0 along broadcast dims). Key/value heads
+shared by several query heads (grouped-query attention, or one key/value head broadcast over
+the query heads) are read in place, and their dK/dV summed inside the dkdv program; other
+broadcast operands get their gradient summed by ``common.sum_to_shape``.
 
 A query row that can see no key at all (every key masked) gets output 0 and gradient 0, as in
 PyTorch's fused kernels (softmax over nothing is taken as all-zero weights, lse = -inf).
@@ -26,8 +40,11 @@ PyTorch's fused kernels (softmax over nothing is taken as all-zero weights, lse 
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,11 +54,25 @@ from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import DOT_UPCAST_BF16, cdiv, upcast
+from ..runtime import ArgVisitor, Block, Launch, RuntimeOp
+from .common import (
+    DOT_UPCAST_BF16,
+    acc_dtype,
+    cdiv,
+    keep_threshold,
+    mix_seed,
+    philox_keep,
+    pow2,
+    sum_to_shape,
+    sum_to_shape_kernel,
+    tl_acc_dtype,
+    upcast,
+)
 
 __all__ = ["scaled_dot_product_attention"]
 NN_LAYERS: list[str] = []
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # ---------------------------------------------------------------------------------- maths
@@ -55,127 +86,406 @@ def _device_fn(fn):
 
 
 @_device_fn
-def _dot(a, b, UPCAST_BF16: tl.constexpr):
-    """a @ b accumulated in float32 (float64 for float64); full precision for float32/64."""
-    if a.dtype == tl.float64:
-        return tl.dot(a, b, input_precision="ieee")
-    elif a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    elif UPCAST_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@_device_fn
-def _query_rows(start, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M: tl.constexpr, PACKED: tl.constexpr):
-    """A block of query rows: (flat row index into (BH * Lq), in-range flag, (batch, head) index,
-    position in the sequence, offset of the row in the mask). PACKED: rows start..start+BLOCK_M
-    of the flat (BH * Lq) rows, spanning several heads; else positions start.. of head bh."""
-    offs = start + tl.arange(0, BLOCK_M).to(tl.int64)
-    if PACKED:
-        rows = offs
-        row_bh = rows // Lq
-        pos = rows - row_bh * Lq
-        ok = rows < n_bh * Lq
-    else:
-        rows = bh * Lq + offs
-        row_bh = bh
-        pos = offs
-        ok = offs < Lq
-    batch = row_bh // H
-    mask_rows = batch * stride_mb + (row_bh - batch * H) * stride_mh + pos * stride_mq
-    return rows, ok, row_bh, pos, mask_rows
-
-
-@_device_fn
-def _key_cols(start, kv_bh, Lk, col_end, BLOCK_N: tl.constexpr, PACKED: tl.constexpr):
-    """A block of keys: (flat index into (BHkv * Lk), in-range flag, key/value head, position).
-    PACKED: flat keys start.. below col_end, spanning several heads; else positions start.. of kv_bh."""
-    offs = start + tl.arange(0, BLOCK_N).to(tl.int64)
-    if PACKED:
-        cols = offs
-        col_kv = cols // Lk
-        pos = cols - col_kv * Lk
-        ok = cols < col_end
-    else:
-        cols = kv_bh * Lk + offs
-        col_kv = kv_bh
-        pos = offs
-        ok = offs < Lk
-    return cols, ok, col_kv, pos
-
-
-@_device_fn
-def _scores(
-    q,
-    k,
-    row_ok,
-    row_kv,
-    pos_m,
-    mask_rows,
-    col_ok,
-    col_kv,
-    pos_n,
-    scale,
-    mask_ptr,
-    stride_mk,
-    HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    UPCAST_BF16: tl.constexpr,
-    PACKED: tl.constexpr,
-):
-    """The masked, scaled scores S of a (BLOCK_M, BLOCK_N) tile; -inf where a key is not seen
-    (out of range, masked, later than the query when causal, or another head's key when PACKED)."""
-    s = _dot(q, tl.trans(k), UPCAST_BF16) * scale
-    seen = row_ok[:, None] & col_ok[None, :]
-    if PACKED:
-        seen = seen & (row_kv[:, None] == col_kv[None, :])
-    if IS_CAUSAL:
-        seen = seen & (pos_n[None, :] <= pos_m[:, None])
-    if HAS_MASK:
-        mask_ptrs = mask_ptr + mask_rows[:, None] + pos_n[None, :] * stride_mk
-        if MASK_BOOL:
-            seen = seen & (tl.load(mask_ptrs, mask=seen, other=0) != 0)
+def _dot(a, b, acc, UPCAST_BF16: tl.constexpr):
+    """acc + a @ b (acc may be None) in acc's dtype: full IEEE precision for float32/float64
+    operands, tensor cores for half ones (upcast to float32 under the interpreter, whose bf16
+    dot is wrong)."""
+    if UPCAST_BF16 and (a.dtype == tl.bfloat16 or a.dtype == tl.float16):
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float64 or a.dtype == tl.float32:
+        if acc is None:
+            return tl.dot(a, b, input_precision="ieee")
         else:
-            s = s + upcast(tl.load(mask_ptrs, mask=seen, other=0.0))
-    return tl.where(seen, s, float("-inf"))
+            return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        if acc is None:
+            return tl.dot(a, b)
+        else:
+            return tl.dot(a, b, acc, out_dtype=acc.dtype)
 
 
 @_device_fn
-def _load_rows(base, rows, row_ok, offs_cols, n_cols):
-    """rows x cols tile of a row-major (*, n_cols) matrix, zero outside it (rows: int64)."""
-    ptrs = base + rows[:, None] * n_cols + offs_cols[None, :]
-    return tl.load(ptrs, mask=row_ok[:, None] & (offs_cols[None, :] < n_cols), other=0.0)
+def _load_tile(base, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """base[rows, cols] of a contiguous (n_rows, n_cols) matrix, 0 outside it; unchecked loads
+    (no mask: vectorised, pipelined) where the caller knows the tile is inside."""
+    ptrs = base + rows[:, None] * n_cols + cols[None, :]
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=(cols < n_cols)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @_device_fn
-def _store_rows(base, value, rows, row_ok, offs_cols, n_cols):
-    ptrs = base + rows[:, None] * n_cols + offs_cols[None, :]
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=row_ok[:, None] & (offs_cols[None, :] < n_cols))
+def _store_tile(base, value, rows, cols, n_rows, n_cols):
+    ptrs = base + rows[:, None] * n_cols + cols[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+
+
+@_device_fn
+def _apply_mask(s, mask_ptr, offsets, inside):
+    """Scores s (base 2) with the user's mask applied: -inf where a boolean mask is False, plus
+    bias * log2(e) for a float mask. ``offsets`` index the mask tile, ``inside`` guards it."""
+    m = tl.load(mask_ptr + offsets, mask=inside, other=0)
+    if mask_ptr.dtype.element_ty == tl.int1:
+        if s.dtype == tl.float64:
+            # Triton 3.6 gives a float64 dot operand the register layout of the narrowest load it
+            # derives from, and float64 MMA has no such layout for a 1-byte load ("Currently fp64
+            # don't support largeK MMA"); a reduction over a unit axis hides the load from it.
+            m = tl.max(m.to(tl.int32)[:, :, None], axis=2)
+        return tl.where(m != 0, s, float("-inf"))
+    else:
+        return s + upcast(m) * tl.full([], LOG2E, s.dtype)
+
+
+@_device_fn
+def _forward_keys(
+    acc,
+    row_sum,
+    row_max,
+    q,
+    k_base,
+    v_base,
+    rows,
+    start,
+    end,
+    q_len,
+    k_len,
+    qk_scale,
+    mask_ptr,
+    mask_base,
+    mask_stride_q,
+    mask_stride_k,
+    seed,
+    dropout_base,
+    keep_threshold,
+    CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """The online softmax over key blocks start..end. CHECK: the blocks may hold keys out of
+    range or (causal) later than some query; otherwise no score of them is masked but by the
+    user's mask, and rows keep finite maxima (no -inf guard)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_tile(k_base, cols, offs_d, k_len, D, CHECK, BLOCK_D != D)
+        qk = _dot(q, tl.trans(k), None, UPCAST_BF16)
+        if CHECK or mask_ptr is not None:
+            s = qk * qk_scale
+            if mask_ptr is not None:
+                offsets = rows[:, None] * mask_stride_q + cols[None, :] * mask_stride_k
+                inside = (rows < q_len)[:, None] & (cols < k_len)[None, :]
+                s = _apply_mask(s, mask_ptr, mask_base + offsets, inside)
+            if CHECK:
+                seen = (cols < k_len)[None, :]
+                if CAUSAL:
+                    seen = seen & (cols[None, :] <= rows[:, None])
+                s = tl.where(seen, s, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: avoid inf - inf
+            p = tl.math.exp2(s - shift[:, None])
+            alpha = tl.math.exp2(row_max - shift)
+        else:
+            new_max = tl.maximum(row_max, tl.max(qk, 1) * qk_scale)  # qk_scale >= 0
+            p = tl.math.exp2(qk * qk_scale - new_max[:, None])
+            alpha = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = philox_keep(seed, dropout_base + rows[:, None] * k_len + cols[None, :], keep_threshold)
+            p = tl.where(keep, p, 0.0)
+        v = _load_tile(v_base, cols, offs_dv, k_len, DV, CHECK, BLOCK_DV != DV)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_BF16)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@_device_fn
+def _dq_keys(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    rows,
+    start,
+    end,
+    q_len,
+    k_len,
+    qk_scale,
+    dropout_scale,
+    mask_ptr,
+    mask_base,
+    mask_stride_q,
+    mask_stride_k,
+    seed,
+    dropout_base,
+    keep_threshold,
+    CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dQ (unscaled) += dS K over key blocks start..end (CHECK as in ``_forward_keys``)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_tile(k_base, cols, offs_d, k_len, D, CHECK, BLOCK_D != D)
+        v = _load_tile(v_base, cols, offs_dv, k_len, DV, CHECK, BLOCK_DV != DV)
+        s = _dot(q, tl.trans(k), None, UPCAST_BF16) * qk_scale
+        if mask_ptr is not None:
+            offsets = rows[:, None] * mask_stride_q + cols[None, :] * mask_stride_k
+            inside = (rows < q_len)[:, None] & (cols < k_len)[None, :]
+            s = _apply_mask(s, mask_ptr, mask_base + offsets, inside)
+        if CHECK:
+            seen = (cols < k_len)[None, :]
+            if CAUSAL:
+                seen = seen & (cols[None, :] <= rows[:, None])
+            s = tl.where(seen, s, float("-inf"))
+        p = tl.math.exp2(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), None, UPCAST_BF16)
+        if DROPOUT:
+            keep = philox_keep(seed, dropout_base + rows[:, None] * k_len + cols[None, :], keep_threshold)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, dq, UPCAST_BF16)
+    return dq
+
+
+@_device_fn
+def _dkdv_queries(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    cols,
+    start,
+    end,
+    q_len,
+    k_len,
+    qk_scale,
+    dropout_scale,
+    mask_ptr,
+    mask_base,
+    mask_stride_q,
+    mask_stride_k,
+    seed,
+    dropout_base,
+    keep_threshold,
+    CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dK (unscaled) += dS^T Q and dV (without the dropout scale) += (P * keep)^T dO over the
+    query blocks start..end of one query head; tiles are transposed (keys x queries). CHECK:
+    the blocks may hold queries out of range or (causal) earlier than some key."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(start, end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_tile(q_base, rows, offs_d, q_len, D, CHECK, BLOCK_D != D)
+        do = _load_tile(do_base, rows, offs_dv, q_len, DV, CHECK, BLOCK_DV != DV)
+        if CHECK:
+            lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+        st = _dot(k, tl.trans(q), None, UPCAST_BF16) * qk_scale
+        if mask_ptr is not None:
+            lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0 (all scores -inf)
+            offsets = rows[None, :] * mask_stride_q + cols[:, None] * mask_stride_k
+            inside = (rows < q_len)[None, :] & (cols < k_len)[:, None]
+            st = _apply_mask(st, mask_ptr, mask_base + offsets, inside)
+        if CHECK:
+            seen = (rows < q_len)[None, :]
+            if CAUSAL:
+                seen = seen & (cols[:, None] <= rows[None, :])
+            st = tl.where(seen, st, float("-inf"))
+        pt = tl.math.exp2(st - lse[None, :])
+        if DROPOUT:
+            keep = philox_keep(seed, dropout_base + rows[None, :] * k_len + cols[:, None], keep_threshold)
+        if WANT_DV:
+            if DROPOUT:
+                dv = _dot(tl.where(keep, pt, 0.0).to(do.dtype), do, dv, UPCAST_BF16)
+            else:
+                dv = _dot(pt.to(do.dtype), do, dv, UPCAST_BF16)
+        if WANT_DK:
+            if CHECK:
+                delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
+            else:
+                delta = tl.load(delta_base + rows)
+            dpt = _dot(v, tl.trans(do), None, UPCAST_BF16)
+            if DROPOUT:
+                dpt = tl.where(keep, dpt * dropout_scale, 0.0)
+            dst = pt * (dpt - delta[None, :])
+            dk = _dot(dst.to(q.dtype), q, dk, UPCAST_BF16)
+    return dk, dv
 
 
 # -------------------------------------------------------------------------------- kernels
-# Layout: q (BH, Lq, D), k (BHkv, Lk, D), v (BHkv, Lk, DV), out (BH, Lq, DV), lse/delta (BH, Lq),
-# contiguous; query head h reads key/value head h // KV_GROUP (grouped-query attention;
-# KV_GROUP = 1 otherwise). The mask is read through broadcast strides (0 along broadcast dims).
-# Two tilings (constexpr PACKED): per head (program axis 1 is the (batch, head) pair, axis 0
-# a block of positions; the GPU's), or packed: the (BH * Lq) query rows and (BHkv * Lk) keys
-# flattened, a tile spanning several heads and keys of another head masked out (few, wide
-# programs for the interpreter, which pays per program and per operation, not per element).
+# Layout: q, k, v are read through (outer, head) strides per operand (0 along broadcast dims);
+# out, dout (BH, Lq, DV), lse/delta (BH, Lq), dq (BH, Lq, D) and dk/dv (BH / KV_GROUP, Lk, D/DV)
+# are contiguous, BH = n_outer * n_heads. Query head h reads key/value head h // kv_group. The
+# mask is read through strides too. Program axis 0 is the head, axis 1 the block: CUDA runs
+# axis 0 fastest, so the first wave holds the first block of every head (the longest ones,
+# causal, once ordered so).
 
 
-@kernel(half=True)
-def attention_backward_delta(out_ptr, dout_ptr, delta_ptr, n_rows, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_DV)
-    o = upcast(_load_rows(out_ptr, rows, rows < n_rows, cols, DV))
-    do = upcast(_load_rows(dout_ptr, rows, rows < n_rows, cols, DV))
-    tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
+@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dq_ptr"))
+def attention_backward_dq(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    out_ptr,
+    dout_ptr,
+    lse_ptr,
+    seed_ptr,
+    delta_ptr,
+    dq_ptr,
+    q_len,
+    k_len,
+    n_heads,
+    kv_group,
+    q_stride_b,
+    q_stride_h,
+    k_stride_b,
+    k_stride_h,
+    v_stride_b,
+    v_stride_h,
+    mask_stride_b,
+    mask_stride_h,
+    mask_stride_q,
+    mask_stride_k,
+    scale,
+    keep_threshold: tl.int64,
+    dropout_scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """delta = rowsum(dO * O) of a block of query rows, and (if dq_ptr) dQ = c dS K for them."""
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: longest blocks first
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_base = bh.to(tl.int64) * q_len
+    o = _load_tile(out_ptr + row_base * DV, rows, offs_dv, q_len, DV, True, BLOCK_DV != DV)
+    do = _load_tile(dout_ptr + row_base * DV, rows, offs_dv, q_len, DV, True, BLOCK_DV != DV)
+    delta = tl.sum(upcast(o) * upcast(do), 1)
+    tl.store(delta_ptr + row_base + rows, delta, mask=rows < q_len)
+    if dq_ptr is not None:
+        b = bh // n_heads
+        h = bh - b * n_heads
+        q = _load_tile(
+            q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h,
+            rows,
+            offs_d,
+            q_len,
+            D,
+            True,
+            BLOCK_D != D,
+        )
+        q = tl.where(scale < 0, -q, q)  # the scores use |c|
+        k_base = k_ptr + b.to(tl.int64) * k_stride_b + (h // kv_group).to(tl.int64) * k_stride_h
+        v_base = v_ptr + b.to(tl.int64) * v_stride_b + (h // kv_group).to(tl.int64) * v_stride_h
+        mask_base = b.to(tl.int64) * mask_stride_b + h.to(tl.int64) * mask_stride_h
+        lse = tl.load(lse_ptr + row_base + rows, mask=rows < q_len, other=0.0)
+        if mask_ptr is not None:
+            lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0
+        qk_scale = tl.abs(
+            tl.full([], LOG2E, ACC) * scale
+        )  # a tensor op: the interpreter keeps float64 scalars exact there
+        seed = 0
+        if seed_ptr is not None:
+            seed = tl.load(seed_ptr)
+        if CAUSAL:
+            end = tl.minimum(k_len, start_m + BLOCK_M)
+            free_end = tl.minimum(start_m + 1, k_len) // BLOCK_N * BLOCK_N
+        else:
+            end = k_len
+            free_end = k_len // BLOCK_N * BLOCK_N
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+        for check in tl.static_range(2):
+            dq = _dq_keys(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                k_base,
+                v_base,
+                rows,
+                free_end if check else 0,
+                end if check else free_end,
+                q_len,
+                k_len,
+                qk_scale,
+                dropout_scale,
+                mask_ptr,
+                mask_base,
+                mask_stride_q,
+                mask_stride_k,
+                seed,
+                row_base * k_len,
+                keep_threshold,
+                CAUSAL,
+                check == 1,
+                seed_ptr is not None,
+                D,
+                DV,
+                UPCAST_BF16,
+                BLOCK_N,
+                BLOCK_D,
+                BLOCK_DV,
+            )
+        _store_tile(dq_ptr + row_base * D, dq * scale, rows, offs_d, q_len, D)
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dk_ptr", "dv_ptr"))
 def attention_backward_dkdv(
     q_ptr,
     k_ptr,
@@ -183,193 +493,136 @@ def attention_backward_dkdv(
     mask_ptr,
     dout_ptr,
     lse_ptr,
+    seed_ptr,
     delta_ptr,
     dk_ptr,
     dv_ptr,
-    Lq,
-    Lk,
-    D,
-    DV,
-    H,
-    KV_GROUP,
-    n_bh,
+    q_len,
+    k_len,
+    n_heads,
+    kv_group,
+    q_stride_b,
+    q_stride_h,
+    k_stride_b,
+    k_stride_h,
+    v_stride_b,
+    v_stride_h,
+    mask_stride_b,
+    mask_stride_h,
+    mask_stride_q,
+    mask_stride_k,
     scale,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    WRITE_DK: tl.constexpr,
-    WRITE_DV: tl.constexpr,
+    keep_threshold: tl.int64,
+    dropout_scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     ACC: tl.constexpr,
-    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    start_n = tl.program_id(0).to(tl.int64) * BLOCK_N
-    kv_bh = tl.program_id(1).to(tl.int64)
-    n_kv = n_bh // KV_GROUP
+    """dK = c dS^T Q and dV = (P * Z)^T dO of a block of keys of one key/value head, summed over
+    the query heads that read it (kv_group of them)."""
+    kv_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N  # causal: the first key blocks have the most queries
+    n_kv_heads = n_heads // kv_group
+    b = kv_bh // n_kv_heads
+    kv_h = kv_bh - b * n_kv_heads
+    cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, n_kv * Lk, BLOCK_N, PACKED)
-    k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
-    v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
+    k = _load_tile(
+        k_ptr + b.to(tl.int64) * k_stride_b + kv_h.to(tl.int64) * k_stride_h, cols, offs_d, k_len, D, True, BLOCK_D != D
+    )
+    v = _load_tile(
+        v_ptr + b.to(tl.int64) * v_stride_b + kv_h.to(tl.int64) * v_stride_h,
+        cols,
+        offs_dv,
+        k_len,
+        DV,
+        True,
+        BLOCK_DV != DV,
+    )
+    k = tl.where(scale < 0, -k, k)  # the scores use |c|; dK's product reads q, not k
+    qk_scale = tl.abs(tl.full([], LOG2E, ACC) * scale)  # a tensor op: the interpreter keeps float64 scalars exact there
+    seed = 0
+    if seed_ptr is not None:
+        seed = tl.load(seed_ptr)
+    if CAUSAL:  # query blocks before lo see none of these keys; from diag_end on, all of them
+        lo = start_n // BLOCK_M * BLOCK_M
+        diag_end = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        lo = 0
+        diag_end = 0
+    full_end = q_len // BLOCK_M * BLOCK_M
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
-    if PACKED:  # the query rows of every head that reads these keys, as one flat range
-        groups = 1
-        lo = (start_n // Lk) * KV_GROUP * Lq
-        hi = tl.minimum((start_n + BLOCK_N - 1) // Lk + 1, n_kv) * KV_GROUP * Lq
-    else:
-        groups = KV_GROUP
-        lo = 0
-        if IS_CAUSAL:
-            lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
-        hi = Lq
-    for g in range(0, groups):
-        bh = kv_bh * KV_GROUP + g
-        for start_m in range(lo, hi, BLOCK_M):
-            rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
-                start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
-            )
-            q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
-            do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
-            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0
-            s = _scores(
-                q,
+    for g in range(0, kv_group):
+        h = kv_h * kv_group + g
+        bh = b.to(tl.int64) * n_heads + h
+        q_base = q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h
+        mask_base = b.to(tl.int64) * mask_stride_b + h.to(tl.int64) * mask_stride_h
+        for part in tl.static_range(3):  # diagonal (checked), the unchecked middle, the partial tail (checked)
+            if part == 0:
+                start = lo
+                end = tl.minimum(diag_end, q_len)
+            elif part == 1:
+                start = diag_end
+                end = full_end
+            else:
+                start = tl.maximum(diag_end, full_end)
+                end = q_len
+            dk, dv = _dkdv_queries(
+                dk,
+                dv,
                 k,
-                row_ok,
-                row_bh // KV_GROUP,
-                pos_m,
-                mask_rows,
-                col_ok,
-                col_kv,
-                pos_n,
-                scale,
+                v,
+                q_base,
+                dout_ptr + bh * q_len * DV,
+                lse_ptr + bh * q_len,
+                delta_ptr + bh * q_len,
+                cols,
+                start,
+                end,
+                q_len,
+                k_len,
+                qk_scale,
+                dropout_scale,
                 mask_ptr,
-                stride_mk,
-                HAS_MASK,
-                MASK_BOOL,
-                IS_CAUSAL,
+                mask_base,
+                mask_stride_q,
+                mask_stride_k,
+                seed,
+                bh * q_len * k_len,
+                keep_threshold,
+                CAUSAL,
+                part != 1,
+                seed_ptr is not None,
+                dk_ptr is not None,
+                dv_ptr is not None,
+                D,
+                DV,
                 UPCAST_BF16,
-                PACKED,
+                BLOCK_M,
+                BLOCK_D,
+                BLOCK_DV,
             )
-            p = tl.exp(s - lse[:, None])
-            if WRITE_DV:
-                dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST_BF16)
-            if WRITE_DK:
-                delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-                dp = _dot(do, tl.trans(v), UPCAST_BF16)
-                ds = p * (dp - delta[:, None])
-                dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST_BF16)
-    if WRITE_DK:
-        _store_rows(dk_ptr, dk * scale, cols, col_ok, offs_d, D)
-    if WRITE_DV:
-        _store_rows(dv_ptr, dv, cols, col_ok, offs_dv, DV)
+    kv_base = kv_bh.to(tl.int64) * k_len
+    if dk_ptr is not None:
+        _store_tile(dk_ptr + kv_base * D, dk * scale, cols, offs_d, k_len, D)
+    if dv_ptr is not None:
+        _store_tile(dv_ptr + kv_base * DV, dv * dropout_scale, cols, offs_dv, k_len, DV)
 
 
-@_device_fn
-def _key_range(
-    start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr
-):
-    """(first, end) of the keys a query block needs: flat keys of every head it spans when PACKED,
-    else positions of its own head (up to the block's last query when causal)."""
-    if PACKED:
-        first = (start_m // Lq) // KV_GROUP * Lk
-        end = (tl.minimum((start_m + BLOCK_M - 1) // Lq, n_bh - 1) // KV_GROUP + 1) * Lk
-    else:
-        first = start_m * 0
-        end = first + Lk
-        if IS_CAUSAL:
-            end = tl.minimum(end, start_m + BLOCK_M)  # later keys are masked for every row of the block
-    return first, end
-
-
-@kernel(half=True)
-def attention_backward_dq(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    mask_ptr,
-    dout_ptr,
-    lse_ptr,
-    delta_ptr,
-    dq_ptr,
-    Lq,
-    Lk,
-    D,
-    DV,
-    H,
-    KV_GROUP,
-    n_bh,
-    scale,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    UPCAST_BF16: tl.constexpr,
-    ACC: tl.constexpr,
-    PACKED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    kv_bh = bh // KV_GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
-        start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
-    )
-    row_kv = row_bh // KV_GROUP
-    q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
-    do = _load_rows(dout_ptr, rows, row_ok, offs_dv, DV)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    first, end = _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL, BLOCK_M, PACKED)
-    for start_n in range(first, end, BLOCK_N):
-        cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
-        k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
-        v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
-        s = _scores(
-            q,
-            k,
-            row_ok,
-            row_kv,
-            pos_m,
-            mask_rows,
-            col_ok,
-            col_kv,
-            pos_n,
-            scale,
-            mask_ptr,
-            stride_mk,
-            HAS_MASK,
-            MASK_BOOL,
-            IS_CAUSAL,
-            UPCAST_BF16,
-            PACKED,
-        )
-        p = tl.exp(s - lse[:, None])
-        ds = p * (_dot(do, tl.trans(v), UPCAST_BF16) - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST_BF16)
-    _store_rows(dq_ptr, dq * scale, rows, row_ok, offs_d, D)
-
-
-@kernel(backward=(attention_backward_delta, attention_backward_dkdv, attention_backward_dq), half=True)
+@kernel(
+    backward=(attention_backward_dq, attention_backward_dkdv, sum_to_shape_kernel),
+    half=True,
+    optional=("mask_ptr", "seed_out_ptr"),
+)
+@triton.jit(do_not_specialize=["seed"])
 def attention_forward(
     q_ptr,
     k_ptr,
@@ -377,135 +630,309 @@ def attention_forward(
     mask_ptr,
     out_ptr,
     lse_ptr,
-    Lq,
-    Lk,
-    D,
-    DV,
-    H,
-    KV_GROUP,
-    n_bh,
+    seed_out_ptr,
+    q_len,
+    k_len,
+    n_heads,
+    kv_group,
+    q_stride_b,
+    q_stride_h,
+    k_stride_b,
+    k_stride_h,
+    v_stride_b,
+    v_stride_h,
+    mask_stride_b,
+    mask_stride_h,
+    mask_stride_q,
+    mask_stride_k,
     scale,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    HAS_MASK: tl.constexpr,
-    MASK_BOOL: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
+    seed,
+    keep_threshold: tl.int64,
+    dropout_scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     ACC: tl.constexpr,
-    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    start_m = tl.program_id(0).to(tl.int64) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    kv_bh = bh // KV_GROUP
+    """O and lse2 of a block of query rows of one head; with dropout (seed_out_ptr given) the
+    mask of ``seed``, which program (0, 0) stores in seed_out for the backward."""
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: longest blocks first
+    b = bh // n_heads
+    h = bh - b * n_heads
+    rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows, row_ok, row_bh, pos_m, mask_rows = _query_rows(
-        start_m, bh, Lq, n_bh, H, stride_mb, stride_mh, stride_mq, BLOCK_M, PACKED
+    q = _load_tile(
+        q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h, rows, offs_d, q_len, D, True, BLOCK_D != D
     )
-    row_kv = row_bh // KV_GROUP
-    q = _load_rows(q_ptr, rows, row_ok, offs_d, D)
+    q = tl.where(scale < 0, -q, q)  # the scores use |c|, so that max(qk) * |c| is the largest score
+    k_base = k_ptr + b.to(tl.int64) * k_stride_b + (h // kv_group).to(tl.int64) * k_stride_h
+    v_base = v_ptr + b.to(tl.int64) * v_stride_b + (h // kv_group).to(tl.int64) * v_stride_h
+    mask_base = b.to(tl.int64) * mask_stride_b + h.to(tl.int64) * mask_stride_h
+    row_base = bh.to(tl.int64) * q_len
+    qk_scale = tl.abs(tl.full([], LOG2E, ACC) * scale)  # a tensor op: the interpreter keeps float64 scalars exact there
+    if seed_out_ptr is not None:
+        if (bh == 0) & (tl.program_id(1) == 0):
+            tl.store(seed_out_ptr, seed.to(tl.int64))
+    if CAUSAL:
+        end = tl.minimum(k_len, start_m + BLOCK_M)
+        free_end = tl.minimum(start_m + 1, k_len) // BLOCK_N * BLOCK_N
+    else:
+        end = k_len
+        free_end = k_len // BLOCK_N * BLOCK_N
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     row_sum = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
-    first, end = _key_range(start_m, bh, Lq, Lk, KV_GROUP, n_bh, IS_CAUSAL, BLOCK_M, PACKED)
-    for start_n in range(first, end, BLOCK_N):
-        cols, col_ok, col_kv, pos_n = _key_cols(start_n, kv_bh, Lk, end, BLOCK_N, PACKED)
-        k = _load_rows(k_ptr, cols, col_ok, offs_d, D)
-        s = _scores(
+    for check in tl.static_range(2):
+        acc, row_sum, row_max = _forward_keys(
+            acc,
+            row_sum,
+            row_max,
             q,
-            k,
-            row_ok,
-            row_kv,
-            pos_m,
-            mask_rows,
-            col_ok,
-            col_kv,
-            pos_n,
-            scale,
+            k_base,
+            v_base,
+            rows,
+            free_end if check else 0,
+            end if check else free_end,
+            q_len,
+            k_len,
+            qk_scale,
             mask_ptr,
-            stride_mk,
-            HAS_MASK,
-            MASK_BOOL,
-            IS_CAUSAL,
+            mask_base,
+            mask_stride_q,
+            mask_stride_k,
+            seed,
+            row_base * k_len,
+            keep_threshold,
+            CAUSAL,
+            check == 1,
+            seed_out_ptr is not None,
+            D,
+            DV,
             UPCAST_BF16,
-            PACKED,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
         )
-        new_max = tl.maximum(row_max, tl.max(s, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet: avoid inf - inf
-        p = tl.exp(s - shift[:, None])
-        rescale = tl.exp(row_max - shift)
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = _load_rows(v_ptr, cols, col_ok, offs_dv, DV)
-        acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST_BF16)
-        row_max = new_max
     seen_any = row_sum > 0
     safe_sum = tl.where(seen_any, row_sum, 1.0)
-    _store_rows(out_ptr, acc / safe_sum[:, None], rows, row_ok, offs_dv, DV)
-    lse = tl.where(seen_any, row_max + tl.log(safe_sum), float("-inf"))
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if seed_out_ptr is not None:
+        out = acc * (dropout_scale / safe_sum)[:, None]
+    else:
+        out = acc / safe_sum[:, None]
+    _store_tile(out_ptr + row_base * DV, out, rows, offs_dv, q_len, DV)
+    lse = tl.where(seen_any, row_max + tl.log2(safe_sum), float("-inf"))
+    tl.store(lse_ptr + row_base + rows, lse, mask=rows < q_len)
+
+
+# ------------------------------------------------------------------------------ tiles
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tile: BLOCK_M query rows by BLOCK_N keys, and Triton's warps and pipeline
+    stages (None: the kernel's default)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """The tiles of the three kernels of one call."""
+
+    forward: Tiles
+    dq: Tiles
+    dkdv: Tiles
+
+
+# bf16/fp16 on the GPU, by padded head dim (first guesses after the Triton tutorial's H100
+# configurations; bench/bench_attention.py sweeps them). The forward and dq keep BLOCK_M queries
+# in registers and stream keys; dkdv keeps BLOCK_N keys and streams queries.
+HALF_TILES = {
+    64: AttentionTiles(Tiles(128, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(32, 128, 4, 3)),
+    128: AttentionTiles(Tiles(128, 64, 8, 3), Tiles(128, 32, 8, 3), Tiles(32, 128, 8, 3)),
+    256: AttentionTiles(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)),
+}
+# float32/float64 products run on FMA units (IEEE precision) / float64 MMA: small tiles.
+WIDE_TILES = AttentionTiles(Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))
+
+# Under the interpreter each program costs about a millisecond whatever its size: one wide
+# tile per head where it fits. Tests set TILE_OVERRIDE to run several blocks per head.
+INTERPRETER_TILE = 128
+TILE_OVERRIDE: AttentionTiles | None = None
+
+
+def head_blocks(dtype: torch.dtype, d: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot).
+
+    On the H200 (Triton 3.6), bf16 attention with head dims padded to 32/16 gave wrong results
+    and an illegal memory access while 64 was right (cf. triton-lang/triton#11366, wgmma with
+    BLOCK_D=32): half-precision head dims are padded to at least 64 there."""
+    least = 64 if dtype in (torch.float16, torch.bfloat16) and not INTERPRETER else 16
+    return max(least, pow2(d)), max(least, pow2(dv))
+
+
+def attention_tiles(dtype: torch.dtype, d: int, dv: int, q_len: int, k_len: int) -> AttentionTiles:
+    """The tiles for one call (shapes are static per program)."""
+    if TILE_OVERRIDE is not None:
+        return TILE_OVERRIDE
+    if INTERPRETER:
+        m = min(INTERPRETER_TILE, max(16, pow2(q_len)))
+        n = min(INTERPRETER_TILE, max(16, pow2(k_len)))
+        return AttentionTiles(Tiles(m, n), Tiles(m, n), Tiles(m, n))
+    if dtype in (torch.float16, torch.bfloat16):
+        head = max(64, pow2(max(d, dv)))
+        return HALF_TILES[head] if head in HALF_TILES else HALF_TILES[256]
+    return WIDE_TILES
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How the kernels index one call. ``batch``: the broadcast batch dims of the output;
+    ``kv_batch``: those of the key/value gradients (the head dim divided by ``kv_group``). The
+    kernels see them as ``n_outer`` x ``n_heads`` (query) heads; ``strides`` are the per-operand
+    element strides of those two levels and the mask's along queries and keys."""
+
+    batch: tuple[int, ...]
+    kv_batch: tuple[int, ...]
+    n_outer: int
+    n_heads: int
+    kv_group: int
+    q_len: int
+    k_len: int
+    d: int
+    dv: int
+    strides: dict[str, int]
+
+    @property
+    def n_bh(self) -> int:
+        return self.n_outer * self.n_heads
+
+
+def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        raise ValueError(
+            f"the batch dims of query, key and value are not broadcastable: {', '.join(map(str, shapes))} "
+            "(pass enable_gqa=True for fewer key/value heads)"
+        ) from None
+
+
+def _batch_strides(shape: tuple[int, ...], batch: tuple[int, ...], tail: int) -> list[int]:
+    """Element strides, over the ``batch`` dims, of a contiguous tensor whose leading dims
+    ``shape`` broadcast to ``batch`` and whose trailing dims hold ``tail`` elements (0 where
+    broadcast)."""
+    padded = (1,) * (len(batch) - len(shape)) + tuple(shape)
+    strides, step = [0] * len(batch), tail
+    for i in reversed(range(len(batch))):
+        strides[i] = step if padded[i] != 1 else 0
+        step *= padded[i]
+    return strides
+
+
+def attention_layout(shapes: list, mask_shape, enable_gqa: bool) -> AttentionLayout:
+    """The layout of q, k, v (and mask) shapes; ValueError naming what does not fit."""
+    q, k, v = (tuple(s) for s in shapes[:3])
+    for what, shape in (("query", q), ("key", k), ("value", v)):
+        if len(shape) < 2:
+            raise ValueError(f"{what} must have at least 2 dimensions (length, head dim), got shape {shape}")
+    if q[-1] != k[-1]:
+        raise ValueError(f"query and key must have the same head dim (last dim), got query {q} and key {k}")
+    if k[-2] != v[-2]:
+        raise ValueError(f"key and value must have the same length (dim -2), got key {k} and value {v}")
+    qb, kb, vb = q[:-2], k[:-2], v[:-2]
+    kv_group = 1
+    if qb and kb and vb and (kb[-1] != qb[-1] or vb[-1] != qb[-1]):
+        heads, kv_heads = qb[-1], kb[-1]
+        shared = kv_heads == vb[-1] and kv_heads > 0 and heads % kv_heads == 0
+        if enable_gqa and not shared:
+            raise ValueError(
+                f"enable_gqa: key/value heads (dim -3) must be equal and divide the query heads, "
+                f"got query {q}, key {k} and value {v}"
+            )
+        if shared and (enable_gqa or kv_heads == 1):  # read each key/value head in place for its group
+            kv_group = heads // kv_heads
+            kb, vb = kb[:-1] + (heads,), vb[:-1] + (heads,)
+    batch = _broadcast([qb, kb, vb])
+    lq, lk, d, dv = q[-2], k[-2], q[-1], v[-1]
+    operands = [
+        _batch_strides(qb, batch, lq * d),
+        _batch_strides(k[:-2], batch, lk * d),
+        _batch_strides(v[:-2], batch, lk * dv),
+    ]
+    if kv_group > 1:  # key/value head dim: one stride per key/value head, indexed by h // kv_group
+        operands[1][-1], operands[2][-1] = lk * d, lk * dv
+    mask_q = mask_k = 0
+    if mask_shape is not None:
+        mask = tuple(mask_shape)
+        target = batch + (lq, lk)
+        padded = (1,) * (len(target) - len(mask)) + mask
+        if len(mask) > len(target) or any(m not in (1, t) for m, t in zip(padded, target)):
+            raise ValueError(
+                f"attn_mask of shape {mask} is not broadcastable to {target} (batch..., query length, key length)"
+            )
+        mask_k = 1 if padded[-1] != 1 else 0
+        mask_q = padded[-1] if padded[-2] != 1 else 0
+        operands.append(_batch_strides(padded[:-2], batch, padded[-2] * padded[-1]))
+    levels = _index_levels(batch, operands, keep_heads=kv_group > 1)
+    if len(levels) > 2:
+        raise ValueError(
+            f"the batch dims {batch} broadcast in a pattern the attention kernels cannot index "
+            f"(more than two independent levels); shapes {', '.join(map(str, shapes))}"
+        )
+    (n_outer, outer), (n_heads, inner) = ([(1, [0] * len(operands))] * (2 - len(levels))) + levels
+    names = ("q", "k", "v", "mask")
+    strides = {f"{names[i]}_stride_b": outer[i] for i in range(len(operands))}
+    strides.update({f"{names[i]}_stride_h": inner[i] for i in range(len(operands))})
+    strides.setdefault("mask_stride_b", 0)
+    strides.setdefault("mask_stride_h", 0)
+    strides.update(mask_stride_q=mask_q, mask_stride_k=mask_k)
+    kv_batch = batch[:-1] + (batch[-1] // kv_group,) if kv_group > 1 else batch
+    return AttentionLayout(batch, kv_batch, n_outer, n_heads, kv_group, lq, lk, d, dv, strides)
+
+
+def _index_levels(batch, operands, keep_heads: bool) -> list[tuple[int, list[int]]]:
+    """The batch dims merged into as few (size, per-operand stride) levels as the operands'
+    strides allow (neighbours merge when, for every operand, outer stride = inner stride x
+    inner size); ``keep_heads`` keeps the last dim (the query heads) a level of its own."""
+    levels: list[tuple[int, list[int]]] = []
+    last = len(batch) - 1
+    for i, size in enumerate(batch):
+        if size == 1 and not (keep_heads and i == last):
+            continue
+        strides = [op[i] for op in operands]
+        mergeable = levels and not (keep_heads and i == last)
+        if mergeable and all(outer == inner * size for outer, inner in zip(levels[-1][1], strides)):
+            levels[-1] = (levels[-1][0] * size, strides)
+        else:
+            levels.append((size, strides))
+    return levels
 
 
 # ------------------------------------------------------------------------------ RuntimeOp
 
 
-# Under the interpreter the heads are packed into tiles of up to PACKED_TILE query rows and keys
-# (tests set PACK_HEADS / PACKED_TILE to run the per-head tiling and many packed tiles on the CPU).
-PACK_HEADS = INTERPRETER
-PACKED_TILE = 512
-
-
-def _blocks(g: dict, dtype: torch.dtype) -> tuple[bool, int, int, int, int]:
-    """(PACKED, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): head dims padded to a power of two (>= 16 for tl.dot).
-
-    On the H200 (Triton 3.6), bf16 attention with head dims padded to 32/16 gave wrong results
-    and an illegal memory access while 64/64 was right (cf. triton-lang/triton#11366, wgmma with
-    BLOCK_D=32): half-precision head dims are padded to at least 64 there. float32/float64
-    dots run on FMA units (IEEE precision) and use smaller tiles. Not tuned yet. The
-    interpreter packs heads (few, wide programs: it pays per program and per operation).
-    """
-    block_d = max(16, triton.next_power_of_2(max(g["d"], 1)))
-    block_dv = max(16, triton.next_power_of_2(max(g["dv"], 1)))
-    if PACK_HEADS:
-        bh = g["batch"] * g["heads"]
-        block_m = min(PACKED_TILE, max(16, triton.next_power_of_2(max(bh * g["lq"], 1))))
-        block_n = min(PACKED_TILE, max(16, triton.next_power_of_2(max(bh // g["group"] * g["lk"], 1))))
-        return True, block_m, block_n, block_d, block_dv
-    if INTERPRETER:
-        return False, 16, 16, block_d, block_dv
-    if dtype in (torch.float32, torch.float64):
-        return False, 32, 32, block_d, block_dv
-    block_d, block_dv = max(64, block_d), max(64, block_dv)
-    if max(block_d, block_dv) > 64:
-        return False, 64, 32, block_d, block_dv
-    return False, 64, 64, block_d, block_dv
-
-
-def _grid(g: dict, blocks, keys: bool) -> tuple[int, int, int]:
-    """Programs over query blocks (keys=False) or key blocks (keys=True): per head, or packed."""
-    packed, block_m, block_n = blocks[:3]
-    heads = g["batch"] * g["heads"] // (g["group"] if keys else 1)
-    length, block = (g["lk"], block_n) if keys else (g["lq"], block_m)
-    return (cdiv(heads * length, block), 1, 1) if packed else (cdiv(length, block), heads, 1)
-
-
-def _broadcast_strides(mask_shape, target) -> tuple[int, ...]:
-    """Element strides that read a contiguous ``mask_shape`` tensor broadcast to ``target``."""
-    shape = (1,) * (len(target) - len(mask_shape)) + tuple(mask_shape)
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step if size != 1 else 0)
-        step *= size
-    return tuple(reversed(strides))
+_trace_seeds = itertools.count()
 
 
 class AttentionOp(RuntimeOp):
-    """Fused attention; inputs q, k, v[, mask]; saves the inputs, the output and lse."""
+    """Fused attention; inputs q, k, v[, mask]; saves the inputs, the output, lse2 and, with
+    dropout, the seed of the run's mask (``extra_outputs``), as dropout does: every forward run
+    draws a new mask (the k-th run of a node with base seed s always the same one), and a
+    backward regenerates the mask of the forward that made its cache."""
 
     name = "scaled_dot_product_attention"
     kernel = attention_forward
@@ -513,147 +940,157 @@ class AttentionOp(RuntimeOp):
     saves_output = True
     differentiable_inputs = (0, 1, 2)  # no gradient for the mask
 
-    def __init__(self, has_mask: bool, is_causal: bool, scale: float | None, enable_gqa: bool):
+    def __init__(
+        self,
+        has_mask: bool,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+        dropout_p: float = 0.0,
+        seed: int = 0,
+        fixed_mask: bool = False,
+    ):
         self.has_mask, self.is_causal, self.user_scale, self.enable_gqa = has_mask, is_causal, scale, enable_gqa
         self.n_activation_inputs = 4 if has_mask else 3
+        self.dropout_p, self.seed, self.fixed_mask = float(dropout_p), int(seed), bool(fixed_mask)
+        self.capturable = self.dropout_p == 0.0  # the per-run seed comes from the host
+        self.runs = 0  # forward runs so far: the step of the next dropout mask
 
     # --- shapes --------------------------------------------------------------------------
+    def _layout(self, shapes) -> AttentionLayout:
+        return attention_layout(shapes, shapes[3] if self.has_mask else None, self.enable_gqa)
+
     def check_inputs(self, input_shapes, input_dtypes):
-        q, k, v = (tuple(s) for s in input_shapes[:3])
-        for what, shape in (("query", q), ("key", k), ("value", v)):
-            if not 2 <= len(shape) <= 4:
-                raise ValueError(
-                    f"{what} must have 2 to 4 dimensions ((batch, heads,) length, head dim), got shape {shape}"
-                )
-        if not len(q) == len(k) == len(v):
-            raise ValueError(f"query, key and value must have the same number of dimensions, got shapes {q}, {k}, {v}")
         for what, dtype in zip(("query", "key", "value"), input_dtypes[:3]):
             if not dtype.is_floating_point:
                 raise TypeError(f"{what} must be a float tensor, got {str(dtype).replace('torch.', '')}")
-        if q[-1] != k[-1]:
-            raise ValueError(f"query and key must have the same head dim (last dim), got query {q} and key {k}")
-        if k[:-1] != v[:-1]:
-            raise ValueError(f"key and value must agree in every dim but the last, got key {k} and value {v}")
-        if self.enable_gqa and len(q) >= 3:
-            if q[:-3] != k[:-3] or k[-3] == 0 or q[-3] % k[-3] != 0:
-                raise ValueError(
-                    f"enable_gqa: key/value heads (dim -3) must divide query heads and the other batch "
-                    f"dims must match, got query {q} and key {k}"
-                )
-        elif q[:-2] != k[:-2]:
-            raise ValueError(
-                f"query and key must have the same batch dims {q[:-2]}, got key {k} "
-                f"(pass enable_gqa=True for fewer key/value heads)"
-            )
         if self.has_mask:
-            mask, target = tuple(input_shapes[3]), q[:-1] + (k[-2],)
-            padded = (1,) * (len(target) - len(mask)) + mask
-            if len(mask) > len(target) or any(m not in (1, t) for m, t in zip(padded, target)):
-                raise ValueError(
-                    f"attn_mask of shape {mask} is not broadcastable to {target} (batch..., query length, key length)"
-                )
             dtype = input_dtypes[3]
             if dtype != torch.bool and dtype != input_dtypes[0]:
                 raise TypeError(f"attn_mask must be bool or have the query's dtype, got {dtype}")
+        self._layout(input_shapes)
 
     def output_shape(self, input_shapes):
-        return tuple(input_shapes[0][:-1]) + (input_shapes[2][-1],)
+        layout = self._layout(input_shapes)
+        return layout.batch + (layout.q_len, layout.dv)
 
     def extra_outputs(self, input_shapes, dtype):
-        return {"lse": (tuple(input_shapes[0][:-1]), _acc_dtype(dtype))}
+        layout = self._layout(input_shapes)
+        extras = {"lse": (layout.batch + (layout.q_len,), acc_dtype(dtype))}
+        if self.dropout_p > 0:
+            extras["seed"] = ((1,), torch.int64)
+        return extras
 
     # --- launch helpers ----------------------------------------------------------------------
-    def _geometry(self, shapes):
-        q, k, v = (tuple(s) for s in shapes[:3])
-        q4, k4 = (1,) * (4 - len(q)) + q, (1,) * (4 - len(k)) + k
-        batch, heads, lq, d = q4
-        group = heads // k4[1] if k4[1] else 1
-        strides = (0, 0, 0, 0)
-        if self.has_mask:
-            strides = _broadcast_strides(tuple(shapes[3]), (batch, heads, lq, k4[2]))
-        scale = self.user_scale if self.user_scale is not None else 1.0 / math.sqrt(d) if d else 1.0
-        return dict(batch=batch, heads=heads, lq=lq, lk=k4[2], d=d, dv=v[-1], group=group, scale=scale, strides=strides)
+    @property
+    def dropout_scale(self) -> float:
+        return 0.0 if self.dropout_p == 1.0 else 1.0 / (1.0 - self.dropout_p)
 
-    def _common(self, visitor: ArgVisitor, g: dict) -> None:
-        visitor.visit_i32(g["lq"]).visit_i32(g["lk"]).visit_i32(g["d"]).visit_i32(g["dv"])
-        visitor.visit_i32(g["heads"]).visit_i32(g["group"]).visit_i64(g["batch"] * g["heads"]).visit_float(g["scale"])
-        for s in g["strides"]:
-            visitor.visit_i64(s)
+    def step_seed(self, step: int) -> int:
+        """The seed of the ``step``-th run's dropout mask."""
+        return mix_seed(self.seed, 0 if self.fixed_mask else step)
 
-    def _flags(self, visitor: ArgVisitor, mask) -> None:
-        visitor.visit_constexpr(self.has_mask)
-        visitor.visit_constexpr(mask is not None and mask.dtype == torch.bool)
-        visitor.visit_constexpr(self.is_causal)
+    def _scale(self, layout: AttentionLayout) -> float:
+        if self.user_scale is not None:
+            return self.user_scale
+        return 1.0 / math.sqrt(layout.d) if layout.d else 1.0
 
-    def _tail(self, visitor: ArgVisitor, g: dict, dtype: torch.dtype) -> None:
-        visitor.visit_constexpr(DOT_UPCAST_BF16).visit_constexpr(_tl_acc(dtype))
-        for b in _blocks(g, dtype):
-            visitor.visit_constexpr(b)
+    def _common(self, ctx, layout: AttentionLayout) -> dict:
+        """The arguments every kernel takes, by name."""
+        q, k, v = ctx.inputs[:3]
+        block_d, block_dv = head_blocks(ctx.dtype, layout.d, layout.dv)
+        return dict(
+            q_ptr=q,
+            k_ptr=k,
+            v_ptr=v,
+            mask_ptr=ctx.inputs[3] if self.has_mask else None,
+            q_len=layout.q_len,
+            k_len=layout.k_len,
+            n_heads=layout.n_heads,
+            kv_group=layout.kv_group,
+            **layout.strides,
+            scale=self._scale(layout),
+            keep_threshold=keep_threshold(self.dropout_p),
+            dropout_scale=self.dropout_scale,
+            D=layout.d,
+            DV=layout.dv,
+            CAUSAL=self.is_causal,
+            UPCAST_BF16=DOT_UPCAST_BF16,
+            ACC=tl_acc_dtype(ctx.dtype),
+            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
+        )
 
     # --- forward ---------------------------------------------------------------------------
-    def forward(self, ctx: OpContext) -> None:
-        q, k, v = ctx.inputs[:3]
-        mask = ctx.inputs[3] if self.has_mask else None
-        g = self._geometry(ctx.input_shapes)
-        visitor = ArgVisitor()
-        visitor.visit_ptr(q).visit_ptr(k).visit_ptr(v).visit_ptr(mask if mask is not None else q)
-        visitor.visit_ptr(ctx.output).visit_ptr(ctx.saved["lse"])
-        self._common(visitor, g)
-        self._flags(visitor, mask)
-        self._tail(visitor, g, ctx.dtype)
-        ctx.launch(attention_forward, _grid(g, _blocks(g, ctx.dtype), keys=False), visitor)
+    def forward_launches(self, ctx):
+        layout = self._layout(ctx.input_shapes)
+        tiles = attention_tiles(ctx.dtype, layout.d, layout.dv, layout.q_len, layout.k_len).forward
+        seed = 0
+        if self.dropout_p > 0:
+            seed = self.step_seed(0 if ctx.dry_run else self.runs)
+            if not ctx.dry_run:
+                self.runs += 1
+        args = ArgVisitor().visit(
+            **self._common(ctx, layout),
+            out_ptr=ctx.output,
+            lse_ptr=ctx.saved["lse"],
+            seed_out_ptr=ctx.saved.get("seed"),
+            seed=seed,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+        )
+        grid = (layout.n_bh, cdiv(layout.q_len, tiles.block_m), 1)
+        return [Launch(attention_forward, grid, args, Block(None, tiles.num_warps, tiles.num_stages))]
 
     # --- backward --------------------------------------------------------------------------
-    def has_backward(self):
-        return True
-
-    def backward_kernels(self):
-        return (attention_backward_delta, attention_backward_dkdv, attention_backward_dq)
-
-    def backward(self, ctx: OpContext) -> None:
-        q, k, v = ctx.inputs[:3]
-        mask = ctx.inputs[3] if self.has_mask else None
+    def backward_launches(self, ctx):
+        layout = self._layout(ctx.input_shapes)
+        tiles = attention_tiles(ctx.dtype, layout.d, layout.dv, layout.q_len, layout.k_len)
         dq, dk, dv = ctx.grad_inputs[:3]
-        out, dout, lse = ctx.output, ctx.grad_output, ctx.saved["lse"]
-        g = self._geometry(ctx.input_shapes)
-        blocks = _blocks(g, ctx.dtype)
-        packed, block_m, _, _, block_dv = blocks
-        bh = g["batch"] * g["heads"]
-        delta = ctx.empty(lse.shape, lse.dtype)
-        if dq is not None or dk is not None:
-            rows = bh * g["lq"]
-            if packed:  # one wide program where the interpreter runs it
-                block_m = min(max(16, triton.next_power_of_2(max(rows, 1))), max(16, 2 * PACKED_TILE**2 // block_dv))
-            visitor = ArgVisitor().visit_ptr(out).visit_ptr(dout).visit_ptr(delta).visit_i64(rows).visit_i32(g["dv"])
-            visitor.visit_constexpr(block_m).visit_constexpr(block_dv)
-            ctx.launch(attention_backward_delta, (cdiv(rows, block_m), 1, 1), visitor, work=rows)
-
-        def start(extra_ptrs):
-            visitor = ArgVisitor()
-            for t in (q, k, v, mask if mask is not None else q, dout, lse, delta, *extra_ptrs):
-                visitor.visit_ptr(t)
-            self._common(visitor, g)
-            self._flags(visitor, mask)
-            return visitor
-
+        common = self._common(ctx, layout)
+        saved = dict(lse_ptr=ctx.saved["lse"], seed_ptr=ctx.saved.get("seed"))
+        delta = ctx.empty(ctx.saved["lse"].shape, ctx.saved["lse"].dtype)
+        q_shape = layout.batch + (layout.q_len, layout.d)
+        k_shape, v_shape = layout.kv_batch + (layout.k_len, layout.d), layout.kv_batch + (layout.k_len, layout.dv)
+        # a broadcast operand's gradient is computed per head into float32 scratch, then summed
+        dq_out, dk_out, dv_out = (
+            g if g is None or tuple(g.shape) == full else ctx.empty(full, acc_dtype(ctx.dtype))
+            for g, full in ((dq, q_shape), (dk, k_shape), (dv, v_shape))
+        )
+        launches = []
+        if dq is not None or dk is not None:  # dq also writes delta, which dkdv reads
+            t = tiles.dq
+            args = ArgVisitor().visit(
+                **common,
+                **saved,
+                out_ptr=ctx.output,
+                dout_ptr=ctx.grad_output,
+                delta_ptr=delta,
+                dq_ptr=dq_out,
+                BLOCK_M=t.block_m,
+                BLOCK_N=t.block_n,
+            )
+            grid = (layout.n_bh, cdiv(layout.q_len, t.block_m), 1)
+            launches.append(Launch(attention_backward_dq, grid, args, Block(None, t.num_warps, t.num_stages)))
         if dk is not None or dv is not None:
-            visitor = start((dk if dk is not None else dv, dv if dv is not None else dk))
-            visitor.visit_constexpr(dk is not None).visit_constexpr(dv is not None)
-            self._tail(visitor, g, ctx.dtype)
-            target = dk if dk is not None else dv
-            ctx.launch(attention_backward_dkdv, _grid(g, blocks, keys=True), visitor, work=target.numel())
-        if dq is not None:
-            visitor = start((dq,))
-            self._tail(visitor, g, ctx.dtype)
-            ctx.launch(attention_backward_dq, _grid(g, blocks, keys=False), visitor, work=dq.numel())
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _tl_acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+            t = tiles.dkdv
+            args = ArgVisitor().visit(
+                **common,
+                **saved,
+                dout_ptr=ctx.grad_output,
+                delta_ptr=delta,
+                dk_ptr=dk_out,
+                dv_ptr=dv_out,
+                BLOCK_M=t.block_m,
+                BLOCK_N=t.block_n,
+            )
+            grid = (layout.n_bh // layout.kv_group, cdiv(layout.k_len, t.block_n), 1)
+            work = (dk if dk is not None else dv).numel()
+            launches.append(Launch(attention_backward_dkdv, grid, args, Block(None, t.num_warps, t.num_stages), work))
+        for scratch, target in ((dq_out, dq), (dk_out, dk), (dv_out, dv)):
+            if target is not None and scratch is not target:
+                launches += sum_to_shape(ctx, scratch, tuple(scratch.shape), target)
+        return launches
 
 
 # ------------------------------------------------------------------------- functional ops
@@ -668,31 +1105,112 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    seed: int | None = None,
+    fixed_mask: bool = False,
 ):
     """softmax(query key^T * scale + attn_mask) value, as torch.nn.functional.scaled_dot_product_attention.
 
-    query (..., Lq, D), key (..., Lk, D), value (..., Lk, Dv) with 0 to 2 batch dims; attn_mask
-    a float mask added to the scores or a bool mask (True: may attend), broadcastable to
-    (..., Lq, Lk), with no gradient; is_causal: query i sees keys j <= i (top-left aligned);
-    scale defaults to 1/sqrt(D) (passed to the kernels as a float32 scalar); enable_gqa: key
-    and value may have fewer heads (dim -3) than query. Rows that see no key give 0.
-    dropout_p must be 0 (no attention dropout in teeny).
+    query (..., Lq, D), key (..., Lk, D), value (..., Lk, Dv), whose batch dims broadcast;
+    attn_mask a float mask added to the scores or a bool mask (True: may attend), broadcastable
+    to (..., Lq, Lk), with no gradient; is_causal: query i sees keys j <= i (top-left aligned);
+    scale defaults to 1/sqrt(D) (float64 for float64 inputs); enable_gqa: key and value may have
+    fewer heads (dim -3) than query. Rows that see no key give 0. Any scale works, negative
+    ones too (PyTorch's math path, its CPU float64 reference, gives NaN for a negative scale
+    with is_causal=True: it multiplies q and k by sqrt(scale)).
+
+    dropout_p > 0 drops attention weights with that probability (and scales the rest by
+    1 / (1 - dropout_p)), with a new mask on every run, as ``teeny.ops.dropout``: ``seed`` is
+    the node's base seed (None: a fresh one from a trace-time counter), ``fixed_mask=True``
+    (teeny-only) keeps the base seed's mask on every run.
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"scaled_dot_product_attention: dropout_p={dropout_p} is not supported (only 0.0)")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p <= 1.0 or math.isnan(dropout_p):
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p}")
     if attn_mask is not None and is_causal:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scaled_dot_product_attention: scale must be a float or None, got {type(scale).__name__}")
-    op = AttentionOp(attn_mask is not None, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
+    if seed is None:
+        seed = mix_seed(0xA77E, next(_trace_seeds))
+    op = AttentionOp(
+        attn_mask is not None,
+        bool(is_causal),
+        None if scale is None else float(scale),
+        bool(enable_gqa),
+        dropout_p,
+        int(seed),
+        fixed_mask,
+    )
     inputs = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
     return graph_of(query, key, value).apply(op, inputs)
 
 
-# ---------------------------------------------------------------------------------- layers
-
-
 # -------------------------------------------------------------------------- registry/tests
+
+
+def philox_reference(seed: int, offsets: np.ndarray) -> np.ndarray:
+    """``philox_keep``'s draw (uint32) for int64 ``offsets``, computed in numpy: the tests'
+    independent account of the dropout mask."""
+    low = np.uint64(0xFFFFFFFF)
+    c0 = offsets.astype(np.uint64) & low
+    c1 = offsets.astype(np.uint64) >> np.uint64(32)
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        prod_a, prod_b = round_a * c0, round_b * c2
+        c0, c1, c2, c3 = (
+            (prod_b >> np.uint64(32)) ^ c1 ^ k0,
+            prod_b & low,
+            (prod_a >> np.uint64(32)) ^ c3 ^ k1,
+            prod_a & low,
+        )
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0
+
+
+def dropout_keep_reference(seed: int, n_bh: int, q_len: int, k_len: int, p: float) -> torch.Tensor:
+    """The (n_bh, Lq, Lk) keep mask of a run whose step seed is ``seed``."""
+    offsets = np.arange(n_bh * q_len * k_len, dtype=np.int64)
+    keep = philox_reference(seed, offsets).astype(np.int64) >= keep_threshold(p)
+    return torch.from_numpy(keep).reshape(n_bh, q_len, k_len)
+
+
+def _reference(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    seed=None,
+    fixed_mask=False,
+):
+    """PyTorch's attention; with dropout (which PyTorch cannot reproduce) the softmax weights
+    are computed by PyTorch and multiplied by the mask of teeny's counters (first run)."""
+    if dropout_p == 0:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    layout = attention_layout([query.shape, key.shape, value.shape], None, enable_gqa)
+    if layout.kv_group > 1:
+        key = key.repeat_interleave(layout.kv_group, -3)
+        value = value.repeat_interleave(layout.kv_group, -3)
+    c = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = query @ key.transpose(-2, -1) * c
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    if is_causal:
+        causal = torch.ones(layout.q_len, layout.k_len, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).expand(layout.batch + (layout.q_len, layout.k_len))
+    keep = dropout_keep_reference(mix_seed(seed, 0), layout.n_bh, layout.q_len, layout.k_len, dropout_p)
+    z = keep.reshape(weights.shape).to(weights) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(weights)
+    return (weights * z) @ value
 
 
 def _qkv(gen, dtype, batch, lq, lk, d, dv=None, kv_batch=None):
@@ -729,6 +1247,17 @@ def _samples(dtype, gen):
             5,
             attn_mask=torch.rand(2, 1, 5, 1, generator=gen) > 0.3,
         ),
+        sample("k, v (6,3) broadcast over (2,3) heads", _qkv(gen, dtype, (2, 3), 5, 6, 3, kv_batch=()), 30),
+        sample("q (5,4) broadcast over k, v (2,2)", _qkv(gen, dtype, (), 5, 6, 4, kv_batch=(2, 2)), 6),
+        sample(
+            "dropout 0.3 causal",
+            _qkv(gen, dtype, (2, 2), 9, 9, 4),
+            9,
+            dropout_p=0.3,
+            is_causal=True,
+            seed=7,
+            fixed_mask=True,
+        ),
         sample("(1,1,1,1)", _qkv(gen, dtype, (1, 1), 1, 1, 1), 1),
         sample("empty batch (0,2,7,5)", _qkv(gen, dtype, (0, 2), 7, 7, 5), 7),
     ]
@@ -741,11 +1270,14 @@ def _gradcheck_samples(gen):
         return Sample(args, kwargs, name=name, grad=(0, 1, 2))
 
     return [
-        sample("(1,1,3,2)", _qkv(gen, dt, (1, 1), 3, 3, 2)),
         sample("(1,1,3,4) causal Lq<Lk", _qkv(gen, dt, (1, 1), 3, 4, 2), is_causal=True),
-        sample("(1,1,4,3) causal Lq>Lk", _qkv(gen, dt, (1, 1), 4, 3, 2), is_causal=True),
+        sample(
+            "k, v broadcast over batch, causal Lq>Lk", _qkv(gen, dt, (2, 1), 4, 3, 2, kv_batch=(1,)), is_causal=True
+        ),
         sample("(1,3,4) 3-D mask scale", _qkv(gen, dt, (1,), 3, 4, 2), attn_mask=make(gen, 3, 4, dtype=dt), scale=0.7),
+        sample("bool mask, negative scale", _qkv(gen, dt, (1,), 3, 4, 2), attn_mask=make(gen, 3, 4) > -1, scale=-0.6),
         sample("gqa", _qkv(gen, dt, (1, 2), 2, 3, 2, kv_batch=(1, 1)), enable_gqa=True),
+        sample("dropout", _qkv(gen, dt, (1, 1), 3, 3, 2), dropout_p=0.4, seed=3, fixed_mask=True),
     ]
 
 
@@ -753,10 +1285,10 @@ register(
     OpInfo(
         "scaled_dot_product_attention",
         scaled_dot_product_attention,
-        F.scaled_dot_product_attention,
+        _reference,
         _samples,
         family="attention",
         gradcheck_samples=_gradcheck_samples,
-        notes="fused flash-style; saves output and logsumexp only",
+        notes="fused flash-style; saves output and logsumexp only; dropout mask from Philox counters",
     )
 )

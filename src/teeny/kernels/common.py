@@ -257,3 +257,36 @@ def _sum_launch(grad, out, m, r, r_per_split, kept, kept_strides, red, red_strid
     visit_layout(visitor, "r", red, red_strides)
     visitor.visit(KEPT_NDIM=len(kept), RED_NDIM=len(red), BLOCK_M=block_m, BLOCK_R=block_r)
     return Launch(sum_to_shape_kernel, grid, visitor, work=m)
+
+
+# ----------------------------------------------------------------------- counter-based dropout masks
+
+_MASK64 = (1 << 64) - 1
+
+
+@triton.jit
+def philox_keep(seed, offsets, keep_threshold):
+    """True where the Philox draw of element ``offsets`` (int64 counters) under ``seed`` is
+    >= ``keep_threshold`` (an int64 in [0, 2^32]): each element is kept with probability
+    1 - keep_threshold / 2^32, and the same (seed, offset) always gives the same answer, so a
+    backward regenerates its forward's mask. The draw is the first 32-bit word of Philox-4x32-10
+    with counter (offset mod 2^32, offset >> 32, 0, 0) and key (seed mod 2^32, seed >> 32)."""
+    lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
+    hi = (offsets >> 32).to(tl.uint32)
+    zero = tl.zeros_like(lo)
+    draw, _, _, _ = tl.philox(seed, lo, hi, zero, zero)
+    return draw.to(tl.int64) >= keep_threshold
+
+
+def keep_threshold(p: float) -> int:
+    """The ``philox_keep`` threshold that drops an element with probability ``p``."""
+    return min(1 << 32, max(0, round(float(p) * (1 << 32))))
+
+
+def mix_seed(base: int, step: int) -> int:
+    """A 31-bit seed (always an int32 argument) from (base, step) through splitmix64: the seed of
+    the ``step``-th mask drawn by a node whose base seed is ``base``."""
+    z = (base * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 33
