@@ -69,6 +69,7 @@ _SUBMODULES = {
     "module",
     "config",
     "aot",
+    "distributed",
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
