@@ -136,3 +136,10 @@ def test_train_resume_with_nothing_left_says_so(tmp_path, capsys):
     assert main(["train", "mlp", "--epochs", "1", "--batch-size", "32", "--resume", ckpt, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "batch_size=64" in err and "--batch-size 64" in err and "--allow-change batch_size" in err
+
+
+def test_the_command_knows_the_models_make_task_builds():
+    from teeny.cli import MODELS
+    from teeny.models import NAMES
+
+    assert MODELS == NAMES

@@ -293,8 +293,11 @@ def model_defaults(name: str, size: str = "small") -> dict:
     return dict(DEFAULTS[(name, size if name == "gpt" else "small")])
 
 
+NAMES = ("mlp", "cnn", "gpt")  # the models make_task builds (teeny.cli lists them too, to parse without kernels)
+
+
 def make_task(name: str, size: str = "small") -> Task:
-    if name not in ("mlp", "cnn", "gpt"):
+    if name not in NAMES:
         raise KeyError(name)
     defaults = model_defaults(name, size)
     if name == "mlp":

@@ -120,10 +120,10 @@ def _run_worker(request: dict) -> dict:
 def _source(graph_or_model: Any, size: str, batch_size: int | None) -> tuple[dict, bytes | None, str, list[str]]:
     """(source, graph pickle, name, parameters whose values must be stored)."""
     if isinstance(graph_or_model, str):
-        from ..cli import MODELS
+        from ..models import NAMES
 
-        if graph_or_model not in MODELS:
-            raise BundleError(f"unknown model {graph_or_model!r}; choose from {', '.join(MODELS)} or pass a Graph")
+        if graph_or_model not in NAMES:
+            raise BundleError(f"unknown model {graph_or_model!r}; choose from {', '.join(NAMES)} or pass a Graph")
         return (
             {"kind": "model", "model": graph_or_model, "size": size, "batch_size": batch_size},
             None,
