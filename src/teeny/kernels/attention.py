@@ -754,12 +754,14 @@ class AttentionTiles:
     dkdv: Tiles
 
 
-# bf16/fp16 on the GPU, by padded head dim (first guesses after the Triton tutorial's H100
-# configurations; bench/bench_attention.py sweeps them). The forward and dq keep BLOCK_M queries
-# in registers and stream keys; dkdv keeps BLOCK_N keys and streams queries.
+# bf16/fp16 on the GPU, by padded head dim: the fastest tiles of each kernel in the H200 sweep of
+# bench/bench_attention.py (causal bf16 4x16x2048; bench/NOTES.md version 3): d64 fwd 64x64/w4/s3
+# 0.106 ms, dq 64x64/w4/s3 0.113, dkdv 64x128/w4/s3 0.203; d128 fwd 64x64/w4/s3 0.190, dq
+# 128x64/w8/s3 0.231, dkdv 64x128/w8/s3 0.374. The forward and dq keep BLOCK_M queries in
+# registers and stream keys; dkdv keeps BLOCK_N keys and streams queries.
 HALF_TILES = {
-    64: AttentionTiles(Tiles(128, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(32, 128, 4, 3)),
-    128: AttentionTiles(Tiles(128, 64, 8, 3), Tiles(128, 32, 8, 3), Tiles(32, 128, 8, 3)),
+    64: AttentionTiles(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3)),
+    128: AttentionTiles(Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 3)),
     256: AttentionTiles(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)),
 }
 # float32/float64 products run on FMA units (IEEE precision) / float64 MMA: small tiles.
