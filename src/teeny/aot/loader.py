@@ -28,7 +28,6 @@ from .. import device as _device  # noqa: F401  (first: chooses interpreter or G
 
 # isort: split
 import triton
-from triton import knobs
 from triton.compiler import ASTSource, CompiledKernel
 from triton.runtime import driver as triton_driver
 
@@ -45,29 +44,36 @@ from .program import check_same_program, make_graph
 
 _COUNTERS: list[list[dict]] = []
 _STRICT: list[str] = []  # bundles whose calls are running: a compilation there is refused
-_HOOK: dict[str, Any] = {}
 
 
-def _on_compile(**kwargs: Any) -> Any:
-    """Triton's ``jit_cache_hook``: called by ``JITFunction.run`` before it compiles."""
-    info = kwargs["fn"]
-    record = {"kernel": info.name, "module": info.module, "key": str(kwargs["key"]), "where": launch_site()}
+def _on_compile(jit: Any, key: Any) -> None:
+    """Called before a ``JITFunction`` compiles (a cache miss): count it, or refuse it inside a
+    bundle's calls. (Triton's ``jit_cache_hook`` would do, but it serialises the constexprs to
+    JSON first, which fails for the @triton.jit maths functions teeny passes as constexprs.)"""
+    record = {"kernel": jit.fn.__name__, "module": jit.fn.__module__, "key": str(key), "where": launch_site()}
     for counter in _COUNTERS:
         counter.append(record)
     if _STRICT:
         raise BundleError(
-            f"bundle {_STRICT[-1]} holds no binary for this launch of {info.name} (specialisation "
+            f"bundle {_STRICT[-1]} holds no binary for this launch of {record['kernel']} (specialisation "
             f"{record['key']}), so Triton would compile it: the program differs from the bundle's plan. Rebuild "
             "the bundle for this GPU, or launch outside the bundle's calls to let Triton compile"
         )
-    previous = _HOOK.get("previous")
-    return previous(**kwargs) if previous is not None else None
 
 
 def _install_hook() -> None:
-    if knobs.runtime.jit_cache_hook is not _on_compile:
-        _HOOK["previous"] = knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = _on_compile
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction._do_compile
+    if getattr(original, "_teeny", False):
+        return
+
+    def _do_compile(self, key, *args, **kwargs):
+        _on_compile(self, key)
+        return original(self, key, *args, **kwargs)
+
+    _do_compile._teeny = True
+    JITFunction._do_compile = _do_compile
 
 
 @contextlib.contextmanager
