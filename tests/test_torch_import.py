@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import teeny
 from teeny import LoweringMode, lower
 from teeny.registry import tolerance
-from teeny.torch import from_torch, to_torch
+from teeny.torch import UnsupportedError, from_torch, to_torch
 
 VOCAB, LENGTH, BATCH = 24, 6, 2
 
@@ -283,3 +283,151 @@ def test_float64_gradients_and_twenty_adamw_steps_match_torch_and_load_back_stri
     for (name, p), q in zip(model.state_dict().items(), reference.state_dict().values()):
         if p.is_floating_point():  # num_batches_tracked stays with the torch module
             torch.testing.assert_close(p, q, atol=100 * atol, rtol=100 * rtol, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------- what the import keeps and refuses
+
+
+class _Unsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.cumsum(self.proj(x), 1)  # no teeny op
+        h = torch.flip(h, [0])  # nor here
+        return torch.sort(h, 1).values.sum()  # nor here
+
+
+def test_every_unsupported_call_is_listed_with_module_path_and_source_line():
+    with pytest.raises(UnsupportedError) as info:
+        from_torch(_Unsupported(), (torch.randn(3, 4),))
+    calls = info.value.calls
+    assert [op.split(".")[1] for op, _, _ in calls] == ["cumsum", "flip", "sort"]
+    assert all("test_torch_import.py:" in where for _, where, _ in calls)
+    assert "torch.cumsum(self.proj(x), 1)" in calls[0][1]
+    assert str(info.value).startswith("3 calls cannot be imported into teeny:")
+
+
+def test_an_unsupported_call_inside_a_submodule_names_the_module_path():
+    model = nn.Sequential(nn.Linear(4, 4), _Unsupported())
+    with pytest.raises(UnsupportedError, match=r"at 1 \(test_torch_import.py:\d+: h = torch.cumsum"):
+        from_torch(model, (torch.randn(3, 4),))
+
+
+class _DropNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.5)
+        self.frozen = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.register_buffer("shift", torch.full((4,), 0.25), persistent=False)
+
+    def forward(self, x):
+        return (self.drop(self.bn(self.fc(x))) * self.frozen + self.shift).sum()
+
+
+def test_buffers_frozen_parameters_and_constants():
+    graph = from_torch(_DropNorm().double(), (torch.randn(6, 5, dtype=torch.float64),))
+    params = {v.name: v for v in graph.params}
+    assert set(params) == {
+        "fc.weight",
+        "fc.bias",
+        "bn.weight",
+        "bn.bias",
+        "bn.running_mean",
+        "bn.running_var",
+        "frozen",
+    }
+    assert params["fc.weight"].requires_grad and not params["frozen"].requires_grad
+    assert not params["bn.running_mean"].requires_grad and not params["bn.running_var"].requires_grad
+    assert any(v.kind == "const" and tuple(v.shape) == (4,) for v in graph.values)  # the non-persistent buffer
+
+
+def test_train_and_eval_behaviour_is_the_modules_mode_at_import():
+    torch.manual_seed(0)
+    model = _DropNorm().double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    train_graph = from_torch(model.train(), (x,))
+    ex = teeny.Executor(lower(train_graph, LoweringMode.TRAINING))
+    first, cache = ex.forward_train({"x": x})
+    ex.backward(cache)
+    second, _ = ex.forward_train({"x": x})
+    assert not torch.equal(first, second)  # a new dropout mask each step, and batch statistics
+    reference = copy.deepcopy(model).train()
+    reference.drop.p = 0.0
+    reference(x)
+    reference(x)  # two training forwards move torch's running statistics ...
+    torch.testing.assert_close(ex.params["bn.running_mean"], reference.bn.running_mean)  # ... and teeny's
+    torch.testing.assert_close(ex.params["bn.running_var"], reference.bn.running_var)
+    eval_graph = from_torch(model.eval(), (x,))
+    assert all(n.op.name != "dropout" or n.op.identity for n in eval_graph.nodes)
+    ev = teeny.Executor(lower(eval_graph, LoweringMode.INFERENCE))
+    torch.testing.assert_close(ev.forward({"x": x}), model(x))
+
+
+def test_a_teeny_checkpoint_loads_into_the_torch_module(tmp_path):
+    from teeny.train import save_checkpoint
+
+    torch.manual_seed(0)
+    model = NanoGPT().double()
+    graph = from_torch(model, (_tokens(0), _tokens(1)))
+    ex = teeny.Executor(lower(graph, LoweringMode.TRAINING))
+    optimizer = teeny.optim.AdamW(ex, lr=0.1)
+    _, cache = ex.forward_train(dict(zip([v.name for v in graph.inputs], (_tokens(0), _tokens(1)))))
+    ex.backward(cache)
+    optimizer.step()
+    save_checkpoint(tmp_path / "checkpoint.safetensors", ex, optimizer, 1)
+    fresh = NanoGPT().double()
+    to_torch(tmp_path / "checkpoint.safetensors", fresh)
+    torch.testing.assert_close(fresh.lm_head.weight, ex.params["transformer.wte.weight"])
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied after loading
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, images):
+        return self.fc(torch.flatten(self.pool(torch.relu(self.bn(self.conv(images)))), 1))
+
+
+def make_model():
+    example = {"x": torch.zeros(16, 1, 8, 8), "y": torch.zeros(16, dtype=torch.long)}
+    return SmallCNN(), example, nn.CrossEntropyLoss()
+"""
+
+
+def test_a_make_model_factory_trains_with_the_training_loop(tmp_path):
+    from teeny.torch import torch_model_task
+    from teeny.train import TrainConfig, load_checkpoint, train
+
+    (tmp_path / "model.py").write_text(FACTORY)
+    task = torch_model_task(f"{tmp_path / 'model.py'}:make_model")
+    assert task.data_set == "digits-image"
+    config = TrainConfig(epochs=1, batch_size=16, lr=1e-2, max_steps=3, out=str(tmp_path / "run"), progress=False)
+    metrics = train(task, config, log=lambda *a: None)
+    assert metrics and (tmp_path / "run" / "checkpoint.safetensors").exists()
+    params, _, _ = load_checkpoint(tmp_path / "run" / "checkpoint.safetensors")
+    to_torch(tmp_path / "run" / "checkpoint.safetensors", task.torch_module)
+    torch.testing.assert_close(task.torch_module.fc.weight, params["fc.weight"])
+
+
+def test_a_factory_whose_shapes_fit_no_data_set_says_so():
+    from teeny.torch import torch_model_task
+
+    def make_model():
+        return nn.Linear(3, 2), {"x": torch.zeros(4, 3), "y": torch.zeros(4, dtype=torch.long)}, nn.CrossEntropyLoss()
+
+    with pytest.raises(ValueError, match="no bundled data set fits the model"):
+        torch_model_task(make_model)
