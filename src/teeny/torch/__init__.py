@@ -19,12 +19,11 @@ from __future__ import annotations
 import importlib
 
 from .. import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
+from . import library  # noqa: F401  (registers torch.ops.teeny.<name> for every op)
 from .bridge import apply, cache_size, clear_cache
+from .library import register, register_all, registered_ops
 
 _LAZY = {
-    "register": "library",
-    "register_all": "library",
-    "registered_ops": "library",
     "patch": "patching",
     "PatchReport": "patching",
     "from_torch": "export",
@@ -35,7 +34,16 @@ _LAZY = {
 }
 _SUBMODULES = {"bridge", "library", "nn", "patching", "export", "task"}
 
-__all__ = ["apply", "cache_size", "clear_cache", *sorted(_LAZY), *sorted(_SUBMODULES)]
+__all__ = [
+    "apply",
+    "cache_size",
+    "clear_cache",
+    "register",
+    "register_all",
+    "registered_ops",
+    *sorted(_LAZY),
+    *sorted(_SUBMODULES),
+]
 
 
 def __getattr__(name: str):

@@ -213,7 +213,7 @@ def _compile(
     input_labels: Sequence[str] | None = None,
     keep_alive: tuple = (),
 ) -> Compiled:
-    from .. import ops  # the op families (concat, reshape) and the tensor operators
+    from ..kernels.shape import concat, reshape
 
     graph = Graph(getattr(fn, "__name__", "fn"))
     flat: list[torch.Tensor] = []
@@ -245,7 +245,7 @@ def _compile(
                 f"{label}: outputs of several float dtypes ({', '.join(dtype_name(d) for d in dtypes)}) "
                 "cannot be differentiated together"
             )
-        flat_out = ops.concat([ops.reshape(outs[i], (-1,)) for i in floats], 0)
+        flat_out = concat([reshape(outs[i], (-1,)) for i in floats], 0)
         others = [i for i in range(len(outs)) if i not in floats]
         program_outs = [flat_out] + [outs[i] for i in others]
         offset = 0
@@ -368,6 +368,12 @@ def lookup(key: str) -> Compiled:
     for prefix, build in _BUILDERS:
         if key.startswith(prefix):
             return remember(build(key))
+    if not key.startswith("apply:"):  # an op key in another format: a compiled graph from an older teeny
+        raise TeenyError(
+            f"teeny key {key[:120]!r} is from another version of teeny, probably in a graph that torch.compile "
+            "cached on disk: clear the cache (torch._inductor.utils.clear_inductor_caches(), or delete "
+            "TORCHINDUCTOR_CACHE_DIR) and compile again"
+        )
     raise TeenyError(f"no compiled teeny function for key {key[:200]!r} (it was evicted and cannot be rebuilt)")
 
 

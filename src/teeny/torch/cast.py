@@ -4,12 +4,14 @@ A model imported from PyTorch changes dtype on purpose (Llama's RMSNorm computes
 and casts back; an integer mask becomes a float bias; labels are cast to int64): ``cast``
 keeps those casts. The forward converts each element to the output pointer's dtype, the
 backward converts the gradient back to the input's dtype; nothing is saved. A cast from an
-integer or bool tensor has no gradient to give (the input is not floating point).
+integer or bool tensor has no gradient to give (the input is not floating point). Narrowing
+rounds to nearest even on the GPU; the 3.6 interpreter truncates instead (one unit apart).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from ..graph import GraphError, graph_of
@@ -18,16 +20,26 @@ from ..kernels.common import ELEMENTWISE_BLOCK, elementwise_grid
 from ..runtime import RuntimeOp
 
 
+@triton.jit
+def _convert(x, target: tl.constexpr, DOWNCAST: tl.constexpr):
+    """x in ``target``; to a narrower float rounded to nearest even, as PyTorch does. Between
+    float64 and bfloat16 the value goes through float32 (the 3.6 interpreter converts that
+    pair wrongly directly)."""
+    if x.dtype == tl.float64 and target == tl.bfloat16:
+        x = x.to(tl.float32)
+    if x.dtype == tl.bfloat16 and target == tl.float64:
+        x = x.to(tl.float32)
+    if DOWNCAST:
+        return x.to(target, fp_downcast_rounding="rtne")
+    return x.to(target)
+
+
 @kernel(dtypes=ALL_FLOAT_DTYPES)
 def cast_backward(dy_ptr, dx_ptr, n, DOWNCAST: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     dy = tl.load(dy_ptr + offsets, mask=inside)
-    if DOWNCAST:
-        dx = dy.to(dx_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    else:
-        dx = dy.to(dx_ptr.dtype.element_ty)
-    tl.store(dx_ptr + offsets, dx, mask=inside)
+    tl.store(dx_ptr + offsets, _convert(dy, dx_ptr.dtype.element_ty, DOWNCAST), mask=inside)
 
 
 @kernel(backward=cast_backward, dtypes=ANY_DTYPES)
@@ -35,11 +47,7 @@ def cast_forward(x_ptr, y_ptr, n, DOWNCAST: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     x = tl.load(x_ptr + offsets, mask=inside)
-    if DOWNCAST:  # to a narrower float: round to nearest even, as PyTorch does
-        y = x.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    else:
-        y = x.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offsets, y, mask=inside)
+    tl.store(y_ptr + offsets, _convert(x, y_ptr.dtype.element_ty, DOWNCAST), mask=inside)
 
 
 class CastOp(RuntimeOp):

@@ -27,6 +27,13 @@ import ``module.train()`` for a training graph (dropout draws a new mask per ste
 uses batch statistics and updates the running ones), ``module.eval()`` for inference.
 Integer buffers (``num_batches_tracked``) stay with the torch module (teeny does not count).
 
+Rewrites keep an imported model as fast as one written in teeny: a module call whose
+maths teeny has one kernel pair for (Hugging Face's tanh-GELU activations and ``*RMSNorm``s,
+recognised by class name) becomes that op instead of its run of ATen calls (``nn_module_stack``
+says which calls belong to it), ``silu(gate) * up`` becomes one ``swiglu`` pair, and a folded
+attention mask that is exactly causal becomes
+``is_causal=True``, so the attention kernel skips the masked blocks instead of reading a mask.
+
 Every ATen call without a teeny op is collected, and ``UnsupportedError`` lists each one
 with its module path and source line, not just the first.
 """
@@ -586,6 +593,8 @@ def _sdpa(env, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     _refuse(dropout_p != 0.0, f"attention dropout (dropout_p={dropout_p}): teeny's attention has none")
     _refuse(_is_teeny(attn_mask), "an attention mask computed from the inputs (teeny's masks carry no gradient)")
     dtype = env.out_dtype()
+    if _is_causal_mask(attn_mask):  # a folded causal mask (Hugging Face builds one): the kernel skips those blocks
+        attn_mask, is_causal = None, True
     mask = None if attn_mask is None else env.tensor(attn_mask, None if attn_mask.dtype == torch.bool else dtype)
     return ops.scaled_dot_product_attention(
         env.tensor(q, dtype),
@@ -597,6 +606,22 @@ def _sdpa(env, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
         None if scale is None else float(scale),
         bool(enable_gqa),
     )
+
+
+def _is_causal_mask(mask: Any) -> bool:
+    """Whether a constant mask lets query i see exactly keys j <= i (top-left aligned), in
+    every batch and head: what ``is_causal=True`` computes."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
+        return False
+    lq, lk = mask.shape[-2:]
+    causal = torch.ones(lq, lk, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, causal.expand_as(mask)))
+    if mask.is_floating_point():  # additive: 0 where visible, -inf (or the dtype's min) where not
+        hidden = mask <= torch.finfo(mask.dtype).min / 2
+        visible = mask == 0
+        return bool(torch.equal(visible, causal.expand_as(mask)) and torch.equal(hidden, ~causal.expand_as(mask)))
+    return False
 
 
 @converts(aten.conv2d.default, aten.conv2d.padding)
@@ -721,6 +746,99 @@ _LIKE = {
 }
 
 
+# ----------------------------------------------------------------------------- fused modules
+
+# Modules whose maths teeny has one kernel pair for, recognised by class name (transformers
+# stays optional): their run of ATen calls in the exported graph (one per module call, found
+# through nn_module_stack) becomes that one op. fuse(env, activation input, parameters, module)
+_GELU_TANH_MODULES = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation", "GELUTanhActivation"}
+
+
+def _fuse_gelu_tanh(env, x, params, module):
+    _refuse(params, "parameters in an activation")
+    return ops.gelu(env.tensor(x), "tanh")
+
+
+def _fuse_rms_norm(env, x, params, module):
+    _refuse(len(params) != 1 or not hasattr(module, "variance_epsilon"), "not a weight-and-epsilon RMSNorm")
+    x = env.tensor(x)
+    weight = env.tensor(params[0], x.dtype)
+    return ops.rms_norm(x, tuple(weight.shape), weight, float(module.variance_epsilon))
+
+
+def _fusion(class_name: str, module) -> Callable | None:
+    if class_name in _GELU_TANH_MODULES:
+        return _fuse_gelu_tanh
+    if class_name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        from .patching import _source
+
+        if "1.0 + self.weight" not in _source(type(module).forward):  # Gemma-style norms scale by 1 + weight
+            return _fuse_rms_norm
+    return None
+
+
+@dataclass
+class _Region:
+    """The consecutive ATen calls of one module call."""
+
+    nodes: list
+    fuse: Callable
+    module: nn.Module
+
+
+_PASS_THROUGH = {
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.contiguous.default,
+}
+
+
+def _passes_through(node, source) -> bool:
+    """Whether ``node`` is ``source`` itself (a cast to its own dtype, an alias)."""
+    val, src = node.meta.get("val"), source.meta.get("val")
+    return (
+        node.target in _PASS_THROUGH
+        and node.args
+        and node.args[0] is source
+        and isinstance(val, torch.Tensor)
+        and isinstance(src, torch.Tensor)
+        and val.dtype == src.dtype
+        and tuple(val.shape) == tuple(src.shape)
+    )
+
+
+def _regions(ep, root: nn.Module | None) -> dict[str, _Region]:
+    """Fusable module calls, by the name of their first node."""
+    if root is None:
+        return {}
+    runs: list[tuple[str, str, str, list]] = []
+    for node in ep.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if node.op != "call_function" or not stack:
+            runs.append(("", "", "", [node]))
+            continue
+        key, (path, cls) = list(stack.items())[-1]
+        if runs and runs[-1][0] == key and key:
+            runs[-1][3].append(node)
+        else:
+            runs.append((key, path, cls, [node]))
+    out = {}
+    for key, path, cls, nodes in runs:
+        if not key:
+            continue
+        path = re.sub(r"^L\['self'\]\.?", "", path)
+        try:
+            module = root.get_submodule(path)
+        except AttributeError:
+            continue
+        fuse = _fusion(cls.rsplit(".", 1)[-1], module)
+        if fuse is not None:
+            out[nodes[0].name] = _Region(nodes, fuse, module)
+    return out
+
+
 # ----------------------------------------------------------------------------- the import
 
 
@@ -746,8 +864,19 @@ def _op_name(target) -> str:
 class _Import:
     """Walks one exported program, filling ``graph``."""
 
-    def __init__(self, graph: Graph, ep, prefix: str = "", bound: Sequence[Any] = (), input_names=None, canonical=None):
+    def __init__(
+        self,
+        graph: Graph,
+        ep,
+        prefix: str = "",
+        bound: Sequence[Any] = (),
+        input_names=None,
+        canonical=None,
+        root: nn.Module | None = None,
+    ):
         self.graph, self.ep, self.prefix = graph, ep, prefix
+        self.regions = _regions(ep, root)
+        self.fused: set[str] = set()  # nodes a fused module call already computed
         self.canonical = canonical or {}  # storage key -> the module's own name for a tensor (tied weights)
         self.by_storage: dict[tuple, Tensor] = {}
         self.env: dict[str, Any] = {}
@@ -790,11 +919,53 @@ class _Import:
                 else:
                     raise TeenyError(f"from_torch: exported input {node.name} of kind {kind} is not supported")
             elif node.op == "call_function":
+                if node.name in self.fused:
+                    continue
+                region = self.regions.get(node.name)
+                if region is not None and self._fuse(region):
+                    continue
                 self.env[node.name] = self._call(node)
             elif node.op == "output":
                 outputs = pytree.tree_map(self._value, node.args[0])
                 return self._user_outputs(outputs)
         raise TeenyError("from_torch: the exported graph has no output")
+
+    def _fuse(self, region: _Region) -> bool:
+        """Compute a fusable module call as its one teeny op; False (convert call by call) when
+        the run does not have one activation input and one output."""
+        inside = {n.name for n in region.nodes}
+        inputs: list = []
+        for n in region.nodes:
+            for a in pytree.tree_leaves((n.args, n.kwargs)):
+                if isinstance(a, torch.fx.Node) and a.name not in inside and a not in inputs:
+                    inputs.append(a)
+        leaving = [n for n in region.nodes if any(u.name not in inside for u in n.users)]
+        params = [a for a in inputs if a.op == "placeholder" and self._is_state(a)]
+        activations = [a for a in inputs if a not in params]
+        if len(activations) != 1 or not isinstance(self.env.get(activations[0].name), Tensor):
+            return False
+        # x.to(x.dtype) inside the module is x itself, and the code after the module may read it
+        passing = [n for n in leaving if _passes_through(n, activations[0])]
+        leaving = [n for n in leaving if n not in passing]
+        if len(leaving) != 1:
+            return False
+        env = _Env(self.graph, leaving[0])
+        try:
+            result = region.fuse(env, self.env[activations[0].name], [self.env[p.name] for p in params], region.module)
+        except _Unsupported:
+            return False
+        if result.dtype != env.out_dtype():
+            result = cast(result, env.out_dtype())
+        self._check(leaving[0], result)
+        self.env[leaving[0].name] = result
+        for n in passing:
+            self.env[n.name] = self.env[activations[0].name]
+        self.fused.update(inside)
+        return True
+
+    def _is_state(self, node) -> bool:
+        spec = next((s for s in self.ep.graph_signature.input_specs if s.arg.name == node.name), None)
+        return spec is not None and spec.kind.name in ("PARAMETER", "BUFFER")
 
     def _parameter(self, name: str, value: torch.Tensor, parameter: bool, node) -> Tensor:
         """One teeny parameter per tensor: tied weights (two state_dict names, one tensor) share
@@ -859,6 +1030,9 @@ class _Import:
             dummy = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, Tensor) else a for a in args]
             return _fold(target, dummy, kwargs)
         env = _Env(self.graph, node)
+        fused = self._swiglu(node)
+        if fused is not None:
+            return fused
         converter = CONVERTERS.get(target)
         try:
             if converter is None:
@@ -876,6 +1050,28 @@ class _Import:
             if isinstance(first, torch.fx.Node) and isinstance(self.env.get(first.name), Tensor):
                 self.env[first.name] = result  # x.add_(y): later readers of x see the new value
         return result
+
+    def _swiglu(self, node) -> Tensor | None:
+        """silu(gate) * up (a Llama MLP) as one swiglu pair; the silu node is left unread, and
+        lowering drops it."""
+        if node.target is not aten.mul.Tensor or len(node.args) != 2:
+            return None
+        for gate_node, up_node in (node.args, node.args[::-1]):
+            if (
+                isinstance(gate_node, torch.fx.Node)
+                and gate_node.target is aten.silu.default
+                and len(gate_node.users) == 1
+                and isinstance(up_node, torch.fx.Node)
+            ):
+                gate, up = self.env.get(gate_node.args[0].name), self.env.get(up_node.name)
+                if (
+                    isinstance(gate, Tensor)
+                    and isinstance(up, Tensor)
+                    and gate.shape == up.shape == node.meta["val"].shape
+                ):
+                    if gate.dtype == up.dtype == node.meta["val"].dtype:
+                        return ops.swiglu(gate, up)
+        return None
 
     def _check(self, node, result) -> None:
         val = node.meta.get("val")
@@ -963,7 +1159,7 @@ def from_torch(
     canonical = {}
     for key, t in [*module.named_parameters(), *module.named_buffers()]:  # first names of tied tensors win
         canonical.setdefault(_storage_key(t), key)
-    main = _Import(graph, ep, canonical=canonical)
+    main = _Import(graph, ep, canonical=canonical, root=module)
     outputs = main.run()
     unsupported = list(main.unsupported)
     if loss is not None:
@@ -978,7 +1174,7 @@ def from_torch(
         names = [f"__output{i}" for i in range(len(user_vals))] + [
             "target" if i == 0 else f"target{i}" for i in range(len(targets))
         ]
-        loss_import = _Import(graph, loss_ep, prefix="loss.", bound=outputs, input_names=names)
+        loss_import = _Import(graph, loss_ep, prefix="loss.", bound=outputs, input_names=names, root=wrapper)
         loss_outputs = loss_import.run()
         unsupported += loss_import.unsupported
         outputs = loss_outputs + outputs

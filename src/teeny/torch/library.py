@@ -38,7 +38,9 @@ from ..runtime import RuntimeOp, TeenyError
 from . import bridge
 
 NAMESPACE = "teeny"
-_PREFIX = "op:"
+_PREFIX = "op1:"  # the key format's version: compiled graphs cached on disk (inductor) carry keys
+_TENSOR = "<tensor>"  # marks a tensor's (shape, dtype, requires_grad) in a key; no schema value is this string
+_KEYS: dict[tuple, str] = {}
 
 # argument names that are tensors in teeny's functional signatures
 _TENSOR_NAMES = {
@@ -263,7 +265,7 @@ def _encode(value: Any, tensors: list, labels: list, label: str) -> Any:
         wants = value.requires_grad and value.is_floating_point() and torch.is_grad_enabled()
         tensors.append(value.contiguous())
         labels.append(label)
-        return {"T": (tuple(int(s) for s in value.shape), dtype_name(value.dtype), wants)}
+        return (_TENSOR, tuple(int(s) for s in value.shape), dtype_name(value.dtype), wants)
     if isinstance(value, (list, tuple)):
         return tuple(_encode(v, tensors, labels, f"{label}[{i}]") for i, v in enumerate(value))
     if isinstance(value, torch.SymInt):
@@ -271,9 +273,13 @@ def _encode(value: Any, tensors: list, labels: list, label: str) -> Any:
     return value
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR
+
+
 def _decode(value: Any, wants: list) -> Any:
-    if isinstance(value, dict) and "T" in value:
-        shape, dtype, grad = value["T"]
+    if _is_tensor(value):
+        _, shape, dtype, grad = value
         wants.append(grad)
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     if isinstance(value, tuple):
@@ -299,7 +305,7 @@ def _labels(kwargs) -> list[str]:
     out: list[str] = []
 
     def walk(value, label):
-        if isinstance(value, dict) and "T" in value:
+        if _is_tensor(value):
             out.append(label)
         elif isinstance(value, tuple):
             for i, v in enumerate(value):
@@ -365,7 +371,10 @@ def _implementation(reg: Registered) -> Callable:
             if (reg.name, name) in _EMPTY_MEANS_NONE and isinstance(value, (list, tuple)) and not value:
                 value = None
             encoded.append(_encode(value, tensors, labels, name))
-        key = _PREFIX + repr((reg.name, reg.overload, (), tuple(zip(given, encoded))))
+        call = (reg.name, reg.overload, (), tuple(zip(given, encoded)))
+        key = _KEYS.get(call)
+        if key is None:  # the key text once per signature, not per call
+            key = _KEYS[call] = _PREFIX + repr(call)
         entry = bridge.lookup(key)
         out = entry.unpack(bridge.call(entry, tensors))
         return list(out) if reg.multi_output else out
