@@ -14,6 +14,12 @@ tensors its op declared it needs (``saves_inputs``, ``saves_output``, ``extra_ou
 its output, sums the gradients of values used several times, adds parameter gradients into
 the gradient arena (they accumulate until ``zero_grad``), and drops each node's cache entry
 as soon as its backward has run.
+
+A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
+changed in place between ``forward_train`` and ``backward`` would silently give a wrong
+gradient: the cache records each saved tensor's PyTorch version counter, and ``backward``
+refuses to run when one moved, naming the input. (Kernels write through pointers and move no
+counter: only PyTorch in-place operations are seen, which is what a user can do.)
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class ActivationCache:
         self.entries: dict[int, dict[str, Any]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.used = False
+        self.versions: list[tuple[torch.Tensor, int, str]] = []  # saved tensor, its version, what it is
 
     def tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -257,6 +264,8 @@ class Executor:
                 if program.last_use.get(v.id) == index and v.id not in keep and v.kind == "node":
                     values.pop(v.id, None)
         _raise_failed_checks(checks)
+        if cache is not None:
+            cache.versions = self._saved_versions(cache, values)
         self.live_values = sum(1 for vid in values if program.graph.values[vid].kind == "node" and vid not in keep)
         outs = tuple(values[v.id] for v in program.outputs)
         if cache is not None:
@@ -285,6 +294,7 @@ class Executor:
             raise TypeError("backward(cache): pass the ActivationCache returned by forward_train")
         if cache.used:
             raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
+        _check_versions(cache)
         cache.used = True
         program = self.program
         loss = program.loss
@@ -308,6 +318,32 @@ class Executor:
                 result[v.name] = g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device)
         cache.entries.clear()
         return result
+
+    def _saved_versions(self, cache: ActivationCache, values: dict[int, torch.Tensor]) -> list:
+        """(tensor, version, description) for every tensor the backward will read."""
+        graph = self.program.graph
+        sources = {}  # storage -> the input or parameter it belongs to (views of inputs name the input)
+        for v in graph.values:
+            if v.kind in ("input", "param") and v.id in values and values[v.id].numel():
+                sources[values[v.id].untyped_storage().data_ptr()] = (
+                    f"{'input' if v.kind == 'input' else 'parameter'} '{v.name}'"
+                )
+        by_node = {node.id: node for node in graph.nodes}
+        seen: set[int] = set()
+        recorded = []
+        for node_id, entry in cache.entries.items():
+            node = by_node[node_id]
+            named = [*zip(entry["inputs"], node.inputs), (entry["output"], node.output)]
+            named += [(t, None) for t in entry["saved"].values()]
+            for t, value in named:
+                if not isinstance(t, torch.Tensor) or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                source = sources.get(t.untyped_storage().data_ptr()) if t.numel() else None
+                if source is None and value is not None and value.kind == "node":
+                    source = f"the output '{value.name}' of node '{value.producer.name}'"
+                recorded.append((t, t._version, source or f"a tensor saved by node '{node.name}'"))
+        return recorded
 
     def _seed(self, loss: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
         if grad_output is None:
@@ -378,6 +414,16 @@ def _rows_with_one_stride(t: torch.Tensor) -> bool:
         if t.size(dim) > 1 and t.stride(dim) != expected:
             return False
     return True
+
+
+def _check_versions(cache: ActivationCache) -> None:
+    """Refuse a backward whose saved tensors were changed in place since the forward."""
+    changed = sorted({what for t, version, what in cache.versions if t._version != version})
+    if changed:
+        raise TeenyError(
+            f"{', '.join(changed)} was modified in place between forward_train and backward: the backward kernels "
+            "would read the new values and give a wrong gradient (clone before changing it, or run forward_train again)"
+        )
 
 
 def _raise_failed_checks(checks: list) -> None:

@@ -1,0 +1,229 @@
+"""teeny inside PyTorch and PyTorch models inside teeny, on the GPU (issues 12 and 13).
+
+    PYTHONPATH=src python bench/bench_torch.py            # about 10 minutes on an H200
+    PYTHONPATH=src python bench/bench_torch.py --tiny     # a smoke run of every part (CPU too)
+
+1. Overhead of a registered op: ``torch.ops.teeny.gelu`` and ``teeny.torch.apply`` per call
+   against the raw Triton launch of the same kernel, on a small tensor (launch-bound), forward
+   and forward+backward; the goal is at most 10 us over the raw kernels.
+2. A GPT-2-small training step from ``transformers`` (batch 8 x 512, AdamW): unpatched and
+   ``teeny.torch.patch``-ed, eager and under ``torch.compile``; step time and peak memory.
+3. The same GPT-2-small imported with ``teeny.torch.from_torch`` and trained by teeny
+   (``TrainStep``, CUDA graph), against ``teeny.models.GPT`` of the same size.
+
+Prints a table and writes ``bench_torch.json`` under ``$OUT`` when set.
+"""
+
+from __future__ import annotations  # noqa: I001  (teeny before triton: it chooses the device)
+
+import argparse
+import copy
+import json
+import os
+import time
+
+import teeny
+import teeny.torch
+import torch
+import torch.nn.functional as F
+from teeny import LoweringMode, ops
+from teeny.torch import apply, from_torch
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn, warmup: int, reps: int) -> float:
+    """Median seconds of ``fn()`` (synchronised)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _peak(fn) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    _sync()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+# ----------------------------------------------------------------------------- 1. overhead
+
+
+def overhead(device, tiny: bool) -> dict:
+    from teeny.kernels.activation import _gelu_erf, _gelu_erf_grad, activation_backward, activation_forward
+
+    n = 1024
+    x = torch.randn(n, device=device, requires_grad=True)
+    y = torch.empty(n, device=device)
+    dx = torch.empty(n, device=device)
+    block = 1024
+    grid = (1,)
+    fwd = activation_forward.jit
+    bwd = activation_backward.jit
+    reps = 20 if tiny else 2000
+
+    def raw_forward():
+        fwd[grid](x, y, n, 0.0, 0.0, FN=_gelu_erf, BLOCK=block)
+
+    def raw_both():
+        fwd[grid](x, y, n, 0.0, 0.0, FN=_gelu_erf, BLOCK=block)
+        bwd[grid](x, y, dx, n, 0.0, 0.0, GRAD=_gelu_erf_grad, BLOCK=block)
+
+    seed = torch.ones(n, device=device)
+
+    def op_forward():
+        with torch.no_grad():
+            torch.ops.teeny.gelu(x)
+
+    def op_both():
+        torch.ops.teeny.gelu(x).backward(seed)
+
+    def apply_both():
+        apply(ops.gelu, x).backward(seed)
+
+    out = {}
+    for name, fn in [
+        ("raw kernel forward", raw_forward),
+        ("raw kernels forward+backward", raw_both),
+        ("torch.ops.teeny.gelu forward", op_forward),
+        ("torch.ops.teeny.gelu forward+backward", op_both),
+        ("teeny.torch.apply(gelu) forward+backward", apply_both),
+    ]:
+        out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
+    out["op overhead forward (us)"] = out["torch.ops.teeny.gelu forward"] - out["raw kernel forward"]
+    out["op overhead forward+backward (us)"] = (
+        out["torch.ops.teeny.gelu forward+backward"] - out["raw kernels forward+backward"]
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. patched GPT-2
+
+
+def _gpt2(tiny: bool, device):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    if tiny:
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4)
+        batch, length = 2, 8
+    else:
+        config = transformers.GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
+        batch, length = 8, 512
+    config.use_cache = False
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # teeny's attention has no dropout
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
+    return model, ids, config
+
+
+def patched_gpt2(device, tiny: bool) -> dict:
+    base, ids, _ = _gpt2(tiny, device)
+    results = {}
+    reps = 3 if tiny else 20
+    for label, patch, compile_ in [
+        ("eager", False, False),
+        ("patched eager", True, False),
+        ("torch.compile", False, True),
+        ("patched + torch.compile", True, True),
+    ]:
+        model = copy.deepcopy(base)
+        if patch:
+            teeny.torch.patch(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        forward = torch.compile(model) if compile_ else model
+
+        def step(optimizer=optimizer, forward=forward):
+            optimizer.zero_grad(set_to_none=True)
+            forward(ids, labels=ids).loss.backward()
+            optimizer.step()
+
+        try:
+            seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
+            results[label] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
+        except Exception as exc:  # report and go on: one failing variant must not hide the others
+            results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        del model, optimizer, forward
+    return results
+
+
+# ----------------------------------------------------------------------------- 3. imported GPT-2
+
+
+def imported_gpt2(device, tiny: bool) -> dict:
+    from teeny.models import GPT
+    from teeny.optim import AdamW
+    from teeny.train import TrainStep
+
+    model, ids, config = _gpt2(tiny, device)
+    model = model.cpu()
+    ids_cpu = ids.cpu()
+
+    def lm_loss(output, labels):
+        logits = output.logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    results = {}
+    start = time.perf_counter()
+    graph = from_torch(model, {"input_ids": ids_cpu}, loss=lm_loss, targets=(ids_cpu,))
+    results["import s"] = time.perf_counter() - start
+    batch, length = ids.shape
+    g = teeny.Graph("gpt")
+    idx = g.input("x", (batch, length), torch.int64)
+    y = g.input("y", (batch, length), torch.int64)
+    native = GPT(config.vocab_size, length, config.n_embd, config.n_head, config.n_layer)
+    logits = native(idx)
+    flat = ops.reshape(ops.slice(logits, 1, 0, length - 1), ((length - 1) * batch, config.vocab_size))
+    g.output(ops.cross_entropy(flat, ops.reshape(ops.slice(y, 1, 1, None), ((length - 1) * batch,))), logits)
+    reps = 3 if tiny else 20
+    for label, graph_, feed in [
+        ("imported GPT-2 (teeny)", graph, {"input_ids": ids, "target": ids}),
+        ("teeny.models.GPT", g, {"x": ids, "y": ids}),
+    ]:
+        executor = teeny.Executor(teeny.lower(graph_, LoweringMode.TRAINING))
+        step = TrainStep(executor, AdamW(executor, lr=1e-4), cuda_graph=device.type == "cuda")
+        try:
+            seconds = _time(lambda: step(feed), warmup=3, reps=reps)
+            results[label] = {"step ms": seconds * 1e3, "peak MiB": _peak(lambda: step(feed))}
+        except Exception as exc:
+            results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: check that every part runs")
+    parser.add_argument("--only", choices=["overhead", "patched", "imported"], nargs="*")
+    args = parser.parse_args()
+    device = teeny.DEVICE
+    parts = args.only or ["overhead", "patched", "imported"]
+    report = {"device": teeny.device.describe(), "tiny": args.tiny}
+    if "overhead" in parts:
+        report["overhead (us per call)"] = overhead(device, args.tiny)
+    if "patched" in parts:
+        report["GPT-2 training step, patched"] = patched_gpt2(device, args.tiny)
+    if "imported" in parts:
+        report["GPT-2 training step, imported"] = imported_gpt2(device, args.tiny)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_torch.json"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,621 @@
+"""The bridge from PyTorch to teeny: a teeny function compiled once per signature and run as
+two generic PyTorch operators, so that torch autograd, ``torch.compile`` and
+``torch.library.opcheck`` see teeny like any other library of kernels.
+
+    teeny::run_forward(str key, Tensor[] tensors) -> Tensor[]
+    teeny::run_backward(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]
+
+``key`` names a ``Compiled`` entry: a teeny function traced for one combination of shapes,
+dtypes, arguments and ``requires_grad`` flags, lowered (for training when a gradient is
+wanted) and given an ``Executor``. The forward operator returns the function's output and
+the *extras*: the tensors the backward kernels need that are neither an input nor the output
+(rstd, log-sum-exp, a dropout seed, intermediate values of a function of several ops). Saved
+for the backward are exactly the tensors the ops' pairs declare (``saves_inputs``,
+``saves_output``, ``extra_outputs``): the inputs and outputs among them through
+``save_for_backward`` (so PyTorch's version counters catch an in-place change between forward
+and backward), the rest as extras. The backward operator rebuilds the ``ActivationCache`` from
+them and runs teeny's backward kernels; a backward may run any number of times
+(``retain_graph=True``). The backward operator has no backward: ``create_graph=True`` through a
+teeny op raises an error naming the op.
+
+A function with several outputs returns them as one flat float buffer (the outputs
+concatenated, so the executor seeds one gradient) plus its non-float outputs, and the caller
+splits the buffer with views. Keys of registered ops (``teeny.torch.library``) describe the
+call completely, so an entry evicted from the bounded cache (``CACHE_SIZE``) is rebuilt from its
+key; keys of ``apply`` name an entry that the autograd graph keeps alive.
+
+``apply(fn, *args)`` runs any teeny function on torch tensors. It keys its cache on what ``fn``
+computes (its code, the values its closure, defaults and the globals it reads hold, and the
+arguments' shapes, dtypes and values), so an inline lambda is traced once, not per call, and
+the cache is bounded (least recently used entries go first).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..executor import ActivationCache, Executor
+from ..graph import Graph, Tensor, Value
+from ..kernel import dtype_name
+from ..lowering import LoweringMode, lower
+from ..runtime import MissingBackwardError, TeenyError
+
+CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor of the rebuilt ``ActivationCache`` comes from: a flat ``input``, a
+    program ``output``, an ``extra`` returned by the forward, or a ``const`` / ``param`` the
+    executor holds (``index`` is then the value id)."""
+
+    kind: str
+    index: int
+
+
+@dataclass
+class Compiled:
+    """One teeny function, traced, lowered and ready to run for one call signature."""
+
+    key: str
+    label: str  # what it is, for messages: "teeny op gelu", "apply(<lambda>)"
+    executor: Executor
+    input_names: list[str]  # graph input names, in the order of the flat tensors
+    input_labels: list[str]  # how messages name each flat tensor ("x", "argument 1")
+    grad_inputs: tuple[int, ...]  # flat tensors that get a gradient, in order
+    mutated: tuple[int, ...]  # flat tensors the forward writes in place (batch norm's running stats)
+    outputs: list[tuple[tuple[int, ...], torch.dtype]]  # program outputs: shape, dtype
+    extras: list[tuple[tuple[int, ...], torch.dtype]]
+    layout: list[tuple[int, list[Slot | None], Slot | None, dict[str, Slot]]]  # node id, inputs, output, saved
+    saved_inputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    pieces: list[tuple]  # per user output: ("direct", j) or ("flat", offset, shape)
+    container: type | None  # tuple / list when the function returned several tensors
+    keep_alive: tuple = ()  # objects whose identity the key uses (an apply key holds them)
+    consts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def training(self) -> bool:
+        return self.executor.training
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.outputs)
+
+    # --- running -------------------------------------------------------------------------
+    def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the program: its outputs, the extras, then the new values of the inputs it
+        updates in place (``mutated``; the inputs themselves are left alone). Nothing returned
+        aliases an input."""
+        ex = self.executor
+        tensors = [t.clone() if i in self.mutated else t for i, t in enumerate(tensors)]
+        feed = dict(zip(self.input_names, tensors))
+        device = tensors[0].device if tensors else ex.device
+        if self.training:
+            outs, cache = ex.forward_train(feed)
+        else:
+            outs, cache = ex.forward(feed), None
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        extras: list[torch.Tensor | None] = [None] * len(self.extras)
+        if cache is not None:
+            for node_id, in_slots, out_slot, saved_slots in self.layout:
+                entry = cache.entries[node_id]
+                pairs = [*zip(entry["inputs"], in_slots), (entry["output"], out_slot)]
+                pairs += [(entry["saved"][name], slot) for name, slot in saved_slots.items()]
+                for t, slot in pairs:
+                    if slot is not None and slot.kind == "extra" and extras[slot.index] is None:
+                        extras[slot.index] = t
+        updated = [tensors[i] for i in self.mutated]
+        taken = {_storage(t) for i, t in enumerate(tensors) if i not in self.mutated}
+        taken.update(_storage(t) for t in self.consts.values())
+        taken.update(_storage(t) for t in ex.param_arenas.values())
+        result = []
+        for t in [*outs, *extras, *updated]:
+            t = t.to(device)
+            if not t.numel() or _storage(t) in taken:  # a view (a reshape of an input): give a new tensor
+                t = t.clone()
+            taken.add(_storage(t))
+            result.append(t)
+        return result
+
+    def backward(self, grad: torch.Tensor | None, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of the flat inputs in ``grad_inputs`` from the gradient of output 0."""
+        ex = self.executor
+        n_in, n_out = len(self.saved_inputs), len(self.saved_outputs)
+        inputs = dict(zip(self.saved_inputs, saved[:n_in]))
+        outputs = dict(zip(self.saved_outputs, saved[n_in : n_in + n_out]))
+        extras = list(saved[n_in + n_out :])
+        here = ex.device
+
+        def resolve(slot: Slot | None):
+            if slot is None:
+                return None
+            if slot.kind == "input":
+                return inputs[slot.index].to(here).contiguous()
+            if slot.kind == "output":
+                return outputs[slot.index].to(here).contiguous()
+            if slot.kind == "extra":
+                return extras[slot.index].to(here).contiguous()
+            if slot.kind == "const":
+                return self.consts[slot.index]
+            return ex.params[ex.program.graph.values[slot.index].name]
+
+        cache = ActivationCache()
+        for node_id, in_slots, out_slot, saved_slots in self.layout:
+            cache.entries[node_id] = {
+                "inputs": [resolve(s) for s in in_slots],
+                "output": resolve(out_slot),
+                "saved": {name: resolve(s) for name, s in saved_slots.items()},
+            }
+        shape, dtype = self.outputs[0]
+        device = grad.device if grad is not None else (saved[0].device if saved else here)
+        if grad is None:
+            grad = torch.zeros(shape, dtype=dtype, device=here)
+        grads = ex.backward(cache, grad.to(device=here, dtype=dtype).contiguous())
+        taken = {_storage(t) for t in saved} | {_storage(grad)}
+        result = []
+        for i in self.grad_inputs:
+            g = grads[self.input_names[i]].to(device)
+            if not g.numel() or _storage(g) in taken:  # a view op's backward answered with a view of dy
+                g = g.clone()
+            taken.add(_storage(g))
+            result.append(g)
+        return result
+
+    # --- what the caller sees -------------------------------------------------------------
+    def unpack(self, outputs: Sequence[torch.Tensor]) -> Any:
+        """The function's result (a tensor, or a tuple/list of them) from the forward's outputs."""
+        values = []
+        for piece in self.pieces:
+            if piece[0] == "direct":
+                values.append(outputs[piece[1]])
+            else:
+                _, offset, shape = piece
+                values.append(outputs[0].narrow(0, offset, math.prod(shape)).view(shape))
+        return values[0] if self.container is None else self.container(values)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.numel() else -id(t)
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+def compile_function(*args: Any, **kwargs: Any) -> Compiled:
+    """Trace ``fn`` with a graph input per tensor of ``args``/``kwargs`` (real or meta
+    tensors: only shapes and dtypes are read), lower it and build its executor
+    (``_compile``'s arguments). Built outside any active dispatch mode (``torch.compile``'s
+    fake tensors, opcheck's checks) and without autograd: the executor's parameters and
+    constants are real tensors, and lowering's dry run uses plain meta tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        return _compile(*args, **kwargs)
+
+
+def _compile(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    wants_grad: Sequence[bool],
+    key: str,
+    label: str,
+    input_labels: Sequence[str] | None = None,
+    keep_alive: tuple = (),
+) -> Compiled:
+    from ..kernels.shape import concat, reshape
+
+    graph = Graph(getattr(fn, "__name__", "fn"))
+    flat: list[torch.Tensor] = []
+
+    def symbolic(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            index = len(flat)
+            flat.append(a)
+            wants = bool(wants_grad[index]) and a.is_floating_point()
+            return graph.input(f"arg{index}", tuple(a.shape), a.dtype, requires_grad=wants)
+        if isinstance(a, (list, tuple)):
+            return type(a)(symbolic(b) for b in a)
+        return a
+
+    result = fn(*[symbolic(a) for a in args], **{k: symbolic(v) for k, v in kwargs.items()})
+    container = type(result) if isinstance(result, (tuple, list)) else None
+    outs = list(result) if container is not None else [result]
+    for i, o in enumerate(outs):
+        if not isinstance(o, Tensor) or o.graph is not graph:
+            raise TeenyError(f"{label}: output {i} is not a teeny tensor of the traced graph (got {type(o).__name__})")
+    wants_any = any(v.requires_grad for v in graph.inputs)
+    floats = [i for i, o in enumerate(outs) if o.dtype.is_floating_point]
+    pieces: list[tuple] = [("direct", i) for i in range(len(outs))]
+    program_outs = list(outs)
+    if wants_any and len(floats) > 1:  # one flat float output, so that the executor seeds one gradient
+        dtypes = {outs[i].dtype for i in floats}
+        if len(dtypes) > 1:
+            raise TeenyError(
+                f"{label}: outputs of several float dtypes ({', '.join(dtype_name(d) for d in dtypes)}) "
+                "cannot be differentiated together"
+            )
+        flat_out = concat([reshape(outs[i], (-1,)) for i in floats], 0)
+        others = [i for i in range(len(outs)) if i not in floats]
+        program_outs = [flat_out] + [outs[i] for i in others]
+        offset = 0
+        for i in floats:
+            pieces[i] = ("flat", offset, tuple(outs[i].shape))
+            offset += outs[i].numel()
+        for j, i in enumerate(others):
+            pieces[i] = ("direct", 1 + j)
+    elif floats and floats[0] != 0:  # the loss the executor differentiates is output 0
+        order = floats[:1] + [i for i in range(len(outs)) if i != floats[0]]
+        program_outs = [outs[i] for i in order]
+        pieces = [("direct", order.index(i)) for i in range(len(outs))]
+    graph.output(*program_outs)
+    program = None
+    if wants_any and floats:
+        try:
+            program = lower(graph, LoweringMode.TRAINING)
+        except MissingBackwardError:
+            raise
+        except TeenyError:  # no gradient reaches the output (stop_gradient, integer paths)
+            program = None
+    if program is None:
+        program = lower(graph, LoweringMode.INFERENCE)
+    executor = Executor(program)
+    consts = executor._consts  # the executor's own constants: what its kernels read
+    input_names = [v.name for v in graph.inputs]
+    labels = list(input_labels) if input_labels is not None else [f"argument {i}" for i in range(len(flat))]
+    grad_inputs = tuple(i for i, v in enumerate(graph.inputs) if v.requires_grad and executor.training)
+    layout, extras, saved_inputs, saved_outputs = _layout(program, graph) if executor.training else ([], [], (), ())
+    return Compiled(
+        key=key,
+        label=label,
+        executor=executor,
+        input_names=input_names,
+        input_labels=labels,
+        grad_inputs=grad_inputs,
+        mutated=_mutated_inputs(program, graph),
+        outputs=[(tuple(v.shape), v.dtype) for v in program.outputs],
+        extras=extras,
+        layout=layout,
+        saved_inputs=saved_inputs,
+        saved_outputs=saved_outputs,
+        pieces=pieces,
+        container=container,
+        keep_alive=keep_alive,
+        consts=consts,
+    )
+
+
+def _layout(program, graph: Graph):
+    """Where each tensor the backward reads comes from (see ``Slot``)."""
+    input_index = {v.id: i for i, v in enumerate(graph.inputs)}
+    output_index = {v.id: j for j, v in enumerate(program.outputs)}
+    extras: list[tuple[tuple[int, ...], torch.dtype]] = []
+    by_value: dict[int, Slot] = {}
+    saved_inputs: set[int] = set()
+    saved_outputs: set[int] = set()
+
+    def slot_of(v: Value) -> Slot:
+        if v.id in output_index:
+            saved_outputs.add(output_index[v.id])
+            return Slot("output", output_index[v.id])
+        if v.kind == "input":
+            saved_inputs.add(input_index[v.id])
+            return Slot("input", input_index[v.id])
+        if v.kind in ("const", "param"):
+            return Slot(v.kind, v.id)
+        if v.id not in by_value:
+            by_value[v.id] = Slot("extra", len(extras))
+            extras.append((tuple(v.shape), v.dtype))
+        return by_value[v.id]
+
+    layout = []
+    for p in program.nodes:
+        if not p.needs_backward:
+            continue
+        node = p.node
+        in_slots = [slot_of(v) if keep else None for v, keep in zip(node.inputs, p.saved_inputs)]
+        out_slot = slot_of(node.output) if node.op.saves_output else None
+        saved = {}
+        for name, (shape, dtype) in node.op.extra_outputs([v.shape for v in node.inputs], node.dtype).items():
+            saved[name] = Slot("extra", len(extras))
+            extras.append((tuple(shape), dtype))
+        layout.append((node.id, in_slots, out_slot, saved))
+    return layout, extras, tuple(sorted(saved_inputs)), tuple(sorted(saved_outputs))
+
+
+def _mutated_inputs(program, graph: Graph) -> tuple[int, ...]:
+    """Graph inputs some op writes in place: batch norm's running statistics in training."""
+    input_index = {v.id: i for i, v in enumerate(graph.inputs)}
+    mutated = set()
+    for p in program.nodes:
+        op = p.node.op
+        update = getattr(op, "update_running", None)
+        if callable(update) and update():
+            n_act = op.n_activation_inputs
+            for v in p.node.inputs[n_act : n_act + 2]:
+                if v.id in input_index:
+                    mutated.add(input_index[v.id])
+    return tuple(sorted(mutated))
+
+
+# ----------------------------------------------------------------------------- the cache
+
+_ENTRIES: OrderedDict[str, Compiled] = OrderedDict()
+_BUILDERS: list[tuple[str, Callable[[str], Compiled]]] = []  # key prefix -> rebuild from the key
+
+
+def add_builder(prefix: str, build: Callable[[str], Compiled]) -> None:
+    """Keys starting with ``prefix`` are rebuilt by ``build(key)`` when not cached."""
+    _BUILDERS.append((prefix, build))
+
+
+def lookup(key: str) -> Compiled:
+    """The compiled entry for ``key`` (rebuilt from the key where it describes the call)."""
+    entry = _ENTRIES.get(key)
+    if entry is not None:
+        _ENTRIES.move_to_end(key)
+        return entry
+    for prefix, build in _BUILDERS:
+        if key.startswith(prefix):
+            return remember(build(key))
+    if not key.startswith("apply:"):  # an op key in another format: a compiled graph from an older teeny
+        raise TeenyError(
+            f"teeny key {key[:120]!r} is from another version of teeny, probably in a graph that torch.compile "
+            "cached on disk: clear the cache (torch._inductor.utils.clear_inductor_caches(), or delete "
+            "TORCHINDUCTOR_CACHE_DIR) and compile again"
+        )
+    raise TeenyError(f"no compiled teeny function for key {key[:200]!r} (it was evicted and cannot be rebuilt)")
+
+
+def remember(entry: Compiled) -> Compiled:
+    _ENTRIES[entry.key] = entry
+    _ENTRIES.move_to_end(entry.key)
+    while len(_ENTRIES) > CACHE_SIZE:
+        _ENTRIES.popitem(last=False)
+    return entry
+
+
+def cache_size() -> int:
+    """How many compiled entries are cached now."""
+    return len(_ENTRIES)
+
+
+def clear_cache() -> None:
+    """Forget every compiled entry (op entries are rebuilt on their next call)."""
+    _ENTRIES.clear()
+    _APPLY_KEYS.clear()
+
+
+# ----------------------------------------------------------------------------- the operators
+
+_LIB = torch.library.Library("teeny", "FRAGMENT")  # keeps the registrations of this module alive
+
+
+def _fake_outputs(entry: Compiled, device: torch.device) -> list[torch.Tensor]:
+    inputs = entry.executor.program.inputs
+    specs = [*entry.outputs, *entry.extras, *[(inputs[i].shape, inputs[i].dtype) for i in entry.mutated]]
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+
+
+def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    from ..device import DEVICE
+
+    return tensors[0].device if tensors else DEVICE
+
+
+@torch.library.custom_op("teeny::run_forward", mutates_args=(), schema="(str key, Tensor[] tensors) -> Tensor[]")
+def run_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the compiled entry ``key`` forwards: its outputs, then the extras its backward reads."""
+    return lookup(key).forward(tensors)
+
+
+@run_forward.register_fake
+def _run_forward_fake(key, tensors):
+    return _fake_outputs(lookup(key), _device_of(tensors))
+
+
+@torch.library.custom_op(
+    "teeny::run_backward", mutates_args=(), schema="(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]"
+)
+def run_backward(key: str, grads: list[torch.Tensor], saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    """teeny's backward kernels for entry ``key``: gradients of its inputs that want one."""
+    return lookup(key).backward(grads[0] if grads else None, saved)
+
+
+@run_backward.register_fake
+def _run_backward_fake(key, grads, saved):
+    entry = lookup(key)
+    device = grads[0].device if grads else _device_of(saved)
+    ex_inputs = entry.executor.program.inputs
+    return [torch.empty(ex_inputs[i].shape, dtype=ex_inputs[i].dtype, device=device) for i in entry.grad_inputs]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    key = inputs[0]
+    entry = lookup(key)
+    flat = list(inputs[1])
+    ctx.key, ctx.entry = key, entry
+    if not entry.training:
+        ctx.save_for_backward()
+        return
+    saved_inputs = [flat[i] for i in entry.saved_inputs]
+    extras = output[entry.n_outputs : entry.n_outputs + len(entry.extras)]
+    ctx.save_for_backward(*saved_inputs, *[output[j] for j in entry.saved_outputs], *extras)
+    if not torch.compiler.is_compiling():  # to name the input if one changes in place before the backward
+        try:
+            ctx.input_versions = [(i, weakref.ref(t), t._version) for i, t in zip(entry.saved_inputs, saved_inputs)]
+        except (RuntimeError, TypeError):  # tensors under tracing (functional, fake) have no version to read
+            ctx.input_versions = []
+
+
+def _backward(ctx, grads):
+    entry: Compiled = ctx.entry
+    if entry.key not in _ENTRIES:  # evicted since the forward: the autograd graph kept it alive
+        remember(entry)
+    if not entry.training:
+        return None, None
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+        raise RuntimeError(_changed_message(ctx, entry)) from exc
+    grad = grads[0] if grads else None
+    computed = torch.ops.teeny.run_backward(entry.key, [] if grad is None else [grad], list(saved))
+    by_input = dict(zip(entry.grad_inputs, computed))
+    return None, [by_input.get(i) for i in range(len(entry.input_names))]
+
+
+def _changed_message(ctx, entry: Compiled) -> str:
+    changed = [
+        entry.input_labels[i]
+        for i, ref, version in getattr(ctx, "input_versions", [])
+        if ref() is not None and ref()._version != version
+    ]
+    what = f"input {', '.join(repr(c) for c in changed)}" if changed else "an input or output"
+    return (
+        f"{entry.label}: {what} was modified in place between the forward and the backward; "
+        "the backward kernels would read the new values and give a wrong gradient (clone it before changing it)"
+    )
+
+
+run_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, inputs, output) -> None:
+    entry = lookup(inputs[0])
+    raise RuntimeError(
+        f"{entry.label}: double backward (create_graph=True, e.g. a gradient penalty) is not supported: "
+        "teeny's backward kernels have no backward of their own"
+    )
+
+
+run_backward.register_autograd(lambda ctx, grads: None, setup_context=_no_double_backward)
+
+
+def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``entry`` through the operators (differentiably where it was lowered for training)."""
+    results = torch.ops.teeny.run_forward(entry.key, list(tensors))
+    if entry.mutated:  # the operator is functional: it returns the new values, written back here
+        n = len(results) - len(entry.mutated)
+        with torch.no_grad():
+            for i, new in zip(entry.mutated, results[n:]):
+                tensors[i].copy_(new)
+        results = results[:n]
+    return results
+
+
+# ----------------------------------------------------------------------------- apply
+
+_APPLY_KEYS: OrderedDict[Any, str] = OrderedDict()
+_SERIAL = [0]
+
+
+def _flat_tensors(a: Any) -> list[torch.Tensor]:
+    """The tensors of ``a`` (nested lists and tuples too) in the order tracing numbers them."""
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [t for b in a for t in _flat_tensors(b)]
+    return []
+
+
+def _arg_key(a: Any, refs: list) -> Any:
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype, a.requires_grad and a.is_floating_point() and torch.is_grad_enabled())
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_arg_key(b, refs) for b in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _arg_key(v, refs)) for k, v in a.items()))
+    return _value_key(a, refs, depth=0)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, slice, type(Ellipsis))
+
+
+def _value_key(v: Any, refs: list, depth: int) -> Any:
+    """A hashable description of what ``v`` contributes to a traced function: plain values by
+    value, functions by what they compute, anything else by identity (kept alive in ``refs``
+    so that the identity cannot be reused while the key exists)."""
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, repr(v) if isinstance(v, float) else v)
+    if isinstance(v, (tuple, list, frozenset)) and depth < 4:
+        return (type(v).__name__, tuple(_value_key(b, refs, depth + 1) for b in v))
+    if isinstance(v, types.FunctionType) and depth < 4:
+        return _function_key(v, refs, depth + 1)
+    if isinstance(v, types.MethodType) and depth < 4:
+        return ("method", _value_key(v.__func__, refs, depth + 1), _value_key(v.__self__, refs, depth + 1))
+    if isinstance(v, types.ModuleType):
+        return ("module", v.__name__)
+    refs.append(v)
+    return ("id", id(v))
+
+
+def _function_key(fn: types.FunctionType, refs: list, depth: int) -> Any:
+    closure = tuple(_value_key(c.cell_contents, refs, depth) for c in fn.__closure__ or ())
+    defaults = _value_key(fn.__defaults__, refs, depth)
+    kwdefaults = tuple(sorted((k, _value_key(v, refs, depth)) for k, v in (fn.__kwdefaults__ or {}).items()))
+    names = _global_names(fn.__code__)
+    read = tuple((n, _value_key(fn.__globals__[n], refs, depth)) for n in names if n in fn.__globals__)
+    return ("fn", fn.__code__, closure, defaults, kwdefaults, read)
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    names = set(code.co_names)
+    for const in code.co_consts:  # nested functions and comprehensions read globals too
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
+
+
+def _describe(fn: Callable) -> str:
+    return f"apply({getattr(fn, '__qualname__', type(fn).__name__)})"
+
+
+@torch.compiler.disable  # keys are built from Python objects; under torch.compile use the registered ops
+def apply(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` (a function of teeny symbolic tensors) on torch tensors, differentiably.
+
+    Tensors among ``args``/``kwargs`` (nested lists too) become the function's inputs; other
+    arguments are passed as they are and are part of the cache key. Returns what ``fn``
+    returns: a tensor, or a tuple/list of tensors. Inputs that require a gradient get one
+    from teeny's backward kernels; repeated backward (``retain_graph=True``) and
+    ``torch.autograd.gradcheck`` work; ``create_graph=True`` raises an error naming the function.
+    """
+    refs: list = []
+    struct = (_value_key(fn, refs, 0), _arg_key(args, refs), _arg_key(kwargs, refs))
+    try:
+        hash(struct)
+    except TypeError:  # an unhashable value in the arguments: key it by identity
+        refs.append(fn)
+        struct = (("id", id(fn)), repr(_arg_key(args, refs)), repr(_arg_key(kwargs, refs)))
+    flat = [t.contiguous() for t in _flat_tensors(args) + _flat_tensors(list(kwargs.values()))]
+    key = _APPLY_KEYS.get(struct)
+    entry = _ENTRIES.get(key) if key is not None else None
+    if entry is None:
+        _SERIAL[0] += 1
+        key = f"apply:{_SERIAL[0]}:{_describe(fn)}"
+        wants = [t.requires_grad and torch.is_grad_enabled() for t in flat]
+        entry = remember(compile_function(fn, args, kwargs, wants, key, _describe(fn), keep_alive=(fn, *refs)))
+        _APPLY_KEYS[struct] = key
+        while len(_APPLY_KEYS) > CACHE_SIZE:
+            _APPLY_KEYS.popitem(last=False)
+    else:
+        _ENTRIES.move_to_end(key)
+        _APPLY_KEYS.move_to_end(struct)
+    return entry.unpack(call(entry, flat))
+
+
+def parse_key(key: str, prefix: str) -> Any:
+    """The Python literal after ``prefix`` in a self-describing key."""
+    return ast.literal_eval(key[len(prefix) :])

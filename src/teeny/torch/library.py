@@ -1,0 +1,488 @@
+"""Every teeny op as a PyTorch operator: ``torch.ops.teeny.<name>``.
+
+    y = torch.ops.teeny.gelu(x, "tanh")                 # teeny's kernels, torch autograd
+    torch.compile(model, fullgraph=True)                # no graph break: the ops are opaque
+    teeny.torch.register(my_teeny_function)             # your CustomOp or @kernel pair, the same way
+
+Each op has a schema written from its ``teeny.ops`` signature (tensors, ``Tensor?`` for an
+optional one, ``int[]`` shapes and dims, ``Scalar`` overloads where a number may take a tensor's
+place) and a ``CompositeImplicitAutograd`` implementation that describes the call in a key
+(shapes, dtypes, ``requires_grad`` flags and the other arguments) and runs it through the
+bridge's two generic operators (``teeny::run_forward`` / ``teeny::run_backward``, see
+``teeny.torch.bridge``). Those carry the fake implementations (shapes, on meta or fake tensors,
+without a launch) and the autograd formula, whose backward is teeny's backward kernels fed
+exactly what the op's pair declares it saves. A model that calls these ops compiles with
+``torch.compile(fullgraph=True)``: the ops reach the graph as opaque custom operators, on the
+CPU (the Triton interpreter) as on the GPU.
+
+Autocast: under ``torch.autocast`` the products (``linear``, ``matmul``, ``conv2d``,
+``scaled_dot_product_attention``) run in the autocast dtype; every other op runs in the dtype
+of its first floating-point tensor (a float32 norm weight meets bf16 activations as bf16),
+so bf16 in gives bf16 out, with no upcast copy. Ops whose kernels have no bf16 version say so.
+
+Not registered: ``getitem`` (its index is an arbitrary Python object; use tensor indexing or
+``teeny.torch.apply``). ``registered_ops()`` lists the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kernel import dtype_name
+from ..runtime import RuntimeOp, TeenyError
+from . import bridge
+
+NAMESPACE = "teeny"
+_PREFIX = "op1:"  # the key format's version: compiled graphs cached on disk (inductor) carry keys
+_TENSOR = "<tensor>"  # marks a tensor's (shape, dtype, requires_grad) in a key; no schema value is this string
+_KEYS: dict[tuple, str] = {}
+
+# argument names that are tensors in teeny's functional signatures
+_TENSOR_NAMES = {
+    "x",
+    "input",
+    "other",
+    "weight",
+    "bias",
+    "target",
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "gate",
+    "up",
+    "a",
+    "b",
+    "idx",
+    "w",
+    "t",
+    "running_mean",
+    "running_var",
+    "condition",
+    "pos_weight",
+}
+_ANNOTATIONS = {
+    "bool": "bool",
+    "float": "float",
+    "int": "int",
+    "str": "str",
+    "float | None": "float?",
+    "int | None": "int?",
+    "str | None": "str?",
+}
+_UNANNOTATED = {  # non-tensor arguments without annotation, by name
+    "dim": "int[1]?",
+    "alpha": "Scalar",
+    "rounding_mode": "str?",
+    "padding_idx": "int?",
+    "normalized_shape": "int[1]",
+    "shape": "int[]",
+    "sizes": "int[]",
+    "dims": "int[]",
+    "chunks": "int",
+    "s": "int",
+    "exponent": "Tensor",
+    "tensors": "Tensor[]",
+}
+# whole argument lists where the rules above do not fit; a name maps to one or more overloads
+_OVERRIDES: dict[str, list[tuple[str, str]]] = {
+    "conv2d": [
+        (
+            "",
+            "Tensor input, Tensor weight, Tensor? bias=None, int[2] stride=1, int[2] padding=0, "
+            "int[2] dilation=1, int groups=1",
+        ),
+        (
+            "padding",
+            "Tensor input, Tensor weight, Tensor? bias=None, int[2] stride=1, str padding='valid', "
+            "int[2] dilation=1, int groups=1",
+        ),
+    ],
+    "max_pool2d": [
+        (
+            "",
+            "Tensor input, int[2] kernel_size, int[2] stride=[], int[2] padding=0, int[2] dilation=1, "
+            "bool ceil_mode=False",
+        ),
+    ],
+    "avg_pool2d": [
+        (
+            "",
+            "Tensor input, int[2] kernel_size, int[2] stride=[], int[2] padding=0, bool ceil_mode=False, "
+            "bool count_include_pad=True, int? divisor_override=None",
+        ),
+    ],
+    "split": [("", "Tensor x, int s, int dim=0"), ("sizes", "Tensor x, int[] s, int dim=0")],
+    "clamp": [
+        ("", "Tensor x, Scalar? min=None, Scalar? max=None"),
+        ("Tensor", "Tensor x, Tensor? min=None, Tensor? max=None"),
+    ],
+    "logsumexp": [("", "Tensor x, int[1] dim, bool keepdim=False")],
+    "squeeze": [("", "Tensor x, int[1]? dim=None")],
+    "chunk": [("", "Tensor x, int chunks, int dim=0")],
+    "batch_norm": [
+        (
+            "",
+            "Tensor x, Tensor? running_mean, Tensor? running_var, Tensor? weight=None, Tensor? bias=None, "
+            "bool training=False, float momentum=0.1, float eps=1e-05",
+        )
+    ],
+}
+_SCALAR_OVERLOADS = {  # ops whose second operand may be a Python number: an extra "Scalar" overload
+    "add": "other",
+    "sub": "other",
+    "mul": "other",
+    "div": "other",
+    "pow": "exponent",
+    "maximum": "other",
+    "minimum": "other",
+    "where": "other",
+}
+_MULTI_OUTPUT = {"split", "chunk"}
+_PRODUCTS = {"linear", "matmul", "conv2d", "scaled_dot_product_attention"}  # autocast: lower precision
+_SKIPPED = {"getitem": "its index is an arbitrary Python object: use tensor indexing or teeny.torch.apply"}
+_EMPTY_MEANS_NONE = {("max_pool2d", "stride"), ("avg_pool2d", "stride")}  # ATen's spelling of "stride=None"
+
+
+@dataclass
+class Registered:
+    """One registered overload: ``torch.ops.teeny.<name>.<overload>`` running ``fn``."""
+
+    name: str
+    overload: str
+    fn: Callable
+    schema: str
+    arg_names: list[str]
+    arg_types: list[str]
+    multi_output: bool
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}" + (f".{self.overload}" if self.overload else "")
+
+    @property
+    def packet(self):
+        return getattr(torch.ops.teeny, self.name)
+
+    @property
+    def op(self):
+        return getattr(self.packet, self.overload or "default")
+
+
+_REGISTERED: dict[str, Registered] = {}  # qualname -> overload
+_FUNCTIONS: dict[str, Callable] = {}  # name -> teeny function (for rebuilding keys)
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+# ----------------------------------------------------------------------------- schemas
+
+
+def _parse_arguments(arguments: str) -> list[tuple[str, str]]:
+    """(type, name) of each argument of a schema's argument list (``*`` markers dropped)."""
+    out = []
+    for part in _split_top(arguments):
+        part = part.strip()
+        if not part or part == "*":
+            continue
+        declaration = part.split("=", 1)[0].strip()
+        type_, name = declaration.rsplit(" ", 1)
+        out.append((type_.strip(), name.strip()))
+    return out
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_default(v) for v in value) + "]"
+    return repr(value)
+
+
+def schema_arguments(fn: Callable, name: str) -> str:
+    """The argument list of ``fn``'s schema, from its signature (see module docstring)."""
+    parts = []
+    keyword_only = False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD or p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+            keyword_only = True
+        annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", None)
+        has_default = p.default is not inspect.Parameter.empty
+        if p.name in _TENSOR_NAMES and (annotation is None or annotation is inspect.Parameter.empty.__name__):
+            type_ = "Tensor?" if has_default and p.default is None else "Tensor"
+        elif isinstance(annotation, str) and annotation in _ANNOTATIONS:
+            type_ = _ANNOTATIONS[annotation]
+        elif p.name in _UNANNOTATED:
+            type_ = _UNANNOTATED[p.name]
+        elif p.name in _TENSOR_NAMES:
+            type_ = "Tensor?" if has_default and p.default is None else "Tensor"
+        else:
+            raise TypeError(f"{name}: no schema type for argument {p.name!r}; pass schema= to register()")
+        if has_default and p.default is None and not type_.endswith("?"):
+            type_ += "?"
+        text = f"{type_} {p.name}"
+        if has_default:
+            text += f"={_default(p.default)}"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+def _encode(value: Any, tensors: list, labels: list, label: str) -> Any:
+    """The key's description of one argument; tensors go to ``tensors`` (made contiguous)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        wants = value.requires_grad and value.is_floating_point() and torch.is_grad_enabled()
+        tensors.append(value.contiguous())
+        labels.append(label)
+        return (_TENSOR, tuple(int(s) for s in value.shape), dtype_name(value.dtype), wants)
+    if isinstance(value, (list, tuple)):
+        return tuple(_encode(v, tensors, labels, f"{label}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    return value
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR
+
+
+def _decode(value: Any, wants: list) -> Any:
+    if _is_tensor(value):
+        _, shape, dtype, grad = value
+        wants.append(grad)
+        return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    if isinstance(value, tuple):
+        return tuple(_decode(v, wants) for v in value)
+    return value
+
+
+def _build(key: str) -> bridge.Compiled:
+    """A compiled entry from an op key (the key says everything the trace needs)."""
+    name, overload, args, kwargs = bridge.parse_key(key, _PREFIX)
+    fn = _FUNCTIONS.get(name)
+    if fn is None:
+        raise TeenyError(f"torch.ops.teeny.{name}: no teeny function registered under that name")
+    wants: list[bool] = []
+    real_args = [_decode(a, wants) for a in args]
+    real_kwargs = {k: _decode(v, wants) for k, v in kwargs}
+    labels = _labels(kwargs)
+    label = f"teeny op {name}"
+    return bridge.compile_function(fn, tuple(real_args), real_kwargs, wants, key, label, labels)
+
+
+def _labels(kwargs) -> list[str]:
+    out: list[str] = []
+
+    def walk(value, label):
+        if _is_tensor(value):
+            out.append(label)
+        elif isinstance(value, tuple):
+            for i, v in enumerate(value):
+                walk(v, f"{label}[{i}]")
+
+    for k, v in kwargs:
+        walk(v, k)
+    return out
+
+
+def _qualname(name: str, overload: str) -> str:
+    return f"{NAMESPACE}::{name}" + (f".{overload}" if overload else "")
+
+
+bridge.add_builder(_PREFIX, _build)
+
+
+def _autocast(reg: Registered, values: list) -> list:
+    """Cast floating-point tensors as autocast would (see module docstring)."""
+    tensors = [v for v in _flat(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not tensors:
+        return values
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return values
+    if reg.name in _PRODUCTS:
+        target = torch.get_autocast_dtype(device_type)
+    else:
+        target = tensors[0].dtype
+    return [_cast(v, target) for v in values]
+
+
+def _flat(values) -> list:
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(_flat(v))
+        else:
+            out.append(v)
+    return out
+
+
+def _cast(v: Any, dtype: torch.dtype) -> Any:
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+        return v.to(dtype)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_cast(b, dtype) for b in v)
+    return v
+
+
+def _implementation(reg: Registered) -> Callable:
+    names = reg.arg_names
+
+    def composite(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        given = [n for n in names if n in bound]  # arguments left out take the teeny function's defaults
+        values = _autocast(reg, [bound[n] for n in given])
+        tensors: list[torch.Tensor] = []
+        labels: list[str] = []
+        encoded = []
+        for value, name in zip(values, given):
+            if (reg.name, name) in _EMPTY_MEANS_NONE and isinstance(value, (list, tuple)) and not value:
+                value = None
+            encoded.append(_encode(value, tensors, labels, name))
+        call = (reg.name, reg.overload, (), tuple(zip(given, encoded)))
+        key = _KEYS.get(call)
+        if key is None:  # the key text once per signature, not per call
+            key = _KEYS[call] = _PREFIX + repr(call)
+        entry = bridge.lookup(key)
+        out = entry.unpack(bridge.call(entry, tensors))
+        return list(out) if reg.multi_output else out
+
+    return composite
+
+
+# ----------------------------------------------------------------------------- registering
+
+
+def _define(name: str, overload: str, fn: Callable, arguments: str, multi_output: bool) -> Registered:
+    qualname = _qualname(name, overload)
+    if qualname in _REGISTERED:
+        raise ValueError(f"torch.ops.{NAMESPACE}.{name}{'.' + overload if overload else ''} is already registered")
+    returns = "Tensor[]" if multi_output else "Tensor"
+    schema = f"{name}{'.' + overload if overload else ''}({arguments}) -> {returns}"
+    parsed = _parse_arguments(arguments)
+    reg = Registered(name, overload, fn, schema, [n for _, n in parsed], [t for t, _ in parsed], multi_output)
+    _LIB.define(schema)
+    _LIB.impl(f"{name}{'.' + overload if overload else ''}", _implementation(reg), "CompositeImplicitAutograd")
+    _REGISTERED[qualname] = reg
+    _FUNCTIONS[name] = fn
+    return reg
+
+
+def register(
+    fn: Callable | RuntimeOp | type,
+    name: str | None = None,
+    schema: str | None = None,
+    n_inputs: int | None = None,
+    multi_output: bool = False,
+) -> Callable:
+    """Register a teeny function, or a ``RuntimeOp``/``CustomOp`` (instance or class), as
+    ``torch.ops.teeny.<name>``; returns the operator.
+
+    A function of symbolic tensors gets its schema from its signature (tensor arguments named
+    like teeny's: ``x``, ``input``, ``weight``, ...; annotated ``int``/``float``/``bool``/``str``
+    scalars) unless ``schema`` gives the argument list, e.g. ``"Tensor x, float scale=1.5"``.
+    An op takes ``n_inputs`` tensors (default: its ``n_activation_inputs``) and no other
+    argument. Forward and backward run teeny's kernels through the bridge, so the operator
+    differentiates, compiles (``fullgraph=True``) and passes ``torch.library.opcheck``.
+    """
+    if isinstance(fn, type) and issubclass(fn, RuntimeOp):
+        fn = fn()
+    if isinstance(fn, RuntimeOp):
+        op = fn
+        count = n_inputs if n_inputs is not None else op.n_activation_inputs
+        name = name or op.name
+        arg_names = [f"x{i}" for i in range(count)]
+
+        def apply_op(**named):
+            from ..graph import graph_of
+
+            xs = [named[n] for n in arg_names]
+            return graph_of(*xs).apply(op, xs)
+
+        apply_op.__name__ = name
+        fn = apply_op
+        schema = schema or ", ".join(f"Tensor {n}" for n in arg_names)
+    name = name or getattr(fn, "__name__", None)
+    if not name or not name.isidentifier():
+        raise ValueError(f"register: give the operator a name (got {name!r})")
+    arguments = schema if schema is not None else schema_arguments(fn, name)
+    reg = _define(name, "", fn, arguments, multi_output)
+    return reg.packet
+
+
+def register_all() -> dict[str, Registered]:
+    """Register every op of teeny's registry (``teeny.ops.all_ops()``) once."""
+    from .. import ops
+
+    for info in ops.all_ops():
+        if info.name in _SKIPPED or _qualname(info.name, "") in _REGISTERED:
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(info.op).parameters.values()):
+            _SKIPPED[info.name] = "a registry variant with fixed arguments (its **kwargs have no schema)"
+            continue
+        overloads = _OVERRIDES.get(info.name)
+        if overloads is None:
+            overloads = [("", schema_arguments(info.op, info.name))]
+            scalar = _SCALAR_OVERLOADS.get(info.name)
+            if scalar is not None:
+                parsed = overloads[0][1]
+                overloads.append(("Scalar", _with_scalar(parsed, scalar)))
+        for overload, arguments in overloads:
+            _define(info.name, overload, info.op, arguments, info.name in _MULTI_OUTPUT)
+    return dict(_REGISTERED)
+
+
+def _with_scalar(arguments: str, name: str) -> str:
+    parts = []
+    for part in _split_top(arguments):
+        part = part.strip()
+        declaration = part.split("=", 1)[0].strip()
+        if declaration.rsplit(" ", 1)[-1] == name:
+            part = part.replace(declaration, f"Scalar {name}", 1)
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def registered_ops() -> dict[str, Registered]:
+    """Every registered overload, by qualified name (``teeny::gelu``, ``teeny::add.Scalar``)."""
+    return dict(_REGISTERED)
+
+
+def skipped_ops() -> dict[str, str]:
+    """teeny ops that are not registered, and why."""
+    return dict(_SKIPPED)
+
+
+register_all()

@@ -1,0 +1,427 @@
+"""Drop-in ``torch.nn`` layers that run teeny's kernel pairs.
+
+    layer = teeny.torch.nn.Linear(784, 10)        # torch.nn.Linear's arguments and state_dict keys
+    layer.load_state_dict(torch_linear.state_dict())
+
+Each class subclasses its ``torch.nn`` counterpart and replaces only ``forward`` (through
+``torch.ops.teeny.*``, see ``teeny.torch.library``): construction, initialisation, parameters,
+buffers, ``state_dict`` keys and ``repr`` are PyTorch's own, so a checkpoint loads either way
+and ``teeny.torch.patch`` can turn a torch layer into its teeny one in place. ``SwiGLUMLP`` and
+``ScaledDotProductAttention`` have no ``torch.nn`` class; they follow Llama's naming
+(``gate_proj``/``up_proj``/``down_proj``) and ``F.scaled_dot_product_attention``'s arguments.
+Arguments teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``, attention
+dropout) raise ``Unsupported`` when the layer runs, naming the argument.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from . import functional as F
+from .functional import Unsupported
+
+__all__ = [
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "GroupNorm",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Embedding",
+    "Dropout",
+    "Conv2d",
+    "MaxPool2d",
+    "AvgPool2d",
+    "ReLU",
+    "GELU",
+    "SiLU",
+    "Mish",
+    "LeakyReLU",
+    "ELU",
+    "SELU",
+    "CELU",
+    "Softplus",
+    "Hardtanh",
+    "ReLU6",
+    "Hardsigmoid",
+    "Hardswish",
+    "LogSigmoid",
+    "Softsign",
+    "Tanhshrink",
+    "Softshrink",
+    "Hardshrink",
+    "Threshold",
+    "Sigmoid",
+    "Tanh",
+    "PReLU",
+    "GLU",
+    "Softmax",
+    "LogSoftmax",
+    "SwiGLUMLP",
+    "ScaledDotProductAttention",
+    "CrossEntropyLoss",
+    "NLLLoss",
+    "MSELoss",
+    "L1Loss",
+    "SmoothL1Loss",
+    "HuberLoss",
+    "BCELoss",
+    "BCEWithLogitsLoss",
+    "KLDivLoss",
+    "DROP_INS",
+    "Unsupported",
+    "functional",
+]
+functional = F
+
+
+# ---------------------------------------------------------------------------- layers with weights
+
+
+class Linear(nn.Linear):
+    def forward(self, input):
+        return F.linear(input, self.weight, self.bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, input):
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    def forward(self, input):
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class GroupNorm(nn.GroupNorm):
+    def forward(self, input):
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class _BatchNorm:
+    """torch's batch-norm forward (running statistics, ``num_batches_tracked``) on teeny's kernels."""
+
+    def forward(self, input):
+        self._check_input_dim(input)
+        if self.momentum is None:
+            raise Unsupported("batch_norm with momentum=None (cumulative moving average)")
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        use_running = not self.training or self.track_running_stats
+        return F.batch_norm(
+            input,
+            self.running_mean if use_running else None,
+            self.running_var if use_running else None,
+            self.weight,
+            self.bias,
+            batch_stats,
+            self.momentum,
+            self.eps,
+        )
+
+
+class BatchNorm1d(_BatchNorm, nn.BatchNorm1d):
+    pass
+
+
+class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
+    pass
+
+
+class Embedding(nn.Embedding):
+    def forward(self, input):
+        return F.embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
+
+
+class Conv2d(nn.Conv2d):
+    def forward(self, input):
+        if self.padding_mode != "zeros":
+            raise Unsupported(f"Conv2d with padding_mode={self.padding_mode!r}")
+        return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class PReLU(nn.PReLU):
+    def forward(self, input):
+        return F.prelu(input, self.weight)
+
+
+class SwiGLUMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), the Llama MLP, with the gate fused in one pair."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class ScaledDotProductAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` as a layer: forward(query, key, value, attn_mask=None)."""
+
+    def __init__(self, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+        super().__init__()
+        self.is_causal, self.scale, self.enable_gqa = is_causal, scale, enable_gqa
+
+    def forward(self, query, key, value, attn_mask=None):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, 0.0, self.is_causal and attn_mask is None, self.scale, self.enable_gqa
+        )
+
+
+# ---------------------------------------------------------------------------- layers without weights
+
+
+class Dropout(nn.Dropout):
+    def forward(self, input):
+        return F.dropout(input, self.p, self.training)
+
+
+class MaxPool2d(nn.MaxPool2d):
+    def forward(self, input):
+        return F.max_pool2d(
+            input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, self.return_indices
+        )
+
+
+class AvgPool2d(nn.AvgPool2d):
+    def forward(self, input):
+        return F.avg_pool2d(
+            input,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+        )
+
+
+class ReLU(nn.ReLU):
+    def forward(self, input):
+        return F.relu(input)
+
+
+class GELU(nn.GELU):
+    def forward(self, input):
+        return F.gelu(input, self.approximate)
+
+
+class SiLU(nn.SiLU):
+    def forward(self, input):
+        return F.silu(input)
+
+
+class Mish(nn.Mish):
+    def forward(self, input):
+        return F.mish(input)
+
+
+class LeakyReLU(nn.LeakyReLU):
+    def forward(self, input):
+        return F.leaky_relu(input, self.negative_slope)
+
+
+class ELU(nn.ELU):
+    def forward(self, input):
+        return F.elu(input, self.alpha)
+
+
+class SELU(nn.SELU):
+    def forward(self, input):
+        return F.selu(input)
+
+
+class CELU(nn.CELU):
+    def forward(self, input):
+        return F.celu(input, self.alpha)
+
+
+class Softplus(nn.Softplus):
+    def forward(self, input):
+        return F.softplus(input, self.beta, self.threshold)
+
+
+class Hardtanh(nn.Hardtanh):
+    def forward(self, input):
+        return F.hardtanh(input, self.min_val, self.max_val)
+
+
+class ReLU6(nn.ReLU6):
+    def forward(self, input):
+        return F.relu6(input)
+
+
+class Hardsigmoid(nn.Hardsigmoid):
+    def forward(self, input):
+        return F.hardsigmoid(input)
+
+
+class Hardswish(nn.Hardswish):
+    def forward(self, input):
+        return F.hardswish(input)
+
+
+class LogSigmoid(nn.LogSigmoid):
+    def forward(self, input):
+        return F.logsigmoid(input)
+
+
+class Softsign(nn.Softsign):
+    def forward(self, input):
+        return F.softsign(input)
+
+
+class Tanhshrink(nn.Tanhshrink):
+    def forward(self, input):
+        return F.tanhshrink(input)
+
+
+class Softshrink(nn.Softshrink):
+    def forward(self, input):
+        return F.softshrink(input, self.lambd)
+
+
+class Hardshrink(nn.Hardshrink):
+    def forward(self, input):
+        return F.hardshrink(input, self.lambd)
+
+
+class Threshold(nn.Threshold):
+    def forward(self, input):
+        return F.threshold(input, self.threshold, self.value)
+
+
+class Sigmoid(nn.Sigmoid):
+    def forward(self, input):
+        return F.sigmoid(input)
+
+
+class Tanh(nn.Tanh):
+    def forward(self, input):
+        return F.tanh(input)
+
+
+class GLU(nn.GLU):
+    def forward(self, input):
+        return F.glu(input, self.dim)
+
+
+class Softmax(nn.Softmax):
+    def forward(self, input):
+        return F.softmax(input, self.dim)
+
+
+class LogSoftmax(nn.LogSoftmax):
+    def forward(self, input):
+        return F.log_softmax(input, self.dim)
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    def forward(self, input, target):
+        return F.cross_entropy(
+            input, target, self.weight, None, self.ignore_index, None, self.reduction, self.label_smoothing
+        )
+
+
+class NLLLoss(nn.NLLLoss):
+    def forward(self, input, target):
+        return F.nll_loss(input, target, self.weight, None, self.ignore_index, None, self.reduction)
+
+
+class MSELoss(nn.MSELoss):
+    def forward(self, input, target):
+        return F.mse_loss(input, target, reduction=self.reduction)
+
+
+class L1Loss(nn.L1Loss):
+    def forward(self, input, target):
+        return F.l1_loss(input, target, reduction=self.reduction)
+
+
+class SmoothL1Loss(nn.SmoothL1Loss):
+    def forward(self, input, target):
+        return F.smooth_l1_loss(input, target, reduction=self.reduction, beta=self.beta)
+
+
+class HuberLoss(nn.HuberLoss):
+    def forward(self, input, target):
+        return F.huber_loss(input, target, reduction=self.reduction, delta=self.delta)
+
+
+class BCELoss(nn.BCELoss):
+    def forward(self, input, target):
+        return F.binary_cross_entropy(input, target, self.weight, reduction=self.reduction)
+
+
+class BCEWithLogitsLoss(nn.BCEWithLogitsLoss):
+    def forward(self, input, target):
+        return F.binary_cross_entropy_with_logits(
+            input, target, self.weight, reduction=self.reduction, pos_weight=self.pos_weight
+        )
+
+
+class KLDivLoss(nn.KLDivLoss):
+    def forward(self, input, target):
+        return F.kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
+
+
+DROP_INS: dict[type, type] = {  # torch.nn class -> its teeny drop-in (patch() swaps exact types only)
+    cls.__mro__[1] if cls.__mro__[1] is not _BatchNorm else cls.__mro__[2]: cls
+    for cls in (
+        Linear,
+        LayerNorm,
+        RMSNorm,
+        GroupNorm,
+        BatchNorm1d,
+        BatchNorm2d,
+        Embedding,
+        Conv2d,
+        PReLU,
+        Dropout,
+        MaxPool2d,
+        AvgPool2d,
+        ReLU,
+        GELU,
+        SiLU,
+        Mish,
+        LeakyReLU,
+        ELU,
+        SELU,
+        CELU,
+        Softplus,
+        Hardtanh,
+        ReLU6,
+        Hardsigmoid,
+        Hardswish,
+        LogSigmoid,
+        Softsign,
+        Tanhshrink,
+        Softshrink,
+        Hardshrink,
+        Threshold,
+        Sigmoid,
+        Tanh,
+        GLU,
+        Softmax,
+        LogSoftmax,
+        CrossEntropyLoss,
+        NLLLoss,
+        MSELoss,
+        L1Loss,
+        SmoothL1Loss,
+        HuberLoss,
+        BCELoss,
+        BCEWithLogitsLoss,
+        KLDivLoss,
+    )
+}

@@ -1,0 +1,361 @@
+"""``torch.nn.functional`` spellings of teeny's registered ops: the same arguments, teeny's kernels.
+
+    import teeny.torch.nn.functional as TF
+    y = TF.gelu(x, approximate="tanh")           # torch.ops.teeny.gelu underneath
+
+A call whose arguments teeny has no kernel for (attention dropout, ``max_norm`` embeddings, a
+``dtype=`` softmax, ...) raises ``Unsupported`` naming the argument; ``teeny.torch.patch``
+catches it and lets PyTorch run that call (and reports it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import library  # noqa: F401  (registers torch.ops.teeny.*)
+
+T = torch.ops.teeny
+
+
+class Unsupported(NotImplementedError):
+    """teeny has no kernel for this combination of arguments (the message says which)."""
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise Unsupported(what)
+
+
+def _floating(*tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+            raise Unsupported(f"a {t.dtype} input (teeny's kernels here take floating-point tensors)")
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+def relu(input, inplace=False):
+    _floating(input)
+    return T.relu(input)
+
+
+def gelu(input, approximate="none"):
+    _floating(input)
+    return T.gelu(input, approximate)
+
+
+def silu(input, inplace=False):
+    _floating(input)
+    return T.silu(input)
+
+
+def mish(input, inplace=False):
+    _floating(input)
+    return T.mish(input)
+
+
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    _floating(input)
+    return T.leaky_relu(input, float(negative_slope))
+
+
+def elu(input, alpha=1.0, inplace=False):
+    _floating(input)
+    return T.elu(input, float(alpha))
+
+
+def selu(input, inplace=False):
+    _floating(input)
+    return T.selu(input)
+
+
+def celu(input, alpha=1.0, inplace=False):
+    _floating(input)
+    return T.celu(input, float(alpha))
+
+
+def softplus(input, beta=1.0, threshold=20.0):
+    _floating(input)
+    return T.softplus(input, float(beta), float(threshold))
+
+
+def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
+    _floating(input)
+    return T.hardtanh(input, float(min_val), float(max_val))
+
+
+def relu6(input, inplace=False):
+    _floating(input)
+    return T.relu6(input)
+
+
+def hardsigmoid(input, inplace=False):
+    _floating(input)
+    return T.hardsigmoid(input)
+
+
+def hardswish(input, inplace=False):
+    _floating(input)
+    return T.hardswish(input)
+
+
+def logsigmoid(input):
+    _floating(input)
+    return T.logsigmoid(input)
+
+
+def softsign(input):
+    _floating(input)
+    return T.softsign(input)
+
+
+def tanhshrink(input):
+    _floating(input)
+    return T.tanhshrink(input)
+
+
+def softshrink(input, lambd=0.5):
+    _floating(input)
+    return T.softshrink(input, float(lambd))
+
+
+def hardshrink(input, lambd=0.5):
+    _floating(input)
+    return T.hardshrink(input, float(lambd))
+
+
+def threshold(input, threshold, value, inplace=False):
+    _floating(input)
+    return T.threshold(input, float(threshold), float(value))
+
+
+def sigmoid(input):
+    _floating(input)
+    return T.sigmoid(input)
+
+
+def tanh(input):
+    _floating(input)
+    return T.tanh(input)
+
+
+def prelu(input, weight):
+    _floating(input)
+    return T.prelu(input, weight)
+
+
+def glu(input, dim=-1):
+    _floating(input)
+    return T.glu(input, dim)
+
+
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    _refuse(dim is None, "softmax without dim")
+    _refuse(dtype is not None, "softmax with dtype=")
+    _floating(input)
+    return T.softmax(input, dim)
+
+
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    _refuse(dim is None, "log_softmax without dim")
+    _refuse(dtype is not None, "log_softmax with dtype=")
+    _floating(input)
+    return T.log_softmax(input, dim)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up in one kernel pair (teeny-only: no torch.nn.functional counterpart)."""
+    return T.swiglu(gate, up)
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+def linear(input, weight, bias=None):
+    _floating(input)
+    return T.linear(input, weight, bias)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    _floating(input)
+    return T.layer_norm(input, list(normalized_shape), weight, bias, float(eps))
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    _floating(input)
+    return T.rms_norm(input, list(normalized_shape), weight, None if eps is None else float(eps))
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    _floating(input)
+    return T.group_norm(input, num_groups, weight, bias, float(eps))
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    _refuse(momentum is None, "batch_norm with momentum=None (cumulative average)")
+    _floating(input)
+    return T.batch_norm(input, running_mean, running_var, weight, bias, bool(training), float(momentum), float(eps))
+
+
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    _refuse(max_norm is not None, "embedding with max_norm")
+    _refuse(scale_grad_by_freq, "embedding with scale_grad_by_freq")
+    _refuse(sparse, "embedding with sparse gradients")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return T.embedding(input, weight, padding_idx)
+
+
+def dropout(input, p=0.5, training=True, inplace=False):
+    _floating(input)
+    return T.dropout(input, float(p), bool(training))
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    _floating(input)
+    if isinstance(padding, str):
+        return T.conv2d.padding(input, weight, bias, stride, padding, dilation, groups)
+    return T.conv2d(input, weight, bias, stride, padding, dilation, groups)
+
+
+def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    _refuse(return_indices, "max_pool2d with return_indices=True")
+    _floating(input)
+    return T.max_pool2d(input, kernel_size, [] if stride is None else stride, padding, dilation, ceil_mode)
+
+
+def avg_pool2d(
+    input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
+):
+    _floating(input)
+    return T.avg_pool2d(
+        input, kernel_size, [] if stride is None else stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    _refuse(dropout_p != 0.0, f"scaled_dot_product_attention with dropout_p={dropout_p}")
+    _refuse(attn_mask is not None and is_causal, "scaled_dot_product_attention with both attn_mask and is_causal")
+    _floating(query)
+    return T.scaled_dot_product_attention(
+        query, key, value, attn_mask, 0.0, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa)
+    )
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def _reduction(size_average, reduce, reduction: str) -> str:
+    _refuse(size_average is not None or reduce is not None, "the deprecated size_average/reduce arguments")
+    return reduction
+
+
+def cross_entropy(
+    input,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index=-100,
+    reduce=None,
+    reduction="mean",
+    label_smoothing=0.0,
+):
+    _floating(input)
+    return T.cross_entropy(
+        input, target, weight, int(ignore_index), _reduction(size_average, reduce, reduction), float(label_smoothing)
+    )
+
+
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    _floating(input)
+    return T.nll_loss(input, target, weight, int(ignore_index), _reduction(size_average, reduce, reduction))
+
+
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    _refuse(weight is not None, "mse_loss with weight")
+    return T.mse_loss(input, target, _reduction(size_average, reduce, reduction))
+
+
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    _refuse(weight is not None, "l1_loss with weight")
+    return T.l1_loss(input, target, _reduction(size_average, reduce, reduction))
+
+
+def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    return T.smooth_l1_loss(input, target, _reduction(size_average, reduce, reduction), float(beta))
+
+
+def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    _refuse(weight is not None, "huber_loss with weight")
+    return T.huber_loss(input, target, reduction, float(delta))
+
+
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    return T.binary_cross_entropy(input, target, weight, _reduction(size_average, reduce, reduction))
+
+
+def binary_cross_entropy_with_logits(
+    input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None
+):
+    return T.binary_cross_entropy_with_logits(
+        input, target, weight, _reduction(size_average, reduce, reduction), pos_weight
+    )
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    return T.kl_div(input, target, _reduction(size_average, reduce, reduction), bool(log_target))
+
+
+ROUTED = {  # torch.nn.functional / torch functions -> their teeny spelling (what patch() reroutes)
+    torch.nn.functional.relu: relu,
+    torch.relu: relu,
+    torch.nn.functional.gelu: gelu,
+    torch.nn.functional.silu: silu,
+    torch.nn.functional.mish: mish,
+    torch.nn.functional.leaky_relu: leaky_relu,
+    torch.nn.functional.elu: elu,
+    torch.nn.functional.selu: selu,
+    torch.nn.functional.celu: celu,
+    torch.nn.functional.softplus: softplus,
+    torch.nn.functional.hardtanh: hardtanh,
+    torch.nn.functional.relu6: relu6,
+    torch.nn.functional.hardsigmoid: hardsigmoid,
+    torch.nn.functional.hardswish: hardswish,
+    torch.nn.functional.logsigmoid: logsigmoid,
+    torch.nn.functional.softsign: softsign,
+    torch.nn.functional.tanhshrink: tanhshrink,
+    torch.nn.functional.softshrink: softshrink,
+    torch.nn.functional.hardshrink: hardshrink,
+    torch.nn.functional.threshold: threshold,
+    torch.nn.functional.prelu: prelu,
+    torch.nn.functional.glu: glu,
+    torch.nn.functional.softmax: softmax,
+    torch.softmax: softmax,
+    torch.Tensor.softmax: softmax,
+    torch.nn.functional.log_softmax: log_softmax,
+    torch.log_softmax: log_softmax,
+    torch.Tensor.log_softmax: log_softmax,
+    torch.nn.functional.linear: linear,
+    torch.nn.functional.layer_norm: layer_norm,
+    torch.nn.functional.rms_norm: rms_norm,
+    torch.nn.functional.group_norm: group_norm,
+    torch.nn.functional.batch_norm: batch_norm,
+    torch.nn.functional.embedding: embedding,
+    torch.nn.functional.dropout: dropout,
+    torch.nn.functional.conv2d: conv2d,
+    torch.nn.functional.max_pool2d: max_pool2d,
+    torch.nn.functional.avg_pool2d: avg_pool2d,
+    torch.nn.functional.scaled_dot_product_attention: scaled_dot_product_attention,
+    torch.nn.functional.cross_entropy: cross_entropy,
+    torch.nn.functional.nll_loss: nll_loss,
+    torch.nn.functional.mse_loss: mse_loss,
+    torch.nn.functional.l1_loss: l1_loss,
+    torch.nn.functional.smooth_l1_loss: smooth_l1_loss,
+    torch.nn.functional.huber_loss: huber_loss,
+    torch.nn.functional.binary_cross_entropy: binary_cross_entropy,
+    torch.nn.functional.binary_cross_entropy_with_logits: binary_cross_entropy_with_logits,
+    torch.nn.functional.kl_div: kl_div,
+}

@@ -1,0 +1,185 @@
+"""``teeny.torch.apply`` and the bridge under PyTorch's autograd rules (issue 11, items 4-7):
+in-place changes between forward and backward, repeated backward, ``torch.autograd.gradcheck``,
+double backward, several outputs, and a cache that an inline lambda does not grow. The
+Executor's own in-place check is here too."""
+
+import pytest
+import torch
+
+import teeny
+from teeny import Graph, LoweringMode, TeenyError, lower, ops
+from teeny.torch import apply, bridge
+
+
+def _x(*shape, grad=True, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
+
+
+# ------------------------------------------------------------------- in-place changes (item 4)
+
+
+def test_executor_refuses_a_backward_after_an_input_changed_in_place():
+    g = Graph()
+    x = g.input("x", (3,), requires_grad=True)
+    g.output(ops.sum(ops.exp(x)))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    xs = torch.zeros(3)
+    _, cache = ex.forward_train({"x": xs})
+    xs.fill_(5.0)  # exp'(0) = 1; the kernels would now read exp(5) = 148.4
+    with pytest.raises(TeenyError, match="input 'x' was modified in place"):
+        ex.backward(cache)
+    _, cache = ex.forward_train({"x": xs})  # a fresh forward is fine
+    torch.testing.assert_close(ex.backward(cache)["x"], torch.full((3,), 5.0).exp())
+
+
+def test_executor_names_the_input_behind_a_saved_view():
+    g = Graph()
+    x = g.input("x", (2, 3), requires_grad=True)
+    g.output(ops.sum(ops.exp(ops.reshape(x, (6,)))))  # exp saves the reshape's view of x
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    xs = torch.zeros(2, 3)
+    _, cache = ex.forward_train({"x": xs})
+    xs[1].add_(1.0)
+    with pytest.raises(TeenyError, match="input 'x'"):
+        ex.backward(cache)
+
+
+def test_executor_refuses_a_backward_after_a_parameter_changed_in_place():
+    g = Graph()
+    x = g.input("x", (4,))
+    w = g.parameter("w", (4,), init=teeny.init.constant(0.5))
+    g.output(ops.sum(x * w))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    _, cache = ex.forward_train({"x": torch.ones(4)})
+    ex.params["w"].mul_(2.0)
+    with pytest.raises(TeenyError, match="parameter 'w'"):
+        ex.backward(cache)
+
+
+def test_apply_refuses_a_backward_after_an_input_changed_in_place():
+    x = torch.zeros(3, requires_grad=True)
+    b = x * 1.0
+    y = apply(ops.exp, b)
+    with torch.no_grad():
+        b.fill_(5.0)
+    with pytest.raises(RuntimeError, match=r"apply\(exp\): input 'argument 0' was modified in place"):
+        y.sum().backward()
+
+
+def test_apply_refuses_a_backward_after_its_output_changed_in_place():
+    x = torch.zeros(2, 3, requires_grad=True)
+    y = apply(ops.softmax, x, 1)  # softmax's backward reads its output
+    with torch.no_grad():
+        y.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+# ------------------------------------------------------------------- repeated and double backward (item 5)
+
+
+def test_backward_twice_with_retain_graph():
+    x = _x(4, 5)
+    y = apply(ops.gelu, x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    torch.testing.assert_close(first, torch.autograd.grad(torch.nn.functional.gelu(x).sum(), x)[0])
+
+
+def test_gradcheck_over_apply():
+    x, w = _x(3, 4), _x(2, 4, seed=1)
+    assert torch.autograd.gradcheck(lambda a, b: apply(ops.linear, a, b), (x, w))
+
+
+def test_create_graph_raises_an_error_naming_the_function():
+    x = _x(4)
+    y = apply(ops.tanh, x).sum()
+    with pytest.raises(RuntimeError, match=r"apply\(tanh\): double backward .* not supported"):
+        torch.autograd.grad(y, x, create_graph=True)
+
+
+def test_gradient_without_create_graph_still_works_after_the_refusal():
+    x = _x(4)
+    (g,) = torch.autograd.grad(apply(ops.tanh, x).sum(), x)
+    torch.testing.assert_close(g, 1 - x.detach().tanh() ** 2)
+
+
+# ------------------------------------------------------------------- several outputs (item 6)
+
+
+def test_apply_of_a_function_returning_several_tensors():
+    x = _x(3, 7)
+    a, b, c = apply(lambda t: ops.split(t, [2, 4, 1], 1), x)
+    assert [a.shape, b.shape, c.shape] == [(3, 2), (3, 4), (3, 1)]
+    (a.sum() * 2 + (b * b).sum() + c.exp().sum()).backward()
+    expected = torch.cat(
+        [torch.full((3, 2), 2.0, dtype=torch.float64), 2 * x.detach()[:, 2:6], x.detach()[:, 6:].exp()], 1
+    )
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_apply_returning_a_tuple_of_different_ops_and_an_unused_output():
+    x = _x(5)
+    s, e = apply(lambda t: (ops.sin(t), ops.exp(t)), x)
+    assert isinstance(s, torch.Tensor) and s.shape == (5,)
+    e.sum().backward()  # the gradient of the unused output is zero
+    torch.testing.assert_close(x.grad, x.detach().exp())
+    assert torch.autograd.gradcheck(lambda t: apply(lambda u: (ops.sin(u), ops.exp(u) * u), t), (_x(4),))
+
+
+# ------------------------------------------------------------------- the cache (item 7)
+
+
+def test_inline_lambda_is_traced_once():
+    x = _x(3, 4)
+    before = bridge.cache_size()
+    for _ in range(5):  # a new function object each time, computing the same thing
+        y = apply(lambda t: ops.exp(t) * 2.0, x)
+    assert bridge.cache_size() == before + 1
+    torch.testing.assert_close(y, x.detach().exp() * 2)
+
+
+def test_lambdas_differing_in_a_closed_over_value_are_not_confused():
+    x = _x(3)
+    results = []
+    for scale in (2.0, 3.0):
+        results.append(apply(lambda t: ops.mul(t, scale), x))
+    torch.testing.assert_close(results[0], 2 * x.detach())
+    torch.testing.assert_close(results[1], 3 * x.detach())
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(bridge, "CACHE_SIZE", 3)
+    x = _x(2)
+    for n in range(6):  # six different functions
+        apply(lambda t, n=n: ops.mul(t, float(n)), x)
+    assert bridge.cache_size() <= 3
+
+
+def test_an_entry_evicted_before_its_backward_still_backpropagates(monkeypatch):
+    monkeypatch.setattr(bridge, "CACHE_SIZE", 1)
+    x = _x(3)
+    y = apply(ops.sin, x)
+    apply(ops.cos, x)  # evicts sin's entry
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+def test_mixed_requires_grad_and_non_contiguous_inputs():
+    x = _x(4, 6).detach()[:, ::2].requires_grad_()  # non-contiguous
+    w = _x(2, 3, seed=1).detach()  # frozen
+    y = apply(ops.linear, x, w)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(4, 2, dtype=torch.float64) @ w)
+    assert w.grad is None
+
+
+def test_inference_under_no_grad_keeps_nothing_for_a_backward():
+    x = _x(3)
+    with torch.no_grad():
+        y = apply(ops.exp, x)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, x.detach().exp())

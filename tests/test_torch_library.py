@@ -1,0 +1,267 @@
+"""``torch.ops.teeny.<name>``: every registered op passes ``torch.library.opcheck`` (schema,
+autograd registration, fake tensors, AOT dispatch) and ``torch.autograd.gradcheck`` in float64
+on one registry sample; ``torch.compile(fullgraph=True)`` with no graph break; autocast;
+double backward refused by name; mixed ``requires_grad``; user ops registered with one call."""
+
+import pytest
+import torch
+
+from teeny import ops
+from teeny.registry import OPS
+from teeny.runtime import ArgVisitor, CustomOp
+from teeny.torch import library
+
+REGISTERED = library.registered_ops()
+BY_NAME = {reg.name: reg for reg in REGISTERED.values() if not reg.overload}
+OVERLOADS = sorted(q for q, reg in REGISTERED.items() if reg.name in OPS)
+
+
+def _torch_args(sample, dtype=None, grad=True):
+    """The sample's arguments, tensors copied (in ``dtype`` when float) and marked for a gradient."""
+    counter = [0]
+
+    def go(a):
+        if isinstance(a, torch.Tensor):
+            i = counter[0]
+            counter[0] += 1
+            t = a.detach().clone()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.requires_grad_(grad and sample.wants_grad(i, t))
+        if isinstance(a, (list, tuple)):
+            return type(a)(go(b) for b in a)
+        return a
+
+    return go(tuple(sample.args)), {k: go(v) for k, v in sample.kwargs.items()}
+
+
+def _calls(qualname, samples, limit=2):
+    """Up to ``limit`` samples that the overload's schema accepts (a Python number where the
+    schema has a tensor, say, is left to the other overload or to ``teeny.torch.apply``)."""
+    packet = REGISTERED[qualname].op
+    found = []
+    for sample in samples:
+        args, kwargs = _torch_args(sample)
+        try:
+            with torch.no_grad():
+                packet(*args, **kwargs)
+        except RuntimeError as exc:
+            if (
+                "Expected a value of type" in str(exc)
+                or "expected at most" in str(exc)
+                or "Unknown keyword" in str(exc)
+            ):
+                continue
+            raise
+        found.append(sample)
+        if len(found) == limit:
+            break
+    return packet, found
+
+
+def test_every_registry_op_is_registered_or_listed_as_skipped():
+    names = {r.name for r in REGISTERED.values()}
+    for name in OPS:
+        assert name in names or name in library.skipped_ops(), name
+
+
+@pytest.mark.parametrize("qualname", OVERLOADS, ids=str)
+def test_opcheck(qualname, gen):
+    reg = REGISTERED[qualname]
+    packet, samples = _calls(qualname, OPS[reg.name].samples(torch.float32, gen), limit=1)
+    if reg.overload and not samples:
+        pytest.skip(f"no registry sample of {reg.name} fits the overload {reg.schema}")
+    assert samples, f"no registry sample of {reg.name} fits its schema {reg.schema}"
+    for sample in samples:
+        args, kwargs = _torch_args(sample)
+        torch.library.opcheck(packet, args, kwargs)
+
+
+@pytest.mark.parametrize("qualname", OVERLOADS, ids=str)
+def test_gradcheck_float64(qualname, gen):
+    info = OPS[REGISTERED[qualname].name]
+    if not info.has_backward:
+        pytest.skip("no backward")
+    packet, samples = _calls(qualname, info.gradcheck_inputs(gen), limit=1)
+    samples = [s for s in samples if s.has_gradient_to_check()]
+    if not samples:
+        pytest.skip("no differentiable sample fits the schema")
+    args, kwargs = _torch_args(samples[0], torch.float64)
+    flat = samples[0].tensors()
+    leaves = [t for t in _flat(args) if t.requires_grad]
+
+    def fn(*xs):
+        replaced = iter(xs)
+        new_args = _replace(args, lambda t: next(replaced) if t.requires_grad else t)
+        out = packet(*new_args, **kwargs)
+        return tuple(out) if isinstance(out, list) else out
+
+    assert len(flat) >= len(leaves)
+    assert torch.autograd.gradcheck(fn, tuple(leaves), fast_mode=True)
+
+
+def _flat(a):
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [t for b in a for t in _flat(b)]
+    return []
+
+
+def _replace(a, fn):
+    if isinstance(a, torch.Tensor):
+        return fn(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_replace(b, fn) for b in a)
+    return a
+
+
+# ------------------------------------------------------------------- torch.compile
+
+
+class _TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(8, 6, generator=gen, dtype=torch.float64) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(3, 8, generator=gen, dtype=torch.float64) * 0.3)
+        self.g = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x, y):
+        h = torch.ops.teeny.gelu(torch.ops.teeny.linear(x, self.w1), "tanh")
+        h = torch.ops.teeny.rms_norm(h, [8], self.g, 1e-6)
+        return torch.ops.teeny.cross_entropy(torch.ops.teeny.linear(h, self.w2), y)
+
+
+def test_compile_fullgraph_without_graph_break_matches_eager():
+    model = _TinyMLP()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1, 1, 0])
+    explanation = torch._dynamo.explain(model)(x, y)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    eager = model(x, y)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager, rtol=0, atol=1e-12)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+
+
+def test_compile_with_inductor():
+    f = torch.compile(lambda a: torch.ops.teeny.softmax(a * 2.0, -1).sum(0), fullgraph=True)
+    a = torch.randn(3, 7, requires_grad=True)
+    out = f(a)
+    out.backward(torch.ones(7))
+    torch.testing.assert_close(out, torch.softmax(a.detach() * 2.0, -1).sum(0))
+    assert a.grad is not None and torch.isfinite(a.grad).all()
+
+
+# ------------------------------------------------------------------- autograd semantics
+
+
+def test_mixed_requires_grad_and_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 10, generator=gen, dtype=torch.float64)[:, ::2].requires_grad_()
+    w = torch.randn(4, 5, generator=gen, dtype=torch.float64)  # frozen
+    b = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    out = torch.ops.teeny.linear(x, w, b)
+    out.backward(torch.ones_like(out))
+    ref_x, ref_b = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch.nn.functional.linear(ref_x, w, ref_b).backward(torch.ones(6, 4, dtype=torch.float64))
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(b.grad, ref_b.grad)
+    assert w.grad is None
+
+
+def test_retain_graph_backward_twice():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = torch.ops.teeny.layer_norm(x, [4]).pow(2).sum()
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_double_backward_names_the_op():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = torch.ops.teeny.softplus(x).sum()
+    with pytest.raises(RuntimeError, match="teeny op softplus: double backward"):
+        torch.autograd.grad(y, x, create_graph=True)
+
+
+def test_autocast_bf16_in_bf16_out():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen).to(torch.bfloat16)
+    w = torch.randn(6, 8, generator=gen)  # float32 weight, as in a model under autocast
+    g = torch.ones(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.ops.teeny.linear(x, w)
+        y = torch.ops.teeny.layer_norm(h, [6], g)  # the float32 norm weight meets bf16 activations
+    assert h.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+    ref = torch.nn.functional.layer_norm(torch.nn.functional.linear(x.float(), w.bfloat16().float()), [6])
+    torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.05)
+
+
+# ------------------------------------------------------------------- user ops
+
+
+class Cube(CustomOp):
+    """y = x^3, dx = 3 x^2 dy: a user op from Triton source text."""
+
+    name = "user_cube"
+
+    def lower_source(self):
+        return """
+@triton.jit
+def cube_forward(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, x * x * x, mask=offs < n)
+"""
+
+    def lower_backward_source(self):
+        return """
+@triton.jit
+def cube_backward(x_ptr, dy_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    dy = tl.load(dy_ptr + offs, mask=offs < n)
+    tl.store(dx_ptr + offs, 3.0 * x * x * dy, mask=offs < n)
+"""
+
+    def block(self):
+        return 64
+
+    def pack_args(self, inputs, params, output, output_shape, visitor: ArgVisitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], y_ptr=output, n=inputs[0].numel())
+
+    def pack_backward_args(self, inputs, params, output, output_shape, dy, dy_stride, dx, dp, visitor, saved=None):
+        visitor.visit(x_ptr=inputs[0], dy_ptr=dy, dx_ptr=dx[0], n=inputs[0].numel())
+
+    def backward_grid(self, input_shapes, output_shape):
+        return self.grid(input_shapes, output_shape)
+
+
+def test_register_a_custom_op_with_one_call():
+    op = library.register(Cube)
+    x = torch.randn(70, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(op, (x,))
+    torch.testing.assert_close(op(x), x.detach() ** 3)
+    torch.library.opcheck(op, (x,))
+    compiled = torch.compile(lambda t: op(t).sum(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), (x.detach() ** 3).sum())
+
+
+def test_register_a_teeny_function_with_its_signature():
+    def user_scaled_swish(x, beta: float = 1.0):
+        return x * ops.sigmoid(x * beta)
+
+    op = library.register(user_scaled_swish)
+    assert "float beta=1.0" in library.registered_ops()["teeny::user_scaled_swish"].schema
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(op(x, 2.0), x.detach() * torch.sigmoid(2.0 * x.detach()))
+    assert torch.autograd.gradcheck(lambda t: op(t, 2.0), (x,))
+    with pytest.raises(ValueError, match="already registered"):
+        library.register(user_scaled_swish)

@@ -1,0 +1,200 @@
+"""``teeny.torch.nn``: every drop-in layer takes its ``torch.nn`` counterpart's constructor
+arguments, has the same ``state_dict`` keys (a checkpoint loads either way, strictly) and
+gives the same output and gradients; and the goal test of issue 12: a ``torch.nn`` MLP built
+from ``teeny.torch.nn`` layers, compiled with ``fullgraph=True``, trains like the torch model
+(every loss and parameter gradient, float32 tolerance and float64 tight)."""
+
+import pytest
+import torch
+from torch import nn
+
+import teeny.torch.nn as tnn
+from teeny.registry import tolerance
+
+
+def _randn(*shape, dtype=torch.float64, seed=0, low=None):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return t.abs() + low if low is not None else t
+
+
+def _classes(n, c, seed=1):
+    return torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# teeny's float64 kernels that still take a float scalar as float32 (issue 11, item 3, fixed by another helper)
+FLOAT32_SCALARS = pytest.mark.xfail(reason="float64 kernel computes a constant in float32 (issue 11 item 3)")
+
+# (teeny class, constructor arguments, inputs)
+CASES = [
+    (tnn.Linear, (5, 3), lambda: [_randn(4, 5)]),
+    (tnn.Linear, (5, 3, False), lambda: [_randn(2, 4, 5)]),
+    (tnn.LayerNorm, ((6,),), lambda: [_randn(3, 6)]),
+    (tnn.LayerNorm, (6,), lambda: [_randn(2, 3, 6)]),
+    (tnn.RMSNorm, (6,), lambda: [_randn(3, 6)]),
+    (tnn.RMSNorm, ([2, 3],), lambda: [_randn(4, 2, 3)]),
+    (tnn.GroupNorm, (2, 4), lambda: [_randn(3, 4, 5)]),
+    (tnn.BatchNorm1d, (4,), lambda: [_randn(6, 4)]),
+    (tnn.BatchNorm2d, (3,), lambda: [_randn(2, 3, 4, 4)]),
+    (tnn.Embedding, (10, 4), lambda: [_classes(7, 10)]),
+    (tnn.Embedding, (10, 4, 0), lambda: [_classes(7, 10)]),
+    (tnn.Conv2d, (2, 3, 3), lambda: [_randn(2, 2, 6, 6)]),
+    (tnn.Conv2d, (2, 4, 3, 2, 1, 1, 2), lambda: [_randn(1, 2, 7, 7)]),
+    (tnn.PReLU, (), lambda: [_randn(3, 5)]),
+    (tnn.Dropout, (0.0,), lambda: [_randn(3, 5)]),
+    (tnn.MaxPool2d, (2,), lambda: [_randn(1, 2, 6, 6)]),
+    (tnn.AvgPool2d, (3, 2, 1), lambda: [_randn(1, 2, 7, 7)]),
+    (tnn.ReLU, (), lambda: [_randn(3, 5)]),
+    (tnn.GELU, (), lambda: [_randn(3, 5)]),
+    (tnn.GELU, ("tanh",), lambda: [_randn(3, 5)]),
+    (tnn.SiLU, (), lambda: [_randn(3, 5)]),
+    (tnn.Mish, (), lambda: [_randn(3, 5)]),
+    (tnn.LeakyReLU, (0.2,), lambda: [_randn(3, 5)]),
+    (tnn.ELU, (0.7,), lambda: [_randn(3, 5)]),
+    (tnn.SELU, (), lambda: [_randn(3, 5)]),
+    (tnn.CELU, (0.5,), lambda: [_randn(3, 5)]),
+    (tnn.Softplus, (2.0, 5.0), lambda: [_randn(3, 5)]),
+    (tnn.Hardtanh, (-0.5, 0.5), lambda: [_randn(3, 5)]),
+    (tnn.ReLU6, (), lambda: [_randn(3, 5) * 4]),
+    pytest.param(tnn.Hardsigmoid, (), lambda: [_randn(3, 5) * 2], marks=FLOAT32_SCALARS),
+    (tnn.Hardswish, (), lambda: [_randn(3, 5) * 2]),
+    (tnn.LogSigmoid, (), lambda: [_randn(3, 5)]),
+    (tnn.Softsign, (), lambda: [_randn(3, 5)]),
+    (tnn.Tanhshrink, (), lambda: [_randn(3, 5)]),
+    (tnn.Softshrink, (0.3,), lambda: [_randn(3, 5)]),
+    (tnn.Hardshrink, (0.3,), lambda: [_randn(3, 5)]),
+    (tnn.Threshold, (0.1, -1.0), lambda: [_randn(3, 5)]),
+    (tnn.Sigmoid, (), lambda: [_randn(3, 5)]),
+    (tnn.Tanh, (), lambda: [_randn(3, 5)]),
+    (tnn.GLU, (-1,), lambda: [_randn(3, 6)]),
+    (tnn.Softmax, (1,), lambda: [_randn(3, 5)]),
+    (tnn.LogSoftmax, (-1,), lambda: [_randn(3, 5)]),
+    (tnn.CrossEntropyLoss, (), lambda: [_randn(4, 5), _classes(4, 5)]),
+    pytest.param(
+        tnn.CrossEntropyLoss,
+        (None, None, 1, None, "sum", 0.1),
+        lambda: [_randn(4, 5), _classes(4, 5)],
+        marks=FLOAT32_SCALARS,
+    ),
+    (tnn.NLLLoss, (), lambda: [torch.log_softmax(_randn(4, 5), 1), _classes(4, 5)]),
+    (tnn.MSELoss, (), lambda: [_randn(4, 5), _randn(4, 5, seed=2)]),
+    (tnn.L1Loss, (), lambda: [_randn(4, 5), _randn(4, 5, seed=2)]),
+    (tnn.SmoothL1Loss, (), lambda: [_randn(4, 5), _randn(4, 5, seed=2)]),
+    (tnn.HuberLoss, (), lambda: [_randn(4, 5), _randn(4, 5, seed=2)]),
+    (tnn.BCELoss, (), lambda: [torch.sigmoid(_randn(4, 5)), torch.rand(4, 5, dtype=torch.float64)]),
+    (tnn.BCEWithLogitsLoss, (), lambda: [_randn(4, 5), torch.rand(4, 5, dtype=torch.float64)]),
+    (
+        tnn.KLDivLoss,
+        ("batchmean",),
+        lambda: [torch.log_softmax(_randn(4, 5), 1), torch.softmax(_randn(4, 5, seed=3), 1)],
+    ),
+]
+
+
+def _values(case):
+    return case.values if hasattr(case, "values") else case
+
+
+def _name(case):
+    cls, args, _ = _values(case)
+    return f"{cls.__name__}{args}"
+
+
+def test_every_drop_in_has_a_case():
+    assert {_values(case)[0] for case in CASES} == set(tnn.DROP_INS.values())
+
+
+@pytest.mark.parametrize("cls,args,inputs", CASES, ids=[_name(c) for c in CASES])
+def test_drop_in_matches_torch_nn(cls, args, inputs):
+    torch_cls = next(k for k, v in tnn.DROP_INS.items() if v is cls)
+    torch.manual_seed(0)
+    ref = torch_cls(*args).double()
+    torch.manual_seed(0)
+    layer = cls(*args).double()
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    layer.load_state_dict(ref.state_dict(), strict=True)
+    ref.load_state_dict(layer.state_dict(), strict=True)
+    xs = inputs()
+    xs_ref = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
+    xs_teeny = [x.clone().requires_grad_(x.is_floating_point()) for x in xs]
+    out, expected = layer(*xs_teeny), ref(*xs_ref)
+    atol, rtol = tolerance(torch.float64, 64)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    seed = _randn(*out.shape, seed=9)
+    leaves = [x for x in xs_teeny if x.requires_grad] + list(layer.parameters())
+    ref_leaves = [x for x in xs_ref if x.requires_grad] + list(ref.parameters())
+    grads = torch.autograd.grad(out, leaves, seed, allow_unused=True)
+    ref_grads = torch.autograd.grad(expected, ref_leaves, seed, allow_unused=True)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
+    for name, buffer in ref.named_buffers():  # batch norm's running statistics move the same way
+        torch.testing.assert_close(dict(layer.named_buffers())[name], buffer, atol=atol, rtol=rtol)
+
+
+def test_swiglu_mlp_uses_llama_names_and_computes_the_gated_mlp():
+    mlp = tnn.SwiGLUMLP(6, 10).double()
+    assert list(mlp.state_dict()) == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    x = _randn(3, 6)
+    expected = mlp.down_proj.weight @ (
+        torch.nn.functional.silu(mlp.gate_proj.weight @ x.T) * (mlp.up_proj.weight @ x.T)
+    )
+    torch.testing.assert_close(mlp(x), expected.T)
+
+
+def test_scaled_dot_product_attention_layer():
+    q, k, v = _randn(2, 2, 5, 4), _randn(2, 2, 5, 4, seed=1), _randn(2, 2, 5, 4, seed=2)
+    out = tnn.ScaledDotProductAttention(is_causal=True)(q, k, v)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_an_option_without_a_kernel_is_refused_by_name():
+    with pytest.raises(tnn.Unsupported, match="padding_mode='reflect'"):
+        tnn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect")(_randn(1, 2, 5, 5))
+    with pytest.raises(tnn.Unsupported, match="max_norm"):
+        tnn.Embedding(5, 3, max_norm=1.0)(_classes(3, 5))
+
+
+# ------------------------------------------------------------------- the goal: a compiled MLP trains like torch
+
+
+def _mlp(layers, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layers.Linear(12, 16),
+        layers.LayerNorm(16),
+        layers.GELU(approximate="tanh"),
+        layers.Dropout(0.0),
+        layers.Linear(16, 16),
+        layers.SiLU(),
+        layers.RMSNorm(16, eps=1e-6),
+        layers.Linear(16, 5),
+    )
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,backend", [(torch.float32, "inductor"), (torch.float64, "aot_eager")], ids=["float32", "float64"]
+)
+def test_compiled_mlp_of_drop_in_layers_trains_like_torch(dtype, backend):
+    ref = _mlp(nn, dtype)
+    model = _mlp(tnn, dtype)
+    model.load_state_dict(ref.state_dict(), strict=True)
+    loss_ref, loss_teeny = nn.CrossEntropyLoss(), tnn.CrossEntropyLoss()
+    compiled = torch.compile(lambda x, y: loss_teeny(model(x), y), fullgraph=True, backend=backend)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    atol, rtol = tolerance(dtype, 16) if dtype == torch.float32 else (1e-12, 1e-12)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(8, 12, generator=gen).to(dtype)
+        y = torch.randint(0, 5, (8,), generator=gen)
+        for o in (opt, opt_ref):
+            o.zero_grad()
+        loss = compiled(x, y)
+        loss.backward()
+        expected = loss_ref(ref(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol, msg=lambda m: f"step {step} loss: {m}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
+        opt.step()
+        opt_ref.step()
