@@ -1,5 +1,12 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch.compile caches compiled graphs on disk, keyed without teeny's code: a graph cached by
+# another checkout of teeny would be replayed. Each test session compiles into its own folder.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="teeny-inductor-"))
 
 import teeny
 

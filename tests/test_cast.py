@@ -73,3 +73,21 @@ def test_bad_dtype_is_a_clear_error():
         ops.to(x, "float")
     with pytest.raises(teeny.GraphError, match=r"teeny has no complex64 tensors"):
         ops.to(x, torch.complex64)
+
+
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+PAIRS = [(s, t) for s in FLOATS for t in FLOATS if s != t]
+
+
+@pytest.mark.parametrize("source,target", PAIRS, ids=[f"{s}-{t}".replace("torch.", "") for s, t in PAIRS])
+def test_every_float_pair_matches_torch_forward_and_backward(source, target):
+    """Exact both ways: narrowing rounds to nearest even (on the CPU too), widening is exact, and
+    the gradient is the incoming gradient cast back."""
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(0)).to(source).requires_grad_()
+    y = apply(lambda t: ops.to(t, target), x)
+    assert y.dtype == target
+    torch.testing.assert_close(y.cpu(), x.detach().to(target), atol=0, rtol=0)
+    seed = torch.randn(3, 37, generator=torch.Generator().manual_seed(1)).to(target)
+    (g,) = torch.autograd.grad(y, x, seed)
+    assert g.dtype == source
+    torch.testing.assert_close(g.cpu(), seed.to(source), atol=0, rtol=0)

@@ -70,9 +70,12 @@ _SUBMODULES = {
     "config",
     "aot",
     "distributed",
+    "torch",
 }
 
-__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+_TORCH_EXPORTS = {"from_torch", "to_torch"}  # teeny.torch.export: loaded only when asked for
+
+__all__ = sorted(_EXPORTS) + sorted(_TORCH_EXPORTS) + sorted(_SUBMODULES)
 
 
 def _load() -> None:
@@ -89,6 +92,9 @@ def _load() -> None:
 
 
 def __getattr__(name: str):
+    if name in _TORCH_EXPORTS:
+        importlib.import_module(f"{__name__}.device")
+        return getattr(importlib.import_module(f"{__name__}.torch.export"), name)
     if name in _EXPORTS:
         _load()
         return globals()[name]

@@ -943,7 +943,7 @@ for _kind, _fn in _OPS.items():
 for _kind, _correction in (("var", 0), ("var", 0.3), ("std", 0.7)):  # a non-dyadic correction is a float scalar
     register(
         OpInfo(
-            f"{_kind}_correction{_correction}",
+            f"{_kind}_correction{_correction}".replace(".", "_"),  # an identifier: var_correction0_3
             _OPS[_kind],
             _REFS[_kind],
             _reduction_samples(_REDUCE_CASES[:6], {"correction": _correction}),

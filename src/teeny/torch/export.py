@@ -53,8 +53,8 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..graph import Graph, Tensor
+from ..kernels.cast import to as cast
 from ..runtime import TeenyError
-from .cast import cast
 
 aten = torch.ops.aten
 

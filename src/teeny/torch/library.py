@@ -20,15 +20,17 @@ Autocast: under ``torch.autocast`` the products (``linear``, ``matmul``, ``conv2
 of its first floating-point tensor (a float32 norm weight meets bf16 activations as bf16),
 so bf16 in gives bf16 out, with no upcast copy. Ops whose kernels have no bf16 version say so.
 
-Not registered: ``getitem`` (its index is an arbitrary Python object; use tensor indexing or
+Not registered: ``getitem`` and ``getitem_advanced`` (the index is an arbitrary Python object; use tensor indexing or
 ``teeny.torch.apply``). ``registered_ops()`` lists the rest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,8 +40,22 @@ from ..runtime import RuntimeOp, TeenyError
 from . import bridge
 
 NAMESPACE = "teeny"
-_PREFIX = "op1:"  # the key format's version: compiled graphs cached on disk (inductor) carry keys
+
+
+def _source_digest() -> str:
+    """A digest of teeny's own source: compiled graphs that torch.compile caches on disk carry op
+    keys, and an op's outputs (the extras its backward saves) may change with teeny's code, so a
+    key from other code must not match."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+_PREFIX = f"op1-{_source_digest()}:"  # the key format's version and the code's digest
 _TENSOR = "<tensor>"  # marks a tensor's (shape, dtype, requires_grad) in a key; no schema value is this string
+_DTYPE = "__dtype__"  # (marker, name): a torch.dtype argument in a key
 _KEYS: dict[tuple, str] = {}
 
 # argument names that are tensors in teeny's functional signatures
@@ -74,6 +90,9 @@ _ANNOTATIONS = {
     "float | None": "float?",
     "int | None": "int?",
     "str | None": "str?",
+    "bool | None": "bool?",
+    "torch.dtype": "ScalarType",
+    "torch.dtype | None": "ScalarType?",
 }
 _UNANNOTATED = {  # non-tensor arguments without annotation, by name
     "dim": "int[1]?",
@@ -145,7 +164,9 @@ _SCALAR_OVERLOADS = {  # ops whose second operand may be a Python number: an ext
 }
 _MULTI_OUTPUT = {"split", "chunk"}
 _PRODUCTS = {"linear", "matmul", "conv2d", "scaled_dot_product_attention"}  # autocast: lower precision
-_SKIPPED = {"getitem": "its index is an arbitrary Python object: use tensor indexing or teeny.torch.apply"}
+_SKIPPED = dict.fromkeys(
+    ("getitem", "getitem_advanced"), "its index is an arbitrary Python object: use tensor indexing or teeny.torch.apply"
+)
 _EMPTY_MEANS_NONE = {("max_pool2d", "stride"), ("avg_pool2d", "stride")}  # ATen's spelling of "stride=None"
 
 
@@ -270,6 +291,8 @@ def _encode(value: Any, tensors: list, labels: list, label: str) -> Any:
         return tuple(_encode(v, tensors, labels, f"{label}[{i}]") for i, v in enumerate(value))
     if isinstance(value, torch.SymInt):
         return int(value)
+    if isinstance(value, torch.dtype):  # a key is a Python literal: a dtype travels by name
+        return (_DTYPE, dtype_name(value))
     return value
 
 
@@ -282,6 +305,8 @@ def _decode(value: Any, wants: list) -> Any:
         _, shape, dtype, grad = value
         wants.append(grad)
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _DTYPE:
+        return getattr(torch, value[1])
     if isinstance(value, tuple):
         return tuple(_decode(v, wants) for v in value)
     return value
@@ -449,19 +474,26 @@ def register_all() -> dict[str, Registered]:
     for info in ops.all_ops():
         if info.name in _SKIPPED or _qualname(info.name, "") in _REGISTERED:
             continue
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(info.op).parameters.values()):
-            _SKIPPED[info.name] = "a registry variant with fixed arguments (its **kwargs have no schema)"
-            continue
+        fn = info.op
+        if _takes_var_keywords(fn):  # a registry variant wrapping the functional op: register the op itself
+            fn = getattr(ops, info.name, None)
+            if fn is None or _takes_var_keywords(fn):
+                _SKIPPED[info.name] = "a registry variant with fixed arguments (its **kwargs have no schema)"
+                continue
         overloads = _OVERRIDES.get(info.name)
         if overloads is None:
-            overloads = [("", schema_arguments(info.op, info.name))]
+            overloads = [("", schema_arguments(fn, info.name))]
             scalar = _SCALAR_OVERLOADS.get(info.name)
             if scalar is not None:
                 parsed = overloads[0][1]
                 overloads.append(("Scalar", _with_scalar(parsed, scalar)))
         for overload, arguments in overloads:
-            _define(info.name, overload, info.op, arguments, info.name in _MULTI_OUTPUT)
+            _define(info.name, overload, fn, arguments, info.name in _MULTI_OUTPUT)
     return dict(_REGISTERED)
+
+
+def _takes_var_keywords(fn: Callable) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def _with_scalar(arguments: str, name: str) -> str:
