@@ -1,4 +1,5 @@
-"""linear family: what the generic harness cannot see (layer, init, tf32 flag, errors, reductions)."""
+"""linear family: what the generic harness cannot see (layer, init, the tf32 switch, errors, reductions,
+the Hopper kernel's layouts and split contraction, tuned configurations)."""
 
 import math
 
@@ -6,14 +7,11 @@ import pytest
 import torch
 
 import teeny
+import teeny.kernels.linear as linear_module
 from teeny import Graph, LoweringMode, lower
 from teeny.interop.torch import apply
-
-
-def _linear_module():
-    import teeny.kernels.linear as linear_module
-
-    return linear_module
+from teeny.registry import tolerance
+from teeny.runtime import run_launch
 
 
 def test_linear_layer_parameters_and_init():
@@ -86,24 +84,19 @@ def test_mixed_dtypes_refused():
         teeny.ops.matmul(g.input("a", (3, 4)), g.input("b", (4, 2), dtype=torch.float64))
 
 
-def test_tf32_flag_reaches_the_op():
-    lin = _linear_module()
+def test_tf32_switch_is_read_at_trace_time(monkeypatch):
     g = Graph()
     a, b = g.input("a", (3, 4)), g.input("b", (4, 2))
-    assert lin.get_allow_tf32() is False
+    full = teeny.ops.matmul(a, b).value.producer.op
+    monkeypatch.setattr(teeny.config, "allow_tf32", True)
     op = teeny.ops.matmul(a, b).value.producer.op
-    assert op.allow_tf32 is False and op.precision(torch.float32) == "ieee"
-    try:
-        lin.set_allow_tf32(True)
-        op = teeny.ops.matmul(a, b).value.producer.op
-        lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
-    finally:
-        lin.set_allow_tf32(False)
-    assert op.allow_tf32 and lin_op.allow_tf32
-    assert op.precision(torch.float32) == "tf32"
+    lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
+    monkeypatch.setattr(teeny.config, "allow_tf32", False)
+    assert op.precision(torch.float32) == "tf32" and lin_op.precision(torch.float32) == "tf32"
     assert op.precision(torch.float64) == "ieee"  # float64 is never tf32
-    # the flag is read at trace time: ops traced before or after keep full precision
-    assert teeny.ops.matmul(a, b).value.producer.op.precision(torch.float32) == "ieee"
+    # ops traced before the switch, or after it was turned off, keep full precision
+    assert full.precision(torch.float32) == teeny.ops.matmul(a, b).value.producer.op.precision(torch.float32)
+    assert full.precision(torch.float32) in ("ieee", "tf32x3")
 
 
 def test_matmul_gradient_sums_broadcast_dims(gen):
@@ -143,3 +136,53 @@ def test_too_many_broadcast_patterns_is_a_clear_error():
     a, b = g.input("a", (2, 1, 3, 1, 4, 5)), g.input("b", (1, 2, 1, 3, 5, 4))
     with pytest.raises(ValueError, match="batch dims"):
         teeny.ops.matmul(a, b)
+
+
+def _run(launches, dtype):
+    for launch in launches:
+        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("split,subtile", [(1, False), (1, True), (3, False)], ids=["plain", "subtile", "split3"])
+def test_tma_kernel_reads_every_layout_in_place(dtype, split, subtile, gen):
+    """The Hopper kernel (it runs under the interpreter too) on linear's three products, whose
+    operands lie in all four layouts; sizes that are not multiples of the tiles."""
+    rows, fin, fout = 37, 24, 40
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
+    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
+    cases = {
+        "forward": (x, w, x @ w.T + bias, bias),
+        "grad_input": (dy, w, dy @ w, None),
+        "grad_weight": (dy, x, dy.T @ x, None),
+    }
+    precision = linear_module.dot_precision(dtype, False)
+    for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
+        a, b, expected, bias_ = cases[name]
+        layout = p.tma_layout(dtype)
+        assert layout is not None, name
+        if split > 1 and bias_ is not None:
+            continue
+        config = dict(linear_module._cfg(16, 32, 16, 4, 2, split=split, subtile=subtile))
+        z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
+        args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
+        launches = linear_module.product_launches(
+            p, args[0], args[1], z, args[2], dtype, precision, config,
+            lambda s, d: torch.empty(s, dtype=d, device=teeny.DEVICE),
+        )  # fmt: skip
+        assert launches[0].kernel is linear_module.matmul_tma and len(launches) == (2 if split > 1 else 1)
+        _run(launches, dtype)
+        atol, rtol = tolerance(dtype, max(rows, fin, fout))
+        torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
+
+
+def test_tma_layout_refuses_what_tma_cannot_read():
+    P = linear_module.Product
+    assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is not None
+    assert P(8, 8, 8, (8, 1), (1, 8), (8, 1), [], []).tma_layout(torch.float32).y_k_contiguous
+    assert P(8, 8, 8, (1, 8), (8, 1), (8, 1), [], []).tma_layout(torch.float32).x_k_contiguous is False
+    assert P(8, 6, 8, (8, 1), (6, 1), (6, 1), [], []).tma_layout(torch.float32) is None  # 24-byte rows
+    assert P(8, 6, 8, (8, 1), (6, 1), (6, 1), [], []).tma_layout(torch.float64) is not None  # 48-byte rows
+    assert P(8, 8, 8, (8, 2), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # no unit stride
+    assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [(2, 64, 0, 64)], []).tma_layout(torch.float32) is None  # batched
+    assert P(8, 8, 0, (0, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # empty contraction

@@ -1,30 +1,49 @@
 """Matrix products: ``matmul`` (torch.matmul semantics) and ``linear`` (y = x W^T + b).
 
-One tiled kernel computes every product, forward and backward:
+Every product, forward and backward, is one of
 
     Z[g] = sum_r X[g, r] @ Y[g, r]   (+ bias[n] broadcast over rows)
 
-with fp32 accumulation (fp64 for float64). X, Y and Z are read and written through strides,
-so a transposed operand is the same buffer with its two strides swapped (dB = A^T dY reads A
-as it is); ``g`` runs over the kept batch dims (up to 3 after collapsing, one per program)
-and ``r`` over batch dims that the result is broadcast along, summed inside the program,
-which reduces a gradient over broadcast batch dims without atomics or partials:
+with fp32 accumulation (fp64 for float64): ``g`` runs over the kept batch dims and ``r`` over
+batch dims that the result is broadcast along (a gradient summed over broadcast dims, inside
+the program: no atomics, no partials). X, Y and Z are read and written through strides, so a
+transposed operand is the same buffer with its strides swapped, read in place:
 
     Y = A @ B        dA = sum_broadcast dY @ B^T        dB = sum_broadcast A^T @ dY
+    linear: Y = X W^T + b,   dX = dY W,   dW = dY^T X,   db = column sums of dY
 
-``linear`` adds the bias in the forward kernel's epilogue, and its backward is
-dX = dY @ W, dW = dY^T @ X (a product contracting over the rows), db = column sums of dY
-(``column_sum``: fp32 partials over row chunks, then a second pass over the partials).
+Two kernels compute them:
 
-float32/float64 dots use ``input_precision="ieee"`` (PyTorch's full precision) unless
-``set_allow_tf32(True)`` was called before tracing (like
-``torch.backends.cuda.matmul.allow_tf32``; float64 is always exact). Under the Triton
-interpreter bfloat16 operands are upcast to float32 before ``tl.dot``.
+* ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
+  rows): a persistent grid of one program per multiprocessor walks the output tiles in grouped
+  order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
+  descriptors made on the device, zero-filled past the edges, in either layout (a transposed
+  operand is described as it lies and its tile transposed in shared memory); the bias is
+  added in the epilogue. Products with few output tiles and a long contraction (dW of a small
+  layer over many tokens) split the contraction over ``SPLIT_K`` runs into fp32 partials that
+  ``common.sum_partials`` adds up.
+* ``matmul_product`` (everything else: batched and broadcast products, unaligned strides, the
+  interpreter): the same tiles in grouped order through strided pointer loads.
+
+The bias gradient is ``common.sum_to_shape`` of dY (one pass reading dY once).
+
+Tile sizes, warps, stages and the split are chosen per static shape when the program is
+lowered: ``teeny.tuning`` times a few candidates on the GPU and caches the winner on disk;
+under the interpreter, or with tuning off (``TEENY_TUNING=0``), ``default_config`` decides.
+
+Precision: float64 is exact (``input_precision="ieee"``). float32 products use ``"tf32x3"``
+on the GPU (three TF32 tensor-core products of split operands: more accurate than cuBLAS
+SGEMM against float64, and faster than ``"ieee"`` FMA), or plain TF32 when
+``teeny.config.allow_tf32`` was set before tracing (like ``torch.backends.cuda.matmul.allow_tf32``).
+tf32x3 splits each operand into a high and a low part, so an infinite operand gives NaN where a
+full-precision product gives inf. Under the Triton interpreter bfloat16 operands are upcast to
+float32 before ``tl.dot`` (its bfloat16 dot is wrong).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,37 +51,141 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .. import init
-from ..device import INTERPRETER
+from .. import config as teeny_config
+from .. import init, tuning
+from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import DOT_UPCAST_BF16, cdiv
+from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, run_launch
+from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, sum_partials, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
 
-__all__ = ["matmul", "linear", "set_allow_tf32", "get_allow_tf32"]
+__all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
 
-_ALLOW_TF32 = False
+IEEE, TF32, TF32X3 = "ieee", "tf32", "tf32x3"  # tl.dot input precisions
 
 
-def set_allow_tf32(flag: bool) -> None:
-    """Let float32 products traced from now on use TF32 tensor cores (default False: full
-    precision, like ``torch.backends.cuda.matmul.allow_tf32``). Read at trace time."""
-    global _ALLOW_TF32
-    _ALLOW_TF32 = bool(flag)
-
-
-def get_allow_tf32() -> bool:
-    return _ALLOW_TF32
+def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """``tl.dot``'s ``input_precision`` for ``dtype`` operands: exact for float64; tf32x3 for
+    float32 on the GPU (tf32 if ``allow_tf32``); the flag does not apply to half operands."""
+    if dtype == torch.float64:
+        return IEEE
+    if dtype == torch.float32:
+        return TF32 if allow_tf32 else (IEEE if INTERPRETER else TF32X3)
+    if dtype == torch.bfloat16 and DOT_UPCAST_BF16:
+        return IEEE  # upcast to float32 under the interpreter
+    return TF32
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _product(
+def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the tile-th output tile in grouped order: GROUP_M row tiles
+    walk the column tiles together, so the operand tiles they share stay in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+
+@kernel(half=True, optional=("bias_ptr",))
+@triton.jit(do_not_specialize=["programs", "k_tiles_per_split"])
+def matmul_tma(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    y_stride,
+    z_stride,
+    programs,
+    k_tiles_per_split,
+    X_K_CONTIGUOUS: tl.constexpr,
+    Y_K_CONTIGUOUS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr,
+):
+    """Z = X @ Y (+ bias) for a 2-D product: ``programs`` persistent programs take the output
+    tiles in turn. X is (M, K) with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed,
+    (K, M) with rows x_stride apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with
+    rows z_stride apart. SPLIT_K > 1: tile (s, m, n) sums the s-th run of k_tiles_per_split
+    K tiles into Z[s] of (SPLIT_K, M, N) partials in ACC. SUBTILE stores each half of the
+    tile's columns on its own (less shared memory for the epilogue, more for the pipeline)."""
+    if X_K_CONTIGUOUS:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [x_stride, 1], [BLOCK_M, BLOCK_K])
+    else:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [K, M], [x_stride, 1], [BLOCK_K, BLOCK_M])
+    if Y_K_CONTIGUOUS:
+        y_desc = tl.make_tensor_descriptor(y_ptr, [N, K], [y_stride, 1], [BLOCK_N, BLOCK_K])
+    else:
+        y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
+    if SPLIT_K > 1:
+        z_desc = tl.make_tensor_descriptor(
+            z_ptr, [SPLIT_K, M, N], [M.to(tl.int64) * z_stride, z_stride, 1], [1, BLOCK_M, BLOCK_N]
+        )
+    elif SUBTILE:
+        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, BLOCK_N // 2])
+    else:
+        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, BLOCK_N])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles * SPLIT_K, programs, flatten=True):
+        split = tile // tiles
+        pid_m, pid_n = _grouped_tile(tile % tiles, tiles_m, tiles_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        k_first = split * k_tiles_per_split
+        k_end = tl.minimum(k_first + k_tiles_per_split, k_tiles)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for kt in range(k_first, k_end):
+            k0 = kt * BLOCK_K
+            if X_K_CONTIGUOUS:
+                a = x_desc.load([m0, k0])
+            else:
+                a = x_desc.load([k0, m0]).T
+            if Y_K_CONTIGUOUS:
+                b = y_desc.load([n0, k0]).T
+            else:
+                b = y_desc.load([k0, n0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        if bias_ptr is not None:
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+        if SPLIT_K > 1:
+            z_desc.store([split, m0, n0], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)).to(z_ptr.dtype.element_ty))
+        elif SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            z_desc.store([m0, n0], left.to(z_ptr.dtype.element_ty))
+            z_desc.store([m0, n0 + BLOCK_N // 2], right.to(z_ptr.dtype.element_ty))
+        else:
+            z_desc.store([m0, n0], acc.to(z_ptr.dtype.element_ty))
+
+
+# matmul_product computes every product (the backward ones are products with swapped strides);
+# its backward= lists what a backward launches besides it: the Hopper kernel and the sums of
+# the bias gradient and of split-contraction partials.
+@kernel(backward=(matmul_tma, sum_to_shape_kernel), half=True, optional=("bias_ptr",))
+def matmul_product(
     x_ptr,
     y_ptr,
     z_ptr,
@@ -93,7 +216,6 @@ def _product(
     sxr1,
     syr0,
     syr1,
-    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -102,20 +224,14 @@ def _product(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry."""
+    """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry
+    per program; g = (g0, g1, g2) over sizes (., G1, G2), r = (r0, r1) over (n_red / R1, R1)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
     g = (pid // tiles).to(tl.int64)
-    t = pid % tiles
-    # grouped tile order: GROUP_M row tiles share the column tiles they read (L2 reuse)
-    group = GROUP_M * tiles_n
-    first_m = (t // group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % group) % group_m
-    pid_n = (t % group) // group_m
-
+    pid_m, pid_n = _grouped_tile(pid % tiles, tiles_m, tiles_n, GROUP_M)
     g2 = g % G2
     g1 = (g // G2) % G1
     g0 = g // G2 // G1
@@ -144,222 +260,17 @@ def _product(
             acc = tl.dot(xt, yt, acc, input_precision=PRECISION, out_dtype=ACC)
             x_tile += BLOCK_K * sxk
             y_tile += BLOCK_K * syk
-    if HAS_BIAS:
+    if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC)[None, :]
     z_tile = z_base + offs_m[:, None] * szm + offs_n[None, :] * szn
     tl.store(z_tile, acc.to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@kernel(half=True)
-def column_sum(
-    x_ptr, out_ptr, R, N, stride_r, ROWS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out[p, n] = sum of x[r, n] over the p-th chunk of ROWS rows (in ACC precision).
-    Applied twice for db: row chunks into fp32 partials, then the partials into db."""
-    pid_r = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    start = pid_r.to(tl.int64) * ROWS
-    acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    for r0 in range(0, ROWS, BLOCK_R):
-        rows = start + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-        tile = tl.load(
-            x_ptr + rows[:, None] * stride_r + offs_n[None, :], mask=(rows[:, None] < R) & mask_n[None, :], other=0.0
-        )
-        acc += tl.sum(tile.to(ACC), axis=0)
-    tl.store(out_ptr + pid_r.to(tl.int64) * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@kernel(half=True)
-def matmul_backward(
-    x_ptr,
-    y_ptr,
-    z_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    sxm,
-    sxk,
-    syk,
-    syn,
-    szm,
-    szn,
-    G1,
-    G2,
-    sxg0,
-    sxg1,
-    sxg2,
-    syg0,
-    syg1,
-    syg2,
-    szg0,
-    szg1,
-    szg2,
-    R1,
-    n_red,
-    sxr0,
-    sxr1,
-    syr0,
-    syr1,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """dA = sum_broadcast dY @ B^T and dB = sum_broadcast A^T @ dY: the forward product with
-    transposed strides, summing the broadcast batch dims inside each program."""
-    _product(
-        x_ptr,
-        y_ptr,
-        z_ptr,
-        bias_ptr,
-        M,
-        N,
-        K,
-        sxm,
-        sxk,
-        syk,
-        syn,
-        szm,
-        szn,
-        G1,
-        G2,
-        sxg0,
-        sxg1,
-        sxg2,
-        syg0,
-        syg1,
-        syg2,
-        szg0,
-        szg1,
-        szg2,
-        R1,
-        n_red,
-        sxr0,
-        sxr1,
-        syr0,
-        syr1,
-        HAS_BIAS,
-        ACC,
-        PRECISION,
-        UPCAST,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        GROUP_M,
-    )
-
-
-@kernel(backward=(matmul_backward, column_sum), half=True)
-def matmul_forward(
-    x_ptr,
-    y_ptr,
-    z_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    sxm,
-    sxk,
-    syk,
-    syn,
-    szm,
-    szn,
-    G1,
-    G2,
-    sxg0,
-    sxg1,
-    sxg2,
-    syg0,
-    syg1,
-    syg2,
-    szg0,
-    szg1,
-    szg2,
-    R1,
-    n_red,
-    sxr0,
-    sxr1,
-    syr0,
-    syr1,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Y[g] = A[g] @ B[g] (+ bias), batch dims broadcast through zero strides."""
-    _product(
-        x_ptr,
-        y_ptr,
-        z_ptr,
-        bias_ptr,
-        M,
-        N,
-        K,
-        sxm,
-        sxk,
-        syk,
-        syn,
-        szm,
-        szn,
-        G1,
-        G2,
-        sxg0,
-        sxg1,
-        sxg2,
-        syg0,
-        syg1,
-        syg2,
-        szg0,
-        szg1,
-        szg2,
-        R1,
-        n_red,
-        sxr0,
-        sxr1,
-        syr0,
-        syr1,
-        HAS_BIAS,
-        ACC,
-        PRECISION,
-        UPCAST,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        GROUP_M,
-    )
-
-
-# H200, bf16 4096^3 forward+backward (bench/tune_launch.py): 8 warps and 4 stages for the 128x128
-# half-precision tiles, 0.93 ms against 1.12 ms for Triton's default 4 warps / 3 stages.
-for _k in (matmul_forward, matmul_backward):
-    for _half in (torch.float16, torch.bfloat16):
-        _k.tune(_half, num_warps=8, num_stages=4)
-
-
-# ------------------------------------------------------------------- launch description
+# ------------------------------------------------------------------- product description
 
 MAX_KEPT_DIMS = 3  # batch dims of the result, after collapsing
 MAX_REDUCED_DIMS = 2  # broadcast batch dims summed inside a program, after collapsing
-
-
-def _blocks(dtype: torch.dtype, tf32: bool) -> tuple[int, int, int]:
-    if INTERPRETER:
-        return 256, 256, 64  # the interpreter pays per program instance, not per element: few, wide ones
-    if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and tf32):
-        return 128, 128, 32
-    if dtype == torch.float64:
-        return 64, 64, 16
-    return 64, 64, 32
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
 
 def _contiguous_strides(shape) -> list[int]:
@@ -370,9 +281,21 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
+@dataclass(frozen=True)
+class TmaLayout:
+    """How ``matmul_tma`` reads a 2-D product: which operand dim is contiguous, and the other
+    stride of each operand (in elements)."""
+
+    x_k_contiguous: bool
+    y_k_contiguous: bool
+    x_stride: int
+    y_stride: int
+    z_stride: int
+
+
 @dataclass
 class Product:
-    """One launch: Z[g] = sum_r X[g, r] @ Y[g, r] with every access through strides.
+    """One product: Z[g] = sum_r X[g, r] @ Y[g, r] with every access through strides.
     ``kept``: (size, x, y, z strides) per batch dim of Z; ``reduced``: (size, x, y strides)."""
 
     M: int
@@ -390,6 +313,34 @@ class Product:
 
     def work(self) -> int:
         return self.batch * self.M * self.N
+
+    def tma_layout(self, dtype: torch.dtype) -> TmaLayout | None:
+        """The layout for ``matmul_tma``, or None where the product is batched, empty, or an
+        operand has no unit stride or rows that are not 16-byte aligned."""
+        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0:
+            return None
+        size = torch.empty((), dtype=dtype).element_size()
+
+        def unit(strides, rows_first: bool):
+            """(is the first dim's partner contiguous, the other stride), or None."""
+            first, second = strides
+            if second == 1 and (first * size) % TMA_ALIGN == 0:
+                return rows_first, first
+            if first == 1 and (second * size) % TMA_ALIGN == 0:
+                return not rows_first, second
+            return None
+
+        x = unit(self.x, True)  # (m, k): k contiguous is the usual case
+        y = unit(self.y, False)  # (k, n): n contiguous is the usual case
+        szm, szn = self.z
+        if x is None or y is None or szn != 1 or (szm * size) % TMA_ALIGN:
+            return None
+        return TmaLayout(x[0], y[0], x[1], y[1], szm)
+
+    def key(self) -> dict:
+        """What a tuned configuration depends on."""
+        return {"M": self.M, "N": self.N, "K": self.K, "x": self.x, "y": self.y, "z": self.z,
+                "kept": self.kept, "reduced": self.reduced}  # fmt: skip
 
 
 def _collapse(dims: list[tuple]) -> list[tuple]:
@@ -419,54 +370,293 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
     return Product(M, N, K, x, y, z, kept, reduced)
 
 
-class _ProductOp(RuntimeOp):
-    """Shared launch code of matmul and linear."""
+# ------------------------------------------------------------------- configurations
 
-    kernel = matmul_forward
+# A configuration is a dict: the kernel ("tma" or "strided"), its tile constexprs and Triton's
+# num_warps / num_stages; "tma" ones add SPLIT_K and SUBTILE. Candidates per operand precision
+# (what the tuning pass times); the first of each list is the default where nothing is timed.
+
+
+def _cfg(bm, bn, bk, warps, stages, split=1, subtile=False, kind="tma") -> dict:
+    config = {"kernel": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+              "num_warps": warps, "num_stages": stages}  # fmt: skip
+    if kind == "tma":
+        config.update(SPLIT_K=split, SUBTILE=subtile)
+    return config
+
+
+_TMA_CANDIDATES = {
+    "half": [
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 256, 64, 8, 4, subtile=True),
+        _cfg(256, 128, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 128, 128, 8, 3),
+        _cfg(64, 256, 64, 4, 4),
+        _cfg(128, 64, 64, 4, 5),
+    ],
+    TF32X3: [
+        _cfg(128, 128, 32, 8, 3),
+        _cfg(128, 256, 32, 8, 2, subtile=True),
+        _cfg(128, 128, 32, 4, 4),
+        _cfg(64, 128, 32, 4, 4),
+        _cfg(128, 64, 32, 4, 4),
+        _cfg(128, 128, 16, 8, 5),
+    ],
+    TF32: [
+        _cfg(128, 256, 32, 8, 3, subtile=True),
+        _cfg(128, 128, 32, 8, 4),
+        _cfg(256, 128, 32, 8, 3, subtile=True),
+        _cfg(128, 128, 64, 8, 2),
+    ],
+    IEEE: [  # float32 on FMA units: smaller tiles, no tensor cores
+        _cfg(64, 64, 32, 4, 3),
+        _cfg(128, 64, 32, 8, 3),
+        _cfg(128, 128, 16, 8, 3),
+    ],
+    "float64": [  # DMMA
+        _cfg(64, 64, 16, 4, 3),
+        _cfg(64, 128, 16, 4, 3),
+        _cfg(128, 64, 16, 8, 3),
+        _cfg(128, 128, 16, 8, 2),
+    ],
+}
+
+# What a multiprocessor offers a program (227 KiB on Hopper), less a margin for the barriers
+# (bench/compile_check.py prints what each candidate takes: the estimate below was exact for
+# all of them but tf32x3 with 128x256 tiles, 16 KiB more).
+SHARED_MEMORY_BUDGET = 226 * 1024
+
+
+def _shared_bytes(config: dict, dtype: torch.dtype, split: int) -> int:
+    """Shared memory a TMA configuration needs: num_stages operand tiles and the epilogue's
+    staging tile (in the accumulation dtype when it writes split partials)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
+    out_size = torch.empty((), dtype=acc_dtype(dtype)).element_size() if split > 1 else size
+    store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] and split == 1 else config["BLOCK_N"]
+    return operands + config["BLOCK_M"] * store_n * out_size
+
+
+# H200, bf16 4096^3 forward+backward (bench/tune_launch.py, version 1): 8 warps and 4 stages for
+# 128x128x32 half tiles, 0.93 ms against 1.12 ms for Triton's default 4 warps / 3 stages.
+_STRIDED_CANDIDATES = {
+    "half": [_cfg(128, 128, 32, 8, 4, kind="strided"), _cfg(128, 128, 64, 8, 3, kind="strided"),
+             _cfg(64, 128, 32, 4, 4, kind="strided")],
+    TF32X3: [_cfg(128, 128, 32, 8, 3, kind="strided"), _cfg(64, 64, 32, 4, 3, kind="strided")],
+    TF32: [_cfg(128, 128, 32, 8, 3, kind="strided"), _cfg(64, 128, 32, 4, 4, kind="strided")],
+    IEEE: [_cfg(64, 64, 32, 4, 3, kind="strided"), _cfg(128, 64, 32, 8, 3, kind="strided")],
+    "float64": [_cfg(64, 64, 16, 4, 3, kind="strided"), _cfg(64, 128, 16, 4, 3, kind="strided")],
+}  # fmt: skip
+
+# the interpreter pays per program instance, not per element: few, wide ones
+_INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
+
+SPLIT_MIN_K_TILES = 8  # a split contraction keeps at least this many K tiles per run
+
+
+def _precision_class(dtype: torch.dtype, precision: str) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    if dtype == torch.float64:
+        return "float64"
+    return precision
+
+
+def _split_options(p: Product, config: dict, dtype: torch.dtype) -> list[int]:
+    """Useful SPLIT_K values for ``config``'s tiles: more than one only where the output tiles
+    leave multiprocessors idle and the contraction is long enough to share out."""
+    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
+    k_tiles = cdiv(p.K, config["BLOCK_K"])
+    partial_size = torch.empty((), dtype=acc_dtype(dtype)).element_size()
+    if (p.N * partial_size) % TMA_ALIGN or p.z[0] != p.N:
+        return [1]
+    sms = tuning.multiprocessors()
+    out, split = [1], 2
+    while split <= 8 and tiles * split <= 2 * sms and k_tiles >= split * SPLIT_MIN_K_TILES:
+        out.append(split)
+        split *= 2
+    return out
+
+
+def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool) -> list[dict]:
+    """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick)."""
+    if INTERPRETER:
+        return [_INTERPRETER_CONFIG]
+    cls = _precision_class(dtype, precision)
+    if p.tma_layout(dtype) is None or not tuning.has_tma():
+        return list(_STRIDED_CANDIDATES[cls])
+    out = []
+    for option in _TMA_CANDIDATES[cls]:
+        splits = [1] if has_bias else _split_options(p, option, dtype)
+        out += [{**option, "SPLIT_K": s} for s in splits if _shared_bytes(option, dtype, s) <= SHARED_MEMORY_BUDGET]
+    return out
+
+
+def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: bool) -> dict:
+    """The heuristic: the first candidate, with 128x128 tiles and the largest useful split
+    where the output has fewer tiles than the GPU has multiprocessors."""
+    options = candidates(p, dtype, precision, has_bias)
+    config = options[0]
+    if config["kernel"] == "tma" and cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]) < (
+        tuning.multiprocessors()
+    ):
+        small = [c for c in options if c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 128 and c["num_warps"] == 8]
+        if small:
+            config = max(small, key=lambda c: c["SPLIT_K"])
+    return config
+
+
+# ------------------------------------------------------------------- launches
+
+
+def _product_args(p: Product, x, y, z, bias, dtype: torch.dtype, precision: str, config: dict) -> ArgVisitor:
+    kept = list(p.kept) + [(1, 0, 0, 0)] * (MAX_KEPT_DIMS - len(p.kept))
+    reduced = list(p.reduced) + [(1, 0, 0)] * (MAX_REDUCED_DIMS - len(p.reduced))
+    v = ArgVisitor().visit(x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, M=p.M, N=p.N, K=p.K)
+    v.visit(sxm=p.x[0], sxk=p.x[1], syk=p.y[0], syn=p.y[1], szm=p.z[0], szn=p.z[1])
+    v.visit(G1=kept[1][0], G2=kept[2][0], R1=reduced[1][0], n_red=math.prod(d[0] for d in reduced))
+    for operand, name in ((1, "x"), (2, "y"), (3, "z")):
+        v.visit(**{f"s{name}g{i}": d[operand] for i, d in enumerate(kept)})
+    for operand, name in ((1, "x"), (2, "y")):
+        v.visit(**{f"s{name}r{i}": d[operand] for i, d in enumerate(reduced)})
+    return v.visit(ACC=tl_acc_dtype(dtype), PRECISION=precision, UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16)
+
+
+def _tiles(config: dict) -> dict:
+    return {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+
+
+def product_launches(
+    p: Product,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    precision: str,
+    config: dict,
+    scratch: Callable[[tuple, torch.dtype], torch.Tensor],
+) -> list[Launch]:
+    """The launches computing ``p`` into ``z`` with ``config`` (``scratch(shape, dtype)``
+    allocates the partials of a split contraction)."""
+    block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
+    if layout is None:
+        if config["kernel"] == "tma":
+            raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
+        args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config))
+        grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
+        return [Launch(matmul_product, grid, args, block, work=p.work())]
+    split = config["SPLIT_K"]
+    k_tiles = cdiv(p.K, config["BLOCK_K"])
+    per_split = cdiv(k_tiles, split)
+    split = cdiv(k_tiles, per_split)  # no empty runs
+    target = z if split == 1 else scratch((split, p.M, p.N), acc_dtype(dtype))
+    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]) * split
+    programs = min(tiles, tuning.multiprocessors())
+    args = ArgVisitor().visit(
+        x_ptr=x,
+        y_ptr=y,
+        z_ptr=target,
+        bias_ptr=bias,
+        M=p.M,
+        N=p.N,
+        K=p.K,
+        x_stride=layout.x_stride,
+        y_stride=layout.y_stride,
+        z_stride=layout.z_stride if split == 1 else p.N,
+        programs=programs,
+        k_tiles_per_split=per_split,
+        X_K_CONTIGUOUS=layout.x_k_contiguous,
+        Y_K_CONTIGUOUS=layout.y_k_contiguous,
+        SPLIT_K=split,
+        ACC=tl_acc_dtype(dtype),
+        PRECISION=precision,
+        UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
+        SUBTILE=config["SUBTILE"],
+        **_tiles(config),
+    )
+    launches = [Launch(matmul_tma, (programs,), args, block, work=p.work())]
+    if split > 1:
+        launches += sum_partials(target.view(split, p.M * p.N), z.view(p.M * p.N))
+    return launches
+
+
+def _aligned(*tensors) -> bool:
+    return all(t is None or t.data_ptr() % TMA_ALIGN == 0 for t in tensors)
+
+
+def _extent(sizes_strides) -> int:
+    """Elements a strided operand spans: 1 + sum (size - 1) * stride."""
+    return 1 + sum((s - 1) * abs(st) for s, st in sizes_strides if s > 0)
+
+
+def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, where: str):
+    """A timing function for tuning: runs ``p``'s launches with a configuration on random data
+    (allocated at the first call, so that a cached choice allocates nothing)."""
+    buffers: list = []
+
+    def operands():
+        if not buffers:
+            batch = p.kept + p.reduced
+            x = torch.randn(_extent([(p.M, p.x[0]), (p.K, p.x[1])] + [(d[0], d[1]) for d in batch]), device=DEVICE)
+            y = torch.randn(_extent([(p.K, p.y[0]), (p.N, p.y[1])] + [(d[0], d[2]) for d in batch]), device=DEVICE)
+            z = torch.empty(_extent([(p.M, p.z[0]), (p.N, p.z[1])] + [(d[0], d[3]) for d in p.kept]), device=DEVICE)
+            bias = torch.randn(p.N, device=DEVICE) if has_bias else None
+            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias))
+        return buffers
+
+    def bench(config: dict) -> float:
+        x, y, z, bias = operands()
+        scratch = lambda shape, dt: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa: E731
+        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch)
+
+        def run():
+            for launch in launches:
+                run_launch(launch, launch.kernel.instance(dtype), where, p.work())
+
+        return tuning.time_ms(run)
+
+    return bench
+
+
+class _ProductOp(RuntimeOp):
+    """Shared launch code of matmul and linear: each product's configuration is chosen (tuned)
+    during lowering's dry run and reused by every run of the program."""
+
+    kernel = matmul_product
 
     def __init__(self):
-        self.allow_tf32 = _ALLOW_TF32  # read at trace time
+        self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
+        self.configs: dict[str, dict] = {}
 
     def precision(self, dtype: torch.dtype) -> str:
-        if dtype == torch.float32 and self.allow_tf32:
-            return "tf32"
-        if dtype == torch.float32 or dtype == torch.float64:
-            return "ieee"
-        if dtype == torch.bfloat16 and DOT_UPCAST_BF16:
-            return "ieee"
-        return "tf32"  # half operands: the precision flag does not apply
+        return dot_precision(dtype, self.allow_tf32)
 
-    def has_backward(self) -> bool:
-        return True
+    def choose_config(self, ctx: OpContext, p: Product, has_bias: bool) -> dict:
+        """The tuned (or heuristic) configuration of product ``p`` in this node's dtype."""
+        dtype, precision = ctx.dtype, self.precision(ctx.dtype)
+        options = candidates(p, dtype, precision, has_bias)
+        default = default_config(p, dtype, precision, has_bias)
+        key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
+        kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
+        bench = _bench_for(p, dtype, precision, has_bias, ctx.where)
+        return tuning.choose(kernel_name, key, options, default, bench)
 
-    def launch_product(self, ctx: OpContext, kernel, p: Product, x, y, z, bias=None) -> None:
-        dtype = ctx.dtype
-        bm, bn, bk = _blocks(dtype, self.allow_tf32)
-        kept = list(p.kept) + [(1, 0, 0, 0)] * (MAX_KEPT_DIMS - len(p.kept))
-        reduced = list(p.reduced) + [(1, 0, 0)] * (MAX_REDUCED_DIMS - len(p.reduced))
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(y).visit_ptr(z).visit_ptr(bias if bias is not None else z)
-        v.visit_i64(p.M).visit_i64(p.N).visit_i64(p.K)
-        for s in (*p.x, *p.y, *p.z):
-            v.visit_i64(s)
-        v.visit_i64(kept[1][0]).visit_i64(kept[2][0])
-        for operand in (1, 2, 3):
-            for d in kept:
-                v.visit_i64(d[operand])
-        v.visit_i64(reduced[1][0]).visit_i32(math.prod(d[0] for d in reduced))
-        for operand in (1, 2):
-            for d in reduced:
-                v.visit_i64(d[operand])
-        v.visit_constexpr(bias is not None)
-        v.visit_constexpr(tl.float64 if dtype == torch.float64 else tl.float32)
-        v.visit_constexpr(self.precision(dtype))
-        v.visit_constexpr(dtype == torch.bfloat16 and DOT_UPCAST_BF16)
-        v.visit_constexpr(bm).visit_constexpr(bn).visit_constexpr(bk).visit_constexpr(8)
-        grid = (p.batch * cdiv(p.M, bm) * cdiv(p.N, bn), 1, 1)
-        ctx.launch(kernel, grid, v, work=p.work())
-
-    def backward_kernels(self):
-        return (matmul_backward,)
+    def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None) -> list[Launch]:
+        """The launches of one product (``name`` tells the op's products apart)."""
+        config = self.configs.get(name)
+        if config is None or ctx.dry_run:
+            config = self.configs[name] = self.choose_config(ctx, p, bias is not None)
+            if config["kernel"] == "tma":
+                ctx.instance(matmul_product)  # built too: the fallback for a misaligned buffer
+        if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
+            config = _STRIDED_CANDIDATES[_precision_class(ctx.dtype, self.precision(ctx.dtype))][0]
+        return product_launches(
+            p, x, y, z, bias, ctx.dtype, self.precision(ctx.dtype), config, lambda s, d: ctx.empty(s, d)
+        )
 
 
 # ------------------------------------------------------------------------------- matmul
@@ -538,52 +728,36 @@ class MatmulOp(_ProductOp):
         return {
             # Y = A @ B
             "forward": lambda: _plan_product(
-                M,
-                N,
-                K,
-                (sa[-2], sa[-1]),
-                (sb[-2], sb[-1]),
-                (sc[-2], sc[-1]),
-                [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)],
-                where,
+                M, N, K, (sa[-2], sa[-1]), (sb[-2], sb[-1]), (sc[-2], sc[-1]),
+                [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)], where,
             ),
             # dA = dY @ B^T, summed over the dims A is broadcast along
             "grad_a": lambda: _plan_product(
-                M,
-                K,
-                N,
-                (sc[-2], sc[-1]),
-                (sb[-1], sb[-2]),
-                (sa[-2], sa[-1]),
-                [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)],
-                where,
+                M, K, N, (sc[-2], sc[-1]), (sb[-1], sb[-2]), (sa[-2], sa[-1]),
+                [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)], where,
             ),
             # dB = A^T @ dY, summed over the dims B is broadcast along
             "grad_b": lambda: _plan_product(
-                K,
-                N,
-                M,
-                (sa[-1], sa[-2]),
-                (sc[-2], sc[-1]),
-                (sb[-2], sb[-1]),
-                [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)],
-                where,
+                K, N, M, (sa[-1], sa[-2]), (sc[-2], sc[-1]), (sb[-2], sb[-1]),
+                [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)], where,
             ),
-        }
+        }  # fmt: skip
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         a, b = ctx.inputs
         p = self._plans(ctx.input_shapes[0], ctx.input_shapes[1])["forward"]()
-        self.launch_product(ctx, matmul_forward, p, a, b, ctx.output)
+        return self.product(ctx, "forward", p, a, b, ctx.output)
 
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         a, b = ctx.inputs
         da, db = ctx.grad_inputs
         plans = self._plans(ctx.input_shapes[0], ctx.input_shapes[1])
+        launches = []
         if da is not None:
-            self.launch_product(ctx, matmul_backward, plans["grad_a"](), ctx.grad_output, b, da)
+            launches += self.product(ctx, "grad_a", plans["grad_a"](), ctx.grad_output, b, da)
         if db is not None:
-            self.launch_product(ctx, matmul_backward, plans["grad_b"](), a, ctx.grad_output, db)
+            launches += self.product(ctx, "grad_b", plans["grad_b"](), a, ctx.grad_output, db)
+        return launches
 
 
 def matmul(input, other):
@@ -593,11 +767,6 @@ def matmul(input, other):
 
 
 # ------------------------------------------------------------------------------- linear
-
-if INTERPRETER:
-    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 1024, 64, 128
-else:
-    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 2048, 32, 128
 
 
 class LinearOp(_ProductOp):
@@ -632,57 +801,36 @@ class LinearOp(_ProductOp):
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0][:-1]) + (input_shapes[1][0],)
 
-    def backward_kernels(self):
-        return (matmul_backward, column_sum)
-
     @staticmethod
-    def _sizes(input_shapes):
+    def products(input_shapes) -> dict[str, Product]:
+        """Y = X W^T, dX = dY W and dW = dY^T X over the rows of the flattened x."""
         x, w = input_shapes[0], input_shapes[1]
-        return math.prod(x[:-1]), w[1], w[0]  # rows, in_features, out_features
+        rows, fin, fout = math.prod(x[:-1]), w[1], w[0]
+        return {
+            "forward": Product(rows, fout, fin, (fin, 1), (1, fin), (fout, 1), [], []),
+            "grad_input": Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []),
+            "grad_weight": Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []),
+        }
 
-    def forward(self, ctx):
-        rows, fin, fout = self._sizes(ctx.input_shapes)
+    def forward_launches(self, ctx):
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        # Y (rows x out) = X (rows x in) @ W^T (in x out)
-        p = Product(rows, fout, fin, (fin, 1), (1, fin), (fout, 1), [], [])
-        self.launch_product(ctx, matmul_forward, p, x, w, ctx.output, bias)
+        return self.product(ctx, "forward", self.products(ctx.input_shapes)["forward"], x, w, ctx.output, bias)
 
-    def backward(self, ctx):
-        rows, fin, fout = self._sizes(ctx.input_shapes)
+    def backward_launches(self, ctx):
+        products = self.products(ctx.input_shapes)
         (x,), w = ctx.inputs, ctx.params[0]
         (dx,), go = ctx.grad_inputs, ctx.grad_output
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
-        if dx is not None:  # dX (rows x in) = dY (rows x out) @ W (out x in)
-            self.launch_product(
-                ctx, matmul_backward, Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []), go, w, dx
-            )
-        if dw is not None:  # dW (out x in) = dY^T (out x rows) @ X (rows x in)
-            self.launch_product(
-                ctx, matmul_backward, Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []), go, x, dw
-            )
+        launches = []
+        if dx is not None:
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
+        if dw is not None:
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw)
         if dbias is not None:
-            self._column_sum(ctx, go, dbias, rows, fout)
-
-    def _column_sum(self, ctx, go, out, rows, cols):
-        """out = sum of go's rows: fp32 partials per chunk of rows, then one pass over them."""
-        acc = tl.float64 if ctx.dtype == torch.float64 else tl.float32
-        per_program = min(_SUM_ROWS, max(cdiv(rows, _SUM_BLOCK_R), 1) * _SUM_BLOCK_R)  # no empty loop trips
-        chunks = max(cdiv(rows, per_program), 1)
-        partial = (
-            out
-            if chunks == 1
-            else ctx.empty((chunks, cols), torch.float64 if ctx.dtype == torch.float64 else torch.float32)
-        )
-        passes = [(go, partial, rows, per_program, chunks)]
-        if chunks > 1:
-            passes.append((partial, out, chunks, chunks, 1))
-        for src, dst, n_rows, rows_per_program, programs in passes:
-            v = ArgVisitor().visit_ptr(src).visit_ptr(dst).visit_i64(n_rows).visit_i32(cols).visit_i64(cols)
-            v.visit_constexpr(rows_per_program).visit_constexpr(acc)
-            v.visit_constexpr(_SUM_BLOCK_R).visit_constexpr(_SUM_BLOCK_N)
-            ctx.launch(column_sum, (programs, cdiv(cols, _SUM_BLOCK_N), 1), v, work=cols)
+            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
+        return launches
 
 
 def linear(input, weight, bias=None):
@@ -708,6 +856,10 @@ class Linear(Module):
         return f"Linear(in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None})"
 
 
+if not INTERPRETER:
+    tuning.use_descriptor_memory()
+
+
 # ------------------------------------------------------------------------ registry/tests
 
 
@@ -724,6 +876,7 @@ def _matmul_samples(dtype, gen):
         ((7,), (7,)),
         ((0, 5), (5, 3)),
         ((3, 0), (0, 4)),
+        ((67, 40), (40, 24)),  # 16-byte rows in every dtype: the Hopper kernel on a GPU
     ]
     return [
         Sample(
@@ -743,7 +896,7 @@ def _longest_contraction(a_shape, b_shape) -> int:
 
 
 def _matmul_gradcheck(gen):
-    pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,))]
+    pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,)), ((5, 8), (8, 6))]
     return [
         Sample((make(gen, *a, dtype=torch.float64), make(gen, *b, dtype=torch.float64)), name=f"{a}@{b}")
         for a, b in pairs
@@ -758,6 +911,7 @@ def _linear_samples(dtype, gen):
         ((1, 1), 1, True),
         ((0, 5), 3, True),
         ((70, 3), 2, True),
+        ((2, 37, 24), 40, True),  # 16-byte rows in every dtype: the Hopper kernel on a GPU
     ]
     out = []
     for x, fout, bias in cases:
@@ -775,6 +929,7 @@ def _linear_gradcheck(gen):
     return [
         Sample((make(gen, 4, 3, dtype=f64), make(gen, 2, 3, dtype=f64), make(gen, 2, dtype=f64)), name="4x3->2+b"),
         Sample((make(gen, 2, 2, 3, dtype=f64), make(gen, 3, 3, dtype=f64)), name="2x2x3->3"),
+        Sample((make(gen, 5, 4, dtype=f64), make(gen, 6, 4, dtype=f64), make(gen, 6, dtype=f64)), name="5x4->6+b"),
     ]
 
 

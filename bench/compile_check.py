@@ -1,0 +1,149 @@
+"""Compile teeny's matmul and conv kernels for the H200 (sm_90) on a machine without a GPU, and
+print what the compiler made of each configuration: tensor-core instructions (wgmma, mma),
+TMA copies, shared memory, registers and spills. A candidate that does not compile, or that
+needs more shared memory than a multiprocessor has (227 KiB), is listed as such.
+
+    python3 bench/compile_check.py [--quick]       # from the repository root, no GPU needed
+
+It pretends CUDA is there while teeny is imported, so that the kernels are JIT functions (not
+the interpreter's) and the GPU configuration lists are the ones checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TEENY_DEVICE"] = "cuda"
+os.environ["TEENY_TUNING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+torch.cuda.is_available = lambda: True  # only for choosing the kernel mode at import
+torch.cuda.current_device = lambda: 0
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import teeny.kernels.linear as linear  # noqa: E402
+from teeny import tuning  # noqa: E402
+
+tuning.multiprocessors = lambda: 132  # an H200
+tuning.has_tma = lambda: True
+SMEM_LIMIT = 227 * 1024
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+TRITON_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+def compile_launch(launch, dtype):
+    """triton.compile of one teeny Launch for sm_90, specialised like the JIT would
+    (16-divisible pointers and ints get the divisibility hint)."""
+    kernel = launch.kernel
+    from teeny.runtime import as_block, check_packing
+
+    block = as_block(launch.block)
+    values = check_packing(kernel, launch.args, "compile_check", block.size)
+    jit = kernel.jit
+    skip = set(getattr(jit, "do_not_specialize", ()) or ())
+    skip |= {jit.arg_names[i] for i in skip if isinstance(i, int)}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (param, value) in enumerate(zip(kernel.params, values)):
+        if param.kind == "constexpr" or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif param.kind == "ptr":
+            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 and param.kind != "i64" else "i64"
+            if value % 16 == 0 and param.name not in skip:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    options = {**kernel.options_for(dtype)}
+    if block.num_warps:
+        options["num_warps"] = block.num_warps
+    if block.num_stages:
+        options["num_stages"] = block.num_stages
+    return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=TARGET, options=options)
+
+
+def describe(compiled) -> str:
+    ptx = compiled.asm["ptx"]
+    smem = compiled.metadata.shared
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(BIN / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    regs = next((part for line in usage.splitlines() for part in line.split() if part.startswith("REG:")), "REG:?")
+    local = next((part for line in usage.splitlines() for part in line.split() if part.startswith("LOCAL:")), "")
+    flags = " TOO MUCH SHARED MEMORY" if smem > SMEM_LIMIT else ""
+    return (
+        f"wgmma {ptx.count('wgmma.mma_async'):3d} mma {ptx.count('mma.sync'):3d} "
+        f"tma {ptx.count('cp.async.bulk.tensor'):2d} smem {smem // 1024:3d}K {regs} {local}{flags}"
+    )
+
+
+def matmul_cases(quick: bool):
+    """(label, dtype, precision, product, has_bias) for linear's three products at one shape."""
+    rows, fin, fout = 8192, 768, 3072
+    products = linear.LinearOp.products([(rows, fin), (fout, fin)])
+    dtypes = [(torch.bfloat16, None)]
+    if not quick:
+        dtypes += [(torch.float16, None), (torch.float32, "tf32x3"), (torch.float32, "tf32"),
+                   (torch.float32, "ieee"), (torch.float64, None)]  # fmt: skip
+    for dtype, precision in dtypes:
+        precision = precision or linear.dot_precision(dtype, False)
+        for name, p in products.items():
+            yield f"{name:11}", dtype, precision, p, name == "forward"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="bf16 only")
+    args = parser.parse_args()
+    meta = torch.device("meta")
+    failures = 0
+    t0 = time.time()
+    for label, dtype, precision, p, has_bias in matmul_cases(args.quick):
+        x, y = (torch.empty(1 << 20, dtype=dtype, device=meta) for _ in range(2))
+        z = torch.empty(p.M * p.N, dtype=dtype, device=meta)
+        bias = torch.empty(p.N, dtype=dtype, device=meta) if has_bias else None
+        for config in linear.candidates(p, dtype, precision, has_bias):
+            launches = linear.product_launches(
+                p, x, y, z, bias, dtype, precision, config, lambda s, d: torch.empty(s, dtype=d, device=meta)
+            )
+            what = (
+                f"{label} {str(dtype)[6:]:8} {precision:6} {config['kernel']:7} {config['BLOCK_M']:3}x"
+                f"{config['BLOCK_N']:3}x{config['BLOCK_K']:3} w{config['num_warps']} s{config['num_stages']}"
+                f" split{config.get('SPLIT_K', 1)}{' sub' if config.get('SUBTILE') else ''}"
+            )
+            try:
+                print(f"{what:68} {describe(compile_launch(launches[0], dtype))}", flush=True)
+            except Exception as exc:
+                failures += 1
+                print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
+    print(f"{failures} failed, {time.time() - t0:.0f} s")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
