@@ -218,7 +218,8 @@ def test_max_pool2d_indices_alone_in_inference_and_values_gradcheck(gen):
     g.output(teeny.ops.max_pool2d(xs, 3, stride=2, padding=1, return_indices=True)[1])
     idx = teeny.Executor(lower(g, LoweringMode.INFERENCE)).forward({"x": x.to(teeny.DEVICE)})
     torch.testing.assert_close(idx.cpu(), F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True)[1])
-    teeny.gradcheck(lambda t: teeny.ops.max_pool2d(t, 3, stride=2, padding=1, return_indices=True)[0], x)
+    small = x[:1, :1, :4]  # finite differences cost two runs per element
+    teeny.gradcheck(lambda t: teeny.ops.max_pool2d(t, 3, stride=2, padding=1, return_indices=True)[0], small)
 
 
 def test_conv2d_tf32_switch_is_read_at_trace_time(monkeypatch):

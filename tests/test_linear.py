@@ -10,6 +10,7 @@ import teeny
 import teeny.kernels.linear as linear_module
 from teeny import Graph, LoweringMode, lower
 from teeny.interop.torch import apply
+from teeny.kernel import record_launches
 from teeny.registry import tolerance
 from teeny.runtime import run_launch
 
@@ -186,3 +187,39 @@ def test_tma_layout_refuses_what_tma_cannot_read():
     assert P(8, 8, 8, (8, 2), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # no unit stride
     assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [(2, 64, 0, 64)], []).tma_layout(torch.float32) is None  # batched
     assert P(8, 8, 0, (0, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # empty contraction
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
+    """The GPU's path (TMA kernel, heuristic configurations, split dW with its partial sums,
+    the bias gradient) run by the interpreter: as the op lowers and runs it on an H200."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
+    rows, fin, fout = 1030, 24, 40  # dW contracts over 1030 rows: split
+    products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
+    config = linear_module.default_config(products["grad_weight"], dtype, "tf32", False)
+    assert config["kernel"] == "tma" and config["SPLIT_K"] > 1
+    x = torch.randn(rows, fin, generator=gen)
+    w = torch.randn(fout, fin, generator=gen) / fin**0.5
+    b = torch.randn(fout, generator=gen)
+    args = [t.to(dtype).to(teeny.DEVICE).requires_grad_(True) for t in (x, w, b)]
+    g = Graph()
+    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
+    g.output(teeny.ops.linear(xs, ws, bs))
+    program = lower(g, LoweringMode.TRAINING)
+    op = program.nodes[0].op
+    assert all(c["kernel"] == "tma" for c in op.configs.values()), op.configs
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        out, cache = ex.forward_train(dict(zip("xwb", args)))
+        grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
+        grads = ex.backward(cache, grad)
+    assert [r.kernel for r in log].count("matmul_tma") == 3
+    refs = [t.detach().double().requires_grad_(True) for t in args]
+    ref = torch.nn.functional.linear(*refs)
+    ref.backward(grad.double())
+    atol, rtol = tolerance(dtype, rows)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    for name, r in zip("xwb", refs):
+        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -209,8 +210,14 @@ def choose(
 def time_ms(fn: Callable[[], None], reps: int = 10, rounds: int = 3) -> float:
     """Milliseconds per call of ``fn`` on the GPU: one eager call (compiles, checks it runs),
     then ``reps`` calls captured in a CUDA graph and replayed ``rounds`` times (the median).
-    Falls back to timing eager calls with CUDA events where capture is refused."""
+    Falls back to timing eager calls with CUDA events where capture is refused, and to the wall
+    clock without a GPU."""
     fn()
+    if DEVICE.type != "cuda":  # the interpreter: wall-clock time of eager calls
+        began = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - began) * 1e3 / reps
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph = None

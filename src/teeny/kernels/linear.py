@@ -622,6 +622,35 @@ def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, w
     return bench
 
 
+def choose_config(
+    p: Product,
+    dtype: torch.dtype,
+    precision: str,
+    has_bias: bool,
+    observe: Callable[[dict, float | None], None] | None = None,
+) -> dict:
+    """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
+    ``observe(config, ms)`` sees every timing (``None``: the candidate failed)."""
+    options = candidates(p, dtype, precision, has_bias)
+    default = default_config(p, dtype, precision, has_bias)
+    key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
+    kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
+    bench = _bench_for(p, dtype, precision, has_bias, f"tuning {kernel_name} {key}")
+    if observe is not None:
+        timed = bench
+
+        def bench(config: dict) -> float:
+            try:
+                ms = timed(config)
+            except Exception:
+                observe(config, None)
+                raise
+            observe(config, ms)
+            return ms
+
+    return tuning.choose(kernel_name, key, options, default, bench)
+
+
 class _ProductOp(RuntimeOp):
     """Shared launch code of matmul and linear: each product's configuration is chosen (tuned)
     during lowering's dry run and reused by every run of the program."""
@@ -635,21 +664,11 @@ class _ProductOp(RuntimeOp):
     def precision(self, dtype: torch.dtype) -> str:
         return dot_precision(dtype, self.allow_tf32)
 
-    def choose_config(self, ctx: OpContext, p: Product, has_bias: bool) -> dict:
-        """The tuned (or heuristic) configuration of product ``p`` in this node's dtype."""
-        dtype, precision = ctx.dtype, self.precision(ctx.dtype)
-        options = candidates(p, dtype, precision, has_bias)
-        default = default_config(p, dtype, precision, has_bias)
-        key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
-        kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
-        bench = _bench_for(p, dtype, precision, has_bias, ctx.where)
-        return tuning.choose(kernel_name, key, options, default, bench)
-
     def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None) -> list[Launch]:
         """The launches of one product (``name`` tells the op's products apart)."""
         config = self.configs.get(name)
         if config is None or ctx.dry_run:
-            config = self.configs[name] = self.choose_config(ctx, p, bias is not None)
+            config = self.configs[name] = choose_config(p, ctx.dtype, self.precision(ctx.dtype), bias is not None)
             if config["kernel"] == "tma":
                 ctx.instance(matmul_product)  # built too: the fallback for a misaligned buffer
         if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
