@@ -38,6 +38,7 @@ from teeny import tuning  # noqa: E402
 
 tuning.multiprocessors = lambda: 132  # an H200
 tuning.has_tma = lambda: True
+tuning.gpu_name = lambda: "NVIDIA H200 (compile check)"
 SMEM_LIMIT = 227 * 1024
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -116,13 +117,62 @@ def matmul_cases(quick: bool):
             yield f"{name:11}", dtype, precision, p, name == "forward"
 
 
+def op_launches():
+    """(label, launch, dtype) of every launch lowering's dry run checks for a few graphs of the
+    other paths: strided products (batched, unaligned), conv2d and pooling, forward and backward."""
+    import teeny.runtime as runtime
+    from teeny import Graph, LoweringMode, lower, ops
+
+    recorded = []
+    original = runtime.run_launch
+
+    def record(launch, instance, where, work, dry_run=False, shapes=""):
+        recorded.append((where, launch, instance.dtype))
+        return original(launch, instance, where, work, dry_run, shapes)
+
+    def graph(build, shapes, dtype):
+        g = Graph()
+        xs = [g.input(f"x{i}", s, dtype, requires_grad=True) for i, s in enumerate(shapes)]
+        out = build(*xs)
+        g.output(*(out if isinstance(out, tuple) else (out,)))
+        lower(g, LoweringMode.TRAINING)
+
+    runtime.run_launch = record
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            graph(ops.matmul, [(8, 256, 64), (8, 64, 256)], dtype)
+            graph(ops.linear, [(512, 100), (300, 100), (300,)], dtype)
+            graph(lambda x, w, b: ops.conv2d(x, w, b, padding=1), [(8, 64, 32, 32), (64, 64, 3, 3), (64,)], dtype)
+            graph(lambda x: ops.max_pool2d(x, 3, stride=2, padding=1, return_indices=True), [(8, 64, 32, 32)], dtype)
+            graph(lambda x: ops.avg_pool2d(x, 2), [(8, 64, 32, 32)], dtype)
+    finally:
+        runtime.run_launch = original
+    return recorded
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="bf16 only")
+    parser.add_argument("--quick", action="store_true", help="bf16 linear products only")
     args = parser.parse_args()
     meta = torch.device("meta")
     failures = 0
     t0 = time.time()
+    if not args.quick:
+        seen = set()
+        for where, launch, dtype in op_launches():
+            values = tuple(
+                v.value if not isinstance(v.value, torch.Tensor) else str(v.value.dtype) for v in launch.args.visits
+            )
+            key = (launch.kernel.name, dtype, values)
+            if key in seen:
+                continue
+            seen.add(key)
+            what = f"{where.split(' (')[0][3:]:12} {launch.kernel.name:24} {str(dtype)[6:]:8}"
+            try:
+                print(f"{what:68} {describe(compile_launch(launch, dtype))}", flush=True)
+            except Exception as exc:
+                failures += 1
+                print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
     for label, dtype, precision, p, has_bias in matmul_cases(args.quick):
         x, y = (torch.empty(1 << 20, dtype=dtype, device=meta) for _ in range(2))
         z = torch.empty(p.M * p.N, dtype=dtype, device=meta)

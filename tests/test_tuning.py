@@ -118,6 +118,7 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
         return small
 
     monkeypatch.setattr(tuning, "choose", choose)
+    monkeypatch.setattr(linear_module, "TUNE_MIN_MACS", 0)  # time even these tiny products
     g = Graph()
     x = g.input("x", (37, 5), requires_grad=True)
     g.output(teeny.ops.linear(x, g.parameter("w", (6, 5), teeny.init.kaiming_uniform(5)), g.parameter("b", (6,))).sum())
@@ -148,3 +149,11 @@ def test_heuristic_splits_long_contractions_with_few_output_tiles(monkeypatch):
     assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["SPLIT_K"] == 1
     for c in linear_module.candidates(dw, torch.float32, "tf32x3", False):
         assert linear_module._shared_bytes(c, torch.float32, c["SPLIT_K"]) <= linear_module.SHARED_MEMORY_BUDGET
+
+
+def test_small_products_take_the_heuristic_without_timing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tuning, "choose", lambda *args: calls.append(args))
+    p = linear_module.LinearOp.products([(128, 256), (784, 256)])["forward"]  # 2.6e7 multiply-adds
+    config = linear_module.choose_config(p, torch.float32, "ieee", True)
+    assert calls == [] and config == linear_module.default_config(p, torch.float32, "ieee", True)

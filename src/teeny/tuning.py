@@ -173,12 +173,12 @@ def choose(
     """The configuration to launch ``kernel`` with for ``key``: the cached winner, else the
     fastest of ``candidates`` by ``bench`` (then cached), else ``default`` (tuning off, no
     bench, or every candidate failed)."""
+    if not enabled() or bench is None or not candidates:
+        return default
     full = entry_key(kernel, key)
     hit = _MEMORY.get(full)
     if hit is not None:
         return hit
-    if not enabled() or bench is None or not candidates:
-        return default
     entry = _read(cache_path()).get(full)
     if isinstance(entry, dict) and entry.get("config") in list(candidates):
         _MEMORY[full] = dict(entry["config"])

@@ -454,6 +454,7 @@ _STRIDED_CANDIDATES = {
 _INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
 
 SPLIT_MIN_K_TILES = 8  # a split contraction keeps at least this many K tiles per run
+TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
 
 
 def _precision_class(dtype: torch.dtype, precision: str) -> str:
@@ -635,6 +636,8 @@ def choose_config(
     default = default_config(p, dtype, precision, has_bias)
     key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
+    if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
+        return default  # a few microseconds at most: not worth timing
     bench = _bench_for(p, dtype, precision, has_bias, f"tuning {kernel_name} {key}")
     if observe is not None:
         timed = bench
