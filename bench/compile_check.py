@@ -1,7 +1,9 @@
 """Compile teeny's matmul and conv kernels for the H200 (sm_90) on a machine without a GPU, and
-print what the compiler made of each configuration: tensor-core instructions (wgmma, mma),
-TMA copies, shared memory, registers and spills. A candidate that does not compile, or that
-needs more shared memory than a multiprocessor has (227 KiB), is listed as such.
+print what the compiler made of each configuration (every launch of it: the product, stream-K's
+segment sums, float32's K-major copies): tensor-core instructions (wgmma, mma), TMA copies,
+shared memory, registers and spills. A candidate that does not compile, or that needs more
+shared memory than a multiprocessor has (227 KiB; 113 KiB each for two per multiprocessor),
+is listed as such.
 
     python3 bench/compile_check.py [--quick]       # from the repository root, no GPU needed
 
@@ -40,6 +42,7 @@ tuning.multiprocessors = lambda: 132  # an H200
 tuning.has_tma = lambda: True
 tuning.gpu_name = lambda: "NVIDIA H200 (compile check)"
 SMEM_LIMIT = 227 * 1024
+SMEM_PER_PAIR = 113 * 1024  # two programs per multiprocessor: 228 KiB less 1 KiB each
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TRITON_TYPES = {
@@ -85,7 +88,7 @@ def compile_launch(launch, dtype):
     return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=TARGET, options=options)
 
 
-def describe(compiled) -> str:
+def describe(compiled, occupancy: int = 1) -> str:
     ptx = compiled.asm["ptx"]
     smem = compiled.metadata.shared
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -96,7 +99,7 @@ def describe(compiled) -> str:
         ).stdout
     regs = next((part for line in usage.splitlines() for part in line.split() if part.startswith("REG:")), "REG:?")
     local = next((part for line in usage.splitlines() for part in line.split() if part.startswith("LOCAL:")), "")
-    flags = " TOO MUCH SHARED MEMORY" if smem > SMEM_LIMIT else ""
+    flags = " TOO MUCH SHARED MEMORY" if smem > (SMEM_LIMIT if occupancy == 1 else SMEM_PER_PAIR) else ""
     return (
         f"wgmma {ptx.count('wgmma.mma_async'):3d} mma {ptx.count('mma.sync'):3d} "
         f"tma {ptx.count('cp.async.bulk.tensor'):2d} smem {smem // 1024:3d}K {regs} {local}{flags}"
@@ -104,17 +107,46 @@ def describe(compiled) -> str:
 
 
 def matmul_cases(quick: bool):
-    """(label, dtype, precision, product, has_bias) for linear's three products at one shape."""
-    rows, fin, fout = 8192, 768, 3072
-    products = linear.LinearOp.products([(rows, fin), (fout, fin)])
+    """(label, dtype, precision, product, has_bias, row_sums) for linear's three products at two
+    GPT-2 shapes (768->3072: many tiles; 768->768: dW shared out stream-K), dW with the bias
+    gradient fused."""
     dtypes = [(torch.bfloat16, None)]
     if not quick:
         dtypes += [(torch.float16, None), (torch.float32, "tf32x3"), (torch.float32, "tf32"),
                    (torch.float32, "ieee"), (torch.float64, None)]  # fmt: skip
-    for dtype, precision in dtypes:
-        precision = precision or linear.dot_precision(dtype, False)
-        for name, p in products.items():
-            yield f"{name:11}", dtype, precision, p, name == "forward"
+    for fin, fout in ((768, 3072), (768, 768)):
+        products = linear.LinearOp.products([(8192, fin), (fout, fin)])
+        for dtype, precision in dtypes:
+            precision = precision or linear.dot_precision(dtype, False)
+            for name, p in products.items():
+                if fout == 768 and name != "grad_weight":
+                    continue
+                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight"
+
+
+def specialisation(launch) -> tuple:
+    """What a compiled kernel depends on: constexprs, pointer dtypes and which are None."""
+    kinds = {param.name: param.kind for param in launch.kernel.params}
+    out = []
+    for v in launch.args.visits:
+        if isinstance(v.value, torch.Tensor):
+            out.append((v.name, str(v.value.dtype)))
+        elif v.value is None or kinds.get(v.name) == "constexpr":
+            out.append((v.name, str(v.value)))
+    return tuple(out)
+
+
+def describe_config(config) -> str:
+    text = (
+        f"{config['kernel']:7} {config['BLOCK_M']:3}x{config['BLOCK_N']:3}x{config['BLOCK_K']:3} "
+        f"w{config['num_warps']} s{config['num_stages']}"
+    )
+    if config["kernel"] == "tma":
+        flags = [("sub", config["SUBTILE"]), (f"sk{config['STREAM_K']}", config["STREAM_K"]),
+                 ("x2", config["OCCUPANCY"] == 2), ("kmajor", config["K_MAJOR"]),
+                 ("unfused", not config.get("FUSED_SUMS", True))]  # fmt: skip
+        text += "".join(f" {name}" for name, on in flags if on)
+    return text
 
 
 def op_launches():
@@ -173,24 +205,27 @@ def main():
             except Exception as exc:
                 failures += 1
                 print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
-    for label, dtype, precision, p, has_bias in matmul_cases(args.quick):
-        x, y = (torch.empty(1 << 20, dtype=dtype, device=meta) for _ in range(2))
-        z = torch.empty(p.M * p.N, dtype=dtype, device=meta)
+    compiled = {}
+    for label, dtype, precision, p, has_bias, row_sums in matmul_cases(args.quick):
+        x, y, z = (torch.empty(n, dtype=dtype, device=meta) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
         bias = torch.empty(p.N, dtype=dtype, device=meta) if has_bias else None
-        for config in linear.candidates(p, dtype, precision, has_bias):
+        sums = torch.empty(p.M, dtype=dtype, device=meta) if row_sums else None
+        for config in linear.candidates(p, dtype, precision, has_bias, row_sums):
             launches = linear.product_launches(
-                p, x, y, z, bias, dtype, precision, config, lambda s, d: torch.empty(s, dtype=d, device=meta)
+                p, x, y, z, bias, dtype, precision, config, lambda s, d: torch.empty(s, dtype=d, device=meta), sums
             )
-            what = (
-                f"{label} {str(dtype)[6:]:8} {precision:6} {config['kernel']:7} {config['BLOCK_M']:3}x"
-                f"{config['BLOCK_N']:3}x{config['BLOCK_K']:3} w{config['num_warps']} s{config['num_stages']}"
-                f" split{config.get('SPLIT_K', 1)}{' sub' if config.get('SUBTILE') else ''}"
-            )
-            try:
-                print(f"{what:68} {describe(compile_launch(launches[0], dtype))}", flush=True)
-            except Exception as exc:
-                failures += 1
-                print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
+            what = f"{label} {str(dtype)[6:]:8} {precision:6} {describe_config(config)}"
+            cells = []
+            for launch in launches:
+                key = (launch.kernel.name, dtype, config["num_warps"], config["num_stages"], specialisation(launch))
+                try:
+                    if key not in compiled:
+                        compiled[key] = describe(compile_launch(launch, dtype), config.get("OCCUPANCY", 1))
+                    cells.append(f"{launch.kernel.name}: {compiled[key]}")
+                except Exception as exc:
+                    failures += 1
+                    cells.append(f"{launch.kernel.name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+            print(f"{what:78} {' | '.join(cells)}", flush=True)
     print(f"{failures} failed, {time.time() - t0:.0f} s")
     sys.exit(1 if failures else 0)
 

@@ -144,37 +144,60 @@ def _run(launches, dtype):
         run_launch(launch, launch.kernel.instance(dtype), "test", 1)
 
 
+SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles) and the multiprocessors they run on
+    "whole": (dict(), 4),
+    "subtile": (dict(subtile=True), 4),
+    "stream_k": (dict(stream_k=1), 2),  # dW's 3 tiles shared by 2 programs
+    "stream_k_2_waves": (dict(stream_k=2, subtile=True), 3),  # dX's last 4 tiles shared by 3
+    "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),
+    "k_major": (dict(stream_k=1), 2),  # float32 only: MN-major operands copied K-major first
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("split,subtile", [(1, False), (1, True), (3, False)], ids=["plain", "subtile", "split3"])
-def test_tma_kernel_reads_every_layout_in_place(dtype, split, subtile, gen):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatch):
     """The Hopper kernel (it runs under the interpreter too) on linear's three products, whose
-    operands lie in all four layouts; sizes that are not multiples of the tiles."""
-    rows, fin, fout = 37, 24, 40
+    operands lie in all four layouts, with the bias (forward) and the bias gradient (the row
+    sums of dY^T in dW); sizes that are not multiples of the tiles; scratch memory starts as
+    NaN, so a partial box read before it is written shows."""
+    if schedule == "k_major" and dtype != torch.float32:
+        pytest.skip("K-major copies are for float32 tensor cores")
+    options, sms = SCHEDULES[schedule]
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    rows, fin, fout = 148, 24, 40  # 148 float32 rows: 16-byte aligned K-major copies
     x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
     bias = torch.randn(fout, generator=gen, dtype=torch.float64)
     cases = {
-        "forward": (x, w, x @ w.T + bias, bias),
-        "grad_input": (dy, w, dy @ w, None),
-        "grad_weight": (dy, x, dy.T @ x, None),
+        "forward": (x, w, x @ w.T + bias, bias, None),
+        "grad_input": (dy, w, dy @ w, None, None),
+        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
     }
     precision = linear_module.dot_precision(dtype, False)
+    shared = []
     for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
-        a, b, expected, bias_ = cases[name]
-        layout = p.tma_layout(dtype)
-        assert layout is not None, name
-        if split > 1 and bias_ is not None:
-            continue
-        config = dict(linear_module._cfg(16, 32, 16, 4, 2, split=split, subtile=subtile))
+        a, b, expected, bias_, sums_expected = cases[name]
+        assert p.tma_layout(dtype) is not None, name
+        config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
+        shared.append(linear_module.schedule(p, config).slots > 1)
         z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
+        sums = None if sums_expected is None else torch.empty(fout, dtype=dtype, device=teeny.DEVICE)
         args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
         launches = linear_module.product_launches(
             p, args[0], args[1], z, args[2], dtype, precision, config,
-            lambda s, d: torch.empty(s, dtype=d, device=teeny.DEVICE),
+            lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), sums,
         )  # fmt: skip
-        assert launches[0].kernel is linear_module.matmul_tma and len(launches) == (2 if split > 1 else 1)
+        kernels = [launch.kernel for launch in launches]
+        assert linear_module.matmul_tma in kernels and (linear_module.matmul_sum_segments in kernels) == shared[-1]
+        if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
+            copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
+            assert kernels.count(linear_module.matmul_k_major) == copies
         _run(launches, dtype)
         atol, rtol = tolerance(dtype, max(rows, fin, fout))
         torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
+        if sums is not None:
+            torch.testing.assert_close(sums.cpu().double(), sums_expected, atol=atol, rtol=rtol, msg=name)
+    assert any(shared) == (options.get("stream_k", 0) > 0)
 
 
 def test_tma_layout_refuses_what_tma_cannot_read():
@@ -191,15 +214,17 @@ def test_tma_layout_refuses_what_tma_cannot_read():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
-    """The GPU's path (TMA kernel, heuristic configurations, split dW with its partial sums,
-    the bias gradient) run by the interpreter: as the op lowers and runs it on an H200."""
+    """The GPU's path (TMA kernel, heuristic configurations, dW stream-K with its segment sums
+    and the bias gradient fused into it) run by the interpreter, as the op lowers and runs it
+    on a Hopper GPU (of 4 multiprocessors, so that dW's one tile is shared out)."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
-    rows, fin, fout = 1030, 24, 40  # dW contracts over 1030 rows: split
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    rows, fin, fout = 1030, 24, 40  # dW contracts over 1030 rows: stream-K
     products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
-    config = linear_module.default_config(products["grad_weight"], dtype, "tf32", False)
-    assert config["kernel"] == "tma" and config["SPLIT_K"] > 1
+    precision = linear_module.dot_precision(dtype, False)
+    config = linear_module.default_config(products["grad_weight"], dtype, precision, False, row_sums=True)
+    assert config["kernel"] == "tma" and linear_module.schedule(products["grad_weight"], config).slots > 1
     x = torch.randn(rows, fin, generator=gen)
     w = torch.randn(fout, fin, generator=gen) / fin**0.5
     b = torch.randn(fout, generator=gen)
@@ -215,7 +240,9 @@ def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
         out, cache = ex.forward_train(dict(zip("xwb", args)))
         grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
         grads = ex.backward(cache, grad)
-    assert [r.kernel for r in log].count("matmul_tma") == 3
+    kernels = [r.kernel for r in log]
+    assert kernels.count("matmul_tma") == 3 and "matmul_sum_segments" in kernels
+    assert "sum_to_shape_kernel" not in kernels  # the bias gradient came with dW
     refs = [t.detach().double().requires_grad_(True) for t in args]
     ref = torch.nn.functional.linear(*refs)
     ref.backward(grad.double())

@@ -138,17 +138,44 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
     torch.testing.assert_close(out.cpu(), (xs @ w.T + b).sum(), atol=1e-4, rtol=1e-5)
 
 
-def test_heuristic_splits_long_contractions_with_few_output_tiles(monkeypatch):
+def test_heuristic_shares_out_long_contractions_with_few_output_tiles(monkeypatch):
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]  # 36 tiles of 128 x 128
-    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False)
-    assert config["kernel"] == "tma" and config["SPLIT_K"] > 1
-    fwd = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: no split
-    assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["SPLIT_K"] == 1
-    for c in linear_module.candidates(dw, torch.float32, "tf32x3", False):
-        assert linear_module._shared_bytes(c, torch.float32, c["SPLIT_K"]) <= linear_module.SHARED_MEMORY_BUDGET
+    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]  # 18 tiles of 128 x 256
+    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    assert config["kernel"] == "tma" and config["STREAM_K"] and config["FUSED_SUMS"]
+    plan = linear_module.schedule(dw, config)
+    assert plan.programs == 132 and plan.dp_tiles == 0 and plan.sk_tiles == 18 and plan.slots > 1
+    fwd = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: all whole
+    assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["STREAM_K"] == 0
+    options = linear_module.candidates(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    assert {c["FUSED_SUMS"] for c in options} == {True, False} and any(c["OCCUPANCY"] == 2 for c in options)
+    for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
+        for c in linear_module.candidates(dw, dtype, precision, False):
+            budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
+            assert linear_module._shared_bytes(c, dtype) <= budget
+    # float32: dW reads both operands MN-major, so K-major copies are among the candidates
+    assert any(c["K_MAJOR"] for c in linear_module.candidates(dw, torch.float32, "tf32x3", False))
+    assert not any(c["K_MAJOR"] for c in linear_module.candidates(fwd, torch.float32, "tf32x3", True))
+
+
+def test_stream_k_schedule_gives_every_program_its_share():
+    """The host's schedule and the kernels' owners agree: every K tile of the shared tiles is
+    taken by exactly one program, the programs' shares differ by at most one K tile."""
+    p = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["grad_weight"]
+    config = linear_module._cfg(128, 256, 64, 8, 3, stream_k=1)
+    plan = linear_module.schedule(p, config)  # 72 tiles on the interpreter's 4 "multiprocessors"
+    k_tiles = 8192 // 64
+    total = plan.sk_tiles * k_tiles
+    shares = [(q + 1) * total // plan.programs - q * total // plan.programs for q in range(plan.programs)]
+    assert sum(shares) == total and max(shares) - min(shares) <= 1
+    for i in range(plan.sk_tiles):
+        first = ((i * k_tiles + 1) * plan.programs - 1) // total
+        last = ((i + 1) * k_tiles * plan.programs - 1) // total
+        assert first * total // plan.programs <= i * k_tiles < (first + 1) * total // plan.programs
+        assert last * total // plan.programs <= (i + 1) * k_tiles - 1 < (last + 1) * total // plan.programs
+        assert last - first + 1 <= plan.slots
 
 
 def test_small_products_take_the_heuristic_without_timing(monkeypatch):

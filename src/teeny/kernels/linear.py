@@ -15,21 +15,26 @@ transposed operand is the same buffer with its strides swapped, read in place:
 Two kernels compute them:
 
 * ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
-  rows): a persistent grid of one program per multiprocessor walks the output tiles in grouped
+  rows): persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
   descriptors made on the device, zero-filled past the edges, in either layout (a transposed
   operand is described as it lies and its tile transposed in shared memory); the bias is
-  added in the epilogue. Products with few output tiles and a long contraction (dW of a small
-  layer over many tokens) split the contraction over ``SPLIT_K`` runs into fp32 partials that
-  ``common.sum_partials`` adds up.
+  added in the epilogue. Where whole tiles would leave the last wave of programs part idle
+  (few output tiles and a long contraction: dW of a layer over many tokens), the last waves'
+  tiles are shared out stream-K: their K tiles, laid end to end, are split evenly over the
+  programs, and ``matmul_sum_segments`` adds up the fp32 segments of the tiles that several
+  programs shared (in a fixed order: bit-reproducible, no atomics). linear's dW = dY^T X also
+  sums the dY^T tiles it reads over the rows: the bias gradient without another pass over dY
+  (the programs of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major only, so
+  an MN-major float32 operand may be copied K-major first (``matmul_k_major``, one pass).
 * ``matmul_product`` (everything else: batched and broadcast products, unaligned strides, the
-  interpreter): the same tiles in grouped order through strided pointer loads.
+  interpreter): the same tiles in grouped order through strided pointer loads; the bias
+  gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
 
-The bias gradient is ``common.sum_to_shape`` of dY (one pass reading dY once).
-
-Tile sizes, warps, stages and the split are chosen per static shape when the program is
-lowered: ``teeny.tuning`` times a few candidates on the GPU and caches the winner on disk;
-under the interpreter, or with tuning off (``TEENY_TUNING=0``), ``default_config`` decides.
+Tile sizes, warps, stages, the schedule and the copies are chosen per static shape when the
+program is lowered: ``teeny.tuning`` times a few candidates on the GPU and caches the winner
+on disk; under the interpreter, or with tuning off (``TEENY_TUNING=0``), ``default_config``
+decides.
 
 Precision: float64 is exact (``input_precision="ieee"``). float32 products use ``"tf32x3"``
 on the GPU (three TF32 tensor-core products of split operands: more accurate than cuBLAS
@@ -59,7 +64,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, run_launch
-from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, sum_partials, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
+from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -92,13 +97,104 @@ def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
 
-@kernel(half=True, optional=("bias_ptr",))
-@triton.jit(do_not_specialize=["programs", "k_tiles_per_split"])
+ROW_SUM_COLUMNS = tl.constexpr(16)  # the narrowest tl.dot: X @ [1 0 ... 0] (K x 16) sums X's rows
+
+
+@triton.jit
+def _tile_product(
+    x_desc,
+    y_desc,
+    m0,
+    n0,
+    k_lo,
+    k_hi,
+    X_K_CONTIGUOUS: tl.constexpr,
+    Y_K_CONTIGUOUS: tl.constexpr,
+    ROW_SUMS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROW_SUM_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """sum over K tiles k_lo..k_hi-1 of X[m0 +, k] @ Y[k, n0 +] in ACC and (ROW_SUMS) the sums
+    of those X tiles' rows. The row sums are a second, 16-wide product with the X tile already
+    in shared memory (in every program: a reduction in registers would load the tile from
+    shared memory and synchronise the warps every step), 1/16 more tensor-core work at
+    BLOCK_N = 256."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    row_acc = tl.zeros((BLOCK_M, ROW_SUM_COLUMNS), dtype=ACC)
+    for kt in range(k_lo, k_hi):
+        k0 = kt * BLOCK_K
+        if X_K_CONTIGUOUS:
+            a = x_desc.load([m0, k0])
+        else:
+            a = x_desc.load([k0, m0]).T
+        if Y_K_CONTIGUOUS:
+            b = y_desc.load([n0, k0]).T
+        else:
+            b = y_desc.load([k0, n0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if ROW_SUMS:  # first: then waiting for it leaves the big product in flight
+            first_column = tl.arange(0, ROW_SUM_COLUMNS)[None, :] == 0
+            ones = tl.where(first_column, 1.0, 0.0).to(a.dtype) + tl.zeros((BLOCK_K, ROW_SUM_COLUMNS), dtype=a.dtype)
+            row_acc = tl.dot(a, ones, row_acc, input_precision=ROW_SUM_PRECISION, out_dtype=ACC)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+    return acc, tl.sum(row_acc, axis=1)  # the other columns are zeros: exact
+
+
+@triton.jit
+def _store_tile(desc, row, col, acc, out_ptr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc into the (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), in out_ptr's dtype; SUBTILE
+    stores each half of the columns on its own (half the shared memory for the epilogue)."""
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        desc.store([row, col], left.to(out_ptr.dtype.element_ty))
+        desc.store([row, col + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+    else:
+        desc.store([row, col], acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _finish_tile(
+    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, sum_rows,
+    ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a tile whose whole contraction one program summed: bias, store, row sums."""
+    if bias_ptr is not None:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+    _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+    if row_sums_ptr is not None:
+        if sum_rows:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            tl.store(row_sums_ptr + offs_m, row_sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
+
+
+@triton.jit
+def _segment_owners(i, k_tiles, total, programs):
+    """The first and last program of stream-K tile i: program p takes the K tiles
+    p * total // programs ... (p + 1) * total // programs - 1 of the tiles laid end to end."""
+    first = ((i * k_tiles + 1) * programs - 1) // total
+    last = ((i + 1) * k_tiles * programs - 1) // total
+    return first, last
+
+
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr"))
+@triton.jit(do_not_specialize=["programs", "dp_tiles", "partial_rows"])
 def matmul_tma(
     x_ptr,
     y_ptr,
     z_ptr,
     bias_ptr,
+    row_sums_ptr,
+    partial_ptr,
+    partial_sums_ptr,
     M,
     N,
     K,
@@ -106,12 +202,13 @@ def matmul_tma(
     y_stride,
     z_stride,
     programs,
-    k_tiles_per_split,
+    dp_tiles,
+    partial_rows,
     X_K_CONTIGUOUS: tl.constexpr,
     Y_K_CONTIGUOUS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_SUM_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -119,12 +216,18 @@ def matmul_tma(
     GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
 ):
-    """Z = X @ Y (+ bias) for a 2-D product: ``programs`` persistent programs take the output
-    tiles in turn. X is (M, K) with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed,
-    (K, M) with rows x_stride apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with
-    rows z_stride apart. SPLIT_K > 1: tile (s, m, n) sums the s-th run of k_tiles_per_split
-    K tiles into Z[s] of (SPLIT_K, M, N) partials in ACC. SUBTILE stores each half of the
-    tile's columns on its own (less shared memory for the epilogue, more for the pipeline)."""
+    """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs. X is (M, K)
+    with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed, (K, M) with rows x_stride
+    apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart.
+    row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
+    by the programs of the first column tile.
+
+    Tiles 0 .. dp_tiles - 1 (grouped order) go round the programs whole. The rest are stream-K
+    (with partial_ptr): their K tiles, laid end to end, are shared out evenly, so the last wave
+    leaves no multiprocessor idle; a tile that one program sums whole is stored as above, the
+    segments of a shared one go to the fp32 (ACC) partials, (partial_rows, BLOCK_N), in boxes
+    of BLOCK_M rows, (slot, tile) with slot = program - the tile's first, which
+    ``matmul_sum_segments`` adds up."""
     if X_K_CONTIGUOUS:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [x_stride, 1], [BLOCK_M, BLOCK_K])
     else:
@@ -133,58 +236,137 @@ def matmul_tma(
         y_desc = tl.make_tensor_descriptor(y_ptr, [N, K], [y_stride, 1], [BLOCK_N, BLOCK_K])
     else:
         y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
-    if SPLIT_K > 1:
-        z_desc = tl.make_tensor_descriptor(
-            z_ptr, [SPLIT_K, M, N], [M.to(tl.int64) * z_stride, z_stride, 1], [1, BLOCK_M, BLOCK_N]
-        )
-    elif SUBTILE:
-        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, BLOCK_N // 2])
-    else:
-        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, BLOCK_N])
+    store_n: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
+    row_sums_wanted: tl.constexpr = row_sums_ptr is not None
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tiles_m * tiles_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles * SPLIT_K, programs, flatten=True):
-        split = tile // tiles
-        pid_m, pid_n = _grouped_tile(tile % tiles, tiles_m, tiles_n, GROUP_M)
+    pid = tl.program_id(0)
+    whole_tiles = (dp_tiles - pid + programs - 1) // programs  # tiles pid, pid + programs, ...
+    items = whole_tiles
+    if partial_ptr is not None:
+        sk_tiles = tiles_m * tiles_n - dp_tiles
+        total = sk_tiles.to(tl.int64) * k_tiles
+        start = pid * total // programs  # this program's K tiles of the stream-K tiles laid end to end
+        end = (pid + 1) * total // programs
+        first_shared = start // k_tiles
+        items += ((end + k_tiles - 1) // k_tiles - first_shared).to(tl.int32)
+    # one loop over this program's whole tiles, then its stream-K segments (one loop nest: one
+    # set of pipeline buffers in shared memory)
+    for item in tl.range(0, items, flatten=True):
+        if partial_ptr is not None:
+            whole = item < whole_tiles
+            i = first_shared + (item - whole_tiles)  # the stream-K tile, where not whole
+            tile = tl.where(whole, pid + item * programs, dp_tiles + i).to(tl.int32)
+            k_lo = tl.where(whole, 0, tl.maximum(start - i * k_tiles, 0)).to(tl.int32)
+            k_hi = tl.where(whole, k_tiles, tl.minimum(end - i * k_tiles, k_tiles)).to(tl.int32)
+        else:
+            tile = pid + item * programs
+            k_lo = 0
+            k_hi = k_tiles
+        pid_m, pid_n = _grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        k_first = split * k_tiles_per_split
-        k_end = tl.minimum(k_first + k_tiles_per_split, k_tiles)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-        for kt in range(k_first, k_end):
-            k0 = kt * BLOCK_K
-            if X_K_CONTIGUOUS:
-                a = x_desc.load([m0, k0])
-            else:
-                a = x_desc.load([k0, m0]).T
-            if Y_K_CONTIGUOUS:
-                b = y_desc.load([n0, k0]).T
-            else:
-                b = y_desc.load([k0, n0])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-        if bias_ptr is not None:
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
-        if SPLIT_K > 1:
-            z_desc.store([split, m0, n0], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)).to(z_ptr.dtype.element_ty))
-        elif SUBTILE:
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            left, right = tl.split(halves)
-            z_desc.store([m0, n0], left.to(z_ptr.dtype.element_ty))
-            z_desc.store([m0, n0 + BLOCK_N // 2], right.to(z_ptr.dtype.element_ty))
+        acc, row_sums = _tile_product(
+            x_desc, y_desc, m0, n0, k_lo, k_hi, X_K_CONTIGUOUS, Y_K_CONTIGUOUS, row_sums_wanted,
+            ACC, PRECISION, ROW_SUM_PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if partial_ptr is None:
+            _finish_tile(
+                z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
         else:
-            z_desc.store([m0, n0], acc.to(z_ptr.dtype.element_ty))
+            first, last = _segment_owners(i, k_tiles, total, programs)
+            if whole | (first == last):
+                _finish_tile(
+                    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
+                    BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            else:
+                # a segment of a shared tile: its box of fp32 partials, stored from registers
+                # (no staging tile in shared memory, which the pipeline needs)
+                row = ((pid - first) * sk_tiles + i) * BLOCK_M
+                box = partial_ptr + (row + tl.arange(0, BLOCK_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(box, acc)
+                if row_sums_wanted:
+                    if pid_n == 0:
+                        tl.store(partial_sums_ptr + row + tl.arange(0, BLOCK_M), row_sums)
+
+
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr"))
+@triton.jit(do_not_specialize=["programs", "dp_tiles"])
+def matmul_sum_segments(
+    partial_ptr,
+    partial_sums_ptr,
+    z_ptr,
+    bias_ptr,
+    row_sums_ptr,
+    M,
+    N,
+    K,
+    z_stride,
+    programs,
+    dp_tiles,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+):
+    """The second pass of ``matmul_tma``'s stream-K tiles: program (i, c) adds up the segments
+    of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), in slot order
+    (bit-reproducible), adds the bias and stores Z; for the first column tile, the row sums too.
+    Tiles summed whole by one program were stored by ``matmul_tma`` and are left alone."""
+    i = tl.program_id(0).to(tl.int64)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    sk_tiles = tiles_m * tiles_n - dp_tiles
+    total = sk_tiles.to(tl.int64) * k_tiles
+    first, last = _segment_owners(i, k_tiles, total, programs)
+    if first < last:
+        pid_m, pid_n = _grouped_tile(dp_tiles + i, tiles_m, tiles_n, GROUP_M)
+        rows = tl.program_id(1) * CHUNK_M + tl.arange(0, CHUNK_M)
+        cols = tl.arange(0, BLOCK_N)
+        acc = tl.zeros((CHUNK_M, BLOCK_N), dtype=ACC)
+        for slot in range(0, last - first + 1):
+            box = (slot * sk_tiles + i) * BLOCK_M + rows
+            acc += tl.load(partial_ptr + box[:, None] * BLOCK_N + cols[None, :])
+        offs_m = pid_m * BLOCK_M + rows
+        offs_n = pid_n * BLOCK_N + cols
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+        z = z_ptr + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
+        tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        if row_sums_ptr is not None:
+            if pid_n == 0:
+                sums = tl.zeros((CHUNK_M,), dtype=ACC)
+                for slot in range(0, last - first + 1):
+                    sums += tl.load(partial_sums_ptr + (slot * sk_tiles + i) * BLOCK_M + rows)
+                tl.store(row_sums_ptr + offs_m, sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
+
+
+@kernel
+@triton.jit
+def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, BLOCK: tl.constexpr):
+    """dst[c, r] = src[r, c]: a float32 operand that lies MN-major copied K-major (dst is
+    contiguous, (cols, rows); src has rows src_stride apart and contiguous columns)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    tile = tl.load(src_ptr + r[:, None] * src_stride + c[None, :], mask=mask)
+    tl.store(dst_ptr + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
 # matmul_product computes every product (the backward ones are products with swapped strides);
 # its backward= lists what a backward launches besides it: the Hopper kernel and the sums of
 # the bias gradient and of split-contraction partials.
-@kernel(backward=(matmul_tma, sum_to_shape_kernel), half=True, optional=("bias_ptr",))
+@kernel(
+    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, sum_to_shape_kernel), half=True, optional=("bias_ptr",)
+)
 def matmul_product(
     x_ptr,
     y_ptr,
@@ -373,18 +555,25 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
 # ------------------------------------------------------------------- configurations
 
 # A configuration is a dict: the kernel ("tma" or "strided"), its tile constexprs and Triton's
-# num_warps / num_stages; "tma" ones add SPLIT_K and SUBTILE. Candidates per operand precision
-# (what the tuning pass times); the first of each list is the default where nothing is timed.
+# num_warps / num_stages. "tma" ones add SUBTILE (the epilogue stores half tiles), STREAM_K
+# (how many of the last waves of tiles are shared out stream-K; 0: none), OCCUPANCY (programs
+# per multiprocessor: 2 lets one program's epilogue overlap the other's products) and K_MAJOR
+# (float32: copy MN-major operands K-major first, see candidates); products that also sum X's
+# rows add FUSED_SUMS (in the kernel, or a separate column sum). Candidates per operand
+# precision (what the tuning pass times); the first of each list is the default where nothing
+# is timed.
 
 
-def _cfg(bm, bn, bk, warps, stages, split=1, subtile=False, kind="tma") -> dict:
+def _cfg(bm, bn, bk, warps, stages, subtile=False, stream_k=0, occupancy=1, kind="tma") -> dict:
     config = {"kernel": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
               "num_warps": warps, "num_stages": stages}  # fmt: skip
     if kind == "tma":
-        config.update(SPLIT_K=split, SUBTILE=subtile)
+        config.update(SUBTILE=subtile, STREAM_K=stream_k, OCCUPANCY=occupancy, K_MAJOR=False)
     return config
 
 
+# H200 (bench/matmul_sweep.py, run 3): 128x256x64 w8s3 wins at 4096^3 (0.98x cuBLAS) and on
+# long rows; 128x128 tiles on 768-wide outputs; 128x64 tiles on small ones.
 _TMA_CANDIDATES = {
     "half": [
         _cfg(128, 256, 64, 8, 3),
@@ -395,6 +584,10 @@ _TMA_CANDIDATES = {
         _cfg(128, 128, 128, 8, 3),
         _cfg(64, 256, 64, 4, 4),
         _cfg(128, 64, 64, 4, 5),
+        # two programs per multiprocessor (at most half the shared memory each)
+        _cfg(128, 128, 64, 4, 2, occupancy=2),
+        _cfg(128, 128, 32, 4, 4, occupancy=2),
+        _cfg(128, 128, 64, 4, 3, subtile=True, occupancy=2),
     ],
     TF32X3: [
         _cfg(128, 128, 32, 8, 3),
@@ -422,21 +615,29 @@ _TMA_CANDIDATES = {
         _cfg(128, 128, 16, 8, 2),
     ],
 }
+# how many of each list (the first) also get stream-K and K_MAJOR variants
+_VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
 
-# What a multiprocessor offers a program (227 KiB on Hopper), less a margin for the barriers
-# (bench/compile_check.py prints what each candidate takes: the estimate below was exact for
-# all of them but tf32x3 with 128x256 tiles, 16 KiB more).
+# What a multiprocessor offers a program (227 KiB on Hopper), less a margin for the barriers;
+# two programs per multiprocessor share 228 KiB less 1 KiB reserved for each. The estimate
+# below is an upper bound: bench/compile_check.py prints what each candidate takes (128x256x64
+# bf16, 3 stages: 196 KiB against 208 estimated).
 SHARED_MEMORY_BUDGET = 226 * 1024
+SHARED_MEMORY_PER_PAIR = 112 * 1024
 
 
-def _shared_bytes(config: dict, dtype: torch.dtype, split: int) -> int:
+def _shared_bytes(config: dict, dtype: torch.dtype) -> int:
     """Shared memory a TMA configuration needs: num_stages operand tiles and the epilogue's
-    staging tile (in the accumulation dtype when it writes split partials)."""
+    staging tile (stream-K partials are stored from registers: no more)."""
     size = torch.empty((), dtype=dtype).element_size()
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
-    out_size = torch.empty((), dtype=acc_dtype(dtype)).element_size() if split > 1 else size
-    store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] and split == 1 else config["BLOCK_N"]
-    return operands + config["BLOCK_M"] * store_n * out_size
+    store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
+    return operands + config["BLOCK_M"] * store_n * size
+
+
+def _fits(config: dict, dtype: torch.dtype) -> bool:
+    budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
+    return _shared_bytes(config, dtype) <= budget
 
 
 # H200, bf16 4096^3 forward+backward (bench/tune_launch.py, version 1): 8 warps and 4 stages for
@@ -453,7 +654,11 @@ _STRIDED_CANDIDATES = {
 # the interpreter pays per program instance, not per element: few, wide ones
 _INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
 
-SPLIT_MIN_K_TILES = 8  # a split contraction keeps at least this many K tiles per run
+STREAM_K_MIN_K_TILES = 4  # a stream-K program takes at least this many K tiles
+STREAM_K_MAX_WAVES = 8  # beyond this many waves of tiles an idle last wave costs little: no stream-K
+STREAM_K_FULL_WAVE = 0.8  # a last wave this full (of the multiprocessors) leaves little to share out
+SEGMENT_SUM_ELEMENTS = 8192  # partial elements per program of matmul_sum_segments
+K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
 
 
@@ -465,47 +670,91 @@ def _precision_class(dtype: torch.dtype, precision: str) -> str:
     return precision
 
 
-def _split_options(p: Product, config: dict, dtype: torch.dtype) -> list[int]:
-    """Useful SPLIT_K values for ``config``'s tiles: more than one only where the output tiles
-    leave multiprocessors idle and the contraction is long enough to share out."""
+@dataclass(frozen=True)
+class Schedule:
+    """How ``matmul_tma``'s ``programs`` share out a product: tiles 0 .. dp_tiles - 1 whole, the
+    ``sk_tiles`` after them stream-K, a shared tile's segments in up to ``slots`` partial boxes
+    (slots 1: no tile is shared, no second pass)."""
+
+    programs: int
+    dp_tiles: int
+    sk_tiles: int
+    slots: int
+
+
+def schedule(p: Product, config: dict) -> Schedule:
+    """The schedule of ``p`` under a TMA ``config``: STREAM_K = w shares out the tiles of the last
+    w waves (a wave: one tile per program), where each program gets enough K tiles."""
     tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
     k_tiles = cdiv(p.K, config["BLOCK_K"])
-    partial_size = torch.empty((), dtype=acc_dtype(dtype)).element_size()
-    if (p.N * partial_size) % TMA_ALIGN or p.z[0] != p.N:
-        return [1]
-    sms = tuning.multiprocessors()
-    out, split = [1], 2
-    while split <= 8 and tiles * split <= 2 * sms and k_tiles >= split * SPLIT_MIN_K_TILES:
-        out.append(split)
-        split *= 2
-    return out
+    full = config["OCCUPANCY"] * tuning.multiprocessors()
+    whole = Schedule(min(tiles, full), tiles, 0, 1)
+    if not config["STREAM_K"]:
+        return whole
+    dp_tiles = max(0, cdiv(tiles, full) - config["STREAM_K"]) * full
+    sk_tiles = tiles - dp_tiles
+    total = sk_tiles * k_tiles
+    if total < full * STREAM_K_MIN_K_TILES:
+        return whole
+    # the owners of tile i, as _segment_owners computes them in the kernels
+    slots = max(((i + 1) * k_tiles * full - 1) // total - ((i * k_tiles + 1) * full - 1) // total + 1
+                for i in range(sk_tiles))  # fmt: skip
+    return whole if slots == 1 else Schedule(full, dp_tiles, sk_tiles, slots)
 
 
-def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool) -> list[dict]:
-    """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick)."""
+def _stream_k_useful(p: Product, config: dict, waves: int) -> bool:
+    """Whether STREAM_K = waves changes ``config``'s schedule for ``p`` in a way worth timing:
+    the whole tiles would leave a last wave under STREAM_K_FULL_WAVE full, within a few waves."""
+    plain = schedule(p, config)
+    tiles = plain.dp_tiles
+    full = config["OCCUPANCY"] * tuning.multiprocessors()
+    last_wave = tiles - (cdiv(tiles, full) - 1) * full
+    if cdiv(tiles, full) > STREAM_K_MAX_WAVES or last_wave >= STREAM_K_FULL_WAVE * full:
+        return False
+    shared = schedule(p, {**config, "STREAM_K": waves})
+    return shared != plain and (waves == 1 or shared != schedule(p, {**config, "STREAM_K": waves - 1}))
+
+
+def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
+    """float32 tensor cores (tf32, tf32x3) read both operands K-major only: an MN-major operand
+    tile is transposed through shared memory in every program that reads it (H200, 4096^3
+    tf32x3: 0.81x cuBLAS with one such operand, 0.72x with two, 1.74x with none), so a K-major
+    copy made once (one pass over the operand) is worth timing. Its rows must be 16-byte aligned."""
+    layout = p.tma_layout(dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    return (not (layout.x_k_contiguous and layout.y_k_contiguous)) and (p.K * size) % TMA_ALIGN == 0
+
+
+def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> list[dict]:
+    """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
+    ``row_sums``: the product also sums X's rows (linear's bias gradient)."""
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
     if p.tma_layout(dtype) is None or not tuning.has_tma():
         return list(_STRIDED_CANDIDATES[cls])
     out = []
-    for option in _TMA_CANDIDATES[cls]:
-        splits = [1] if has_bias else _split_options(p, option, dtype)
-        out += [{**option, "SPLIT_K": s} for s in splits if _shared_bytes(option, dtype, s) <= SHARED_MEMORY_BUDGET]
+    for index, option in enumerate(_TMA_CANDIDATES[cls]):
+        variants = [option]
+        if index < _VARIANTS_OF[cls]:
+            variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
+            if cls in (TF32X3, TF32) and _k_major_useful(p, dtype):
+                variants += [{**v, "K_MAJOR": True} for v in variants]
+        out += [v for v in variants if _fits(v, dtype)]
+    if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
+        out = [{**c, "FUSED_SUMS": True} for c in out] + [{**c, "FUSED_SUMS": False} for c in out[:3]]
     return out
 
 
-def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: bool) -> dict:
-    """The heuristic: the first candidate, with 128x128 tiles and the largest useful split
-    where the output has fewer tiles than the GPU has multiprocessors."""
-    options = candidates(p, dtype, precision, has_bias)
+def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> dict:
+    """The heuristic: the first candidate, or its first stream-K variant where the output has
+    fewer tiles than the GPU has multiprocessors."""
+    options = candidates(p, dtype, precision, has_bias, row_sums)
     config = options[0]
-    if config["kernel"] == "tma" and cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]) < (
-        tuning.multiprocessors()
-    ):
-        small = [c for c in options if c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 128 and c["num_warps"] == 8]
-        if small:
-            config = max(small, key=lambda c: c["SPLIT_K"])
+    if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
+        shared = [c for c in options if c["STREAM_K"] and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
+        if shared:
+            config = shared[0]
     return config
 
 
@@ -529,6 +778,70 @@ def _tiles(config: dict) -> dict:
     return {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
 
 
+class _ScratchContext:
+    """What ``sum_to_shape`` uses of an OpContext: somewhere to put its partials."""
+
+    def __init__(self, scratch: Callable[[tuple, torch.dtype], torch.Tensor]):
+        self._scratch = scratch
+
+    def empty(self, shape, dtype=None) -> torch.Tensor:
+        return self._scratch(tuple(shape), dtype)
+
+
+def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, stride: int) -> Launch:
+    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=stride, BLOCK=K_MAJOR_BLOCK)
+    grid = (cdiv(rows, K_MAJOR_BLOCK), cdiv(cols, K_MAJOR_BLOCK))
+    return Launch(matmul_k_major, grid, args, Block(num_warps=4), work=rows * cols)
+
+
+def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch):
+    """matmul_tma's launch for ``config`` (and matmul_sum_segments' where tiles are shared)."""
+    sched = schedule(p, config)
+    shared = sched.slots > 1
+    box_rows = sched.slots * sched.sk_tiles * config["BLOCK_M"]
+    partials = scratch((box_rows, config["BLOCK_N"]), acc_dtype(dtype)) if shared else None
+    partial_sums = scratch((box_rows,), acc_dtype(dtype)) if shared and row_sums is not None else None
+    args = ArgVisitor().visit(
+        x_ptr=x,
+        y_ptr=y,
+        z_ptr=z,
+        bias_ptr=bias,
+        row_sums_ptr=row_sums,
+        partial_ptr=partials,
+        partial_sums_ptr=partial_sums,
+        M=p.M,
+        N=p.N,
+        K=p.K,
+        x_stride=layout.x_stride,
+        y_stride=layout.y_stride,
+        z_stride=layout.z_stride,
+        programs=sched.programs,
+        dp_tiles=sched.dp_tiles,
+        partial_rows=box_rows,
+        X_K_CONTIGUOUS=layout.x_k_contiguous,
+        Y_K_CONTIGUOUS=layout.y_k_contiguous,
+        ACC=tl_acc_dtype(dtype),
+        PRECISION=precision,
+        # float32 row sums at float32 accuracy even where the product is plain tf32
+        ROW_SUM_PRECISION=TF32X3 if precision == TF32 and dtype == torch.float32 else precision,
+        UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
+        SUBTILE=config["SUBTILE"],
+        **_tiles(config),
+    )
+    block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
+    if shared:
+        chunk = min(config["BLOCK_M"], max(1, SEGMENT_SUM_ELEMENTS // config["BLOCK_N"]))
+        sums = ArgVisitor().visit(
+            partial_ptr=partials, partial_sums_ptr=partial_sums, z_ptr=z, bias_ptr=bias, row_sums_ptr=row_sums,
+            M=p.M, N=p.N, K=p.K, z_stride=layout.z_stride, programs=sched.programs, dp_tiles=sched.dp_tiles,
+            ACC=tl_acc_dtype(dtype), CHUNK_M=chunk, **_tiles(config),
+        )  # fmt: skip
+        grid = (sched.sk_tiles, config["BLOCK_M"] // chunk)
+        launches.append(Launch(matmul_sum_segments, grid, sums, Block(num_warps=4), work=p.work()))
+    return launches
+
+
 def product_launches(
     p: Product,
     x: torch.Tensor,
@@ -539,49 +852,40 @@ def product_launches(
     precision: str,
     config: dict,
     scratch: Callable[[tuple, torch.dtype], torch.Tensor],
+    row_sums: torch.Tensor | None = None,
 ) -> list[Launch]:
     """The launches computing ``p`` into ``z`` with ``config`` (``scratch(shape, dtype)``
-    allocates the partials of a split contraction)."""
-    block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    allocates the partials of stream-K tiles and K-major copies); ``row_sums``: also the sums
+    of X's rows over the contraction (X must then be stored transposed and contiguous, (K, M),
+    as linear's dY is), in the kernel or by ``sum_to_shape``."""
     layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
+    fused = row_sums is not None and layout is not None and config.get("FUSED_SUMS", True)
     if layout is None:
         if config["kernel"] == "tma":
             raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
         args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config))
         grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
-        return [Launch(matmul_product, grid, args, block, work=p.work())]
-    split = config["SPLIT_K"]
-    k_tiles = cdiv(p.K, config["BLOCK_K"])
-    per_split = cdiv(k_tiles, split)
-    split = cdiv(k_tiles, per_split)  # no empty runs
-    target = z if split == 1 else scratch((split, p.M, p.N), acc_dtype(dtype))
-    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]) * split
-    programs = min(tiles, tuning.multiprocessors())
-    args = ArgVisitor().visit(
-        x_ptr=x,
-        y_ptr=y,
-        z_ptr=target,
-        bias_ptr=bias,
-        M=p.M,
-        N=p.N,
-        K=p.K,
-        x_stride=layout.x_stride,
-        y_stride=layout.y_stride,
-        z_stride=layout.z_stride if split == 1 else p.N,
-        programs=programs,
-        k_tiles_per_split=per_split,
-        X_K_CONTIGUOUS=layout.x_k_contiguous,
-        Y_K_CONTIGUOUS=layout.y_k_contiguous,
-        SPLIT_K=split,
-        ACC=tl_acc_dtype(dtype),
-        PRECISION=precision,
-        UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
-        SUBTILE=config["SUBTILE"],
-        **_tiles(config),
-    )
-    launches = [Launch(matmul_tma, (programs,), args, block, work=p.work())]
-    if split > 1:
-        launches += sum_partials(target.view(split, p.M * p.N), z.view(p.M * p.N))
+        block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        launches = [Launch(matmul_product, grid, args, block, work=p.work())]
+    else:
+        launches, xk, yk = [], x, y
+        if config["K_MAJOR"]:
+            if (p.K * z.element_size()) % TMA_ALIGN:
+                raise ValueError(f"K-major copies of this product ({p}) would not be 16-byte aligned")
+            if not layout.x_k_contiguous:
+                xk = scratch((p.M, p.K), dtype)
+                launches.append(_k_major_launch(x, xk, p.K, p.M, layout.x_stride))
+            if not layout.y_k_contiguous:
+                yk = scratch((p.N, p.K), dtype)
+                launches.append(_k_major_launch(y, yk, p.K, p.N, layout.y_stride))
+            layout = TmaLayout(True, True, p.K if xk is not x else layout.x_stride,
+                               p.K if yk is not y else layout.y_stride, layout.z_stride)  # fmt: skip
+        launches += _tma_launches(p, xk, yk, z, bias, row_sums if fused else None, layout, dtype, precision, config,
+                                  scratch)  # fmt: skip
+    if row_sums is not None and not fused:
+        if p.x != (1, p.M):
+            raise ValueError(f"the row sums of X need X stored transposed and contiguous, not strides {p.x}")
+        launches += sum_to_shape(_ScratchContext(scratch), x.reshape(p.K, p.M), (p.K, p.M), row_sums)
     return launches
 
 
@@ -594,7 +898,7 @@ def _extent(sizes_strides) -> int:
     return 1 + sum((s - 1) * abs(st) for s, st in sizes_strides if s > 0)
 
 
-def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, where: str):
+def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool, where: str):
     """A timing function for tuning: runs ``p``'s launches with a configuration on random data
     (allocated at the first call, so that a cached choice allocates nothing)."""
     buffers: list = []
@@ -606,13 +910,14 @@ def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, w
             y = torch.randn(_extent([(p.K, p.y[0]), (p.N, p.y[1])] + [(d[0], d[2]) for d in batch]), device=DEVICE)
             z = torch.empty(_extent([(p.M, p.z[0]), (p.N, p.z[1])] + [(d[0], d[3]) for d in p.kept]), device=DEVICE)
             bias = torch.randn(p.N, device=DEVICE) if has_bias else None
-            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias))
+            sums = torch.empty(p.M, device=DEVICE) if row_sums else None
+            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias, sums))
         return buffers
 
     def bench(config: dict) -> float:
-        x, y, z, bias = operands()
+        x, y, z, bias, sums = operands()
         scratch = lambda shape, dt: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa: E731
-        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch)
+        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch, sums)
 
         def run():
             for launch in launches:
@@ -628,17 +933,21 @@ def choose_config(
     dtype: torch.dtype,
     precision: str,
     has_bias: bool,
+    row_sums: bool = False,
     observe: Callable[[dict, float | None], None] | None = None,
 ) -> dict:
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
-    ``observe(config, ms)`` sees every timing (``None``: the candidate failed)."""
-    options = candidates(p, dtype, precision, has_bias)
-    default = default_config(p, dtype, precision, has_bias)
+    ``row_sums``: the product also sums X's rows. ``observe(config, ms)`` sees every timing
+    (``None``: the candidate failed)."""
+    options = candidates(p, dtype, precision, has_bias, row_sums)
+    default = default_config(p, dtype, precision, has_bias, row_sums)
     key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
+    if row_sums:
+        key["row_sums"] = True
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
         return default  # a few microseconds at most: not worth timing
-    bench = _bench_for(p, dtype, precision, has_bias, f"tuning {kernel_name} {key}")
+    bench = _bench_for(p, dtype, precision, has_bias, row_sums, f"tuning {kernel_name} {key}")
     if observe is not None:
         timed = bench
 
@@ -667,18 +976,20 @@ class _ProductOp(RuntimeOp):
     def precision(self, dtype: torch.dtype) -> str:
         return dot_precision(dtype, self.allow_tf32)
 
-    def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None) -> list[Launch]:
-        """The launches of one product (``name`` tells the op's products apart)."""
+    def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None, row_sums=None) -> list[Launch]:
+        """The launches of one product (``name`` tells the op's products apart); ``row_sums``:
+        also X's row sums (see ``product_launches``)."""
+        precision = self.precision(ctx.dtype)
         config = self.configs.get(name)
         if config is None or ctx.dry_run:
-            config = self.configs[name] = choose_config(p, ctx.dtype, self.precision(ctx.dtype), bias is not None)
-            if config["kernel"] == "tma":
-                ctx.instance(matmul_product)  # built too: the fallback for a misaligned buffer
+            config = self.configs[name] = choose_config(p, ctx.dtype, precision, bias is not None, row_sums is not None)
+            if config["kernel"] == "tma":  # built too: the fallback for a misaligned buffer
+                ctx.instance(matmul_product)
+                if row_sums is not None:
+                    ctx.instance(sum_to_shape_kernel)
         if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
-            config = _STRIDED_CANDIDATES[_precision_class(ctx.dtype, self.precision(ctx.dtype))][0]
-        return product_launches(
-            p, x, y, z, bias, ctx.dtype, self.precision(ctx.dtype), config, lambda s, d: ctx.empty(s, d)
-        )
+            config = _STRIDED_CANDIDATES[_precision_class(ctx.dtype, precision)][0]
+        return product_launches(p, x, y, z, bias, ctx.dtype, precision, config, lambda s, d: ctx.empty(s, d), row_sums)
 
 
 # ------------------------------------------------------------------------------- matmul
@@ -848,9 +1159,9 @@ class LinearOp(_ProductOp):
         launches = []
         if dx is not None:
             launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
-        if dw is not None:
-            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw)
-        if dbias is not None:
+        if dw is not None:  # the bias gradient (dY's column sums) with it: dW = dY^T X reads dY's columns
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
+        elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
         return launches
 
