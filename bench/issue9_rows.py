@@ -9,15 +9,19 @@ Forward + backward per case, in ms:
 plus TFLOP/s for the products, the relative error (Frobenius) of the output and of each
 input gradient against float64 for teeny and eager, and the peak memory of one fwd+bwd.
 
-The bias gradient rows time ``common.sum_to_shape`` (what linear's backward launches for db)
-against the copy ceiling measured here (a 1 GiB device-to-device copy). The gelu rows sweep the
-unary pair's launch (BLOCK elements per program and num_warps) and time two variants of the
-maths on the best launch: a copy (y = x, dx = dy: the kernels' structure alone) and gelu with
-libdevice's tanh (where teeny's own tanh goes through expm1); the floor is 20 bytes per element
-over the copy bandwidth. Linear layers are tuned at lowering: run bench/matmul_sweep.py first
-in the same place ($OUT/tuning.json is shared) and the lowering here times nothing new.
-Stops starting new cases after ``--budget`` seconds (default 200): about three and a half
-minutes with the sweep's cache, more without it. Results also go to $OUT/issue9_rows.json.
+The bias gradient rows time linear's dW product for the GPT-2 layers with the bias gradient
+(dY's column sums, fused into dW where the tuning chose so) and without it: the difference is
+what the bias gradient costs; beside it ``common.sum_to_shape`` alone (the separate column sum)
+and torch's dY.sum(0), against the copy floor. The copy bandwidth is the best of a 1 GiB
+device-to-device copy three ways (copy_ in a CUDA graph, copy_ eagerly, an element-wise kernel
+in a graph), each printed. The unary rows (gelu tanh, tanh, mish; fp32 2^27, forward +
+backward) compare with the floor (20 bytes per element over the copy bandwidth); gelu also
+sweeps the launch (BLOCK elements per program, num_warps) and times a copy through the same
+kernels (y = x, dx = dy: their structure alone). Linear layers are tuned at lowering: run
+bench/matmul_sweep.py first in the same place ($OUT/tuning.json is shared) and the lowering
+here times nothing new. torch.compile runs for gelu only unless --compile-all (about 10 s a case).
+Stops starting new cases after ``--budget`` seconds (default 60): about a minute with the
+sweep's cache. Results also go to $OUT/issue9_rows.json.
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ import torch.nn.functional as F  # noqa: E402
 import teeny.device  # noqa: E402  (chooses the device before triton is imported)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401  (the jit functions below need it in their globals)
-from triton.language.extra import libdevice  # noqa: E402
 # isort: on
 
 import teeny.kernels.activation as activation  # noqa: E402
+import teeny.kernels.linear as linear  # noqa: E402
 from teeny import Executor, Graph, LoweringMode, lower, ops, tuning  # noqa: E402
 from teeny.interop.torch import apply  # noqa: E402
 from teeny.kernels.common import sum_to_shape  # noqa: E402
@@ -64,26 +68,8 @@ def _copy_grad(x, dy, a, b):
     return dy
 
 
-@triton.jit
-def _gelu_libdevice(x, a, b):
-    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return 0.5 * x * (1.0 + libdevice.tanh(inner))
-
-
-@triton.jit
-def _gelu_libdevice_grad(x, dy, a, b):
-    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    t = libdevice.tanh(inner)
-    d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
-
-
 def copy_act(x):
     return activation._activation(x, "copy", _copy, _copy_grad)
-
-
-def gelu_libdevice(x):
-    return activation._activation(x, "gelu_libdevice", _gelu_libdevice, _gelu_libdevice_grad)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -139,10 +125,18 @@ def rel(a, b) -> float:
 
 
 def copy_bandwidth() -> float:
-    a = torch.empty(2**16 if SMOKE else 2**30, dtype=torch.uint8, device=DEV)
+    """Bytes moved (read + write) per second by the best of three 1 GiB device-to-device copies:
+    run 3 measured 2.71 TB/s for copy_ captured in a CUDA graph, where kernels reach 4.24."""
+    a = torch.empty(2**12 if SMOKE else 2**28, dtype=torch.float32, device=DEV)
     b = torch.empty_like(a)
-    ms = tuning.time_ms(lambda: b.copy_(a), reps=10)
-    return 2 * a.numel() / (ms * 1e-3)
+    nbytes = 2 * a.numel() * a.element_size()
+    ways = {
+        "copy_ in a graph": tuning.time_ms(lambda: b.copy_(a), reps=10),
+        "copy_ eagerly": do_bench(lambda: b.copy_(a)),
+        "mul by 1 in a graph": tuning.time_ms(lambda: torch.mul(a, 1.0, out=b), reps=10),
+    }
+    print("copy 1 GiB: " + ", ".join(f"{way} {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s" for way, ms in ways.items()))
+    return nbytes / (min(ways.values()) * 1e-3)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -184,70 +178,86 @@ class _Scratch:
         return torch.empty(tuple(shape), dtype=dtype, device=DEV)
 
 
-def bias_case(rows, cols, dtype, bandwidth):
-    dy = torch.randn(rows, cols, device=DEV).to(dtype)
-    db = torch.empty(cols, device=DEV, dtype=dtype)
-    launches = sum_to_shape(_Scratch(), dy, (rows, cols), db)
+def bias_case(tokens, fin, fout, bandwidth):
+    """linear's dW for a (tokens, fin) -> fout layer with and without the bias gradient, its
+    tuned configuration; the separate column sum; torch's."""
+    dtype = torch.bfloat16
+    p = linear.LinearOp.products([(tokens, fin), (fout, fin)])["grad_weight"]
+    config = linear.choose_config(p, dtype, "tf32", False, row_sums=True)
+    dy = torch.randn(tokens, fout, device=DEV).to(dtype)
+    x = torch.randn(tokens, fin, device=DEV).to(dtype)
+    dw = torch.empty(fout, fin, device=DEV, dtype=dtype)
+    db = torch.empty(fout, device=DEV, dtype=dtype)
+    scratch = _Scratch().empty
 
-    def run():
-        for launch in launches:
-            run_launch(launch, launch.kernel.instance(dtype), "bias gradient", cols)
+    def timed(launches):
+        def run():
+            for launch in launches:
+                run_launch(launch, launch.kernel.instance(dtype), "bias gradient", fout)
 
-    ms = tuning.time_ms(run, reps=20)
+        return tuning.time_ms(run, reps=20)
+
+    with_db = timed(linear.product_launches(p, dy, x, dw, None, dtype, "tf32", config, scratch, db))
     err = rel(db, dy.double().sum(0))
+    alone = timed(linear.product_launches(p, dy, x, dw, None, dtype, "tf32", config, scratch, None))
+    separate_launches = sum_to_shape(_Scratch(), dy, (tokens, fout), db)
+    separate = timed(separate_launches)
     eager = tuning.time_ms(lambda: dy.sum(0), reps=20)
-    nbytes = dy.numel() * dy.element_size() + cols * db.element_size()
+    nbytes = dy.numel() * dy.element_size() + fout * db.element_size()
+    how = "fused" if config.get("FUSED_SUMS", True) and config["kernel"] == "tma" else "separate"
     return {
-        "case": f"bias gradient {str(dtype)[6:]} {rows}x{cols}",
-        "graph": ms,
+        "case": f"bias gradient bf16 {tokens}x{fout} ({how})",
+        "graph": with_db - alone,
         "eager": eager,
         "floor": nbytes / bandwidth * 1e3,
-        "launches": len(launches),
         "teeny_err": err,
-        "bandwidth_pct": nbytes / (ms * 1e-3) / bandwidth * 100,
+        "dw_ms": alone,
+        "dw_db_ms": with_db,
+        "separate_ms": separate,
+        "separate_launches": len(separate_launches),
+        "separate_pct": nbytes / (separate * 1e-3) / bandwidth * 100,
     }
 
 
-GELU_BLOCKS = [(1024, None), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (512, 4)]
+GELU_BLOCKS = [(1024, None), (2048, 8), (4096, 8)]  # run 3: 1024 / default (4) warps fastest of 8
 
 
-def gelu_rows(bandwidth, with_compile):
+def unary_rows(bandwidth, with_compile):
     n = 2**12 if SMOKE else 2**27
     x = torch.randn(n, device=DEV)
     grad = torch.randn(n, device=DEV)
     floor = 20 * n / bandwidth * 1e3
     original = activation.ActivationOp.block
-    rows, sweep = [], []
+    sweep = []
     try:
         for size, warps in GELU_BLOCKS:
             activation.ActivationOp.block = lambda self, b=Block(size, warps): b
             ms, _ = teeny_graph_ms(lambda t: ops.gelu(t, "tanh"), [x], grad)
             sweep.append((ms, size, warps))
-        best_ms, size, warps = min(sweep)
-        activation.ActivationOp.block = lambda self, b=Block(size, warps): b
-        copy_ms, _ = teeny_graph_ms(copy_act, [x], grad)
-        if not SMOKE:  # the interpreter has no libdevice
-            lib_ms, (out, (dx,)) = teeny_graph_ms(gelu_libdevice, [x], grad)
     finally:
         activation.ActivationOp.block = original
-    row = product_case(f"gelu (tanh) fp32 {n}", lambda t: ops.gelu(t, "tanh"),
-                       lambda t: F.gelu(t, approximate="tanh"), [x], 0, with_compile)  # fmt: skip
-    row["floor"] = floor
-    row["sweep"] = [f"{s}/{w or 'default'} {m:.3f}" for m, s, w in sorted(sweep)]
-    rows.append(row)
-    ref = F.gelu(x.double(), approximate="tanh")
-    rows.append({"case": f"  best launch {size}/{warps or 'default'}", "graph": best_ms, "floor": floor})
-    rows.append({"case": "  copy maths (structure alone)", "graph": copy_ms, "floor": floor})
-    if not SMOKE:
-        rows.append({"case": "  gelu with libdevice tanh", "graph": lib_ms, "floor": floor, "teeny_err": rel(out, ref)})
+    copy_ms, _ = teeny_graph_ms(copy_act, [x], grad)
+    rows = []
+    for name, mine, theirs in [
+        ("gelu (tanh)", lambda t: ops.gelu(t, "tanh"), lambda t: F.gelu(t, approximate="tanh")),
+        ("tanh", ops.tanh, torch.tanh),
+        ("mish", ops.mish, F.mish),
+    ]:
+        row = product_case(f"{name} fp32 {n}", mine, theirs, [x], 0, with_compile and name.startswith("gelu"))
+        row["floor"] = floor
+        if name.startswith("gelu"):
+            row["sweep"] = [f"{s}/{w or 'default'} {m:.3f}" for m, s, w in sorted(sweep)]
+        rows.append(row)
+    rows.append({"case": "  copy through the unary kernels", "graph": copy_ms, "floor": floor})
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--budget", type=float, default=200.0)
+    parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--only", nargs="*", default=[])
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (~10 s to compile a case)")
+    parser.add_argument("--compile-all", action="store_true", help="torch.compile every case, not only gelu")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny sizes, no torch.compile: check the script on the CPU"
     )
@@ -269,25 +279,26 @@ def main():
 
     m, tokens, big = (40, 37, 24) if SMOKE else (4096, 8192, 4096)
     layers = [(24, 40)] if SMOKE else [(768, 768), (768, 3072), (3072, 768), (768, 50304)]
-    # cheapest and most wanted first: the budget may stop the run before the last ones
-    cases = [("gelu", lambda: gelu_rows(bw, not args.no_compile))]
-    for cols in (40,) if SMOKE else (768, 3072, 50304):
-        cases.append(("bias", lambda cols=cols: bias_case(tokens, cols, torch.bfloat16, bw)))
+    compile_all = args.compile_all and not args.no_compile
+    # most wanted first: the budget may stop the run before the last ones
+    cases = [("unary", lambda: unary_rows(bw, not args.no_compile))]
+    for fin, fout in layers:
+        cases.append(("bias", lambda fin=fin, fout=fout: bias_case(tokens, fin, fout, bw)))
     cases.append(
-        ("matmul", lambda: product_case(f"matmul bf16 {m}^3", ops.matmul, torch.matmul,
-                                        [rand(m, m), rand(m, m)], 6 * m**3, not args.no_compile))
+        ("linear", lambda: product_case(f"linear fp32 {tokens}x{big}->{big}", ops.linear, F.linear,
+                                        [rand(tokens, big, dtype=torch.float32), rand(big, big, dtype=torch.float32),
+                                         rand(big, dtype=torch.float32)], 6 * tokens * big**2, compile_all))
     )  # fmt: skip
     for fin, fout in layers:
         cases.append(
             ("linear", lambda fin=fin, fout=fout: product_case(
                 f"linear bf16 {tokens}x{fin}->{fout}", ops.linear, F.linear,
                 [rand(tokens, fin), rand(fout, fin, scale=fin**-0.5), rand(fout)], 6 * tokens * fin * fout,
-                not args.no_compile and fout == 3072))
+                compile_all))
         )  # fmt: skip
     cases.append(
-        ("linear", lambda: product_case(f"linear fp32 {tokens}x{big}->{big}", ops.linear, F.linear,
-                                        [rand(tokens, big, dtype=torch.float32), rand(big, big, dtype=torch.float32),
-                                         rand(big, dtype=torch.float32)], 6 * tokens * big**2, not args.no_compile))
+        ("matmul", lambda: product_case(f"matmul bf16 {m}^3", ops.matmul, torch.matmul,
+                                        [rand(m, m), rand(m, m)], 6 * m**3, compile_all))
     )  # fmt: skip
 
     rows, skipped = [], []
@@ -305,7 +316,8 @@ def main():
         for row in made if isinstance(made, list) else [made]:
             rows.append(row)
             print(_line(row), flush=True)
-        torch.cuda.empty_cache()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
     if skipped:
         print(f"skipped (budget): {', '.join(skipped)}")
     print(f"total {time.time() - start:.0f} s")
@@ -321,8 +333,11 @@ def _line(r) -> str:
         extra += f"  err {r['teeny_err']:.1e}" + (f" (eager {r['eager_err']:.1e})" if "eager_err" in r else "")
     if "teeny_peak_mib" in r:
         extra += f"  peak {r['teeny_peak_mib']:.0f}/{r['eager_peak_mib']:.0f} MiB"
-    if "bandwidth_pct" in r:
-        extra += f"  {r['bandwidth_pct']:.0f}% of copy bandwidth, {r['launches']} launches"
+    if "dw_ms" in r:
+        extra += (
+            f"  (dW {r['dw_ms']:.3f}, dW + db {r['dw_db_ms']:.3f}; separate column sum {r['separate_ms']:.3f} ms, "
+            f"{r['separate_pct']:.0f}% of copy bandwidth, {r['separate_launches']} launches)"
+        )
     if "sweep" in r:
         extra += "\n    launch sweep (BLOCK/warps ms): " + ", ".join(r["sweep"])
     return f"{r['case']:36} {cells}{extra}"

@@ -152,9 +152,9 @@ def test_heuristic_shares_out_long_contractions_with_few_output_tiles(monkeypatc
     options = linear_module.candidates(dw, torch.bfloat16, "tf32", False, row_sums=True)
     assert {c["FUSED_SUMS"] for c in options} == {True, False} and any(c["OCCUPANCY"] == 2 for c in options)
     for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
-        for c in linear_module.candidates(dw, dtype, precision, False):
+        for c in linear_module.candidates(dw, dtype, precision, False, row_sums=True):
             budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
-            assert linear_module._shared_bytes(c, dtype) <= budget
+            assert linear_module._shared_bytes(c, dtype, row_sums=True) <= budget
     # float32: dW reads both operands MN-major, so K-major copies are among the candidates
     assert any(c["K_MAJOR"] for c in linear_module.candidates(dw, torch.float32, "tf32x3", False))
     assert not any(c["K_MAJOR"] for c in linear_module.candidates(fwd, torch.float32, "tf32x3", True))

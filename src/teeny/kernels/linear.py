@@ -253,8 +253,9 @@ def matmul_tma(
         first_shared = start // k_tiles
         items += ((end + k_tiles - 1) // k_tiles - first_shared).to(tl.int32)
     # one loop over this program's whole tiles, then its stream-K segments (one loop nest: one
-    # set of pipeline buffers in shared memory)
-    for item in tl.range(0, items, flatten=True):
+    # set of pipeline buffers in shared memory), flattened where Triton can (not with the row
+    # sums' second product: Triton 3.6 fails to compile that)
+    for item in tl.range(0, items, flatten=not row_sums_wanted):
         if partial_ptr is not None:
             whole = item < whole_tiles
             i = first_shared + (item - whole_tiles)  # the stream-K tile, where not whole
@@ -626,18 +627,19 @@ SHARED_MEMORY_BUDGET = 226 * 1024
 SHARED_MEMORY_PER_PAIR = 112 * 1024
 
 
-def _shared_bytes(config: dict, dtype: torch.dtype) -> int:
-    """Shared memory a TMA configuration needs: num_stages operand tiles and the epilogue's
-    staging tile (stream-K partials are stored from registers: no more)."""
+def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False) -> int:
+    """Shared memory a TMA configuration needs: num_stages operand tiles, the epilogue's staging
+    tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers)."""
     size = torch.empty((), dtype=dtype).element_size()
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
     store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
-    return operands + config["BLOCK_M"] * store_n * size
+    ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
+    return operands + config["BLOCK_M"] * store_n * size + ones
 
 
-def _fits(config: dict, dtype: torch.dtype) -> bool:
+def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False) -> bool:
     budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
-    return _shared_bytes(config, dtype) <= budget
+    return _shared_bytes(config, dtype, row_sums) <= budget
 
 
 # H200, bf16 4096^3 forward+backward (bench/tune_launch.py, version 1): 8 warps and 4 stages for
@@ -655,7 +657,7 @@ _STRIDED_CANDIDATES = {
 _INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
 
 STREAM_K_MIN_K_TILES = 4  # a stream-K program takes at least this many K tiles
-STREAM_K_MAX_WAVES = 8  # beyond this many waves of tiles an idle last wave costs little: no stream-K
+STREAM_K_MAX_WAVES = 4  # beyond this many waves of tiles an idle last wave costs little: no stream-K
 STREAM_K_FULL_WAVE = 0.8  # a last wave this full (of the multiprocessors) leaves little to share out
 SEGMENT_SUM_ELEMENTS = 8192  # partial elements per program of matmul_sum_segments
 K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
@@ -742,7 +744,8 @@ def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, r
                 variants += [{**v, "K_MAJOR": True} for v in variants]
         out += [v for v in variants if _fits(v, dtype)]
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
-        out = [{**c, "FUSED_SUMS": True} for c in out] + [{**c, "FUSED_SUMS": False} for c in out[:3]]
+        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
+        out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
     return out
 
 
