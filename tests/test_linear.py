@@ -144,12 +144,12 @@ def _run(launches, dtype):
         run_launch(launch, launch.kernel.instance(dtype), "test", 1)
 
 
-SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles) and the multiprocessors they run on
+SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles), the multiprocessors they run on
     "whole": (dict(), 4),
     "subtile": (dict(subtile=True), 4),
     "stream_k": (dict(stream_k=1), 2),  # dW's 3 tiles shared by 2 programs
     "stream_k_2_waves": (dict(stream_k=2, subtile=True), 3),  # dX's last 4 tiles shared by 3
-    "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),
+    "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),  # dW's 3 tiles shared by 4 programs
     "k_major": (dict(stream_k=1), 2),  # float32 only: MN-major operands copied K-major first
 }
 
@@ -165,6 +165,8 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
         pytest.skip("K-major copies are for float32 tensor cores")
     options, sms = SCHEDULES[schedule]
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    if schedule == "pairs_stream_k":  # the segment sums take one box at a time: a round per segment
+        monkeypatch.setattr(linear_module, "SEGMENT_SUM_MAX_SLOTS", 1)
     rows, fin, fout = 148, 24, 40  # 148 float32 rows: 16-byte aligned K-major copies
     x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
     bias = torch.randn(fout, generator=gen, dtype=torch.float64)

@@ -64,7 +64,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, run_launch
-from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
+from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -139,7 +139,9 @@ def _tile_product(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if ROW_SUMS:  # first: then waiting for it leaves the big product in flight
+        # Triton 3.6 waits for the row sums' product as soon as it is issued (it keeps one product
+        # per loop in flight): issued first, that wait does not hold back this step's big one
+        if ROW_SUMS:
             first_column = tl.arange(0, ROW_SUM_COLUMNS)[None, :] == 0
             ones = tl.where(first_column, 1.0, 0.0).to(a.dtype) + tl.zeros((BLOCK_K, ROW_SUM_COLUMNS), dtype=a.dtype)
             row_acc = tl.dot(a, ones, row_acc, input_precision=ROW_SUM_PRECISION, out_dtype=ACC)
@@ -315,10 +317,12 @@ def matmul_sum_segments(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SLOTS: tl.constexpr,
     CHUNK_M: tl.constexpr,
 ):
     """The second pass of ``matmul_tma``'s stream-K tiles: program (i, c) adds up the segments
-    of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), in slot order
+    of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), SLOTS boxes
+    loaded at once (one memory latency, not one per segment) and summed in a fixed order
     (bit-reproducible), adds the bias and stores Z; for the first column tile, the row sums too.
     Tiles summed whole by one program were stored by ``matmul_tma`` and are left alone."""
     i = tl.program_id(0).to(tl.int64)
@@ -329,13 +333,21 @@ def matmul_sum_segments(
     total = sk_tiles.to(tl.int64) * k_tiles
     first, last = _segment_owners(i, k_tiles, total, programs)
     if first < last:
-        pid_m, pid_n = _grouped_tile(dp_tiles + i, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = _grouped_tile((dp_tiles + i).to(tl.int32), tiles_m, tiles_n, GROUP_M)
         rows = tl.program_id(1) * CHUNK_M + tl.arange(0, CHUNK_M)
         cols = tl.arange(0, BLOCK_N)
         acc = tl.zeros((CHUNK_M, BLOCK_N), dtype=ACC)
-        for slot in range(0, last - first + 1):
-            box = (slot * sk_tiles + i) * BLOCK_M + rows
-            acc += tl.load(partial_ptr + box[:, None] * BLOCK_N + cols[None, :])
+        sums = tl.zeros((CHUNK_M,), dtype=ACC)
+        for slot0 in range(0, last - first + 1, SLOTS):
+            slots = slot0 + tl.arange(0, SLOTS)
+            used = slots <= last - first
+            boxes = (slots * sk_tiles + i) * BLOCK_M
+            offsets = (boxes[:, None, None] + rows[None, :, None]) * BLOCK_N + cols[None, None, :]
+            acc += tl.sum(tl.load(partial_ptr + offsets, mask=used[:, None, None], other=0.0), axis=0)
+            if row_sums_ptr is not None:
+                if pid_n == 0:
+                    box_sums = tl.load(partial_sums_ptr + boxes[:, None] + rows[None, :], mask=used[:, None], other=0.0)
+                    sums += tl.sum(box_sums, axis=0)
         offs_m = pid_m * BLOCK_M + rows
         offs_n = pid_n * BLOCK_N + cols
         if bias_ptr is not None:
@@ -344,9 +356,6 @@ def matmul_sum_segments(
         tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
         if row_sums_ptr is not None:
             if pid_n == 0:
-                sums = tl.zeros((CHUNK_M,), dtype=ACC)
-                for slot in range(0, last - first + 1):
-                    sums += tl.load(partial_sums_ptr + (slot * sk_tiles + i) * BLOCK_M + rows)
                 tl.store(row_sums_ptr + offs_m, sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
 
 
@@ -659,7 +668,8 @@ _INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
 STREAM_K_MIN_K_TILES = 4  # a stream-K program takes at least this many K tiles
 STREAM_K_MAX_WAVES = 4  # beyond this many waves of tiles an idle last wave costs little: no stream-K
 STREAM_K_FULL_WAVE = 0.8  # a last wave this full (of the multiprocessors) leaves little to share out
-SEGMENT_SUM_ELEMENTS = 8192  # partial elements per program of matmul_sum_segments
+SEGMENT_SUM_ELEMENTS = 8192  # partial elements a program of matmul_sum_segments loads at once
+SEGMENT_SUM_MAX_SLOTS = 16  # segments it loads at once
 K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
 
@@ -834,11 +844,12 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
     block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
     if shared:
-        chunk = min(config["BLOCK_M"], max(1, SEGMENT_SUM_ELEMENTS // config["BLOCK_N"]))
+        slots = min(pow2(sched.slots), SEGMENT_SUM_MAX_SLOTS)
+        chunk = min(config["BLOCK_M"], max(1, SEGMENT_SUM_ELEMENTS // (slots * config["BLOCK_N"])))
         sums = ArgVisitor().visit(
             partial_ptr=partials, partial_sums_ptr=partial_sums, z_ptr=z, bias_ptr=bias, row_sums_ptr=row_sums,
             M=p.M, N=p.N, K=p.K, z_stride=layout.z_stride, programs=sched.programs, dp_tiles=sched.dp_tiles,
-            ACC=tl_acc_dtype(dtype), CHUNK_M=chunk, **_tiles(config),
+            ACC=tl_acc_dtype(dtype), SLOTS=slots, CHUNK_M=chunk, **_tiles(config),
         )  # fmt: skip
         grid = (sched.sk_tiles, config["BLOCK_M"] // chunk)
         launches.append(Launch(matmul_sum_segments, grid, sums, Block(num_warps=4), work=p.work()))
