@@ -16,7 +16,7 @@ teeny's winner without the row sums.
 
 Cases, most wanted first (the budget may stop the run): the GPT-2-small linear layers at
 M = 8192 tokens (768->768, 768->3072, 3072->768, 768->50304) in bf16; float32 (tf32x3, teeny's
-default) at 4096^3 and for linear 8192x4096->4096; bf16 at 4096^3. The run stops starting
+default) for linear 8192x4096->4096 and at 4096^3; bf16 at 4096^3. The run stops starting
 new products after ``--budget`` seconds and says which it skipped. Results also go to
 $OUT/matmul_sweep.json.
 """
@@ -59,8 +59,8 @@ def cases(selected, smoke: bool = False):
 
     out = [(f"linear {tokens}x{fin}->{fout}", torch.bfloat16, "tf32", linear_products(tokens, fin, fout))
            for fin, fout in gpt2]  # fmt: skip
-    out.append((f"matmul {m}^3", torch.float32, "tf32x3", mm))
     out.append((f"linear {tokens}x{big}->{big}", torch.float32, "tf32x3", linear_products(tokens, big, big)))
+    out.append((f"matmul {m}^3", torch.float32, "tf32x3", mm))
     out.append((f"matmul {m}^3", torch.bfloat16, "tf32", mm))
     label = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
     for case, dtype, precision, products in out:
