@@ -1,5 +1,7 @@
 """Try Triton launch options (num_warps, num_stages) for the kernels behind a benchmark case and
 print the time of each variant: the data behind the ``Kernel.tune(...)`` lines in the kernels.
+(Matrix products choose their tiles, warps and stages per shape at lowering: bench/matmul_sweep.py
+shows that tuning pass.)
 
     PYTHONPATH=src python3 bench/tune_launch.py
 """
@@ -16,7 +18,6 @@ from teeny.interop.torch import apply
 from teeny.kernel import REGISTRY
 
 GROUPS = {
-    "matmul bf16": (["matmul_forward", "matmul_backward"], torch.bfloat16, (4, 8), (3, 4)),
     "causal attention bf16": (
         ["attention_forward", "attention_backward_dkdv", "attention_backward_dq"],
         torch.bfloat16,

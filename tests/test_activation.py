@@ -97,6 +97,68 @@ def test_half_precision_extremes_are_finite(dtype):
         )
 
 
+# the tanh family: libdevice's tanh on the GPU, the expm1 formula under the interpreter
+TANH_FAMILY = [
+    (ops.tanh, torch.tanh, {}),
+    (ops.gelu, F.gelu, {"approximate": "tanh"}),
+    (ops.mish, F.mish, {}),
+    (ops.tanhshrink, F.tanhshrink, {}),
+]
+
+
+def _tanh_inputs():
+    """A dense sweep, the branch points of libdevice's tanh (0.6, saturation near 9), the 2^-12
+    cut-over to tanh(x) = x, tiny and denormal inputs and signed zeros."""
+    special = [1e-40, 1e-30, 2.0**-12, 2.0**-12 * (1 - 2**-20), 0.6, 0.6 * (1 - 2**-20), 9.01, 0.0]
+    special = torch.tensor(special, dtype=torch.float64)
+    return torch.cat([torch.linspace(-12.0, 12.0, 40001, dtype=torch.float64), special, -special])
+
+
+def _value_and_grad(fn, x, kwargs):
+    xt = x.clone().to(teeny.DEVICE).requires_grad_()
+    y = apply(lambda t: fn(t, **kwargs), xt)
+    (g,) = torch.autograd.grad(y, xt, torch.ones_like(y))
+    return y.detach().cpu().double(), g.cpu().double()
+
+
+def _ulps(value, exact, scale):
+    """max |value - exact| in float32 units in the last place of max(|exact|, scale): the
+    scale of the terms a formula adds (|x| for x - tanh(x), 1 for 1 + tanh(...) and for the
+    derivatives, which cross zero), so that cancellation counts against the formula, not the tanh."""
+    return ((value - exact).abs() / (torch.maximum(exact.abs(), scale).clamp_min(2.0**-126) * 2.0**-23)).max().item()
+
+
+@pytest.mark.parametrize("case", TANH_FAMILY, ids=_ids)
+def test_tanh_family_is_float32_accurate_and_float64_exact(case):
+    """fp32 within a few ulp of float64 (no worse than PyTorch's own fp32 kernels on the same
+    device, whose cancellations, e.g. 1 + tanh near -1 in gelu, are the same); float64 exact."""
+    fn, ref, kwargs = case
+    x64 = _tanh_inputs().float().double()  # float32 inputs, exactly
+    xr = x64.clone().requires_grad_()
+    yr = ref(xr, **kwargs)
+    (gr,) = torch.autograd.grad(yr, xr, torch.ones_like(yr))
+    y32, g32 = _value_and_grad(fn, x64.float(), kwargs)
+    xt = x64.float().to(teeny.DEVICE).requires_grad_()
+    yt = ref(xt, **kwargs)
+    (gt,) = torch.autograd.grad(yt, xt, torch.ones_like(yt))
+    scales = {"value": x64.abs().clamp_max(1.0), "gradient": torch.ones_like(x64)}
+    for mine, torchs, exact, what in ((y32, yt, yr, "value"), (g32, gt, gr, "gradient")):
+        torch_ulps = _ulps(torchs.detach().cpu().double(), exact.detach(), scales[what])
+        mine_ulps = _ulps(mine, exact.detach(), scales[what])
+        print(f"{fn.__name__} {what}: {mine_ulps:.2f} ulp (PyTorch {torch_ulps:.2f})")
+        assert mine_ulps <= max(4.0, 2.0 * torch_ulps), what
+    tiny = x64.abs() < 2.0**-12
+    if fn is ops.tanh:  # tanh(x) = x in float32 there: denormals kept, zeros keep their sign
+        assert torch.equal(y32[tiny], x64[tiny])
+        assert torch.equal(torch.signbit(y32[x64 == 0.0]), torch.signbit(x64[x64 == 0.0]))
+    elif fn is not ops.tanhshrink:  # tanhshrink(x) = x - tanh(x) cancels to 0 there, as in PyTorch
+        assert (y32[tiny & (x64 != 0.0)] != 0.0).all(), "tiny inputs flushed"
+    y64, g64 = _value_and_grad(fn, x64, kwargs)
+    # float64 to rounding: formulas that cancel (gelu's gradient near -7 is ~1e-14) agree to ~1e-14
+    torch.testing.assert_close(y64, yr.detach(), atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(g64, gr, atol=1e-13, rtol=1e-13)
+
+
 def _graph_input(shape, dtype=torch.float32):
     return Graph().input("x", shape, dtype)
 

@@ -1,5 +1,6 @@
 """conv family: what the generic harness cannot see (layers and init, split weight gradients,
-pooling ties / NaN / overlapping windows, inference lowering, error messages)."""
+pooling ties / NaN / overlapping windows, max_pool2d's returned indices, inference lowering, the
+tf32 switch, error messages)."""
 
 import math
 
@@ -169,9 +170,63 @@ def test_pool_errors_are_clear():
         teeny.ops.avg_pool2d(x, 3, padding=2)
     with pytest.raises(ValueError, match="too small"):
         teeny.ops.max_pool2d(x, 4)
-    with pytest.raises(ValueError, match="return_indices"):
-        teeny.ops.max_pool2d(x, 2, return_indices=True)
     with pytest.raises(ValueError, match="3-D .* or 4-D"):
         teeny.ops.avg_pool2d(g.input("flat", (3, 3)), 2)
     assert teeny.ops.max_pool2d(x, 2, ceil_mode=True).shape == (1, 2, 2, 2)
     assert teeny.ops.avg_pool2d(g.input("u", (2, 7, 9)), 3, stride=2, padding=1).shape == (2, 4, 5)
+
+
+_INDEX_CASES = [
+    {"kernel_size": 2},
+    {"kernel_size": 3, "stride": 2, "padding": 1},
+    {"kernel_size": (3, 2), "stride": (2, 1), "dilation": (1, 2), "ceil_mode": True},
+    {"kernel_size": 3, "stride": 1, "padding": 1},  # overlapping windows
+]
+
+
+@pytest.mark.parametrize("kwargs", _INDEX_CASES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 5, 6)], ids=str)
+def test_max_pool2d_return_indices_like_torch(shape, kwargs, gen):
+    # a few integer levels (ties) and two NaNs: the indices PyTorch returns, and the gradient of
+    # the values when both are outputs of one training program
+    x = torch.randint(0, 4, shape, generator=gen).double()
+    x.view(-1)[[5, 17]] = float("nan")
+    g = Graph()
+    xs = g.input("x", shape, torch.float64, requires_grad=True)
+    weights = g.input("w", F.max_pool2d(x, **kwargs).shape, torch.float64)
+    values, indices = teeny.ops.max_pool2d(xs, return_indices=True, **kwargs)
+    assert indices.dtype == torch.int64 and indices.shape == values.shape
+    g.output((values * weights).sum(), values, indices)
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    w = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+    (loss, out, idx), cache = ex.forward_train({"x": x.to(teeny.DEVICE), "w": w.to(teeny.DEVICE)})
+    grads = ex.backward(cache)
+
+    ref_x = x.clone().requires_grad_(True)
+    ref, ref_idx = F.max_pool2d(ref_x, return_indices=True, **kwargs)
+    (ref * w).sum().backward()
+    assert idx.dtype == torch.int64
+    torch.testing.assert_close(idx.cpu(), ref_idx, rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), ref.detach(), equal_nan=True)
+    torch.testing.assert_close(grads["x"].cpu(), ref_x.grad)
+
+
+def test_max_pool2d_indices_alone_in_inference_and_values_gradcheck(gen):
+    x = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64)
+    g = Graph()
+    xs = g.input("x", x.shape, torch.float64)
+    g.output(teeny.ops.max_pool2d(xs, 3, stride=2, padding=1, return_indices=True)[1])
+    idx = teeny.Executor(lower(g, LoweringMode.INFERENCE)).forward({"x": x.to(teeny.DEVICE)})
+    torch.testing.assert_close(idx.cpu(), F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True)[1])
+    small = x[:1, :1, :4]  # finite differences cost two runs per element
+    teeny.gradcheck(lambda t: teeny.ops.max_pool2d(t, 3, stride=2, padding=1, return_indices=True)[0], small)
+
+
+def test_conv2d_tf32_switch_is_read_at_trace_time(monkeypatch):
+    g = Graph()
+    x, w = g.input("x", (1, 2, 5, 5)), g.input("w", (3, 2, 3, 3))
+    monkeypatch.setattr(teeny.config, "allow_tf32", True)
+    op = teeny.ops.conv2d(x, w).value.producer.op
+    monkeypatch.setattr(teeny.config, "allow_tf32", False)
+    full = teeny.ops.conv2d(x, w).value.producer.op
+    assert op.allow_tf32 and not full.allow_tf32

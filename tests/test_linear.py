@@ -1,4 +1,5 @@
-"""linear family: what the generic harness cannot see (layer, init, tf32 flag, errors, reductions)."""
+"""linear family: what the generic harness cannot see (layer, init, the tf32 switch, errors, reductions,
+the Hopper kernel's layouts and split contraction, tuned configurations)."""
 
 import math
 
@@ -6,14 +7,12 @@ import pytest
 import torch
 
 import teeny
+import teeny.kernels.linear as linear_module
 from teeny import Graph, LoweringMode, lower
 from teeny.interop.torch import apply
-
-
-def _linear_module():
-    import teeny.kernels.linear as linear_module
-
-    return linear_module
+from teeny.kernel import record_launches
+from teeny.registry import tolerance
+from teeny.runtime import run_launch
 
 
 def test_linear_layer_parameters_and_init():
@@ -86,24 +85,19 @@ def test_mixed_dtypes_refused():
         teeny.ops.matmul(g.input("a", (3, 4)), g.input("b", (4, 2), dtype=torch.float64))
 
 
-def test_tf32_flag_reaches_the_op():
-    lin = _linear_module()
+def test_tf32_switch_is_read_at_trace_time(monkeypatch):
     g = Graph()
     a, b = g.input("a", (3, 4)), g.input("b", (4, 2))
-    assert lin.get_allow_tf32() is False
+    full = teeny.ops.matmul(a, b).value.producer.op
+    monkeypatch.setattr(teeny.config, "allow_tf32", True)
     op = teeny.ops.matmul(a, b).value.producer.op
-    assert op.allow_tf32 is False and op.precision(torch.float32) == "ieee"
-    try:
-        lin.set_allow_tf32(True)
-        op = teeny.ops.matmul(a, b).value.producer.op
-        lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
-    finally:
-        lin.set_allow_tf32(False)
-    assert op.allow_tf32 and lin_op.allow_tf32
-    assert op.precision(torch.float32) == "tf32"
+    lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
+    monkeypatch.setattr(teeny.config, "allow_tf32", False)
+    assert op.precision(torch.float32) == "tf32" and lin_op.precision(torch.float32) == "tf32"
     assert op.precision(torch.float64) == "ieee"  # float64 is never tf32
-    # the flag is read at trace time: ops traced before or after keep full precision
-    assert teeny.ops.matmul(a, b).value.producer.op.precision(torch.float32) == "ieee"
+    # ops traced before the switch, or after it was turned off, keep full precision
+    assert full.precision(torch.float32) == teeny.ops.matmul(a, b).value.producer.op.precision(torch.float32)
+    assert full.precision(torch.float32) in ("ieee", "tf32x3")
 
 
 def test_matmul_gradient_sums_broadcast_dims(gen):
@@ -143,3 +137,118 @@ def test_too_many_broadcast_patterns_is_a_clear_error():
     a, b = g.input("a", (2, 1, 3, 1, 4, 5)), g.input("b", (1, 2, 1, 3, 5, 4))
     with pytest.raises(ValueError, match="batch dims"):
         teeny.ops.matmul(a, b)
+
+
+def _run(launches, dtype):
+    for launch in launches:
+        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+
+
+SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles), the multiprocessors they run on
+    "whole": (dict(), 4),
+    "subtile": (dict(subtile=True), 4),
+    "stream_k": (dict(stream_k=1), 2),  # dW's 3 tiles shared by 2 programs
+    "stream_k_2_waves": (dict(stream_k=2, subtile=True), 3),  # dX's last 4 tiles shared by 3
+    "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),  # dW's 3 tiles shared by 4 programs
+    "k_major": (dict(stream_k=1), 2),  # float32 only: MN-major operands copied K-major first
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatch):
+    """The Hopper kernel (it runs under the interpreter too) on linear's three products, whose
+    operands lie in all four layouts, with the bias (forward) and the bias gradient (the row
+    sums of dY^T in dW); sizes that are not multiples of the tiles; scratch memory starts as
+    NaN, so a partial box read before it is written shows."""
+    if schedule == "k_major" and dtype != torch.float32:
+        pytest.skip("K-major copies are for float32 tensor cores")
+    options, sms = SCHEDULES[schedule]
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    if schedule == "pairs_stream_k":  # the segment sums take one box at a time: a round per segment
+        monkeypatch.setattr(linear_module, "SEGMENT_SUM_MAX_SLOTS", 1)
+    rows, fin, fout = 148, 24, 40  # 148 float32 rows: 16-byte aligned K-major copies
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
+    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
+    cases = {
+        "forward": (x, w, x @ w.T + bias, bias, None),
+        "grad_input": (dy, w, dy @ w, None, None),
+        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
+    }
+    precision = linear_module.dot_precision(dtype, False)
+    shared = []
+    for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
+        a, b, expected, bias_, sums_expected = cases[name]
+        assert p.tma_layout(dtype) is not None, name
+        config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
+        shared.append(linear_module.schedule(p, config).slots > 1)
+        z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
+        sums = None if sums_expected is None else torch.empty(fout, dtype=dtype, device=teeny.DEVICE)
+        args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
+        launches = linear_module.product_launches(
+            p, args[0], args[1], z, args[2], dtype, precision, config,
+            lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), sums,
+        )  # fmt: skip
+        kernels = [launch.kernel for launch in launches]
+        assert linear_module.matmul_tma in kernels and (linear_module.matmul_sum_segments in kernels) == shared[-1]
+        if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
+            copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
+            assert kernels.count(linear_module.matmul_k_major) == copies
+        _run(launches, dtype)
+        atol, rtol = tolerance(dtype, max(rows, fin, fout))
+        torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
+        if sums is not None:
+            torch.testing.assert_close(sums.cpu().double(), sums_expected, atol=atol, rtol=rtol, msg=name)
+    assert any(shared) == (options.get("stream_k", 0) > 0)
+
+
+def test_tma_layout_refuses_what_tma_cannot_read():
+    P = linear_module.Product
+    assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is not None
+    assert P(8, 8, 8, (8, 1), (1, 8), (8, 1), [], []).tma_layout(torch.float32).y_k_contiguous
+    assert P(8, 8, 8, (1, 8), (8, 1), (8, 1), [], []).tma_layout(torch.float32).x_k_contiguous is False
+    assert P(8, 6, 8, (8, 1), (6, 1), (6, 1), [], []).tma_layout(torch.float32) is None  # 24-byte rows
+    assert P(8, 6, 8, (8, 1), (6, 1), (6, 1), [], []).tma_layout(torch.float64) is not None  # 48-byte rows
+    assert P(8, 8, 8, (8, 2), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # no unit stride
+    assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [(2, 64, 0, 64)], []).tma_layout(torch.float32) is None  # batched
+    assert P(8, 8, 0, (0, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is None  # empty contraction
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
+    """The GPU's path (TMA kernel, heuristic configurations, dW stream-K with its segment sums
+    and the bias gradient fused into it) run by the interpreter, as the op lowers and runs it
+    on a Hopper GPU (of 4 multiprocessors, so that dW's one tile is shared out)."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    rows, fin, fout = 1030, 24, 40  # dW contracts over 1030 rows: stream-K
+    products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
+    precision = linear_module.dot_precision(dtype, False)
+    config = linear_module.default_config(products["grad_weight"], dtype, precision, False, row_sums=True)
+    assert config["kernel"] == "tma" and linear_module.schedule(products["grad_weight"], config).slots > 1
+    x = torch.randn(rows, fin, generator=gen)
+    w = torch.randn(fout, fin, generator=gen) / fin**0.5
+    b = torch.randn(fout, generator=gen)
+    args = [t.to(dtype).to(teeny.DEVICE).requires_grad_(True) for t in (x, w, b)]
+    g = Graph()
+    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
+    g.output(teeny.ops.linear(xs, ws, bs))
+    program = lower(g, LoweringMode.TRAINING)
+    op = program.nodes[0].op
+    assert all(c["kernel"] == "tma" for c in op.configs.values()), op.configs
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        out, cache = ex.forward_train(dict(zip("xwb", args)))
+        grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
+        grads = ex.backward(cache, grad)
+    kernels = [r.kernel for r in log]
+    assert kernels.count("matmul_tma") == 3 and "matmul_sum_segments" in kernels
+    assert "sum_to_shape_kernel" not in kernels  # the bias gradient came with dW
+    refs = [t.detach().double().requires_grad_(True) for t in args]
+    ref = torch.nn.functional.linear(*refs)
+    ref.backward(grad.double())
+    atol, rtol = tolerance(dtype, rows)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    for name, r in zip("xwb", refs):
+        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)

@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .. import init as _init
+from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
@@ -179,12 +181,25 @@ def _expm1(x):
     return tl.where(small, tl.where(ws == 1.0, x, kahan), w - 1.0)
 
 
+# The GPU takes tanh from libdevice (H200, gelu tanh fp32 2^27 forward+backward: 0.627 ms, at the copy
+# floor, against 0.722 ms through _expm1); the interpreter has no libdevice and uses the formula.
+_TANH_LIBDEVICE = tl.constexpr(not INTERPRETER)
+_TANH_IS_X = tl.constexpr(2.44140625e-4)  # 2^-12: below it tanh(x) = x to within x^2 / 3, under half an fp32 ulp
+
+
 @triton.jit
 def _tanh(x):
-    # tanh(|x|) = -expm1(-2|x|) / (2 + expm1(-2|x|)): no overflow, accurate near 0
-    e = _expm1(-2.0 * tl.abs(x))
-    t = -e / (2.0 + e)
-    return tl.where(x >= 0, t, -t)
+    if _TANH_LIBDEVICE:
+        t = libdevice.tanh(x)
+    else:
+        # tanh(|x|) = -expm1(-2|x|) / (2 + expm1(-2|x|)): no overflow, accurate near 0
+        e = _expm1(-2.0 * tl.abs(x))
+        t = -e / (2.0 + e)
+        t = tl.where(x >= 0, t, -t)
+    if x.dtype == tl.float32:
+        # x itself for tiny x: libdevice is linked with denormals flushed, and -0.0 keeps its sign
+        t = tl.where(tl.abs(x) < _TANH_IS_X, x, t)
+    return t
 
 
 @triton.jit

@@ -11,19 +11,22 @@ conv2d is an implicit GEMM per group g (no im2col buffer; every operand tile is 
     dW, db   dW[co, c, kh, kw] = sum_{n, oh, ow} dY[n, co, oh, ow] * X[n, c, ih, iw] and
              db[co] = sum_{n, oh, ow} dY[n, co, oh, ow]: a COG x K tile per chunk of the
              N*HO*WO positions, written as fp32 partials and summed by a second pass
-             (``split_sum``); db comes from the same dY tiles.
+             (``common.sum_partials``); db comes from the same dY tiles (fused).
 
-Pooling shares one kernel pair (MAX selects the maths): the forward walks each output's
-window (padding is -inf for max, zeros for avg); max keeps the first maximum in scan order (a
-NaN wins, like PyTorch's CPU kernel) and saves its plane index ih*W + iw. The backward is a
-gather over input positions, with or without overlapping windows, no atomics:
+Pooling shares one kernel pair (MODE, MAX_POOL or AVG_POOL, selects the maths): the forward
+walks each output's window (padding is -inf for max, zeros for avg); max keeps the first
+maximum in scan order (a NaN wins, like PyTorch's CPU kernel) and saves its plane index
+ih*W + iw, which ``max_pool2d(..., return_indices=True)`` also returns (as int64, like PyTorch:
+a second node runs the forward kernel writing only the indices). The backward is a gather over
+input positions, with or without overlapping windows, no atomics:
 
     max  dX[i] = sum of dY[o] over the windows o that contain i and whose saved arg-max is i
     avg  dX[i] = sum of dY[o] / divisor(o) over the windows o that contain i
 
-Half inputs compute in float32, float64 in float64; float32/float64 dots use
-``input_precision="ieee"`` (PyTorch's full precision), and bfloat16 operands are upcast to
-float32 before ``tl.dot`` under the Triton interpreter.
+Half inputs compute in float32, float64 in float64. The dots' precision is matmul's
+(``linear.dot_precision``): float64 exact, float32 tf32x3 on the GPU (as accurate as full
+precision) or tf32 when ``teeny.config.allow_tf32`` was set before tracing; bfloat16 operands
+are upcast to float32 before ``tl.dot`` under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -36,31 +39,22 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import config as teeny_config
 from .. import init
 from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import DOT_UPCAST_BF16, cdiv
+from ..runtime import ArgVisitor, Launch, RuntimeOp
+from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, sum_partials, sum_to_shape_kernel, tl_acc_dtype
+from .linear import dot_precision
 
 __all__ = ["conv2d", "max_pool2d", "avg_pool2d"]
 NN_LAYERS = ["Conv2d", "MaxPool2d", "AvgPool2d"]
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@kernel(half=True)
-def split_sum(partial_ptr, out_ptr, n, splits, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum_s partial[s, i]: the second pass over the fp32 partials of dW and db."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    acc = tl.zeros((BLOCK,), dtype=ACC)
-    for s in range(0, splits):
-        acc += tl.load(partial_ptr + s * n + offs, mask=mask, other=0.0).to(ACC)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @kernel(half=True)
@@ -139,7 +133,7 @@ def conv2d_input_backward(
     tl.store(dx, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("dw_ptr", "db_ptr"))
 def conv2d_weight_backward(
     x_ptr,
     dy_ptr,
@@ -163,8 +157,6 @@ def conv2d_weight_backward(
     dil_h,
     dil_w,
     chunk,
-    WRITE_DW: tl.constexpr,
-    WRITE_DB: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -206,9 +198,9 @@ def conv2d_weight_backward(
             mask=mask_co[:, None] & mask_p[None, :],
             other=0.0,
         )
-        if WRITE_DB:
+        if db_ptr is not None:
             bias_acc += tl.sum(a.to(ACC), axis=1)
-        if WRITE_DW:
+        if dw_ptr is not None:
             oh = (s // WO).to(tl.int32)
             ow = (s % WO).to(tl.int32)
             ih = (oh * stride_h - pad_h)[:, None] + (kh * dil_h)[None, :]
@@ -219,16 +211,16 @@ def conv2d_weight_backward(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-    if WRITE_DW:
+    if dw_ptr is not None:
         dw = dw_ptr + split.to(tl.int64) * CO * K + co[:, None] * K + k[None, :]
         tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=mask_co[:, None] & mask_k[None, :])
-    if WRITE_DB:
+    if db_ptr is not None:
         tl.store(
             db_ptr + split.to(tl.int64) * CO + co, bias_acc.to(db_ptr.dtype.element_ty), mask=mask_co & (pid_k == 0)
         )
 
 
-@kernel(backward=(conv2d_input_backward, conv2d_weight_backward, split_sum), half=True)
+@kernel(backward=(conv2d_input_backward, conv2d_weight_backward, sum_to_shape_kernel), half=True, optional=("b_ptr",))
 def conv2d_forward(
     x_ptr,
     w_ptr,
@@ -251,7 +243,6 @@ def conv2d_forward(
     pad_w,
     dil_h,
     dil_w,
-    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -290,13 +281,17 @@ def conv2d_forward(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-    if HAS_BIAS:
+    if b_ptr is not None:
         acc += tl.load(b_ptr + co, mask=mask_co, other=0.0).to(ACC)[None, :]
     y = y_ptr + (n * CO * HOWO + s)[:, None] + (co * HOWO)[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_co[None, :])
 
 
-@kernel(half=True)
+MAX_POOL = tl.constexpr(0)  # pooling modes (the MODE constexpr)
+AVG_POOL = tl.constexpr(1)
+
+
+@kernel(half=True, optional=("idx_ptr",))
 def pool2d_backward(
     dy_ptr,
     idx_ptr,
@@ -315,7 +310,7 @@ def pool2d_backward(
     dil_h,
     dil_w,
     divisor,
-    MAX: tl.constexpr,
+    MODE: tl.constexpr,
     COUNT_PAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -329,7 +324,6 @@ def pool2d_backward(
     ih = q // W
     iw = q % W
     dy_plane = dy_ptr + plane * HO * WO
-    idx_plane = idx_ptr + plane * HO * WO
     acc = tl.zeros((BLOCK,), dtype=ACC)
     for kh in range(0, KH):
         oh_num = ih + pad_h - kh * dil_h
@@ -349,8 +343,8 @@ def pool2d_backward(
             ok = ok & (ow * stride_w == ow_num) & (ow < WO)
             o = oh * WO + ow
             dy = tl.load(dy_plane + o, mask=ok, other=0.0).to(ACC)
-            if MAX:
-                hit = tl.load(idx_plane + o, mask=ok, other=-1) == q
+            if MODE == MAX_POOL:
+                hit = tl.load(idx_ptr + plane * HO * WO + o, mask=ok, other=-1) == q
                 acc += tl.where(hit, dy, 0.0)
             else:
                 if divisor != 0:
@@ -365,7 +359,7 @@ def pool2d_backward(
     tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@kernel(backward=pool2d_backward, half=True)
+@kernel(backward=pool2d_backward, half=True, optional=("y_ptr", "idx_ptr"))
 def pool2d_forward(
     x_ptr,
     y_ptr,
@@ -384,12 +378,13 @@ def pool2d_forward(
     dil_h,
     dil_w,
     divisor,
-    MAX: tl.constexpr,
+    MODE: tl.constexpr,
     COUNT_PAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Y[o] = max (saving the arg-max) or mean of output o's window (see module)."""
+    """Y[o] = max (saving the arg-max when idx_ptr is given) or mean of output o's window (see
+    module); y_ptr None: only the arg-max (return_indices)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     HOWO = HO * WO
@@ -408,15 +403,17 @@ def pool2d_forward(
             iw = w0 + kw * dil_w
             ok = ok_h & (iw >= 0) & (iw < W)
             v = tl.load(x_plane + ih * W + iw, mask=ok, other=0.0).to(ACC)
-            if MAX:
+            if MODE == MAX_POOL:
                 take = ok & ((v > best) | (v != v) | (best_index < 0))
                 best = tl.where(take, v, best)
                 best_index = tl.where(take, ih * W + iw, best_index)
             else:
                 total += v
-    if MAX:
-        tl.store(y_ptr + offs, best.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(idx_ptr + offs, best_index.to(idx_ptr.dtype.element_ty), mask=mask)
+    if MODE == MAX_POOL:
+        if y_ptr is not None:
+            tl.store(y_ptr + offs, best.to(y_ptr.dtype.element_ty), mask=mask)
+        if idx_ptr is not None:
+            tl.store(idx_ptr + offs, best_index.to(idx_ptr.dtype.element_ty), mask=mask)
     else:
         if divisor != 0:
             total = total / divisor
@@ -459,20 +456,6 @@ def _spatial(shape, op: str) -> tuple[int, int, int, int]:
     raise ValueError(f"{op}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape {tuple(shape)}")
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _acc_torch(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _precision(dtype: torch.dtype) -> str:
-    if dtype in (torch.float32, torch.float64) or (dtype == torch.bfloat16 and DOT_UPCAST_BF16):
-        return "ieee"
-    return "tf32"  # half operands: the flag does not apply
-
-
 def _block(size: int, low: int, high: int) -> int:
     """The power of two covering ``size``, clamped to [low, high]."""
     return max(low, min(high, triton.next_power_of_2(max(size, 1))))
@@ -496,20 +479,18 @@ class ConvGeometry:
     WO: int
     pad: tuple[int, int]  # top, left (a "same" padding's extra goes to the bottom/right)
 
-    def sizes(self, v: ArgVisitor, positions: int) -> None:
-        for s in (self.C, self.H, self.W, self.CO, self.HO, self.WO):
-            v.visit_i64(s)
-        v.visit_i64(positions)
-        for s in (self.CG, self.COG, self.KH, self.KW):
-            v.visit_i64(s)
+    def sizes(self) -> dict[str, int]:
+        """The geometry arguments every conv kernel takes, by name."""
+        return dict(C=self.C, H=self.H, W=self.W, CO=self.CO, HO=self.HO, WO=self.WO, CG=self.CG, COG=self.COG,
+                    KH=self.KH, KW=self.KW)  # fmt: skip
 
 
 if INTERPRETER:  # few, large program instances
     _CONV_BLOCK_M, _CONV_MAX_N, _CONV_MAX_K, _WGRAD_BLOCK_P = 512, 64, 64, 512
-    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _SUM_BLOCK, _POOL_BLOCK = 4, 512, 16384, 16384
+    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _POOL_BLOCK = 4, 512, 16384
 else:
     _CONV_BLOCK_M, _CONV_MAX_N, _CONV_MAX_K, _WGRAD_BLOCK_P = 64, 64, 32, 32
-    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _SUM_BLOCK, _POOL_BLOCK = 1024, 256, 1024, 256
+    _WGRAD_TARGET_PROGRAMS, _WGRAD_MIN_CHUNK, _POOL_BLOCK = 1024, 256, 256
 
 
 class Conv2dOp(RuntimeOp):
@@ -541,6 +522,7 @@ class Conv2dOp(RuntimeOp):
             raise ValueError(f"conv2d: dilation must be positive, got {self.dilation}")
         if not isinstance(self.padding, str) and min(self.padding) < 0:
             raise ValueError(f"conv2d: padding must be non-negative, got {self.padding}")
+        self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
 
     def param_shapes(self, input_shapes):
         return [None, None] if self.has_bias else [None]
@@ -591,59 +573,55 @@ class Conv2dOp(RuntimeOp):
         batch = (g.N,) if len(input_shapes[0]) == 4 else ()
         return batch + (g.CO, g.HO, g.WO)
 
-    def has_backward(self):
-        return True
+    def _window(self, g: ConvGeometry) -> dict[str, int]:
+        (sh, sw), (dh, dw) = self.stride, self.dilation
+        return dict(stride_h=sh, stride_w=sw, pad_h=g.pad[0], pad_w=g.pad[1], dil_h=dh, dil_w=dw)
 
-    def _launch_gemm(self, ctx: OpContext, kernel, g: ConvGeometry, pointers, positions, cols, depth, extra=()):
+    def _dot(self, dtype: torch.dtype) -> dict:
+        return dict(
+            ACC=tl_acc_dtype(dtype),
+            PRECISION=dot_precision(dtype, self.allow_tf32),
+            UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
+        )
+
+    def _gemm(self, ctx, kernel_, g: ConvGeometry, pointers: dict, positions: int, cols: int, depth: int) -> Launch:
         """One implicit GEMM over ``positions`` x ``cols`` per group, contracting ``depth``."""
         dtype = ctx.dtype
         half = dtype in (torch.float16, torch.bfloat16)
         block_m = _CONV_BLOCK_M * (2 if half and not INTERPRETER else 1)
         block_n = _block(cols, 16, _CONV_MAX_N)
         block_k = _block(depth, 16, 16 if dtype == torch.float64 and not INTERPRETER else _CONV_MAX_K)
-        v = ArgVisitor()
-        for p in pointers:
-            v.visit_ptr(p)
-        g.sizes(v, positions)
-        for s in (*self.stride, *g.pad, *self.dilation):
-            v.visit_i32(s)
-        for c in extra:
-            v.visit_constexpr(c)
-        v.visit_constexpr(_acc(dtype)).visit_constexpr(_precision(dtype))
-        v.visit_constexpr(dtype == torch.bfloat16 and DOT_UPCAST_BF16)
-        v.visit_constexpr(block_m).visit_constexpr(block_n).visit_constexpr(block_k)
+        args = ArgVisitor().visit(**pointers, **g.sizes(), M=positions, **self._window(g), **self._dot(dtype))
+        args.visit(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
         grid = (cdiv(positions, block_m), cdiv(cols, block_n), self.groups)
-        ctx.launch(kernel, grid, v, work=positions * cols * self.groups)
+        return Launch(kernel_, grid, args, work=positions * cols * self.groups)
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         g = self.geometry(ctx.input_shapes)
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        self._launch_gemm(
-            ctx,
-            conv2d_forward,
-            g,
-            (x, w, bias if bias is not None else w, ctx.output),
-            g.N * g.HO * g.WO,
-            g.COG,
-            g.CG * g.KH * g.KW,
-            extra=(bias is not None,),
-        )
+        pointers = dict(x_ptr=x, w_ptr=w, b_ptr=bias, y_ptr=ctx.output)
+        return [self._gemm(ctx, conv2d_forward, g, pointers, g.N * g.HO * g.WO, g.COG, g.CG * g.KH * g.KW)]
 
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         g = self.geometry(ctx.input_shapes)
         (x,), w = ctx.inputs, ctx.params[0]
         (dx,), dw = ctx.grad_inputs, ctx.grad_params[0]
         db = ctx.grad_params[1] if self.has_bias else None
         go = ctx.grad_output
+        launches = []
         if dx is not None:
-            self._launch_gemm(ctx, conv2d_input_backward, g, (go, w, dx), g.N * g.H * g.W, g.CG, g.COG * g.KH * g.KW)
+            pointers = dict(dy_ptr=go, w_ptr=w, dx_ptr=dx)
+            launches.append(
+                self._gemm(ctx, conv2d_input_backward, g, pointers, g.N * g.H * g.W, g.CG, g.COG * g.KH * g.KW)
+            )
         if dw is not None or db is not None:
-            self._weight_backward(ctx, g, x, go, dw, db)
+            launches += self._weight_backward(ctx, g, x, go, dw, db)
+        return launches
 
-    def _weight_backward(self, ctx, g: ConvGeometry, x, go, dw, db):
+    def _weight_backward(self, ctx, g: ConvGeometry, x, go, dw, db) -> list[Launch]:
         """dW and db over the N*HO*WO positions, split into chunks: fp32 partials per chunk,
-        then ``split_sum`` (one chunk: written directly)."""
+        then ``sum_partials`` (one chunk: written directly)."""
         dtype = ctx.dtype
         K = g.CG * g.KH * g.KW
         positions = g.N * g.HO * g.WO
@@ -653,26 +631,20 @@ class Conv2dOp(RuntimeOp):
         splits = max(1, min(cdiv(positions, _WGRAD_MIN_CHUNK), _WGRAD_TARGET_PROGRAMS // (tiles * self.groups)))
         chunk = cdiv(cdiv(max(positions, 1), splits), _WGRAD_BLOCK_P) * _WGRAD_BLOCK_P
         splits = max(1, cdiv(positions, chunk))
-        acc = _acc_torch(dtype)
+        acc = acc_dtype(dtype)
         dw_out = dw if splits == 1 or dw is None else ctx.empty((splits, g.CO * K), acc)
         db_out = db if splits == 1 or db is None else ctx.empty((splits, g.CO), acc)
-        v = ArgVisitor().visit_ptr(x if x is not None else go).visit_ptr(go)
-        v.visit_ptr(dw_out if dw_out is not None else db_out).visit_ptr(db_out if db_out is not None else dw_out)
-        g.sizes(v, positions)
-        for s in (*self.stride, *g.pad, *self.dilation):
-            v.visit_i32(s)
-        v.visit_i64(chunk).visit_constexpr(dw is not None).visit_constexpr(db is not None)
-        v.visit_constexpr(_acc(dtype)).visit_constexpr(_precision(dtype))
-        v.visit_constexpr(dtype == torch.bfloat16 and DOT_UPCAST_BF16)
-        v.visit_constexpr(block_co).visit_constexpr(block_k).visit_constexpr(_WGRAD_BLOCK_P)
+        args = ArgVisitor().visit(x_ptr=x, dy_ptr=go, dw_ptr=dw_out, db_ptr=db_out, **g.sizes(), P=positions)
+        args.visit(**self._window(g), chunk=chunk, **self._dot(dtype))
+        args.visit(BLOCK_CO=block_co, BLOCK_K=block_k, BLOCK_P=_WGRAD_BLOCK_P)
         # the gradients have work (zeros) even for an empty batch
-        ctx.launch(conv2d_weight_backward, (tiles, splits, self.groups), v, work=g.CO * K)
+        launches = [Launch(conv2d_weight_backward, (tiles, splits, self.groups), args, work=g.CO * K)]
         if splits > 1:
-            for partial, out in ((dw_out, dw), (db_out, db)):
-                if out is not None:
-                    s = ArgVisitor().visit_ptr(partial).visit_ptr(out).visit_i64(out.numel()).visit_i32(splits)
-                    s.visit_constexpr(_acc(dtype)).visit_constexpr(_SUM_BLOCK)
-                    ctx.launch(split_sum, (cdiv(out.numel(), _SUM_BLOCK), 1, 1), s, work=out.numel())
+            if dw is not None:
+                launches += sum_partials(dw_out, dw.view(-1))
+            if db is not None:
+                launches += sum_partials(db_out, db)
+        return launches
 
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -694,7 +666,7 @@ def _pool_output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool
 
 
 class Pool2dOp(RuntimeOp):
-    """max_pool2d / avg_pool2d: one kernel pair, MAX chooses the maths."""
+    """max_pool2d / avg_pool2d: one kernel pair, MODE chooses the maths."""
 
     kernel = pool2d_forward
     saves_inputs = False  # the backward needs only the shapes (and max's saved arg-max)
@@ -765,43 +737,61 @@ class Pool2dOp(RuntimeOp):
         index_dtype = torch.int32 if H * W < 2**31 else torch.int64
         return {"indices": (self.output_shape(input_shapes), index_dtype)}
 
-    def has_backward(self):
-        return True
+    def block(self):
+        return _POOL_BLOCK
 
-    def _visit(self, v: ArgVisitor, input_shape, output_shape, n: int, dtype) -> ArgVisitor:
-        v.visit_i64(n)
-        for s in (*input_shape[-2:], *output_shape[-2:]):
-            v.visit_i32(s)
-        for s in (*self.kernel_size, *self.stride, *self.padding, *self.dilation):
-            v.visit_i32(s)
-        v.visit_i32(self.divisor).visit_constexpr(self.is_max).visit_constexpr(self.count_include_pad)
-        return v.visit_constexpr(_acc(dtype)).visit_constexpr(_POOL_BLOCK)
+    def _args(self, ctx, n: int, **pointers) -> ArgVisitor:
+        (H, W), (HO, WO) = ctx.input_shapes[0][-2:], ctx.output_shape[-2:]
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation
+        return ArgVisitor().visit(
+            **pointers, n=n, H=H, W=W, HO=HO, WO=WO, KH=kh, KW=kw, stride_h=sh, stride_w=sw, pad_h=ph, pad_w=pw,
+            dil_h=dh, dil_w=dw, divisor=self.divisor, MODE=MAX_POOL if self.is_max else AVG_POOL,
+            COUNT_PAD=self.count_include_pad, ACC=tl_acc_dtype(ctx.dtype),
+        )  # fmt: skip
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         (x,), y = ctx.inputs, ctx.output
-        indices = ctx.saved.get("indices") if self.is_max else None
-        v = ArgVisitor().visit_ptr(x).visit_ptr(y).visit_ptr(indices if indices is not None else y)
-        self._visit(v, ctx.input_shapes[0], ctx.output_shape, y.numel(), ctx.dtype)
-        ctx.launch(pool2d_forward, (cdiv(y.numel(), _POOL_BLOCK), 1, 1), v)
+        args = self._args(ctx, y.numel(), x_ptr=x, y_ptr=y, idx_ptr=ctx.saved.get("indices"))
+        return [Launch(pool2d_forward, (cdiv(y.numel(), _POOL_BLOCK),), args, _POOL_BLOCK)]
 
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         (dx,) = ctx.grad_inputs
-        if dx is None:
-            return
-        go = ctx.grad_output
-        indices = ctx.saved.get("indices") if self.is_max else None
-        v = ArgVisitor().visit_ptr(go).visit_ptr(indices if indices is not None else go).visit_ptr(dx)
-        self._visit(v, ctx.input_shapes[0], ctx.output_shape, dx.numel(), ctx.dtype)
-        ctx.launch(pool2d_backward, (cdiv(dx.numel(), _POOL_BLOCK), 1, 1), v, work=dx.numel())
+        args = self._args(ctx, dx.numel(), dy_ptr=ctx.grad_output, idx_ptr=ctx.saved.get("indices"), dx_ptr=dx)
+        return [Launch(pool2d_backward, (cdiv(dx.numel(), _POOL_BLOCK),), args, _POOL_BLOCK, work=dx.numel())]
+
+
+class MaxPool2dIndicesOp(Pool2dOp):
+    """The arg-max of each max_pool2d window as an index into its input plane (ih * W + iw),
+    int64 like PyTorch's ``return_indices``: the forward kernel writing only the indices. No
+    gradient flows through indices; the values' node carries it."""
+
+    differentiable_inputs = ()
+
+    def __init__(self, kernel_size, stride, padding, dilation, ceil_mode: bool):
+        super().__init__(True, kernel_size, stride, padding, dilation, ceil_mode)
+        self.name = "max_pool2d_indices"
+
+    def output_dtype(self, input_dtypes):
+        return torch.int64
+
+    def extra_outputs(self, input_shapes, dtype):
+        return {}
+
+    def forward_launches(self, ctx):
+        (x,), indices = ctx.inputs, ctx.output
+        args = self._args(ctx, indices.numel(), x_ptr=x, y_ptr=None, idx_ptr=indices)
+        return [Launch(pool2d_forward, (cdiv(indices.numel(), _POOL_BLOCK),), args, _POOL_BLOCK)]
 
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     """F.max_pool2d on (N, C, H, W) or (C, H, W): the gradient goes to the first maximum of
-    each window in scan order (saved at the forward). ``return_indices`` is not supported."""
-    if return_indices:
-        raise ValueError("max_pool2d: return_indices=True is not supported (the indices stay internal)")
-    op = Pool2dOp(True, kernel_size, stride, padding, dilation, ceil_mode)
-    return graph_of(input).apply(op, [input])
+    each window in scan order (saved at the forward). ``return_indices=True`` returns
+    ``(values, indices)`` as PyTorch does: int64 positions of each maximum in its input plane."""
+    graph = graph_of(input)
+    values = graph.apply(Pool2dOp(True, kernel_size, stride, padding, dilation, ceil_mode), [input])
+    if not return_indices:
+        return values
+    return values, graph.apply(MaxPool2dIndicesOp(kernel_size, stride, padding, dilation, ceil_mode), [input])
 
 
 def avg_pool2d(

@@ -1,30 +1,54 @@
 """Matrix products: ``matmul`` (torch.matmul semantics) and ``linear`` (y = x W^T + b).
 
-One tiled kernel computes every product, forward and backward:
+Every product, forward and backward, is one of
 
     Z[g] = sum_r X[g, r] @ Y[g, r]   (+ bias[n] broadcast over rows)
 
-with fp32 accumulation (fp64 for float64). X, Y and Z are read and written through strides,
-so a transposed operand is the same buffer with its two strides swapped (dB = A^T dY reads A
-as it is); ``g`` runs over the kept batch dims (up to 3 after collapsing, one per program)
-and ``r`` over batch dims that the result is broadcast along, summed inside the program,
-which reduces a gradient over broadcast batch dims without atomics or partials:
+with fp32 accumulation (fp64 for float64): ``g`` runs over the kept batch dims and ``r`` over
+batch dims that the result is broadcast along (a gradient summed over broadcast dims, inside
+the program: no atomics, no partials). X, Y and Z are read and written through strides, so a
+transposed operand is the same buffer with its strides swapped, read in place:
 
     Y = A @ B        dA = sum_broadcast dY @ B^T        dB = sum_broadcast A^T @ dY
+    linear: Y = X W^T + b,   dX = dY W,   dW = dY^T X,   db = column sums of dY
 
-``linear`` adds the bias in the forward kernel's epilogue, and its backward is
-dX = dY @ W, dW = dY^T @ X (a product contracting over the rows), db = column sums of dY
-(``column_sum``: fp32 partials over row chunks, then a second pass over the partials).
+Two kernels compute them:
 
-float32/float64 dots use ``input_precision="ieee"`` (PyTorch's full precision) unless
-``set_allow_tf32(True)`` was called before tracing (like
-``torch.backends.cuda.matmul.allow_tf32``; float64 is always exact). Under the Triton
-interpreter bfloat16 operands are upcast to float32 before ``tl.dot``.
+* ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
+  rows): persistent programs (one or two per multiprocessor) walk the output tiles in grouped
+  order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
+  descriptors made on the device, zero-filled past the edges, in either layout (a transposed
+  operand is described as it lies and its tile transposed in shared memory); the bias is
+  added in the epilogue. Where whole tiles would leave the last wave of programs part idle
+  (few output tiles and a long contraction: dW of a layer over many tokens), the last waves'
+  tiles are shared out stream-K: their K tiles, laid end to end, are split evenly over the
+  programs, and ``matmul_sum_segments`` adds up the fp32 segments of the tiles that several
+  programs shared (in a fixed order: bit-reproducible, no atomics). linear's dW = dY^T X also
+  sums the dY^T tiles it reads over the rows: the bias gradient without another pass over dY
+  (the programs of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major only, so
+  an MN-major float32 operand may be copied K-major first (``matmul_k_major``, one pass).
+* ``matmul_product`` (everything else: batched and broadcast products, unaligned strides, the
+  interpreter): the same tiles in grouped order through strided pointer loads; the bias
+  gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
+
+Tile sizes, warps, stages, the schedule and the copies are chosen per static shape when the
+program is lowered: ``teeny.tuning`` times a few candidates on the GPU and caches the winner
+on disk; under the interpreter, or with tuning off (``TEENY_TUNING=0``), ``default_config``
+decides.
+
+Precision: float64 is exact (``input_precision="ieee"``). float32 products use ``"tf32x3"``
+on the GPU (three TF32 tensor-core products of split operands: more accurate than cuBLAS
+SGEMM against float64, and faster than ``"ieee"`` FMA), or plain TF32 when
+``teeny.config.allow_tf32`` was set before tracing (like ``torch.backends.cuda.matmul.allow_tf32``).
+tf32x3 splits each operand into a high and a low part, so an infinite operand gives NaN where a
+full-precision product gives inf. Under the Triton interpreter bfloat16 operands are upcast to
+float32 before ``tl.dot`` (its bfloat16 dot is wrong).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,37 +56,328 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .. import init
-from ..device import INTERPRETER
+from .. import config as teeny_config
+from .. import init, tuning
+from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, OpContext, RuntimeOp
-from .common import DOT_UPCAST_BF16, cdiv
+from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, run_launch
+from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
 
-__all__ = ["matmul", "linear", "set_allow_tf32", "get_allow_tf32"]
+__all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
 
-_ALLOW_TF32 = False
+IEEE, TF32, TF32X3 = "ieee", "tf32", "tf32x3"  # tl.dot input precisions
 
 
-def set_allow_tf32(flag: bool) -> None:
-    """Let float32 products traced from now on use TF32 tensor cores (default False: full
-    precision, like ``torch.backends.cuda.matmul.allow_tf32``). Read at trace time."""
-    global _ALLOW_TF32
-    _ALLOW_TF32 = bool(flag)
-
-
-def get_allow_tf32() -> bool:
-    return _ALLOW_TF32
+def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """``tl.dot``'s ``input_precision`` for ``dtype`` operands: exact for float64; tf32x3 for
+    float32 on the GPU (tf32 if ``allow_tf32``); the flag does not apply to half operands."""
+    if dtype == torch.float64:
+        return IEEE
+    if dtype == torch.float32:
+        return TF32 if allow_tf32 else (IEEE if INTERPRETER else TF32X3)
+    if dtype == torch.bfloat16 and DOT_UPCAST_BF16:
+        return IEEE  # upcast to float32 under the interpreter
+    return TF32
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _product(
+def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the tile-th output tile in grouped order: GROUP_M row tiles
+    walk the column tiles together, so the operand tiles they share stay in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+
+ROW_SUM_COLUMNS = tl.constexpr(16)  # the narrowest tl.dot: X @ [1 0 ... 0] (K x 16) sums X's rows
+
+
+@triton.jit
+def _tile_product(
+    x_desc,
+    y_desc,
+    m0,
+    n0,
+    k_lo,
+    k_hi,
+    X_K_CONTIGUOUS: tl.constexpr,
+    Y_K_CONTIGUOUS: tl.constexpr,
+    ROW_SUMS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROW_SUM_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """sum over K tiles k_lo..k_hi-1 of X[m0 +, k] @ Y[k, n0 +] in ACC and (ROW_SUMS) the sums
+    of those X tiles' rows. The row sums are a second, 16-wide product with the X tile already
+    in shared memory (in every program: a reduction in registers would load the tile from
+    shared memory and synchronise the warps every step), 1/16 more tensor-core work at
+    BLOCK_N = 256."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    row_acc = tl.zeros((BLOCK_M, ROW_SUM_COLUMNS), dtype=ACC)
+    for kt in range(k_lo, k_hi):
+        k0 = kt * BLOCK_K
+        if X_K_CONTIGUOUS:
+            a = x_desc.load([m0, k0])
+        else:
+            a = x_desc.load([k0, m0]).T
+        if Y_K_CONTIGUOUS:
+            b = y_desc.load([n0, k0]).T
+        else:
+            b = y_desc.load([k0, n0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        # Triton 3.6 waits for the row sums' product as soon as it is issued (it keeps one product
+        # per loop in flight): issued first, that wait does not hold back this step's big one
+        if ROW_SUMS:
+            first_column = tl.arange(0, ROW_SUM_COLUMNS)[None, :] == 0
+            ones = tl.where(first_column, 1.0, 0.0).to(a.dtype) + tl.zeros((BLOCK_K, ROW_SUM_COLUMNS), dtype=a.dtype)
+            row_acc = tl.dot(a, ones, row_acc, input_precision=ROW_SUM_PRECISION, out_dtype=ACC)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+    return acc, tl.sum(row_acc, axis=1)  # the other columns are zeros: exact
+
+
+@triton.jit
+def _store_tile(desc, row, col, acc, out_ptr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc into the (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), in out_ptr's dtype; SUBTILE
+    stores each half of the columns on its own (half the shared memory for the epilogue)."""
+    if SUBTILE:
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        desc.store([row, col], left.to(out_ptr.dtype.element_ty))
+        desc.store([row, col + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+    else:
+        desc.store([row, col], acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _finish_tile(
+    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, sum_rows,
+    ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a tile whose whole contraction one program summed: bias, store, row sums."""
+    if bias_ptr is not None:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+    _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+    if row_sums_ptr is not None:
+        if sum_rows:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            tl.store(row_sums_ptr + offs_m, row_sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
+
+
+@triton.jit
+def _segment_owners(i, k_tiles, total, programs):
+    """The first and last program of stream-K tile i: program p takes the K tiles
+    p * total // programs ... (p + 1) * total // programs - 1 of the tiles laid end to end."""
+    first = ((i * k_tiles + 1) * programs - 1) // total
+    last = ((i + 1) * k_tiles * programs - 1) // total
+    return first, last
+
+
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr"))
+@triton.jit(do_not_specialize=["programs", "dp_tiles", "partial_rows"])
+def matmul_tma(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    row_sums_ptr,
+    partial_ptr,
+    partial_sums_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    y_stride,
+    z_stride,
+    programs,
+    dp_tiles,
+    partial_rows,
+    X_K_CONTIGUOUS: tl.constexpr,
+    Y_K_CONTIGUOUS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROW_SUM_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr,
+):
+    """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs. X is (M, K)
+    with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed, (K, M) with rows x_stride
+    apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart.
+    row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
+    by the programs of the first column tile.
+
+    Tiles 0 .. dp_tiles - 1 (grouped order) go round the programs whole. The rest are stream-K
+    (with partial_ptr): their K tiles, laid end to end, are shared out evenly, so the last wave
+    leaves no multiprocessor idle; a tile that one program sums whole is stored as above, the
+    segments of a shared one go to the fp32 (ACC) partials, (partial_rows, BLOCK_N), in boxes
+    of BLOCK_M rows, (slot, tile) with slot = program - the tile's first, which
+    ``matmul_sum_segments`` adds up."""
+    if X_K_CONTIGUOUS:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [x_stride, 1], [BLOCK_M, BLOCK_K])
+    else:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [K, M], [x_stride, 1], [BLOCK_K, BLOCK_M])
+    if Y_K_CONTIGUOUS:
+        y_desc = tl.make_tensor_descriptor(y_ptr, [N, K], [y_stride, 1], [BLOCK_N, BLOCK_K])
+    else:
+        y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
+    store_n: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
+    row_sums_wanted: tl.constexpr = row_sums_ptr is not None
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    whole_tiles = (dp_tiles - pid + programs - 1) // programs  # tiles pid, pid + programs, ...
+    items = whole_tiles
+    if partial_ptr is not None:
+        sk_tiles = tiles_m * tiles_n - dp_tiles
+        total = sk_tiles.to(tl.int64) * k_tiles
+        start = pid * total // programs  # this program's K tiles of the stream-K tiles laid end to end
+        end = (pid + 1) * total // programs
+        first_shared = start // k_tiles
+        items += ((end + k_tiles - 1) // k_tiles - first_shared).to(tl.int32)
+    # one loop over this program's whole tiles, then its stream-K segments (one loop nest: one
+    # set of pipeline buffers in shared memory), flattened where Triton can (not with the row
+    # sums' second product: Triton 3.6 fails to compile that)
+    for item in tl.range(0, items, flatten=not row_sums_wanted):
+        if partial_ptr is not None:
+            whole = item < whole_tiles
+            i = first_shared + (item - whole_tiles)  # the stream-K tile, where not whole
+            tile = tl.where(whole, pid + item * programs, dp_tiles + i).to(tl.int32)
+            k_lo = tl.where(whole, 0, tl.maximum(start - i * k_tiles, 0)).to(tl.int32)
+            k_hi = tl.where(whole, k_tiles, tl.minimum(end - i * k_tiles, k_tiles)).to(tl.int32)
+        else:
+            tile = pid + item * programs
+            k_lo = 0
+            k_hi = k_tiles
+        pid_m, pid_n = _grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc, row_sums = _tile_product(
+            x_desc, y_desc, m0, n0, k_lo, k_hi, X_K_CONTIGUOUS, Y_K_CONTIGUOUS, row_sums_wanted,
+            ACC, PRECISION, ROW_SUM_PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if partial_ptr is None:
+            _finish_tile(
+                z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+        else:
+            first, last = _segment_owners(i, k_tiles, total, programs)
+            if whole | (first == last):
+                _finish_tile(
+                    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
+                    BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            else:
+                # a segment of a shared tile: its box of fp32 partials, stored from registers
+                # (no staging tile in shared memory, which the pipeline needs)
+                row = ((pid - first) * sk_tiles + i) * BLOCK_M
+                box = partial_ptr + (row + tl.arange(0, BLOCK_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(box, acc)
+                if row_sums_wanted:
+                    if pid_n == 0:
+                        tl.store(partial_sums_ptr + row + tl.arange(0, BLOCK_M), row_sums)
+
+
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr"))
+@triton.jit(do_not_specialize=["programs", "dp_tiles"])
+def matmul_sum_segments(
+    partial_ptr,
+    partial_sums_ptr,
+    z_ptr,
+    bias_ptr,
+    row_sums_ptr,
+    M,
+    N,
+    K,
+    z_stride,
+    programs,
+    dp_tiles,
+    ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SLOTS: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+):
+    """The second pass of ``matmul_tma``'s stream-K tiles: program (i, c) adds up the segments
+    of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), SLOTS boxes
+    loaded at once (one memory latency, not one per segment) and summed in a fixed order
+    (bit-reproducible), adds the bias and stores Z; for the first column tile, the row sums too.
+    Tiles summed whole by one program were stored by ``matmul_tma`` and are left alone."""
+    i = tl.program_id(0).to(tl.int64)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    sk_tiles = tiles_m * tiles_n - dp_tiles
+    total = sk_tiles.to(tl.int64) * k_tiles
+    first, last = _segment_owners(i, k_tiles, total, programs)
+    if first < last:
+        pid_m, pid_n = _grouped_tile((dp_tiles + i).to(tl.int32), tiles_m, tiles_n, GROUP_M)
+        rows = tl.program_id(1) * CHUNK_M + tl.arange(0, CHUNK_M)
+        cols = tl.arange(0, BLOCK_N)
+        acc = tl.zeros((CHUNK_M, BLOCK_N), dtype=ACC)
+        sums = tl.zeros((CHUNK_M,), dtype=ACC)
+        for slot0 in range(0, last - first + 1, SLOTS):
+            slots = slot0 + tl.arange(0, SLOTS)
+            used = slots <= last - first
+            boxes = (slots * sk_tiles + i) * BLOCK_M
+            offsets = (boxes[:, None, None] + rows[None, :, None]) * BLOCK_N + cols[None, None, :]
+            acc += tl.sum(tl.load(partial_ptr + offsets, mask=used[:, None, None], other=0.0), axis=0)
+            if row_sums_ptr is not None:
+                if pid_n == 0:
+                    box_sums = tl.load(partial_sums_ptr + boxes[:, None] + rows[None, :], mask=used[:, None], other=0.0)
+                    sums += tl.sum(box_sums, axis=0)
+        offs_m = pid_m * BLOCK_M + rows
+        offs_n = pid_n * BLOCK_N + cols
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+        z = z_ptr + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
+        tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        if row_sums_ptr is not None:
+            if pid_n == 0:
+                tl.store(row_sums_ptr + offs_m, sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
+
+
+@kernel
+@triton.jit
+def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, BLOCK: tl.constexpr):
+    """dst[c, r] = src[r, c]: a float32 operand that lies MN-major copied K-major (dst is
+    contiguous, (cols, rows); src has rows src_stride apart and contiguous columns)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    tile = tl.load(src_ptr + r[:, None] * src_stride + c[None, :], mask=mask)
+    tl.store(dst_ptr + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+# matmul_product computes every product (the backward ones are products with swapped strides);
+# its backward= lists what a backward launches besides it: the Hopper kernel and the sums of
+# the bias gradient and of split-contraction partials.
+@kernel(
+    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, sum_to_shape_kernel), half=True, optional=("bias_ptr",)
+)
+def matmul_product(
     x_ptr,
     y_ptr,
     z_ptr,
@@ -93,7 +408,6 @@ def _product(
     sxr1,
     syr0,
     syr1,
-    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -102,20 +416,14 @@ def _product(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry."""
+    """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry
+    per program; g = (g0, g1, g2) over sizes (., G1, G2), r = (r0, r1) over (n_red / R1, R1)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n
     g = (pid // tiles).to(tl.int64)
-    t = pid % tiles
-    # grouped tile order: GROUP_M row tiles share the column tiles they read (L2 reuse)
-    group = GROUP_M * tiles_n
-    first_m = (t // group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (t % group) % group_m
-    pid_n = (t % group) // group_m
-
+    pid_m, pid_n = _grouped_tile(pid % tiles, tiles_m, tiles_n, GROUP_M)
     g2 = g % G2
     g1 = (g // G2) % G1
     g0 = g // G2 // G1
@@ -144,222 +452,17 @@ def _product(
             acc = tl.dot(xt, yt, acc, input_precision=PRECISION, out_dtype=ACC)
             x_tile += BLOCK_K * sxk
             y_tile += BLOCK_K * syk
-    if HAS_BIAS:
+    if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC)[None, :]
     z_tile = z_base + offs_m[:, None] * szm + offs_n[None, :] * szn
     tl.store(z_tile, acc.to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@kernel(half=True)
-def column_sum(
-    x_ptr, out_ptr, R, N, stride_r, ROWS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out[p, n] = sum of x[r, n] over the p-th chunk of ROWS rows (in ACC precision).
-    Applied twice for db: row chunks into fp32 partials, then the partials into db."""
-    pid_r = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    start = pid_r.to(tl.int64) * ROWS
-    acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    for r0 in range(0, ROWS, BLOCK_R):
-        rows = start + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-        tile = tl.load(
-            x_ptr + rows[:, None] * stride_r + offs_n[None, :], mask=(rows[:, None] < R) & mask_n[None, :], other=0.0
-        )
-        acc += tl.sum(tile.to(ACC), axis=0)
-    tl.store(out_ptr + pid_r.to(tl.int64) * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@kernel(half=True)
-def matmul_backward(
-    x_ptr,
-    y_ptr,
-    z_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    sxm,
-    sxk,
-    syk,
-    syn,
-    szm,
-    szn,
-    G1,
-    G2,
-    sxg0,
-    sxg1,
-    sxg2,
-    syg0,
-    syg1,
-    syg2,
-    szg0,
-    szg1,
-    szg2,
-    R1,
-    n_red,
-    sxr0,
-    sxr1,
-    syr0,
-    syr1,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """dA = sum_broadcast dY @ B^T and dB = sum_broadcast A^T @ dY: the forward product with
-    transposed strides, summing the broadcast batch dims inside each program."""
-    _product(
-        x_ptr,
-        y_ptr,
-        z_ptr,
-        bias_ptr,
-        M,
-        N,
-        K,
-        sxm,
-        sxk,
-        syk,
-        syn,
-        szm,
-        szn,
-        G1,
-        G2,
-        sxg0,
-        sxg1,
-        sxg2,
-        syg0,
-        syg1,
-        syg2,
-        szg0,
-        szg1,
-        szg2,
-        R1,
-        n_red,
-        sxr0,
-        sxr1,
-        syr0,
-        syr1,
-        HAS_BIAS,
-        ACC,
-        PRECISION,
-        UPCAST,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        GROUP_M,
-    )
-
-
-@kernel(backward=(matmul_backward, column_sum), half=True)
-def matmul_forward(
-    x_ptr,
-    y_ptr,
-    z_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    sxm,
-    sxk,
-    syk,
-    syn,
-    szm,
-    szn,
-    G1,
-    G2,
-    sxg0,
-    sxg1,
-    sxg2,
-    syg0,
-    syg1,
-    syg2,
-    szg0,
-    szg1,
-    szg2,
-    R1,
-    n_red,
-    sxr0,
-    sxr1,
-    syr0,
-    syr1,
-    HAS_BIAS: tl.constexpr,
-    ACC: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Y[g] = A[g] @ B[g] (+ bias), batch dims broadcast through zero strides."""
-    _product(
-        x_ptr,
-        y_ptr,
-        z_ptr,
-        bias_ptr,
-        M,
-        N,
-        K,
-        sxm,
-        sxk,
-        syk,
-        syn,
-        szm,
-        szn,
-        G1,
-        G2,
-        sxg0,
-        sxg1,
-        sxg2,
-        syg0,
-        syg1,
-        syg2,
-        szg0,
-        szg1,
-        szg2,
-        R1,
-        n_red,
-        sxr0,
-        sxr1,
-        syr0,
-        syr1,
-        HAS_BIAS,
-        ACC,
-        PRECISION,
-        UPCAST,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        GROUP_M,
-    )
-
-
-# H200, bf16 4096^3 forward+backward (bench/tune_launch.py): 8 warps and 4 stages for the 128x128
-# half-precision tiles, 0.93 ms against 1.12 ms for Triton's default 4 warps / 3 stages.
-for _k in (matmul_forward, matmul_backward):
-    for _half in (torch.float16, torch.bfloat16):
-        _k.tune(_half, num_warps=8, num_stages=4)
-
-
-# ------------------------------------------------------------------- launch description
+# ------------------------------------------------------------------- product description
 
 MAX_KEPT_DIMS = 3  # batch dims of the result, after collapsing
 MAX_REDUCED_DIMS = 2  # broadcast batch dims summed inside a program, after collapsing
-
-
-def _blocks(dtype: torch.dtype, tf32: bool) -> tuple[int, int, int]:
-    if INTERPRETER:
-        return 256, 256, 64  # the interpreter pays per program instance, not per element: few, wide ones
-    if dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and tf32):
-        return 128, 128, 32
-    if dtype == torch.float64:
-        return 64, 64, 16
-    return 64, 64, 32
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
 
 def _contiguous_strides(shape) -> list[int]:
@@ -370,9 +473,21 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
+@dataclass(frozen=True)
+class TmaLayout:
+    """How ``matmul_tma`` reads a 2-D product: which operand dim is contiguous, and the other
+    stride of each operand (in elements)."""
+
+    x_k_contiguous: bool
+    y_k_contiguous: bool
+    x_stride: int
+    y_stride: int
+    z_stride: int
+
+
 @dataclass
 class Product:
-    """One launch: Z[g] = sum_r X[g, r] @ Y[g, r] with every access through strides.
+    """One product: Z[g] = sum_r X[g, r] @ Y[g, r] with every access through strides.
     ``kept``: (size, x, y, z strides) per batch dim of Z; ``reduced``: (size, x, y strides)."""
 
     M: int
@@ -390,6 +505,34 @@ class Product:
 
     def work(self) -> int:
         return self.batch * self.M * self.N
+
+    def tma_layout(self, dtype: torch.dtype) -> TmaLayout | None:
+        """The layout for ``matmul_tma``, or None where the product is batched, empty, or an
+        operand has no unit stride or rows that are not 16-byte aligned."""
+        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0:
+            return None
+        size = torch.empty((), dtype=dtype).element_size()
+
+        def unit(strides, rows_first: bool):
+            """(is the first dim's partner contiguous, the other stride), or None."""
+            first, second = strides
+            if second == 1 and (first * size) % TMA_ALIGN == 0:
+                return rows_first, first
+            if first == 1 and (second * size) % TMA_ALIGN == 0:
+                return not rows_first, second
+            return None
+
+        x = unit(self.x, True)  # (m, k): k contiguous is the usual case
+        y = unit(self.y, False)  # (k, n): n contiguous is the usual case
+        szm, szn = self.z
+        if x is None or y is None or szn != 1 or (szm * size) % TMA_ALIGN:
+            return None
+        return TmaLayout(x[0], y[0], x[1], y[1], szm)
+
+    def key(self) -> dict:
+        """What a tuned configuration depends on."""
+        return {"M": self.M, "N": self.N, "K": self.K, "x": self.x, "y": self.y, "z": self.z,
+                "kept": self.kept, "reduced": self.reduced}  # fmt: skip
 
 
 def _collapse(dims: list[tuple]) -> list[tuple]:
@@ -419,54 +562,448 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
     return Product(M, N, K, x, y, z, kept, reduced)
 
 
-class _ProductOp(RuntimeOp):
-    """Shared launch code of matmul and linear."""
+# ------------------------------------------------------------------- configurations
 
-    kernel = matmul_forward
+# A configuration is a dict: the kernel ("tma" or "strided"), its tile constexprs and Triton's
+# num_warps / num_stages. "tma" ones add SUBTILE (the epilogue stores half tiles), STREAM_K
+# (how many of the last waves of tiles are shared out stream-K; 0: none), OCCUPANCY (programs
+# per multiprocessor: 2 lets one program's epilogue overlap the other's products) and K_MAJOR
+# (float32: copy MN-major operands K-major first, see candidates); products that also sum X's
+# rows add FUSED_SUMS (in the kernel, or a separate column sum). Candidates per operand
+# precision (what the tuning pass times); the first of each list is the default where nothing
+# is timed.
+
+
+def _cfg(bm, bn, bk, warps, stages, subtile=False, stream_k=0, occupancy=1, kind="tma") -> dict:
+    config = {"kernel": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+              "num_warps": warps, "num_stages": stages}  # fmt: skip
+    if kind == "tma":
+        config.update(SUBTILE=subtile, STREAM_K=stream_k, OCCUPANCY=occupancy, K_MAJOR=False)
+    return config
+
+
+# H200 (bench/matmul_sweep.py, run 3): 128x256x64 w8s3 wins at 4096^3 (0.98x cuBLAS) and on
+# long rows; 128x128 tiles on 768-wide outputs; 128x64 tiles on small ones.
+_TMA_CANDIDATES = {
+    "half": [
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 256, 64, 8, 4, subtile=True),
+        _cfg(256, 128, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 128, 128, 8, 3),
+        _cfg(64, 256, 64, 4, 4),
+        _cfg(128, 64, 64, 4, 5),
+        # two programs per multiprocessor (at most half the shared memory each)
+        _cfg(128, 128, 64, 4, 2, occupancy=2),
+        _cfg(128, 128, 32, 4, 4, occupancy=2),
+        _cfg(128, 128, 64, 4, 3, subtile=True, occupancy=2),
+    ],
+    TF32X3: [
+        _cfg(128, 128, 32, 8, 3),
+        _cfg(128, 256, 32, 8, 2, subtile=True),
+        _cfg(128, 128, 32, 4, 4),
+        _cfg(64, 128, 32, 4, 4),
+        _cfg(128, 64, 32, 4, 4),
+        _cfg(128, 128, 16, 8, 5),
+    ],
+    TF32: [
+        _cfg(128, 256, 32, 8, 3, subtile=True),
+        _cfg(128, 128, 32, 8, 4),
+        _cfg(256, 128, 32, 8, 3, subtile=True),
+        _cfg(128, 128, 64, 8, 2),
+    ],
+    IEEE: [  # float32 on FMA units: smaller tiles, no tensor cores
+        _cfg(64, 64, 32, 4, 3),
+        _cfg(128, 64, 32, 8, 3),
+        _cfg(128, 128, 16, 8, 3),
+    ],
+    "float64": [  # DMMA
+        _cfg(64, 64, 16, 4, 3),
+        _cfg(64, 128, 16, 4, 3),
+        _cfg(128, 64, 16, 8, 3),
+        _cfg(128, 128, 16, 8, 2),
+    ],
+}
+# how many of each list (the first) also get stream-K and K_MAJOR variants
+_VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
+
+# What a multiprocessor offers a program (227 KiB on Hopper), less a margin for the barriers;
+# two programs per multiprocessor share 228 KiB less 1 KiB reserved for each. The estimate
+# below is an upper bound: bench/compile_check.py prints what each candidate takes (128x256x64
+# bf16, 3 stages: 196 KiB against 208 estimated).
+SHARED_MEMORY_BUDGET = 226 * 1024
+SHARED_MEMORY_PER_PAIR = 112 * 1024
+
+
+def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False) -> int:
+    """Shared memory a TMA configuration needs: num_stages operand tiles, the epilogue's staging
+    tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
+    store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
+    ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
+    return operands + config["BLOCK_M"] * store_n * size + ones
+
+
+def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False) -> bool:
+    budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
+    return _shared_bytes(config, dtype, row_sums) <= budget
+
+
+# H200, bf16 4096^3 forward+backward (bench/tune_launch.py, version 1): 8 warps and 4 stages for
+# 128x128x32 half tiles, 0.93 ms against 1.12 ms for Triton's default 4 warps / 3 stages.
+_STRIDED_CANDIDATES = {
+    "half": [_cfg(128, 128, 32, 8, 4, kind="strided"), _cfg(128, 128, 64, 8, 3, kind="strided"),
+             _cfg(64, 128, 32, 4, 4, kind="strided")],
+    TF32X3: [_cfg(128, 128, 32, 8, 3, kind="strided"), _cfg(64, 64, 32, 4, 3, kind="strided")],
+    TF32: [_cfg(128, 128, 32, 8, 3, kind="strided"), _cfg(64, 128, 32, 4, 4, kind="strided")],
+    IEEE: [_cfg(64, 64, 32, 4, 3, kind="strided"), _cfg(128, 64, 32, 8, 3, kind="strided")],
+    "float64": [_cfg(64, 64, 16, 4, 3, kind="strided"), _cfg(64, 128, 16, 4, 3, kind="strided")],
+}  # fmt: skip
+
+# the interpreter pays per program instance, not per element: few, wide ones
+_INTERPRETER_CONFIG = _cfg(256, 256, 64, 4, 2, kind="strided")
+
+STREAM_K_MIN_K_TILES = 4  # a stream-K program takes at least this many K tiles
+STREAM_K_MAX_WAVES = 4  # beyond this many waves of tiles an idle last wave costs little: no stream-K
+STREAM_K_FULL_WAVE = 0.8  # a last wave this full (of the multiprocessors) leaves little to share out
+SEGMENT_SUM_ELEMENTS = 8192  # partial elements a program of matmul_sum_segments loads at once
+SEGMENT_SUM_MAX_SLOTS = 16  # segments it loads at once
+K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
+TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
+
+
+def _precision_class(dtype: torch.dtype, precision: str) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    if dtype == torch.float64:
+        return "float64"
+    return precision
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How ``matmul_tma``'s ``programs`` share out a product: tiles 0 .. dp_tiles - 1 whole, the
+    ``sk_tiles`` after them stream-K, a shared tile's segments in up to ``slots`` partial boxes
+    (slots 1: no tile is shared, no second pass)."""
+
+    programs: int
+    dp_tiles: int
+    sk_tiles: int
+    slots: int
+
+
+def schedule(p: Product, config: dict) -> Schedule:
+    """The schedule of ``p`` under a TMA ``config``: STREAM_K = w shares out the tiles of the last
+    w waves (a wave: one tile per program), where each program gets enough K tiles."""
+    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
+    k_tiles = cdiv(p.K, config["BLOCK_K"])
+    full = config["OCCUPANCY"] * tuning.multiprocessors()
+    whole = Schedule(min(tiles, full), tiles, 0, 1)
+    if not config["STREAM_K"]:
+        return whole
+    dp_tiles = max(0, cdiv(tiles, full) - config["STREAM_K"]) * full
+    sk_tiles = tiles - dp_tiles
+    total = sk_tiles * k_tiles
+    if total < full * STREAM_K_MIN_K_TILES:
+        return whole
+    # the owners of tile i, as _segment_owners computes them in the kernels
+    slots = max(((i + 1) * k_tiles * full - 1) // total - ((i * k_tiles + 1) * full - 1) // total + 1
+                for i in range(sk_tiles))  # fmt: skip
+    return whole if slots == 1 else Schedule(full, dp_tiles, sk_tiles, slots)
+
+
+def _stream_k_useful(p: Product, config: dict, waves: int) -> bool:
+    """Whether STREAM_K = waves changes ``config``'s schedule for ``p`` in a way worth timing:
+    the whole tiles would leave a last wave under STREAM_K_FULL_WAVE full, within a few waves."""
+    plain = schedule(p, config)
+    tiles = plain.dp_tiles
+    full = config["OCCUPANCY"] * tuning.multiprocessors()
+    last_wave = tiles - (cdiv(tiles, full) - 1) * full
+    if cdiv(tiles, full) > STREAM_K_MAX_WAVES or last_wave >= STREAM_K_FULL_WAVE * full:
+        return False
+    shared = schedule(p, {**config, "STREAM_K": waves})
+    return shared != plain and (waves == 1 or shared != schedule(p, {**config, "STREAM_K": waves - 1}))
+
+
+def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
+    """float32 tensor cores (tf32, tf32x3) read both operands K-major only: an MN-major operand
+    tile is transposed through shared memory in every program that reads it (H200, 4096^3
+    tf32x3: 0.81x cuBLAS with one such operand, 0.72x with two, 1.74x with none), so a K-major
+    copy made once (one pass over the operand) is worth timing. Its rows must be 16-byte aligned."""
+    layout = p.tma_layout(dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    return (not (layout.x_k_contiguous and layout.y_k_contiguous)) and (p.K * size) % TMA_ALIGN == 0
+
+
+def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> list[dict]:
+    """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
+    ``row_sums``: the product also sums X's rows (linear's bias gradient)."""
+    if INTERPRETER:
+        return [_INTERPRETER_CONFIG]
+    cls = _precision_class(dtype, precision)
+    if p.tma_layout(dtype) is None or not tuning.has_tma():
+        return list(_STRIDED_CANDIDATES[cls])
+    out = []
+    for index, option in enumerate(_TMA_CANDIDATES[cls]):
+        variants = [option]
+        if index < _VARIANTS_OF[cls]:
+            variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
+            if cls in (TF32X3, TF32) and _k_major_useful(p, dtype):
+                variants += [{**v, "K_MAJOR": True} for v in variants]
+        out += [v for v in variants if _fits(v, dtype)]
+    if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
+        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
+        out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
+    return out
+
+
+def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> dict:
+    """The heuristic: the first candidate, or its first stream-K variant where the output has
+    fewer tiles than the GPU has multiprocessors."""
+    options = candidates(p, dtype, precision, has_bias, row_sums)
+    config = options[0]
+    if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
+        shared = [c for c in options if c["STREAM_K"] and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
+        if shared:
+            config = shared[0]
+    return config
+
+
+# ------------------------------------------------------------------- launches
+
+
+def _product_args(p: Product, x, y, z, bias, dtype: torch.dtype, precision: str, config: dict) -> ArgVisitor:
+    kept = list(p.kept) + [(1, 0, 0, 0)] * (MAX_KEPT_DIMS - len(p.kept))
+    reduced = list(p.reduced) + [(1, 0, 0)] * (MAX_REDUCED_DIMS - len(p.reduced))
+    v = ArgVisitor().visit(x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, M=p.M, N=p.N, K=p.K)
+    v.visit(sxm=p.x[0], sxk=p.x[1], syk=p.y[0], syn=p.y[1], szm=p.z[0], szn=p.z[1])
+    v.visit(G1=kept[1][0], G2=kept[2][0], R1=reduced[1][0], n_red=math.prod(d[0] for d in reduced))
+    for operand, name in ((1, "x"), (2, "y"), (3, "z")):
+        v.visit(**{f"s{name}g{i}": d[operand] for i, d in enumerate(kept)})
+    for operand, name in ((1, "x"), (2, "y")):
+        v.visit(**{f"s{name}r{i}": d[operand] for i, d in enumerate(reduced)})
+    return v.visit(ACC=tl_acc_dtype(dtype), PRECISION=precision, UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16)
+
+
+def _tiles(config: dict) -> dict:
+    return {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+
+
+class _ScratchContext:
+    """What ``sum_to_shape`` uses of an OpContext: somewhere to put its partials."""
+
+    def __init__(self, scratch: Callable[[tuple, torch.dtype], torch.Tensor]):
+        self._scratch = scratch
+
+    def empty(self, shape, dtype=None) -> torch.Tensor:
+        return self._scratch(tuple(shape), dtype)
+
+
+def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, stride: int) -> Launch:
+    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=stride, BLOCK=K_MAJOR_BLOCK)
+    grid = (cdiv(rows, K_MAJOR_BLOCK), cdiv(cols, K_MAJOR_BLOCK))
+    return Launch(matmul_k_major, grid, args, Block(num_warps=4), work=rows * cols)
+
+
+def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch):
+    """matmul_tma's launch for ``config`` (and matmul_sum_segments' where tiles are shared)."""
+    sched = schedule(p, config)
+    shared = sched.slots > 1
+    box_rows = sched.slots * sched.sk_tiles * config["BLOCK_M"]
+    partials = scratch((box_rows, config["BLOCK_N"]), acc_dtype(dtype)) if shared else None
+    partial_sums = scratch((box_rows,), acc_dtype(dtype)) if shared and row_sums is not None else None
+    args = ArgVisitor().visit(
+        x_ptr=x,
+        y_ptr=y,
+        z_ptr=z,
+        bias_ptr=bias,
+        row_sums_ptr=row_sums,
+        partial_ptr=partials,
+        partial_sums_ptr=partial_sums,
+        M=p.M,
+        N=p.N,
+        K=p.K,
+        x_stride=layout.x_stride,
+        y_stride=layout.y_stride,
+        z_stride=layout.z_stride,
+        programs=sched.programs,
+        dp_tiles=sched.dp_tiles,
+        partial_rows=box_rows,
+        X_K_CONTIGUOUS=layout.x_k_contiguous,
+        Y_K_CONTIGUOUS=layout.y_k_contiguous,
+        ACC=tl_acc_dtype(dtype),
+        PRECISION=precision,
+        # float32 row sums at float32 accuracy even where the product is plain tf32
+        ROW_SUM_PRECISION=TF32X3 if precision == TF32 and dtype == torch.float32 else precision,
+        UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
+        SUBTILE=config["SUBTILE"],
+        **_tiles(config),
+    )
+    block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
+    if shared:
+        slots = min(pow2(sched.slots), SEGMENT_SUM_MAX_SLOTS)
+        chunk = min(config["BLOCK_M"], max(1, SEGMENT_SUM_ELEMENTS // (slots * config["BLOCK_N"])))
+        sums = ArgVisitor().visit(
+            partial_ptr=partials, partial_sums_ptr=partial_sums, z_ptr=z, bias_ptr=bias, row_sums_ptr=row_sums,
+            M=p.M, N=p.N, K=p.K, z_stride=layout.z_stride, programs=sched.programs, dp_tiles=sched.dp_tiles,
+            ACC=tl_acc_dtype(dtype), SLOTS=slots, CHUNK_M=chunk, **_tiles(config),
+        )  # fmt: skip
+        grid = (sched.sk_tiles, config["BLOCK_M"] // chunk)
+        launches.append(Launch(matmul_sum_segments, grid, sums, Block(num_warps=4), work=p.work()))
+    return launches
+
+
+def product_launches(
+    p: Product,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    precision: str,
+    config: dict,
+    scratch: Callable[[tuple, torch.dtype], torch.Tensor],
+    row_sums: torch.Tensor | None = None,
+) -> list[Launch]:
+    """The launches computing ``p`` into ``z`` with ``config`` (``scratch(shape, dtype)``
+    allocates the partials of stream-K tiles and K-major copies); ``row_sums``: also the sums
+    of X's rows over the contraction (X must then be stored transposed and contiguous, (K, M),
+    as linear's dY is), in the kernel or by ``sum_to_shape``."""
+    layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
+    fused = row_sums is not None and layout is not None and config.get("FUSED_SUMS", True)
+    if layout is None:
+        if config["kernel"] == "tma":
+            raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
+        args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config))
+        grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
+        block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        launches = [Launch(matmul_product, grid, args, block, work=p.work())]
+    else:
+        launches, xk, yk = [], x, y
+        if config["K_MAJOR"]:
+            if (p.K * z.element_size()) % TMA_ALIGN:
+                raise ValueError(f"K-major copies of this product ({p}) would not be 16-byte aligned")
+            if not layout.x_k_contiguous:
+                xk = scratch((p.M, p.K), dtype)
+                launches.append(_k_major_launch(x, xk, p.K, p.M, layout.x_stride))
+            if not layout.y_k_contiguous:
+                yk = scratch((p.N, p.K), dtype)
+                launches.append(_k_major_launch(y, yk, p.K, p.N, layout.y_stride))
+            layout = TmaLayout(True, True, p.K if xk is not x else layout.x_stride,
+                               p.K if yk is not y else layout.y_stride, layout.z_stride)  # fmt: skip
+        launches += _tma_launches(p, xk, yk, z, bias, row_sums if fused else None, layout, dtype, precision, config,
+                                  scratch)  # fmt: skip
+    if row_sums is not None and not fused:
+        if p.x != (1, p.M):
+            raise ValueError(f"the row sums of X need X stored transposed and contiguous, not strides {p.x}")
+        launches += sum_to_shape(_ScratchContext(scratch), x.reshape(p.K, p.M), (p.K, p.M), row_sums)
+    return launches
+
+
+def _aligned(*tensors) -> bool:
+    return all(t is None or t.data_ptr() % TMA_ALIGN == 0 for t in tensors)
+
+
+def _extent(sizes_strides) -> int:
+    """Elements a strided operand spans: 1 + sum (size - 1) * stride."""
+    return 1 + sum((s - 1) * abs(st) for s, st in sizes_strides if s > 0)
+
+
+def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool, where: str):
+    """A timing function for tuning: runs ``p``'s launches with a configuration on random data
+    (allocated at the first call, so that a cached choice allocates nothing)."""
+    buffers: list = []
+
+    def operands():
+        if not buffers:
+            batch = p.kept + p.reduced
+            x = torch.randn(_extent([(p.M, p.x[0]), (p.K, p.x[1])] + [(d[0], d[1]) for d in batch]), device=DEVICE)
+            y = torch.randn(_extent([(p.K, p.y[0]), (p.N, p.y[1])] + [(d[0], d[2]) for d in batch]), device=DEVICE)
+            z = torch.empty(_extent([(p.M, p.z[0]), (p.N, p.z[1])] + [(d[0], d[3]) for d in p.kept]), device=DEVICE)
+            bias = torch.randn(p.N, device=DEVICE) if has_bias else None
+            sums = torch.empty(p.M, device=DEVICE) if row_sums else None
+            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias, sums))
+        return buffers
+
+    def bench(config: dict) -> float:
+        x, y, z, bias, sums = operands()
+        scratch = lambda shape, dt: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa: E731
+        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch, sums)
+
+        def run():
+            for launch in launches:
+                run_launch(launch, launch.kernel.instance(dtype), where, p.work())
+
+        return tuning.time_ms(run)
+
+    return bench
+
+
+def choose_config(
+    p: Product,
+    dtype: torch.dtype,
+    precision: str,
+    has_bias: bool,
+    row_sums: bool = False,
+    observe: Callable[[dict, float | None], None] | None = None,
+) -> dict:
+    """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
+    ``row_sums``: the product also sums X's rows. ``observe(config, ms)`` sees every timing
+    (``None``: the candidate failed)."""
+    options = candidates(p, dtype, precision, has_bias, row_sums)
+    default = default_config(p, dtype, precision, has_bias, row_sums)
+    key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
+    if row_sums:
+        key["row_sums"] = True
+    kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
+    if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
+        return default  # a few microseconds at most: not worth timing
+    bench = _bench_for(p, dtype, precision, has_bias, row_sums, f"tuning {kernel_name} {key}")
+    if observe is not None:
+        timed = bench
+
+        def bench(config: dict) -> float:
+            try:
+                ms = timed(config)
+            except Exception:
+                observe(config, None)
+                raise
+            observe(config, ms)
+            return ms
+
+    return tuning.choose(kernel_name, key, options, default, bench)
+
+
+class _ProductOp(RuntimeOp):
+    """Shared launch code of matmul and linear: each product's configuration is chosen (tuned)
+    during lowering's dry run and reused by every run of the program."""
+
+    kernel = matmul_product
 
     def __init__(self):
-        self.allow_tf32 = _ALLOW_TF32  # read at trace time
+        self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
+        self.configs: dict[str, dict] = {}
 
     def precision(self, dtype: torch.dtype) -> str:
-        if dtype == torch.float32 and self.allow_tf32:
-            return "tf32"
-        if dtype == torch.float32 or dtype == torch.float64:
-            return "ieee"
-        if dtype == torch.bfloat16 and DOT_UPCAST_BF16:
-            return "ieee"
-        return "tf32"  # half operands: the precision flag does not apply
+        return dot_precision(dtype, self.allow_tf32)
 
-    def has_backward(self) -> bool:
-        return True
-
-    def launch_product(self, ctx: OpContext, kernel, p: Product, x, y, z, bias=None) -> None:
-        dtype = ctx.dtype
-        bm, bn, bk = _blocks(dtype, self.allow_tf32)
-        kept = list(p.kept) + [(1, 0, 0, 0)] * (MAX_KEPT_DIMS - len(p.kept))
-        reduced = list(p.reduced) + [(1, 0, 0)] * (MAX_REDUCED_DIMS - len(p.reduced))
-        v = ArgVisitor()
-        v.visit_ptr(x).visit_ptr(y).visit_ptr(z).visit_ptr(bias if bias is not None else z)
-        v.visit_i64(p.M).visit_i64(p.N).visit_i64(p.K)
-        for s in (*p.x, *p.y, *p.z):
-            v.visit_i64(s)
-        v.visit_i64(kept[1][0]).visit_i64(kept[2][0])
-        for operand in (1, 2, 3):
-            for d in kept:
-                v.visit_i64(d[operand])
-        v.visit_i64(reduced[1][0]).visit_i32(math.prod(d[0] for d in reduced))
-        for operand in (1, 2):
-            for d in reduced:
-                v.visit_i64(d[operand])
-        v.visit_constexpr(bias is not None)
-        v.visit_constexpr(tl.float64 if dtype == torch.float64 else tl.float32)
-        v.visit_constexpr(self.precision(dtype))
-        v.visit_constexpr(dtype == torch.bfloat16 and DOT_UPCAST_BF16)
-        v.visit_constexpr(bm).visit_constexpr(bn).visit_constexpr(bk).visit_constexpr(8)
-        grid = (p.batch * cdiv(p.M, bm) * cdiv(p.N, bn), 1, 1)
-        ctx.launch(kernel, grid, v, work=p.work())
-
-    def backward_kernels(self):
-        return (matmul_backward,)
+    def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None, row_sums=None) -> list[Launch]:
+        """The launches of one product (``name`` tells the op's products apart); ``row_sums``:
+        also X's row sums (see ``product_launches``)."""
+        precision = self.precision(ctx.dtype)
+        config = self.configs.get(name)
+        if config is None or ctx.dry_run:
+            config = self.configs[name] = choose_config(p, ctx.dtype, precision, bias is not None, row_sums is not None)
+            if config["kernel"] == "tma":  # built too: the fallback for a misaligned buffer
+                ctx.instance(matmul_product)
+                if row_sums is not None:
+                    ctx.instance(sum_to_shape_kernel)
+        if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
+            config = _STRIDED_CANDIDATES[_precision_class(ctx.dtype, precision)][0]
+        return product_launches(p, x, y, z, bias, ctx.dtype, precision, config, lambda s, d: ctx.empty(s, d), row_sums)
 
 
 # ------------------------------------------------------------------------------- matmul
@@ -538,52 +1075,36 @@ class MatmulOp(_ProductOp):
         return {
             # Y = A @ B
             "forward": lambda: _plan_product(
-                M,
-                N,
-                K,
-                (sa[-2], sa[-1]),
-                (sb[-2], sb[-1]),
-                (sc[-2], sc[-1]),
-                [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)],
-                where,
+                M, N, K, (sa[-2], sa[-1]), (sb[-2], sb[-1]), (sc[-2], sc[-1]),
+                [(batch[i], ab[i], bb[i], cb[i]) for i in range(n)], where,
             ),
             # dA = dY @ B^T, summed over the dims A is broadcast along
             "grad_a": lambda: _plan_product(
-                M,
-                K,
-                N,
-                (sc[-2], sc[-1]),
-                (sb[-1], sb[-2]),
-                (sa[-2], sa[-1]),
-                [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)],
-                where,
+                M, K, N, (sc[-2], sc[-1]), (sb[-1], sb[-2]), (sa[-2], sa[-1]),
+                [(batch[i], cb[i], bb[i], ab[i]) for i in range(n)], where,
             ),
             # dB = A^T @ dY, summed over the dims B is broadcast along
             "grad_b": lambda: _plan_product(
-                K,
-                N,
-                M,
-                (sa[-1], sa[-2]),
-                (sc[-2], sc[-1]),
-                (sb[-2], sb[-1]),
-                [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)],
-                where,
+                K, N, M, (sa[-1], sa[-2]), (sc[-2], sc[-1]), (sb[-2], sb[-1]),
+                [(batch[i], ab[i], cb[i], bb[i]) for i in range(n)], where,
             ),
-        }
+        }  # fmt: skip
 
-    def forward(self, ctx):
+    def forward_launches(self, ctx):
         a, b = ctx.inputs
         p = self._plans(ctx.input_shapes[0], ctx.input_shapes[1])["forward"]()
-        self.launch_product(ctx, matmul_forward, p, a, b, ctx.output)
+        return self.product(ctx, "forward", p, a, b, ctx.output)
 
-    def backward(self, ctx):
+    def backward_launches(self, ctx):
         a, b = ctx.inputs
         da, db = ctx.grad_inputs
         plans = self._plans(ctx.input_shapes[0], ctx.input_shapes[1])
+        launches = []
         if da is not None:
-            self.launch_product(ctx, matmul_backward, plans["grad_a"](), ctx.grad_output, b, da)
+            launches += self.product(ctx, "grad_a", plans["grad_a"](), ctx.grad_output, b, da)
         if db is not None:
-            self.launch_product(ctx, matmul_backward, plans["grad_b"](), a, ctx.grad_output, db)
+            launches += self.product(ctx, "grad_b", plans["grad_b"](), a, ctx.grad_output, db)
+        return launches
 
 
 def matmul(input, other):
@@ -593,11 +1114,6 @@ def matmul(input, other):
 
 
 # ------------------------------------------------------------------------------- linear
-
-if INTERPRETER:
-    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 1024, 64, 128
-else:
-    _SUM_ROWS, _SUM_BLOCK_R, _SUM_BLOCK_N = 2048, 32, 128
 
 
 class LinearOp(_ProductOp):
@@ -632,57 +1148,36 @@ class LinearOp(_ProductOp):
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0][:-1]) + (input_shapes[1][0],)
 
-    def backward_kernels(self):
-        return (matmul_backward, column_sum)
-
     @staticmethod
-    def _sizes(input_shapes):
+    def products(input_shapes) -> dict[str, Product]:
+        """Y = X W^T, dX = dY W and dW = dY^T X over the rows of the flattened x."""
         x, w = input_shapes[0], input_shapes[1]
-        return math.prod(x[:-1]), w[1], w[0]  # rows, in_features, out_features
+        rows, fin, fout = math.prod(x[:-1]), w[1], w[0]
+        return {
+            "forward": Product(rows, fout, fin, (fin, 1), (1, fin), (fout, 1), [], []),
+            "grad_input": Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []),
+            "grad_weight": Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []),
+        }
 
-    def forward(self, ctx):
-        rows, fin, fout = self._sizes(ctx.input_shapes)
+    def forward_launches(self, ctx):
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        # Y (rows x out) = X (rows x in) @ W^T (in x out)
-        p = Product(rows, fout, fin, (fin, 1), (1, fin), (fout, 1), [], [])
-        self.launch_product(ctx, matmul_forward, p, x, w, ctx.output, bias)
+        return self.product(ctx, "forward", self.products(ctx.input_shapes)["forward"], x, w, ctx.output, bias)
 
-    def backward(self, ctx):
-        rows, fin, fout = self._sizes(ctx.input_shapes)
+    def backward_launches(self, ctx):
+        products = self.products(ctx.input_shapes)
         (x,), w = ctx.inputs, ctx.params[0]
         (dx,), go = ctx.grad_inputs, ctx.grad_output
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
-        if dx is not None:  # dX (rows x in) = dY (rows x out) @ W (out x in)
-            self.launch_product(
-                ctx, matmul_backward, Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []), go, w, dx
-            )
-        if dw is not None:  # dW (out x in) = dY^T (out x rows) @ X (rows x in)
-            self.launch_product(
-                ctx, matmul_backward, Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []), go, x, dw
-            )
-        if dbias is not None:
-            self._column_sum(ctx, go, dbias, rows, fout)
-
-    def _column_sum(self, ctx, go, out, rows, cols):
-        """out = sum of go's rows: fp32 partials per chunk of rows, then one pass over them."""
-        acc = tl.float64 if ctx.dtype == torch.float64 else tl.float32
-        per_program = min(_SUM_ROWS, max(cdiv(rows, _SUM_BLOCK_R), 1) * _SUM_BLOCK_R)  # no empty loop trips
-        chunks = max(cdiv(rows, per_program), 1)
-        partial = (
-            out
-            if chunks == 1
-            else ctx.empty((chunks, cols), torch.float64 if ctx.dtype == torch.float64 else torch.float32)
-        )
-        passes = [(go, partial, rows, per_program, chunks)]
-        if chunks > 1:
-            passes.append((partial, out, chunks, chunks, 1))
-        for src, dst, n_rows, rows_per_program, programs in passes:
-            v = ArgVisitor().visit_ptr(src).visit_ptr(dst).visit_i64(n_rows).visit_i32(cols).visit_i64(cols)
-            v.visit_constexpr(rows_per_program).visit_constexpr(acc)
-            v.visit_constexpr(_SUM_BLOCK_R).visit_constexpr(_SUM_BLOCK_N)
-            ctx.launch(column_sum, (programs, cdiv(cols, _SUM_BLOCK_N), 1), v, work=cols)
+        launches = []
+        if dx is not None:
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
+        if dw is not None:  # the bias gradient (dY's column sums) with it: dW = dY^T X reads dY's columns
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
+        elif dbias is not None:
+            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
+        return launches
 
 
 def linear(input, weight, bias=None):
@@ -708,6 +1203,10 @@ class Linear(Module):
         return f"Linear(in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None})"
 
 
+if not INTERPRETER:
+    tuning.use_descriptor_memory()
+
+
 # ------------------------------------------------------------------------ registry/tests
 
 
@@ -724,6 +1223,7 @@ def _matmul_samples(dtype, gen):
         ((7,), (7,)),
         ((0, 5), (5, 3)),
         ((3, 0), (0, 4)),
+        ((67, 40), (40, 24)),  # 16-byte rows in every dtype: the Hopper kernel on a GPU
     ]
     return [
         Sample(
@@ -743,7 +1243,7 @@ def _longest_contraction(a_shape, b_shape) -> int:
 
 
 def _matmul_gradcheck(gen):
-    pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,))]
+    pairs = [((3, 4), (4, 2)), ((2, 1, 2, 2), (3, 2, 1)), ((3,), (2, 3, 1)), ((2, 3), (3,)), ((5, 8), (8, 6))]
     return [
         Sample((make(gen, *a, dtype=torch.float64), make(gen, *b, dtype=torch.float64)), name=f"{a}@{b}")
         for a, b in pairs
@@ -758,6 +1258,7 @@ def _linear_samples(dtype, gen):
         ((1, 1), 1, True),
         ((0, 5), 3, True),
         ((70, 3), 2, True),
+        ((2, 37, 24), 40, True),  # 16-byte rows in every dtype: the Hopper kernel on a GPU
     ]
     out = []
     for x, fout, bias in cases:
@@ -775,6 +1276,7 @@ def _linear_gradcheck(gen):
     return [
         Sample((make(gen, 4, 3, dtype=f64), make(gen, 2, 3, dtype=f64), make(gen, 2, dtype=f64)), name="4x3->2+b"),
         Sample((make(gen, 2, 2, 3, dtype=f64), make(gen, 3, 3, dtype=f64)), name="2x2x3->3"),
+        Sample((make(gen, 5, 4, dtype=f64), make(gen, 6, 4, dtype=f64), make(gen, 6, dtype=f64)), name="5x4->6+b"),
     ]
 
 

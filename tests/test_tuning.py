@@ -1,0 +1,186 @@
+"""teeny.tuning: the choice of a launch configuration per static shape, its disk cache, and the
+ops choosing at lowering. The cache logic runs on the CPU with a fake timing function."""
+
+import json
+
+import pytest
+import torch
+
+import teeny
+import teeny.kernels.linear as linear_module
+from teeny import Graph, LoweringMode, lower, tuning
+
+CANDIDATES = [{"BLOCK": 64, "num_warps": 4}, {"BLOCK": 128, "num_warps": 8}, {"BLOCK": 256, "num_warps": 8}]
+DEFAULT = {"BLOCK": 32, "num_warps": 4}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Tuning switched on (as on a GPU) with a cache file of its own."""
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(path))
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    tuning.forget_memory()
+    yield path
+    tuning.forget_memory()
+
+
+def _bench(times, calls):
+    def bench(config):
+        calls.append(config["BLOCK"])
+        return times[config["BLOCK"]]
+
+    return bench
+
+
+def test_fastest_candidate_is_chosen_and_cached_on_disk(cache):
+    calls = []
+    choice = tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 2.0, 128: 1.0, 256: 3.0}, calls))
+    assert choice == CANDIDATES[1] and calls == [64, 128, 256]
+    entries = json.loads(cache.read_text())["entries"]
+    (key,) = entries
+    assert tuning.gpu_name() in key and f"triton {__import__('triton').__version__}" in key and '"M": 3' in key
+    assert entries[key]["config"] == CANDIDATES[1] and entries[key]["ms"] == 1.0
+    # a new process (nothing in memory) reads the file and times nothing
+    tuning.forget_memory()
+    again = []
+    assert (
+        tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 0.1, 128: 9.0, 256: 9.0}, again))
+        == (CANDIDATES[1])
+    )
+    assert again == []
+    # another key, another kernel: timed afresh, the first entry kept
+    fast_64, fast_256 = _bench({64: 0.1, 128: 9.0, 256: 9.0}, again), _bench({64: 9.0, 128: 9.0, 256: 0.1}, again)
+    assert tuning.choose("k", {"M": 4}, CANDIDATES, DEFAULT, fast_64)["BLOCK"] == 64
+    assert tuning.choose("other", {"M": 3}, CANDIDATES, DEFAULT, fast_256)["BLOCK"] == 256
+    assert len(json.loads(cache.read_text())["entries"]) == 3
+
+
+def test_cached_choice_outside_the_candidates_is_timed_again(cache):
+    tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 2.0, 128: 1.0, 256: 3.0}, []))
+    tuning.forget_memory()
+    calls = []
+    fewer = [CANDIDATES[0], CANDIDATES[2]]  # the kernel's candidate list changed since
+    assert tuning.choose("k", {"M": 3}, fewer, DEFAULT, _bench({64: 2.0, 256: 1.0}, calls)) == CANDIDATES[2]
+    assert calls == [64, 256]
+
+
+def test_failing_candidates_are_skipped_and_all_failing_gives_the_default(cache):
+    def bench(config):
+        if config["BLOCK"] != 128:
+            raise RuntimeError("out of resources: shared memory")
+        return 5.0
+
+    assert tuning.choose("k", {"M": 1}, CANDIDATES, DEFAULT, bench) == CANDIDATES[1]
+
+    def broken(config):
+        raise RuntimeError("does not compile")
+
+    with pytest.warns(UserWarning, match="every candidate failed"):
+        assert tuning.choose("k", {"M": 2}, CANDIDATES, DEFAULT, broken) == DEFAULT
+
+
+def test_unreadable_cache_file_is_replaced(cache):
+    cache.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        choice = tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 1.0, 128: 2.0, 256: 3.0}, []))
+    assert choice == CANDIDATES[0]
+    assert json.loads(cache.read_text())["format"] == tuning.CACHE_FORMAT
+
+
+def test_tuning_off_gives_the_default_and_times_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "t.json"))
+    monkeypatch.setattr(tuning, "enabled", lambda: False)
+    calls = []
+    assert tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 1.0, 128: 1.0, 256: 1.0}, calls)) == DEFAULT
+    assert calls == [] and not (tmp_path / "t.json").exists()
+
+
+def test_switch_and_cache_location_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("TEENY_TUNING_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.cache_path() == tmp_path / "teeny" / "tuning.json"
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "x.json"))
+    assert tuning.cache_path() == tmp_path / "x.json"
+    monkeypatch.setenv("TEENY_TUNING", "0")
+    assert not tuning.enabled()
+    monkeypatch.setenv("TEENY_TUNING", "1")
+    assert tuning.enabled() == (teeny.DEVICE.type == "cuda")  # never under the interpreter
+
+
+def test_products_choose_their_configuration_at_lowering(monkeypatch):
+    seen = []
+    small = {"kernel": "strided", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
+             "num_stages": 2}  # fmt: skip
+
+    def choose(kernel, key, candidates, default, bench):
+        seen.append((kernel, key["M"], key["N"], key["K"], key["bias"]))
+        return small
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    monkeypatch.setattr(linear_module, "TUNE_MIN_MACS", 0)  # time even these tiny products
+    g = Graph()
+    x = g.input("x", (37, 5), requires_grad=True)
+    g.output(teeny.ops.linear(x, g.parameter("w", (6, 5), teeny.init.kaiming_uniform(5)), g.parameter("b", (6,))).sum())
+    program = lower(g, LoweringMode.TRAINING)
+    # forward (37 x 6, K 5, bias), dX (37 x 5, K 6), dW (6 x 5, K 37): each chosen once, at lowering
+    assert sorted(seen) == sorted(
+        [("matmul_product", 37, 6, 5, True), ("matmul_product", 37, 5, 6, False), ("matmul_product", 6, 5, 37, False)]
+    )
+    op = next(p.op for p in program.nodes if p.op.name == "linear")
+    assert op.configs == {"forward": small, "grad_input": small, "grad_weight": small}
+    ex = teeny.Executor(program)
+    xs = torch.randn(37, 5)
+    out, cache = ex.forward_train({"x": xs.to(teeny.DEVICE)})
+    ex.backward(cache)
+    assert len(seen) == 3  # running the program chooses nothing again
+    w, b = ex.params["w"].cpu(), ex.params["b"].cpu()
+    torch.testing.assert_close(out.cpu(), (xs @ w.T + b).sum(), atol=1e-4, rtol=1e-5)
+
+
+def test_heuristic_shares_out_long_contractions_with_few_output_tiles(monkeypatch):
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
+    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]  # 18 tiles of 128 x 256
+    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    assert config["kernel"] == "tma" and config["STREAM_K"] and config["FUSED_SUMS"]
+    plan = linear_module.schedule(dw, config)
+    assert plan.programs == 132 and plan.dp_tiles == 0 and plan.sk_tiles == 18 and plan.slots > 1
+    fwd = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: all whole
+    assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["STREAM_K"] == 0
+    options = linear_module.candidates(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    assert {c["FUSED_SUMS"] for c in options} == {True, False} and any(c["OCCUPANCY"] == 2 for c in options)
+    for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
+        for c in linear_module.candidates(dw, dtype, precision, False, row_sums=True):
+            budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
+            assert linear_module._shared_bytes(c, dtype, row_sums=True) <= budget
+    # float32: dW reads both operands MN-major, so K-major copies are among the candidates
+    assert any(c["K_MAJOR"] for c in linear_module.candidates(dw, torch.float32, "tf32x3", False))
+    assert not any(c["K_MAJOR"] for c in linear_module.candidates(fwd, torch.float32, "tf32x3", True))
+
+
+def test_stream_k_schedule_gives_every_program_its_share():
+    """The host's schedule and the kernels' owners agree: every K tile of the shared tiles is
+    taken by exactly one program, the programs' shares differ by at most one K tile."""
+    p = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["grad_weight"]
+    config = linear_module._cfg(128, 256, 64, 8, 3, stream_k=1)
+    plan = linear_module.schedule(p, config)  # 72 tiles on the interpreter's 4 "multiprocessors"
+    k_tiles = 8192 // 64
+    total = plan.sk_tiles * k_tiles
+    shares = [(q + 1) * total // plan.programs - q * total // plan.programs for q in range(plan.programs)]
+    assert sum(shares) == total and max(shares) - min(shares) <= 1
+    for i in range(plan.sk_tiles):
+        first = ((i * k_tiles + 1) * plan.programs - 1) // total
+        last = ((i + 1) * k_tiles * plan.programs - 1) // total
+        assert first * total // plan.programs <= i * k_tiles < (first + 1) * total // plan.programs
+        assert last * total // plan.programs <= (i + 1) * k_tiles - 1 < (last + 1) * total // plan.programs
+        assert last - first + 1 <= plan.slots
+
+
+def test_small_products_take_the_heuristic_without_timing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tuning, "choose", lambda *args: calls.append(args))
+    p = linear_module.LinearOp.products([(128, 256), (784, 256)])["forward"]  # 2.6e7 multiply-adds
+    config = linear_module.choose_config(p, torch.float32, "ieee", True)
+    assert calls == [] and config == linear_module.default_config(p, torch.float32, "ieee", True)
