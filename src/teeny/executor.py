@@ -252,7 +252,7 @@ class Executor:
                 out = self._alloc(node.output.shape, node.output.dtype)
                 ctx = make_context(program, p, args, out, saved, dry_run=False)
                 ctx.checks = checks
-                node.op.forward(ctx)
+                ctx.run(node.op.forward_launches(ctx))
             values[node.output.id] = out
             if cache is not None and p.needs_backward:
                 cache.entries[node.id] = {
@@ -378,7 +378,7 @@ class Executor:
             else:
                 buffers.append(self._alloc(v.shape, v.dtype))
         ctx.grad_inputs, ctx.grad_params = buffers[:n_act], buffers[n_act:]
-        node.op.backward(ctx)
+        ctx.run(node.op.backward_launches(ctx))
         produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
         for v, wanted, g in zip(node.inputs, p.grad_mask, produced):
             if not wanted:

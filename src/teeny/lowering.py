@@ -283,7 +283,9 @@ def _dry_run(program: Program) -> None:
         saved = extra_buffers(p, _meta)
         ctx = make_context(program, p, inputs, output, saved, dry_run=True)
         ctx.launched = p.forward_launches
-        _run_checked(node, "forward", lambda: node.op.view(inputs) is not None or node.op.forward(ctx))
+        _run_checked(
+            node, "forward", lambda: node.op.view(inputs) is not None or ctx.run(node.op.forward_launches(ctx))
+        )
         if p.needs_backward:
             n_act = node.op.n_activation_inputs
             bctx = make_context(
@@ -301,7 +303,7 @@ def _dry_run(program: Program) -> None:
             bctx.grad_output_row_stride = row_stride(bctx.grad_output)
             grads = [_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)]
             bctx.grad_inputs, bctx.grad_params = grads[:n_act], grads[n_act:]
-            _run_checked(node, "backward", lambda: node.op.backward(bctx))
+            _run_checked(node, "backward", lambda: bctx.run(node.op.backward_launches(bctx)))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

@@ -381,13 +381,6 @@ class OpContext:
             if self.launched is not None:
                 self.launched.append(launch)
 
-    def launch(
-        self, kernel: Kernel, grid: Sequence[int], visitor: ArgVisitor, work: int | None = None, **options: Any
-    ) -> None:
-        """One launch (transitional spelling of ``run([Launch(...)])`` for ops not yet converted)."""
-        block = Block(num_warps=options.get("num_warps"), num_stages=options.get("num_stages"))
-        self.run([Launch(kernel, grid, visitor, block, work)])
-
 
 def _device_of(ctx: OpContext) -> torch.device:
     for t in [ctx.output, ctx.grad_output, *ctx.inputs, *ctx.params]:
@@ -462,9 +455,6 @@ class RuntimeOp:
         self.pack_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, visitor, ctx.saved)
         return [Launch(self.kernel, self.grid(ctx.input_shapes, ctx.output_shape), visitor, self.block())]
 
-    def forward(self, ctx: OpContext) -> None:
-        ctx.run(self.forward_launches(ctx))
-
     # --- backward ----------------------------------------------------------------------
     def has_backward(self) -> bool:
         """Whether gradients flow through the op: by default, whether its forward kernel
@@ -536,9 +526,6 @@ class RuntimeOp:
         return [
             Launch(kernels[0], self.backward_grid(ctx.input_shapes, ctx.output_shape), visitor, self.backward_block())
         ]
-
-    def backward(self, ctx: OpContext) -> None:
-        ctx.run(self.backward_launches(ctx))
 
     def _float_input(self, ctx: OpContext, index: int) -> bool:
         t = ctx.inputs[index] if index < len(ctx.inputs) else None
