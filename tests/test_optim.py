@@ -68,7 +68,9 @@ def test_update_rule_matches_torch(ours, theirs, kwargs):
 
 def test_step_is_one_launch_over_the_arena(monkeypatch):
     ex = _executor_with_params([(3, 7), (11,), (5,)], dtype=torch.float32)
-    assert len(ex.param_arenas) == 1 and ex.param_arenas[torch.float32].numel() == 21 + 11 + 5
+    # one arena; each parameter starts 16-byte aligned (21, 11, 5 floats padded to 24, 12, 8)
+    assert len(ex.param_arenas) == 1 and ex.param_arenas[torch.float32].numel() == 24 + 12 + 8
+    assert all(p.data_ptr() % 16 == 0 for p in ex.params.values())
     _backward(ex)
     launches = []
     from teeny.kernel import KernelInstance

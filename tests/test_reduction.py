@@ -317,7 +317,7 @@ def _bmin_dtype(a, b):
 # ----------------------------------------------------------------------------- float64 scalars
 
 
-@pytest.mark.parametrize("name", ["var_correction0.3", "std_correction0.7"])
+@pytest.mark.parametrize("name", ["var_correction0_3", "std_correction0_7"])
 def test_float64_corrections_reach_the_kernels_as_float64(name, gen):
     """A non-dyadic correction (N - 0.3 is the divisor) is a float scalar: float64 launches
     receive it as float64 (LaunchRecord.scalar_types), and float64 results and gradients match

@@ -268,7 +268,7 @@ class DataParallel:
 
             def ready_after(position: int) -> int:
                 for v, offset in entries:
-                    if offset <= position < offset + v.numel:
+                    if offset <= position < offset + self.executor.span(v):
                         return final[v.id]
                 raise AssertionError(position)
 

@@ -128,9 +128,12 @@ class Executor:
         self.arena_params: dict[torch.dtype, list[tuple[Value, int]]] = {}
         self.grad_numel: dict[torch.dtype, int] = {}
         written = gradient_final_node(self.program)
+        self.spans: dict[int, int] = {}  # value id -> elements it occupies in its arena (padded)
         for dtype, values in by_dtype.items():
-            total = sum(v.numel for v in values)
-            arena = torch.empty(total, dtype=dtype, device=self.device)
+            for v in values:
+                self.spans[v.id] = _aligned_numel(v.numel, dtype)
+            total = sum(self.spans[v.id] for v in values)
+            arena = torch.zeros(total, dtype=dtype, device=self.device)
             grads = torch.zeros(total, dtype=dtype, device=self.device) if self.training else None
             offset = 0
             self.arena_params[dtype] = []
@@ -142,8 +145,8 @@ class Executor:
                     self.grads[v.name] = gview
                     self._grad_by_id[v.id] = gview
                 self.arena_params[dtype].append((v, offset))
-                offset += v.numel
-            self.grad_numel[dtype] = sum(v.numel for v in values if v.id in written)
+                offset += self.spans[v.id]
+            self.grad_numel[dtype] = sum(self.spans[v.id] for v in values if v.id in written)
             self.param_arenas[dtype] = arena
             if grads is not None:
                 self.grad_arenas[dtype] = grads
@@ -154,6 +157,11 @@ class Executor:
                     f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}"
                 )
             self._param_by_id[v.id].copy_(init)
+
+    def span(self, v: Value) -> int:
+        """Elements parameter ``v`` occupies in its arena: its size rounded up so that the next
+        parameter starts 16-byte aligned (the padding stays zero, gradient and all)."""
+        return self.spans[v.id]
 
     def load_params(self, params: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy values into the parameters (e.g. from a checkpoint or a PyTorch model)."""
@@ -225,7 +233,10 @@ class Executor:
                 if t.device.type != "cpu":
                     raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
                 t = t.to(self.device)
-            bound[v.id] = t.contiguous()
+            t = t.contiguous()
+            if t.data_ptr() % ARENA_ALIGN and t.numel():  # the plan assumes aligned buffers (TMA loads)
+                t = t.clone()
+            bound[v.id] = t
         bound.update(self._consts)
         bound.update(self._param_by_id)
         return bound
@@ -399,6 +410,14 @@ class Executor:
                 grads[v.id] = total
             else:
                 grads[v.id] = g
+
+
+ARENA_ALIGN = 16  # bytes: every parameter starts aligned (TMA loads need it; vector loads prefer it)
+
+
+def _aligned_numel(n: int, dtype: torch.dtype) -> int:
+    step = max(1, ARENA_ALIGN // torch.empty((), dtype=dtype).element_size())
+    return -(-n // step) * step
 
 
 def _rows_with_one_stride(t: torch.Tensor) -> bool:

@@ -10,7 +10,8 @@ Parameter kinds come from the signature: a name ending in ``_ptr`` is a pointer,
 ``tl.constexpr`` annotation is a compile-time constant, ``tl.int32`` / ``tl.int64`` /
 ``tl.float32`` annotations fix a scalar's kind, and any other parameter is a scalar (an int,
 or a float in the kernel's compute precision). Pointers named in ``optional=`` may be passed
-``None``; the kernel tests ``if bias_ptr is not None:`` (Triton specialises on it). The packed
+``None``; the kernel tests ``if bias_ptr is not None:`` (Triton specialises on it). A kernel that
+makes TMA descriptors on the device declares ``device_scratch=True``. The packed
 arguments of every launch are checked against these kinds (``runtime.check_packing``).
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
@@ -96,6 +97,7 @@ class Kernel:
         half: bool = False,
         dtypes: Iterable[torch.dtype] | None = None,
         optional: Iterable[str] = (),
+        device_scratch: bool = False,
         source: str | None = None,
         name: str | None = None,
         register: bool = True,
@@ -113,6 +115,7 @@ class Kernel:
         if unknown:
             raise TypeError(f"kernel {self.name}: optional= names {sorted(unknown)}, which are not pointer parameters")
         self.jit = fn if hasattr(fn, "fn") else triton.jit(fn)
+        self.device_scratch = device_scratch  # makes TMA descriptors on the device (tl.make_tensor_descriptor)
         if backward is None:
             self.backward: tuple[Kernel, ...] = ()
         elif isinstance(backward, Kernel):
@@ -249,6 +252,11 @@ class KernelInstance:
             _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
             return
         jit[grid](*args, **options)
+
+
+def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch memory for a launch (a torch allocation, so CUDA-graph capture works)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def kernel(fn: Callable | None = None, **options: Any) -> Kernel | Callable[[Callable], Kernel]:

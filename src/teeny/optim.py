@@ -173,10 +173,11 @@ class Optimizer:
             for i, (v, vdtype, offset) in enumerate(self.slots):
                 if vdtype != dtype or v.name not in names:
                     continue
+                end = offset + self.executor.span(v)  # with the padding before the next parameter
                 if runs and runs[-1][1] == offset and self.param_steps[runs[-1][2]] == self.param_steps[i]:
-                    runs[-1] = (runs[-1][0], offset + v.numel, runs[-1][2])
+                    runs[-1] = (runs[-1][0], end, runs[-1][2])
                 else:
-                    runs.append((offset, offset + v.numel, i))
+                    runs.append((offset, end, i))
             for index, (lo, hi, state_lo) in enumerate(ranges):
                 for start, end, slot in runs:
                     a, b = max(lo, start), min(hi, end)

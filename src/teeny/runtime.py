@@ -423,6 +423,11 @@ class RuntimeOp:
     def check_inputs(self, input_shapes: list[Shape], input_dtypes: list[torch.dtype]) -> None:
         """Raise ``ValueError``/``TypeError`` naming what is wrong with the inputs."""
 
+    def mutated_inputs(self) -> tuple[int, ...]:
+        """Indices (over inputs + params) of the tensors the forward writes in place, as PyTorch's
+        op does (batch norm's running statistics, embedding's ``max_norm`` renormalisation)."""
+        return ()
+
     def extra_outputs(self, input_shapes: list[Shape], dtype: torch.dtype) -> dict[str, tuple[Shape, torch.dtype]]:
         """Tensors the forward writes besides its output for the backward (e.g. rstd)."""
         return {}

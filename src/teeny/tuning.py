@@ -22,8 +22,8 @@ Where: ``$TEENY_TUNING_CACHE`` (a file path) if set, else ``$XDG_CACHE_HOME/teen
 ``TEENY_TUNING=1`` cannot switch it on under the interpreter (there is nothing to time).
 
 Also here, because configuration choices need them: the facts of the GPU (``gpu_name``,
-``multiprocessors``, ``has_tma``) and ``use_descriptor_memory``, which gives Triton the global
-scratch memory that kernels creating TMA descriptors on the device need.
+``multiprocessors``, ``has_tma``). (The global scratch memory that kernels creating TMA
+descriptors need is given at their launch: ``@kernel(device_scratch=True)``.)
 """
 
 from __future__ import annotations
@@ -76,19 +76,6 @@ def has_tma() -> bool:
     if INTERPRETER:
         return False
     return torch.cuda.get_device_capability(DEVICE)[0] >= 9
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device=DEVICE)
-
-
-@functools.cache
-def use_descriptor_memory() -> None:
-    """Let kernels create TMA descriptors on the device (``tl.make_tensor_descriptor``): on
-    Hopper each program writes its descriptors to global scratch memory, which Triton asks for
-    at every launch through this allocator (a torch allocation, so CUDA-graph capture works)."""
-    if not INTERPRETER:
-        triton.set_allocator(_scratch)
 
 
 # ----------------------------------------------------------------------------- switches

@@ -121,6 +121,10 @@ class EmbeddingOp(RuntimeOp):
         self.check = check
         self.sorted_backward = deterministic or scale_grad_by_freq
 
+    def mutated_inputs(self):
+        """``max_norm`` renormalises the referenced rows of the weight in place, as PyTorch does."""
+        return (1,) if self.max_norm is not None else ()
+
     def check_inputs(self, input_shapes, input_dtypes):
         if len(input_shapes) != 2:
             raise ValueError(f"embedding: expects indices and a weight, got {len(input_shapes)} tensors")

@@ -63,7 +63,7 @@ from ..graph import graph_of
 from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, run_launch
+from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
 from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
 
 __all__ = ["matmul", "linear"]
@@ -187,7 +187,7 @@ def _segment_owners(i, k_tiles, total, programs):
     return first, last
 
 
-@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr"))
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr"), device_scratch=True)
 @triton.jit(do_not_specialize=["programs", "dp_tiles", "partial_rows"])
 def matmul_tma(
     x_ptr,
@@ -997,12 +997,9 @@ class _ProductOp(RuntimeOp):
         config = self.configs.get(name)
         if config is None or ctx.dry_run:
             config = self.configs[name] = choose_config(p, ctx.dtype, precision, bias is not None, row_sums is not None)
-            if config["kernel"] == "tma":  # built too: the fallback for a misaligned buffer
-                ctx.instance(matmul_product)
-                if row_sums is not None:
-                    ctx.instance(sum_to_shape_kernel)
         if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
-            config = _STRIDED_CANDIDATES[_precision_class(ctx.dtype, precision)][0]
+            # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
+            raise TeenyError(f"{ctx.where}: a TMA product's operand is not 16-byte aligned ({p})")
         return product_launches(p, x, y, z, bias, ctx.dtype, precision, config, lambda s, d: ctx.empty(s, d), row_sums)
 
 
@@ -1201,10 +1198,6 @@ class Linear(Module):
 
     def __repr__(self) -> str:
         return f"Linear(in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None})"
-
-
-if not INTERPRETER:
-    tuning.use_descriptor_memory()
 
 
 # ------------------------------------------------------------------------ registry/tests

@@ -789,9 +789,9 @@ class BatchNormOp(NormOp):
     def running_stats(self, ctx):
         return (ctx.params[0], ctx.params[1]) if self.has_running else (None, None)
 
-    def update_running(self) -> bool:
-        """Whether the forward writes the running statistics (its params 0 and 1) in place."""
-        return self.training and self.has_running
+    def mutated_inputs(self):
+        """In training the forward writes the running statistics (its params 0 and 1) in place."""
+        return (1, 2) if self.training and self.has_running else ()
 
     def momentum(self):
         return self._momentum

@@ -160,7 +160,7 @@ class Compiled:
         device = grad.device if grad is not None else (saved[0].device if saved else here)
         if grad is None:
             grad = torch.zeros(shape, dtype=dtype, device=here)
-        grads = ex.backward(cache, grad.to(device=here, dtype=dtype).contiguous())
+        grads = ex.backward(cache, grad.to(device=here, dtype=dtype))  # the executor decides on copies
         taken = {_storage(t) for t in saved} | {_storage(grad)}
         result = []
         for i in self.grad_inputs:
@@ -334,17 +334,15 @@ def _layout(program, graph: Graph):
 
 
 def _mutated_inputs(program, graph: Graph) -> tuple[int, ...]:
-    """Graph inputs some op writes in place: batch norm's running statistics in training."""
+    """Graph inputs some op writes in place (``RuntimeOp.mutated_inputs``: batch norm's running
+    statistics in training, embedding's max_norm renormalisation)."""
     input_index = {v.id: i for i, v in enumerate(graph.inputs)}
     mutated = set()
     for p in program.nodes:
-        op = p.node.op
-        update = getattr(op, "update_running", None)
-        if callable(update) and update():
-            n_act = op.n_activation_inputs
-            for v in p.node.inputs[n_act : n_act + 2]:
-                if v.id in input_index:
-                    mutated.add(input_index[v.id])
+        for k in p.node.op.mutated_inputs():
+            v = p.node.inputs[k]
+            if v.id in input_index:
+                mutated.add(input_index[v.id])
     return tuple(sorted(mutated))
 
 
