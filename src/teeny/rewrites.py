@@ -1,0 +1,202 @@
+"""Graph rewrites that ``lower`` runs before it plans a program.
+
+A rewrite is a function ``(graph, outputs, training) -> (graph, outputs, report)``: it returns a
+graph that computes the same ``outputs`` (the values the program returns, first the loss) with
+fewer launches or less memory, and a line saying what it changed (empty: nothing, and the graph
+it was given). The rewritten graph is a copy made node by node (``Rebuild``); the caller's graph
+stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in order,
+``rewrites=()`` runs none, and ``Program.summary()`` lists what each one did.
+
+* ``fuse_residual_norm``: y = layer_norm(a + b) or rms_norm(a + b) where the sum is also read
+  downstream (the residual stream of a pre-norm transformer) becomes one norm launch that reads
+  a and b, writes the sum and y (``norm.AddNormOp``); the add keeps its node, and its backward,
+  but launches nothing (``norm.ResidualSumOp``). Per residual: one launch and one full read
+  fewer. (The backward still sums the two gradients arriving at the sum with the executor's
+  accumulate launch: folding that into the norm's backward needs a way for an op to read the
+  gradient accumulated so far, which the executor does not offer.)
+
+``precision=`` of ``lower`` adds a last rewrite, ``mixed_precision``: see its docstring.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .graph import Graph, Node, Tensor, Value
+from .runtime import RuntimeOp
+
+# The rewrites import the op families they know inside their functions: the families import
+# the registry, which imports lowering, which imports this module.
+
+RewriteFn = Callable[[Graph, list[Value], bool], tuple[Graph, list[Value], str]]
+
+
+@dataclass(frozen=True)
+class RewriteReport:
+    """What one rewrite changed in a program, as ``Program.summary()`` prints it."""
+
+    rewrite: str
+    changed: str
+
+    def __str__(self) -> str:
+        return f"{self.rewrite}: {self.changed}"
+
+
+class Rebuild:
+    """A copy of ``graph`` made node by node: ``copy(node)`` re-applies a node as it is,
+    ``apply(op, inputs, name)`` adds a new one, ``self[old]`` is the new value of an old one.
+    Inputs, parameters and constants are copied first, in their order (so the parameter arena
+    is laid out as before)."""
+
+    def __init__(self, graph: Graph):
+        self.source, self.graph = graph, Graph(graph.name)
+        self.new: dict[int, Value] = {}
+        for v in graph.values:
+            if v.kind == "input":
+                copy = self.graph.input(v.name, v.shape, v.dtype, v.requires_grad)
+            elif v.kind == "param":
+                copy = self.graph.parameter(v.name, v.shape, v.init, v.dtype, v.requires_grad)
+            elif v.kind == "const":
+                copy = self.graph.constant(v.data, v.dtype, v.name)
+            else:
+                continue
+            self.new[v.id] = copy.value
+
+    def __getitem__(self, old: Value) -> Value:
+        return self.new[old.id]
+
+    def apply(self, op: RuntimeOp, inputs: Sequence[Value], name: str) -> Value:
+        """A new node ``op(inputs)`` (new values), its shape and dtype inferred and checked."""
+        return self.graph.apply(op, [Tensor(self.graph, v) for v in inputs], name=name).value
+
+    def copy(self, node: Node) -> Value:
+        """``node`` re-applied to the new values of its inputs."""
+        out = self.apply(node.op, [self[v] for v in node.inputs], node.name)
+        self.new[node.output.id] = out
+        return out
+
+    def finish(self, outputs: Sequence[Value]) -> tuple[Graph, list[Value]]:
+        """The new graph, with the new values of ``outputs`` as its outputs."""
+        outs = [self[v] for v in outputs]
+        self.graph.output(*[Tensor(self.graph, v) for v in outs])
+        return self.graph, outs
+
+
+def ancestors(outputs: Sequence[Value]) -> set[int]:
+    """Ids of the values ``outputs`` are computed from (themselves included)."""
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        v = stack.pop()
+        if v.id not in seen:
+            seen.add(v.id)
+            if v.producer is not None:
+                stack.extend(v.producer.inputs)
+    return seen
+
+
+def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
+    """Per value id, the nodes that read it and at which input position."""
+    out: dict[int, list[tuple[Node, int]]] = {v.id: [] for v in graph.values}
+    for node in graph.nodes:
+        for index, v in enumerate(node.inputs):
+            out[v.id].append((node, index))
+    return out
+
+
+def apply_rewrites(
+    graph: Graph, outputs: list[Value], training: bool, rewrites: Sequence[RewriteFn]
+) -> tuple[Graph, list[Value], list[RewriteReport]]:
+    """Run ``rewrites`` in order; the final graph, its outputs and what each rewrite changed."""
+    reports = []
+    for rewrite in rewrites:
+        graph, outputs, changed = rewrite(graph, outputs, training)
+        if changed:
+            reports.append(RewriteReport(getattr(rewrite, "__name__", str(rewrite)), changed))
+    return graph, outputs, reports
+
+
+# ------------------------------------------------------------------------- residual + norm
+
+
+def _residual_add(node: Node) -> tuple[Value, Value] | None:
+    """(x, residual) when ``node`` is a + b of two float tensors, one of the sum's shape and one
+    that repeats over its leading dims; else None."""
+    from .kernels.elementwise import ElementwiseOp
+    from .kernels.norm import repeats_over_rows
+
+    op, out = node.op, node.output
+    if not (isinstance(op, ElementwiseOp) and op.name == "add" and op.alpha == 1 and len(node.inputs) == 2):
+        return None
+    if not out.dtype.is_floating_point:
+        return None
+    a, b = node.inputs
+    for x, residual in ((a, b), (b, a)):
+        if x.shape == out.shape and x.dtype == out.dtype and repeats_over_rows(residual.shape, out.shape):
+            return x, residual
+    return None
+
+
+def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """layer_norm / rms_norm of a residual sum a + b becomes one ``AddNormOp`` launch that also
+    writes the sum (see the module docstring). The norm moves up to just after the add, so its
+    weight and bias must exist there (they are parameters in a model)."""
+    from .kernels.norm import AddNormOp, LayerNormOp, ResidualSumOp
+
+    needed = ancestors(outputs)
+    read_by = readers(graph)
+    position = {node.id: i for i, node in enumerate(graph.nodes)}
+    pairs: dict[int, Node] = {}  # add node id -> the norm node that writes its sum
+    for node in graph.nodes:
+        if node.output.id not in needed or _residual_add(node) is None:
+            continue
+        for reader, index in read_by[node.output.id]:
+            if (
+                index == 0
+                and type(reader.op) is LayerNormOp
+                and reader.output.id in needed
+                and all(v.producer is None or position[v.producer.id] < position[node.id] for v in reader.inputs[1:])
+            ):
+                pairs[node.id] = reader
+                break
+    if not pairs:
+        return graph, outputs, ""
+    rebuild = Rebuild(graph)
+    moved = {norm.id for norm in pairs.values()}
+    for node in graph.nodes:
+        if node.id in moved:
+            continue
+        norm = pairs.get(node.id)
+        if norm is None:
+            rebuild.copy(node)
+            continue
+        x, residual = _residual_add(node)
+        s = rebuild.apply(ResidualSumOp(node.op), [rebuild[v] for v in node.inputs], node.name)
+        rebuild.new[node.output.id] = s
+        affine = [rebuild[v] for v in norm.inputs[1:]]
+        rebuild.new[norm.output.id] = rebuild.apply(
+            AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[residual]], norm.name
+        )
+    graph, outputs = rebuild.finish(outputs)
+    kinds = Counter(norm.op.name for norm in pairs.values())
+    return graph, outputs, ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
+
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm,)
+
+PRECISIONS: dict[str, torch.dtype] = {}
+
+
+def precision_rewrites(precision: str | None) -> list[RewriteFn]:
+    """The rewrites ``lower(..., precision=...)`` adds after the others."""
+    if precision is None:
+        return []
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"unknown precision {precision!r}; choose None (the graph's dtypes) or {', '.join(PRECISIONS)}"
+        )
+    raise NotImplementedError

@@ -1,0 +1,199 @@
+"""Graph rewrites (teeny.rewrites): each fused program against the same graph lowered with
+``rewrites=()`` (outputs and every gradient), a float64 gradcheck of the fused graph, PyTorch
+on the same maths, what ``Program.summary()`` reports, and when a rewrite must not fire."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import teeny
+from teeny import Graph, LoweringMode, lower, ops
+from teeny.executor import Executor
+from teeny.kernels import accumulate, norm
+from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
+from teeny.models import GPT
+
+
+@triton.jit
+def _accumulate_upcast(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    a = tl.load(a_ptr + offsets, mask=mask).to(tl.float32)
+    b = tl.load(b_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offsets, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@pytest.fixture
+def half_accumulate(monkeypatch):
+    """Until kernels/accumulate.py upcasts: the 3.6 interpreter adds bfloat16 tensors as garbage
+    (a + b of raw bf16 loads; the GPU is right), which breaks every bf16 gradient that fans out.
+    Swaps in the same kernel with the sum taken in float32 (for float32 data: the same bits)."""
+    if teeny.device.INTERPRETER:
+        monkeypatch.setattr(accumulate.accumulate_kernel, "jit", _accumulate_upcast)
+
+
+def _run(graph, feed, rewrites=None, seed=0, **lower_options):
+    """(outputs, input gradients, parameter gradients, program) of one training step."""
+    options = {} if rewrites is None else {"rewrites": rewrites}
+    program = lower(graph, LoweringMode.TRAINING, **options, **lower_options)
+    ex = Executor(program, seed=seed)
+    out, cache = ex.forward_train(feed)
+    grads = ex.backward(cache)
+    return out, grads, {k: v.clone() for k, v in ex.grads.items()}, program
+
+
+def _ops(program):
+    return [p.op for p in program.nodes]
+
+
+def _forward_launches(program):
+    return sum(len(p.forward_launches) for p in program.nodes)
+
+
+def _residual_graph(dtype=torch.float32, shape=(4, 5, 8)):
+    """x + p (p repeats over the batch) -> layer_norm, the sum read again downstream, then a
+    full-shaped residual add -> rms_norm: both fusable."""
+    g = Graph("residual")
+    x = g.input("x", shape, dtype, requires_grad=True)
+    d = shape[-1]
+    p = g.parameter("p", shape[1:], init=teeny.init.normal(1.0), dtype=dtype)
+    w = g.parameter("w", (d,), init=teeny.init.normal(1.0), dtype=dtype)
+    b = g.parameter("b", (d,), init=teeny.init.normal(1.0), dtype=dtype)
+    h = x + p
+    y = layer_norm(h, (d,), w, b)
+    z = h + y * y
+    out = rms_norm(z, (d,), w)
+    g.output(ops.sum(out * out))
+    return g
+
+
+def _torch_residual(x, p, w, b):
+    h = x + p
+    z = h + F.layer_norm(h, (x.shape[-1],), w, b) ** 2
+    return (F.rms_norm(z, (x.shape[-1],), w, eps=torch.finfo(x.dtype).eps) ** 2).sum()
+
+
+def test_residual_norm_fused_is_bit_identical_to_unfused(gen):
+    g = _residual_graph()
+    feed = {"x": torch.randn(4, 5, 8, generator=gen)}
+    fused = _run(g, feed)
+    plain = _run(g, feed, rewrites=())
+    assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 2
+    assert sum(isinstance(op, ResidualSumOp) for op in _ops(fused[3])) == 2
+    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(plain[3]))
+    assert _forward_launches(fused[3]) == _forward_launches(plain[3]) - 2  # the two adds launch nothing
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
+    summary = fused[3].summary()
+    assert "residual add + layer_norm in one launch: 1" in summary
+    assert "residual add + rms_norm in one launch: 1" in summary
+    assert "(no launch)" in summary
+    assert "rewrite" not in plain[3].summary()
+
+
+def test_residual_norm_matches_pytorch(gen):
+    g = _residual_graph()
+    x = torch.randn(4, 5, 8, generator=gen)
+    loss, grads, pgrads, program = _run(g, {"x": x})
+    params = Executor(program, seed=0).params
+    ref = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    xr = x.clone().requires_grad_()
+    ref_loss = _torch_residual(xr, ref["p"], ref["w"], ref["b"])
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grads["x"], xr.grad, rtol=1e-4, atol=1e-4)
+    for name, t in ref.items():
+        torch.testing.assert_close(pgrads[name], t.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_residual_norm_gradcheck_float64(gen):
+    g = _residual_graph(torch.float64, shape=(2, 3, 4))
+    assert any(isinstance(op, AddNormOp) for op in _ops(lower(g, LoweringMode.TRAINING)))
+    teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)})
+
+
+def test_residual_norm_half_precision_rounds_the_sum_like_the_add(gen, half_accumulate):
+    """The fused kernel rounds a + b to bfloat16 before normalising, as the add it replaces
+    stores it: the fused program stays bit-identical to the unfused one."""
+    g = _residual_graph(torch.bfloat16)
+    feed = {"x": torch.randn(4, 5, 8, generator=gen).bfloat16()}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
+
+
+def test_residual_norm_rows_longer_than_one_block(monkeypatch, gen):
+    monkeypatch.setattr(norm, "MAX_BLOCK", 16)  # rows of 40: three column blocks, the sum re-read per block
+    g = _residual_graph(shape=(3, 2, 40))
+    feed = {"x": torch.randn(3, 2, 40, generator=gen)}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert any(isinstance(op, AddNormOp) for op in _ops(fused[3]))
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+
+
+def test_rewrites_leave_the_traced_graph_as_it_was():
+    g = _residual_graph()
+    before = [(n.op, [v.id for v in n.inputs]) for n in g.nodes]
+    program = lower(g, LoweringMode.TRAINING)
+    assert program.graph is not g
+    assert [(n.op, [v.id for v in n.inputs]) for n in g.nodes] == before
+    assert lower(g, LoweringMode.TRAINING, rewrites=()).graph is g
+
+
+def test_residual_norm_needs_the_norm_and_a_repeating_residual():
+    g = Graph()
+    x = g.input("x", (4, 8))
+    r = g.input("r", (4, 1))  # broadcast along the row: not a residual the norm kernel can read
+    w = g.parameter("w", (8,), init=teeny.init.ones())
+    s = x + r
+    y = layer_norm(s, (8,), w)
+    g.output(y)
+    assert not any(isinstance(op, AddNormOp) for op in _ops(lower(g)))
+    g2 = Graph()
+    a, b = g2.input("a", (4, 8)), g2.input("b", (4, 8))
+    s2 = a + b
+    layer_norm(s2, (8,))
+    g2.output(s2)  # the norm is not needed for the output: nothing writes the sum if it is fused away
+    program = lower(g2, outputs=[s2])
+    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(program))
+    out = Executor(program)({"a": torch.ones(4, 8), "b": torch.ones(4, 8)})
+    assert torch.equal(out, torch.full((4, 8), 2.0))
+
+
+def _gpt_graph(model, batch, block, vocab):
+    g = Graph("gpt")
+    idx = g.input("x", (batch, block), torch.int64)
+    y = g.input("y", (batch, block), torch.int64)
+    logits = model(idx)
+    g.output(ops.cross_entropy(ops.reshape(logits, (batch * block, vocab)), ops.reshape(y, (batch * block,))))
+    return g
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    vocab, block, batch = 11, 6, 2
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(vocab, block, d_model=8, n_heads=2, n_layers=2)
+    feed = {
+        "x": torch.randint(vocab, (batch, block), generator=gen),
+        "y": torch.randint(vocab, (batch, block), generator=gen),
+    }
+    return _gpt_graph(model, batch, block, vocab), feed
+
+
+def test_gpt_residual_stream_fuses_every_norm(gpt_case):
+    """Token + position embeddings feed ln1 of block 1; each block's two residual adds feed the
+    next norm: 2 * layers + 1 fused norms, and the same loss and gradients bit for bit."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 5
+    assert torch.equal(fused[0], plain[0])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
