@@ -2,6 +2,8 @@
 ``rewrites=()`` (outputs and every gradient), a float64 gradcheck of the fused graph, PyTorch
 on the same maths, what ``Program.summary()`` reports, and when a rewrite must not fire."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,11 +11,13 @@ import triton
 import triton.language as tl
 
 import teeny
-from teeny import Graph, LoweringMode, lower, ops
+from teeny import Graph, LoweringMode, lower, ops, rewrites
 from teeny.executor import Executor
-from teeny.kernels import accumulate, norm
+from teeny.kernels import accumulate, loss, norm
+from teeny.kernels.loss import LinearCrossEntropyOp
 from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
 from teeny.models import GPT
+from teeny.rewrites import fuse_residual_norm
 
 
 @triton.jit
@@ -192,8 +196,170 @@ def test_gpt_residual_stream_fuses_every_norm(gpt_case):
     """Token + position embeddings feed ln1 of block 1; each block's two residual adds feed the
     next norm: 2 * layers + 1 fused norms, and the same loss and gradients bit for bit."""
     g, feed = gpt_case
-    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    fused, plain = _run(g, feed, rewrites=(fuse_residual_norm,)), _run(g, feed, rewrites=())
     assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 5
     assert torch.equal(fused[0], plain[0])
     for name in plain[2]:
         assert torch.equal(fused[2][name], plain[2][name]), name
+
+
+def test_gpt_with_every_default_rewrite(gpt_case):
+    """The head and its loss chunked as well: the same step up to rounding (dW summed by chunks)."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _fused_ops(fused[3]) and sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 5
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------ linear + cross-entropy
+
+
+def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, **loss_options):
+    """x (rows..., d) -> linear -> reshape to (N, classes) -> cross_entropy(target)."""
+    g = Graph("head")
+    x = g.input("x", (*rows, d), dtype, requires_grad=True)
+    n = math.prod(rows)
+    y = g.input("y", (n,), torch.int64)
+    head = teeny.nn.Linear(d, classes, bias=bias, dtype=dtype)
+    logits = ops.reshape(head(x), (n, classes))
+    g.output(ops.cross_entropy(logits, y, **loss_options))
+    return g
+
+
+def _head_feed(gen, rows=(3, 5), d=8, classes=11, dtype=torch.float32):
+    n = math.prod(rows)
+    y = torch.randint(classes, (n,), generator=gen)
+    y[1] = -100  # an ignored row
+    return {"x": torch.randn(*rows, d, generator=gen).to(dtype), "y": y}
+
+
+@pytest.fixture(autouse=True)
+def small_logits_chunked(monkeypatch):
+    """The samples' logits are tiny: chunk them anyway."""
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 rows: the 15-row samples take four, the last one short."""
+    monkeypatch.setattr(loss, "CHUNK_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(loss, "LOGITS_CHUNK_BYTES", 1)
+
+
+def test_small_logits_are_not_chunked(monkeypatch):
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4 + 1)
+    assert not _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4)
+    assert _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
+
+
+def _fused_ops(program):
+    return [op for op in _ops(program) if isinstance(op, LinearCrossEntropyOp)]
+
+
+CE_CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(label_smoothing=0.1),
+    dict(weight=torch.linspace(0.5, 1.5, 11)),
+    dict(bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: ",".join(c) or "mean")
+def test_linear_cross_entropy_chunked_matches_unfused(case, small_chunks, gen):
+    options = dict(case)
+    bias = options.pop("bias", True)
+    g = _head_graph(bias=bias, **options)
+    feed = _head_feed(gen)
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    (op,) = _fused_ops(fused[3])
+    assert op.chunk_size(15, 11, torch.float32) == 4
+    assert len(fused[3].nodes) == 1
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-5, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_linear_cross_entropy_gradcheck_float64(small_chunks, gen):
+    shapes = dict(rows=(5,), d=2, classes=3)  # 5 rows: two chunks, the second short
+    g = _head_graph(dtype=torch.float64, label_smoothing=0.2, **shapes)
+    assert _fused_ops(lower(g, LoweringMode.TRAINING))
+    teeny.gradcheck_graph(g, _head_feed(gen, dtype=torch.float64, **shapes))
+
+
+def test_linear_cross_entropy_matches_pytorch(small_chunks, gen):
+    g = _head_graph(label_smoothing=0.1)
+    feed = _head_feed(gen)
+    loss_value, grads, pgrads, program = _run(g, feed)
+    params = {k: v.clone().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
+    x = feed["x"].clone().requires_grad_()
+    logits = F.linear(x, params["weight"], params["bias"]).reshape(15, 11)
+    ref = F.cross_entropy(logits, feed["y"], label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss_value, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["x"], x.grad, rtol=1e-4, atol=1e-6)
+    for name, t in params.items():
+        torch.testing.assert_close(pgrads[name], t.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_linear_cross_entropy_never_stores_the_logits(gen):
+    """A wide head (logits 64 x 512 against a 16-wide input): the fused program keeps dX, dW and
+    db for the backward instead of the logits, and says so."""
+    g = _head_graph(rows=(4, 16), d=16, classes=512)
+    fused = lower(g, LoweringMode.TRAINING)
+    plain = lower(g, LoweringMode.TRAINING, rewrites=())
+    logits = 64 * 512 * 4
+    saved = sum(fused.saved_bytes(p) for p in fused.nodes)
+    assert saved == 64 * 16 * 4 + 512 * 16 * 4 + 512 * 4 + 2 * 4  # dX, dW, db, the mean's two sums
+    assert sum(plain.saved_bytes(p) for p in plain.nodes) >= logits
+    assert plain.peak_activation_bytes() - fused.peak_activation_bytes() >= logits - saved
+    assert "cross_entropy(linear) in chunks of rows: 1, logits (0.12 MiB) never stored" in fused.summary()
+    out, _ = Executor(fused).forward_train(_head_feed(gen, rows=(4, 16), d=16, classes=512))
+    assert torch.isfinite(out)
+
+
+def test_linear_cross_entropy_inference_computes_no_gradients(small_chunks, gen):
+    g = _head_graph()
+    feed = _head_feed(gen)
+    program = lower(g)
+    (op,) = _fused_ops(program)
+    assert not op.with_grads and sum(program.saved_bytes(p) for p in program.nodes) == 0
+    assert "linear_cross_entropy_backward" not in {k.kernel.name for k in program.instances.values()}
+    torch.testing.assert_close(Executor(program)(feed), Executor(lower(g, rewrites=()))(feed))
+
+
+def test_linear_cross_entropy_needs_logits_nobody_else_reads(gen):
+    g = Graph()
+    x, y = g.input("x", (6, 4)), g.input("y", (6,), torch.int64)
+    logits = teeny.nn.Linear(4, 5)(x)
+    g.output(ops.cross_entropy(logits, y), logits)  # the logits are an output: they must exist
+    assert not _fused_ops(lower(g, LoweringMode.TRAINING))
+    g2 = Graph()
+    x2, y2 = g2.input("x", (6, 4)), g2.input("y", (6,), torch.int64)
+    logits2 = teeny.nn.Linear(4, 5)(x2)
+    g2.output(ops.cross_entropy(logits2, y2) + ops.sum(logits2))
+    assert not _fused_ops(lower(g2, LoweringMode.TRAINING))
+
+
+def test_linear_cross_entropy_reports_bad_class_indices(gen):
+    g = _head_graph()
+    feed = _head_feed(gen)
+    feed["y"][4] = 11
+    ex = Executor(lower(g, LoweringMode.TRAINING))
+    with pytest.raises(teeny.TeenyError, match="linear_cross_entropy.*class index 11 is out of range"):
+        ex.forward_train(feed)
+
+
+def test_linear_cross_entropy_half_precision_close_to_unfused(small_chunks, gen, half_accumulate):
+    g = _head_graph(dtype=torch.bfloat16)
+    feed = _head_feed(gen, dtype=torch.bfloat16)
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _fused_ops(fused[3])
+    torch.testing.assert_close(fused[0].float(), plain[0].float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), rtol=2e-2, atol=2e-3)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), rtol=2e-2, atol=2e-3, msg=name)

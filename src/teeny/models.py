@@ -119,7 +119,7 @@ class Task:
     defaults: dict = field(default_factory=dict)
 
     def train_graph(self, batch_size: int, dtype: torch.dtype) -> Graph:
-        """The training graph: inputs x, y; outputs (loss, logits)."""
+        """The training graph: inputs x, y; the loss is its first output."""
         raise NotImplementedError
 
     def batches(self, epoch: int, batch_size: int, seed: int):
@@ -193,6 +193,8 @@ class CharTask(Task):
         self.epoch_tokens = defaults.get("epoch_tokens", 200_000)
 
     def _graph(self, batch: int, with_loss: bool) -> Graph:
+        """With the loss: inputs x, y and the loss as the only output (so that lowering can run
+        the head and the loss in chunks and never keep the logits); else the logits."""
         g = Graph("gpt")
         idx = g.input("x", (batch, self.block_size), torch.int64)
         logits = self.model(idx)
@@ -202,8 +204,7 @@ class CharTask(Task):
             g.output(
                 ops.cross_entropy(
                     ops.reshape(logits, (batch * self.block_size, v)), ops.reshape(y, (batch * self.block_size,))
-                ),
-                logits,
+                )
             )
         else:
             g.output(logits)
@@ -233,7 +234,7 @@ class CharTask(Task):
         losses = []
         for _ in range(self.eval_batches):
             x, y = self.corpus.batch("val", self.batch_size, self.block_size, gen)
-            loss, _ = self._eval.forward({"x": x, "y": y})
+            loss = self._eval.forward({"x": x, "y": y})
             losses.append(float(loss))
         return {"val_loss": sum(losses) / len(losses), "unigram_entropy": self.corpus.unigram_entropy()}
 

@@ -186,7 +186,79 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
     return graph, outputs, ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
 
 
-DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm,)
+# ------------------------------------------------------------------ linear + cross-entropy
+
+
+def _nbytes(value: Value) -> int:
+    return value.numel * value.dtype.itemsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+# Smallest logits tensor worth chunking. Chunking saves memory, not time (it adds the float32
+# sums of dW per chunk and the scaling of the saved gradients by dy, and a few launches): below
+# this size the memory is small and the extra launches cost a launch-bound step more than it saves.
+CHUNKED_LOGITS_MIN_BYTES = 16 << 20
+
+
+def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """cross_entropy(linear(x, W, b)) (class indices, mean or sum; the logits possibly reshaped
+    to (rows, classes) in between) becomes one ``LinearCrossEntropyOp`` that computes the
+    logits chunk by chunk and never keeps them (see its docstring), when nothing else reads the
+    logits, they are not an output and they take at least ``CHUNKED_LOGITS_MIN_BYTES``."""
+    from .kernels.linear import LinearOp
+    from .kernels.loss import ClassLossOp, LinearCrossEntropyOp
+    from .kernels.shape import ViewOp
+
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, tuple[Node, Node | None]] = {}  # loss node id -> (linear node, reshape node or None)
+    for node in graph.nodes:
+        op = node.op
+        if not (type(op) is ClassLossOp and op.from_logits and not op.target_probs and op.reduction != "none"):
+            continue
+        logits = node.inputs[0]
+        if node.output.id not in needed or len(logits.shape) != 2:
+            continue
+        chain = [logits.producer]
+        if chain[0] is not None and type(chain[0].op) is ViewOp:
+            chain.insert(0, chain[0].inputs[0].producer)
+        linear = chain[0]
+        if linear is None or type(linear.op) is not LinearOp or linear.output.shape[-1] != logits.shape[-1]:
+            continue
+        if _nbytes(logits) < CHUNKED_LOGITS_MIN_BYTES:
+            continue
+        if any(n.output.id in kept or len(read_by[n.output.id]) != 1 for n in chain):
+            continue
+        matches[node.id] = (linear, chain[1] if len(chain) == 2 else None)
+    if not matches:
+        return graph, outputs, ""
+    rebuild = Rebuild(graph)
+    skipped = {n.id for linear, view in matches.values() for n in (linear, view) if n is not None}
+    logits_bytes = 0
+    for node in graph.nodes:
+        if node.id in skipped:
+            continue
+        if node.id not in matches:
+            rebuild.copy(node)
+            continue
+        linear, _ = matches[node.id]
+        x, params = linear.inputs[0], linear.inputs[1:]
+        fused = LinearCrossEntropyOp(linear.op, node.op, node.output.dtype, with_grads=training)
+        inputs = [x, *node.inputs[1:], *params]
+        rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
+        logits_bytes += _nbytes(linear.output)
+    graph, outputs = rebuild.finish(outputs)
+    return (
+        graph,
+        outputs,
+        f"cross_entropy(linear) in chunks of rows: {len(matches)}, logits ({_mib(logits_bytes)}) never stored",
+    )
+
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy)
 
 PRECISIONS: dict[str, torch.dtype] = {}
 
