@@ -12,6 +12,7 @@ import os
 import sys
 
 MODELS = ("mlp", "cnn", "gpt")  # teeny.models.make_task knows each; kept here so parsing imports no kernel
+SIZES = ("small", "large", "gpt2")  # the gpt sizes make_task knows
 
 
 def _positive_int(text: str) -> int:
@@ -60,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--weight-decay", type=float)
     p_train.add_argument("--schedule", choices=["constant", "cosine"])
     p_train.add_argument("--clip", type=_positive_float, help="clip gradients to this global norm")
-    p_train.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p_train.add_argument(
+        "--size", choices=SIZES, default="small", help="gpt: model size (gpt2: 12 layers, d 768, context 1024)"
+    )
+    p_train.add_argument(
+        "--precision", choices=["bf16-mixed"], help="bf16-mixed: bfloat16 compute, float32 master weights"
+    )
     p_train.add_argument("--seed", type=int, default=0)
     p_train.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
     p_train.add_argument("--out", default="runs/latest", help="folder for checkpoint, metrics.jsonl and loss.png")
@@ -79,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_build.add_argument("--target", default="cuda:90", help="cuda:ARCH[@SMS], comma-separated: cuda:90,cuda:80")
     p_build.add_argument("--mode", choices=["training", "inference"], default="training")
     p_build.add_argument("--batch-size", type=_positive_int)
-    p_build.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p_build.add_argument("--size", choices=SIZES, default="small", help="gpt: model size")
     p_build.add_argument("--params", metavar="CHECKPOINT", help="store these parameters (a checkpoint, or 'init')")
     p_build.add_argument("--seed", type=int, default=0)
     p_build.add_argument("-o", "--out", required=True, help="the bundle file to write")
@@ -203,14 +209,14 @@ def cmd_train(args, parser) -> int:
     task = make_task(args.model, args.size)
     settings = dict(task.defaults)
     settings.pop("epoch_tokens", None)
-    for key in ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "schedule", "clip"):
+    for key in ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "schedule", "clip", "precision"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
     config = TrainConfig(**settings, seed=args.seed, out=args.out, max_steps=args.steps, progress=not args.no_progress)
     print(
         f"teeny train {args.model} on {device.describe()}: {config.epochs} epochs, batch {config.batch_size}, "
-        f"{config.optimizer} lr {config.lr}"
+        f"{config.optimizer} lr {config.lr}{', ' + config.precision if config.precision else ''}"
     )
     try:
         result = train(task, config, resume=args.resume)

@@ -280,6 +280,26 @@ def make_task(name: str, size: str = "small") -> Task:
         )
     if name == "gpt":
         corpus = CharCorpus()
+        if size == "gpt2":  # GPT-2 small's shape (12 layers, d 768, 12 heads, context 1024) on the characters
+            return CharTask(
+                corpus,
+                block_size=1024,
+                d_model=768,
+                n_heads=12,
+                n_layers=12,
+                defaults=dict(
+                    epochs=4,
+                    batch_size=8,
+                    lr=6e-4,
+                    optimizer="adamw",
+                    weight_decay=0.1,
+                    epoch_tokens=2_000_000,
+                    clip=1.0,
+                    schedule="cosine",
+                    warmup_steps=100,
+                    precision="bf16-mixed",
+                ),
+            )
         if size == "large":
             return CharTask(
                 corpus,

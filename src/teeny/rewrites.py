@@ -260,15 +260,92 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
 
 DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy)
 
-PRECISIONS: dict[str, torch.dtype] = {}
+# ------------------------------------------------------------------------- mixed precision
+
+
+def _keeps_float32(op: RuntimeOp) -> bool:
+    """Ops a mixed-precision program runs on float32 inputs: losses (a float32 loss, as
+    autocast computes them), and ops that update a parameter in place (batch_norm's running
+    statistics, embedding's max_norm renormalisation), which must see the float32 parameter."""
+    from .kernels.embedding import EmbeddingOp
+    from .kernels.loss import ClassLossOp, PointwiseLossOp
+    from .kernels.norm import BatchNormOp
+
+    if isinstance(op, EmbeddingOp):
+        return op.max_norm is not None
+    return isinstance(op, (ClassLossOp, PointwiseLossOp, BatchNormOp))
+
+
+def mixed_precision(dtype: torch.dtype) -> RewriteFn:
+    """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16): the program
+    computes in ``dtype`` while the parameters stay float32 in the arena (master weights: the
+    optimizer and its state update float32, one launch per arena as before).
+
+    Each float32 parameter is cast to ``dtype`` once, just before its first reader (the cast's
+    backward brings its gradient back to the float32 gradient arena); float32 inputs are cast
+    the same way and float32 constants converted. Every op is re-applied to the cast values,
+    so its output dtype follows. Losses and in-place updaters (``_keeps_float32``) get float32
+    inputs instead; the chunked head + loss (``LinearCrossEntropyOp``) computes its products in
+    ``dtype`` and writes the loss in float32. Outputs keep the dtypes the graph gave them (a
+    cast back at the end where one changed): the loss is float32, its seed too."""
+    from .kernel import dtype_name
+
+    def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+        from .kernels.cast import CastOp
+        from .kernels.loss import LinearCrossEntropyOp
+
+        rebuild = Rebuild(graph)
+        casts: dict[tuple[int, torch.dtype], Value] = {}
+        counts: Counter = Counter()
+
+        def cast(v: Value, to: torch.dtype) -> Value:
+            if v.dtype == to or not v.dtype.is_floating_point:
+                return v
+            key = (v.id, to)
+            if key not in casts:
+                counts[v.kind] += 1
+                if v.kind == "const":
+                    casts[key] = rebuild.graph.constant(v.data.to(to), to, f"{v.name}.{dtype_name(to)}").value
+                else:
+                    casts[key] = rebuild.apply(CastOp(to), [v], f"{v.name}.{dtype_name(to)}")
+            return casts[key]
+
+        for node in graph.nodes:
+            op = node.op
+            if _keeps_float32(op):
+                inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
+                counts["float32 op"] += 1
+            elif isinstance(op, CastOp):  # an explicit cast in the model stays what it says
+                inputs = [rebuild[v] for v in node.inputs]
+            else:
+                inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
+            if isinstance(op, LinearCrossEntropyOp):
+                op = LinearCrossEntropyOp(op.linear, op.loss, node.output.dtype, op.with_grads, op.chunk_rows)
+            rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
+        for v in outputs:
+            rebuild.new[v.id] = cast(rebuild[v], v.dtype)
+        if not casts:
+            return graph, outputs, ""
+        graph, outputs = rebuild.finish(outputs)
+        names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
+        parts = [f"{dtype_name(dtype)} compute, float32 master weights"]
+        parts += [f"{n} {names[kind]}{'s' if n != 1 else ''} cast" for kind, n in counts.items() if kind in names]
+        if counts["float32 op"]:
+            parts.append(f"{counts['float32 op']} loss or in-place ops on float32")
+        return graph, outputs, ", ".join(parts)
+
+    rewrite.__name__ = f"mixed_precision_{dtype_name(dtype)}"
+    return rewrite
+
+
+PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16}
 
 
 def precision_rewrites(precision: str | None) -> list[RewriteFn]:
-    """The rewrites ``lower(..., precision=...)`` adds after the others."""
+    """The rewrites ``lower(..., precision=...)`` adds after the others (None: none)."""
     if precision is None:
         return []
     if precision not in PRECISIONS:
-        raise ValueError(
-            f"unknown precision {precision!r}; choose None (the graph's dtypes) or {', '.join(PRECISIONS)}"
-        )
-    raise NotImplementedError
+        choices = ", ".join(PRECISIONS)
+        raise ValueError(f"unknown precision {precision!r}; choose None (the graph's dtypes) or {choices}")
+    return [mixed_precision(PRECISIONS[precision])]

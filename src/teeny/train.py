@@ -24,6 +24,7 @@ from .executor import Executor
 from .graph import Graph
 from .lowering import LoweringMode, lower
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
+from .rewrites import PRECISIONS
 
 CHECKPOINT_FORMAT = "teeny-checkpoint-1"
 
@@ -49,6 +50,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps in total (e.g. to test resuming)
     progress: bool = True
     dtype: torch.dtype = torch.float32
+    precision: str | None = None  # None: the graph's dtypes; "bf16-mixed": bfloat16 compute, float32 master weights
     cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
     log_every: int | None = None  # read the loss back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
 
@@ -64,6 +66,10 @@ class TrainConfig:
             (self.schedule in ("constant", "cosine"), f"unknown schedule {self.schedule!r}; choose constant or cosine"),
             (self.clip is None or self.clip > 0, f"clip must be > 0, got {self.clip}"),
             (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
+            (
+                self.precision is None or self.precision in PRECISIONS,
+                f"unknown precision {self.precision!r}; choose {', '.join(PRECISIONS)} (or none)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -264,7 +270,7 @@ def train(task, config: TrainConfig, resume: str | None = None, log=print) -> di
     if out:
         out.mkdir(parents=True, exist_ok=True)
     graph = task.train_graph(config.batch_size, config.dtype)
-    executor = Executor(lower(graph, LoweringMode.TRAINING), seed=config.seed)
+    executor = Executor(lower(graph, LoweringMode.TRAINING, precision=config.precision), seed=config.seed)
     optimizer = make_optimizer(executor, config)
     steps_per_epoch = task.steps_per_epoch(config.batch_size)
     if steps_per_epoch < 1:
