@@ -161,3 +161,14 @@ def test_gpt2_preset_builds_and_lowers():
         p.node.dtype == BF16 and p.node.output.shape == (8, 12, 1024, 64) for p in attention
     )
     assert all(v.dtype == torch.float32 for v in program.params)
+
+
+def test_cli_trains_gpt2_in_bf16_mixed_by_default():
+    from teeny.cli import build_parser
+
+    args = build_parser().parse_args(["train", "gpt", "--size", "gpt2", "--precision", "bf16-mixed"])
+    assert (args.size, args.precision) == ("gpt2", "bf16-mixed")
+    settings = {k: v for k, v in make_task("gpt", "gpt2").defaults.items() if k != "epoch_tokens"}
+    config = TrainConfig(**settings)
+    config.validate()
+    assert config.precision == "bf16-mixed" and config.batch_size == 8

@@ -14,8 +14,17 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   fewer. (The backward still sums the two gradients arriving at the sum with the executor's
   accumulate launch: folding that into the norm's backward needs a way for an op to read the
   gradient accumulated so far, which the executor does not offer.)
+* ``chunk_linear_cross_entropy``: cross_entropy(linear(x, W, b)) with class-index targets
+  becomes one op that computes the logits chunk by chunk of rows, with the loss and the
+  gradients of x, W and b in the forward (``loss.LinearCrossEntropyOp``): the (rows x classes)
+  logits are never stored for the backward. For logits of ``CHUNKED_LOGITS_MIN_BYTES`` and more.
 
 ``precision=`` of ``lower`` adds a last rewrite, ``mixed_precision``: see its docstring.
+
+Why no q/k/v fusion (yet): a graph node has one output, so one product writing q, k and v
+would reach its three readers through views of a stacked tensor, and the backward of each view
+writes a full stacked-sized gradient that the executor then sums: more traffic than the two
+launches it saves, unless the attention op reads the stacked tensor itself.
 """
 
 from __future__ import annotations
@@ -108,6 +117,14 @@ def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
     return out
 
 
+def _nbytes(value: Value) -> int:
+    return value.numel * value.dtype.itemsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
 def apply_rewrites(
     graph: Graph, outputs: list[Value], training: bool, rewrites: Sequence[RewriteFn]
 ) -> tuple[Graph, list[Value], list[RewriteReport]]:
@@ -181,20 +198,14 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
         rebuild.new[norm.output.id] = rebuild.apply(
             AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[residual]], norm.name
         )
+    sums = sum(_nbytes(norm.inputs[0]) for norm in pairs.values())
     graph, outputs = rebuild.finish(outputs)
     kinds = Counter(norm.op.name for norm in pairs.values())
-    return graph, outputs, ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
+    fused = ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
+    return graph, outputs, f"{fused} ({len(pairs)} launches and {_mib(sums)} of reads fewer per forward)"
 
 
 # ------------------------------------------------------------------ linear + cross-entropy
-
-
-def _nbytes(value: Value) -> int:
-    return value.numel * value.dtype.itemsize
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
 
 
 # Smallest logits tensor worth chunking. Chunking saves memory, not time (it adds the float32
