@@ -7,6 +7,12 @@ steps, CUDA events), tokens (samples) per second and peak memory per step; with 
 also teeny's time per kernel name from one eager step (torch.profiler).
 
     PYTHONPATH=src python3 bench/bench_steps.py --models gpt6,mlp --modes eager,default,reduce-overhead
+    PYTHONPATH=src python3 bench/bench_steps.py --models gpt2 --precision bf16-mixed --no-rewrites-row
+
+``--precision bf16-mixed`` keeps the models' parameters float32 (teeny: ``lower(...,
+precision="bf16-mixed")``; torch: ``torch.autocast`` to bfloat16 around the forward and loss).
+Each teeny row prints its program's launch count, memory plan and graph rewrites; the
+"teeny, no rewrites" row (``lower(..., rewrites=())``) measures what the rewrites buy.
 """
 
 from __future__ import annotations
@@ -123,8 +129,8 @@ def batch_for(case):
     return x, torch.randint(0, case["sizes"][-1], (case["batch"],), generator=g).to(DEV)
 
 
-def teeny_step(case):
-    dtype = case["dtype"]
+def teeny_step(case, precision=None, rewrites=None):
+    dtype = torch.float32 if precision else case["dtype"]
     g = Graph("step")
     if case["kind"] == "gpt":
         model = GPT(case["vocab"], case["ctx"], case["d"], case["heads"], case["layers"]).to(dtype)
@@ -141,17 +147,21 @@ def teeny_step(case):
         else:
             y = g.input("y", (case["batch"],), torch.int64)
             g.output(ops.cross_entropy(model(x), y))
-    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    options = {} if rewrites is None else {"rewrites": rewrites}
+    program = lower(g, LoweringMode.TRAINING, precision=precision, **options)
+    for line in program.summary().splitlines()[-(2 + len(program.rewrites)) :]:
+        print("   ", line.strip())
+    ex = teeny.Executor(program)
     opt = AdamW(ex, lr=1e-4) if case["kind"] == "gpt" else SGD(ex, lr=1e-3)
     return ex, opt
 
 
-def torch_model(case):
+def torch_model(case, precision=None):
     if case["kind"] == "gpt":
         model = TorchGPT(case["vocab"], case["ctx"], case["d"], case["heads"], case["layers"])
     else:
         model = TorchMLP(case["sizes"], case.get("gelu", False))
-    model = model.to(DEV, case["dtype"])
+    model = model.to(DEV, torch.float32 if precision else case["dtype"])
     if case["kind"] == "gpt":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
     else:
@@ -176,8 +186,8 @@ def timed(step, warmup, steps):
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def teeny_row(case, x, y, steps, profile):
-    ex, opt = teeny_step(case)
+def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None):
+    ex, opt = teeny_step(case, precision, rewrites)
     step = TrainStep(ex, opt, cuda_graph=True)
     t0 = time.perf_counter()
     step({"x": x, "y": y})
@@ -199,16 +209,18 @@ def teeny_row(case, x, y, steps, profile):
                 f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
-    return ("teeny (CUDA graph)", ms, mem, first)
+    return ("teeny (CUDA graph)" if rewrites is None else "teeny, no rewrites", ms, mem, first)
 
 
-def torch_row(case, mode, x, y, steps):
-    model, opt = torch_model(case)
+def torch_row(case, mode, x, y, steps, precision=None):
+    model, opt = torch_model(case, precision)
     fn = model if mode in ("eager", "cudagraph") else torch.compile(model, mode=None if mode == "default" else mode)
 
     def torch_step():
         opt.zero_grad(set_to_none=mode != "cudagraph")
-        fn(x, y).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = fn(x, y)
+        loss.backward()
         opt.step()
 
     run = torch_step
@@ -231,21 +243,26 @@ def torch_row(case, mode, x, y, steps):
     return (f"torch {mode}", ms, mem, first)
 
 
-def run_case(name, case, modes, steps, profile):
+def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False):
+    if precision:  # float32 parameters: float inputs stay float32 as well
+        case = {**case, "dtype": torch.float32}
     x, y = batch_for(case)
     tokens = x.numel() if case["kind"] == "gpt" else x.shape[0]
-    rows = [teeny_row(case, x, y, steps, profile)]
+    print(f"{name}: {case}{', ' + precision if precision else ''}")
+    rows = [teeny_row(case, x, y, steps, profile, precision)]
     torch.cuda.empty_cache()
+    if no_rewrites_row:
+        rows.append(teeny_row(case, x, y, steps, False, precision, rewrites=()))
+        torch.cuda.empty_cache()
     for mode in modes:
-        rows.append(torch_row(case, mode, x, y, steps))
+        rows.append(torch_row(case, mode, x, y, steps, precision))
         torch.cuda.empty_cache()
     compiled = [r[1] for r in rows if r[0].startswith("torch ") and r[0] != "torch eager"]
     best = min(compiled, default=math.nan)
-    print(f"{name}: {case}")
     for label, ms, mem, first in rows:
         print(f"  {label:22} {ms:8.3f} ms  {tokens / ms * 1000:12.0f} tok/s  peak {mem:8.0f} MiB  first {first:6.1f} s")
     print(f"  teeny / best of the others but eager = {rows[0][1] / best:.2f}")
-    return {"case": name, "rows": rows, "teeny_over_best": rows[0][1] / best}
+    return {"case": name, "precision": precision, "rows": rows, "teeny_over_best": rows[0][1] / best}
 
 
 def main():
@@ -254,8 +271,14 @@ def main():
     parser.add_argument("--modes", default="eager,default,reduce-overhead", help="also: max-autotune, cudagraph")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--precision", choices=["bf16-mixed"], help="float32 parameters, bfloat16 compute")
+    parser.add_argument("--no-rewrites-row", action="store_true", help="also time teeny with lower(rewrites=())")
     args = parser.parse_args()
-    results = [run_case(m, CASES[m], args.modes.split(","), args.steps, args.profile) for m in args.models.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    results = [
+        run_case(m, CASES[m], modes, args.steps, args.profile, args.precision, args.no_rewrites_row)
+        for m in args.models.split(",")
+    ]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "steps.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -20,6 +20,7 @@ import sys
 
 MODELS = ("mlp", "cnn", "gpt")  # teeny.models.make_task knows each; kept here so parsing imports no kernel
 DEVICES = ("auto", "cpu", "cuda")
+SIZES = ("small", "large", "gpt2")  # the gpt sizes make_task knows
 
 
 def _positive_int(text: str) -> int:
@@ -114,7 +115,9 @@ def add_build(sub) -> None:
     p.add_argument("--target", default="cuda:90", help="cuda:ARCH[@SMS], comma-separated: cuda:90,cuda:80")
     p.add_argument("--mode", choices=["training", "inference"], default="training")
     p.add_argument("--batch-size", type=_positive_int)
-    p.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p.add_argument(
+        "--size", choices=SIZES, default="small", help="gpt: model size (gpt2: 12 layers, d 768, context 1024)"
+    )
     p.add_argument("--params", metavar="CHECKPOINT", help="store these parameters (a checkpoint, or 'init')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--out", required=True, help="the bundle file to write")
@@ -239,7 +242,10 @@ def add_train(sub) -> None:
     p.add_argument("--weight-decay", type=_non_negative_float)
     p.add_argument("--schedule", choices=["constant", "cosine"])
     p.add_argument("--clip", type=_positive_float, help="clip gradients to this global norm")
-    p.add_argument("--size", choices=["small", "large"], default="small", help="gpt: model size")
+    p.add_argument(
+        "--size", choices=SIZES, default="small", help="gpt: model size (gpt2: 12 layers, d 768, context 1024)"
+    )
+    p.add_argument("--precision", choices=["bf16-mixed"], help="bf16-mixed: bfloat16 compute, float32 master weights")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
     p.add_argument("--checkpoint-every", type=_positive_int, metavar="STEPS", help="default: every epoch")
@@ -320,7 +326,17 @@ def _train(args, world) -> int:
     task = make_task(args.model, args.size)
     settings = dict(task.defaults)
     settings.pop("epoch_tokens", None)
-    for key in ("epochs", "batch_size", "lr", "optimizer", "weight_decay", "schedule", "clip", "checkpoint_every"):
+    for key in (
+        "epochs",
+        "batch_size",
+        "lr",
+        "optimizer",
+        "weight_decay",
+        "schedule",
+        "clip",
+        "checkpoint_every",
+        "precision",
+    ):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value

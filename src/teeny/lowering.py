@@ -9,6 +9,10 @@ Inference plans the forward only and frees each value after its last consumer. T
   opt out), and
 * plans the backward of every node on the path to the loss.
 
+Before planning, ``lower`` runs graph rewrites (``teeny.rewrites``: fusions, mixed
+precision) on a copy of the graph; ``rewrites=()`` runs none, and ``Program.summary()`` says
+what each one changed.
+
 Both modes then run every op once on meta tensors (no data, no launch): a packed argument
 list that does not match its kernel's signature, or an empty grid where there is work, is
 reported here, naming the op, node, kernel and argument, instead of inside a launch. The
@@ -20,6 +24,7 @@ declares with ``@kernel(backward=...)``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from .graph import Graph, GraphError, Node, Value
 from .kernel import KernelInstance
 from .kernels.accumulate import accumulate_kernel
+from .rewrites import DEFAULT_REWRITES, RewriteFn, RewriteReport, apply_rewrites, precision_rewrites
 from .runtime import MissingBackwardError, OpContext, RuntimeOp, TeenyError
 
 
@@ -43,6 +49,7 @@ class PlannedNode:
     saved_inputs: list[bool] = field(default_factory=list)  # per input: kept for the backward
     forward_launches: list = field(default_factory=list)  # what the dry run launched (runtime.Launch)
     backward_launches: list = field(default_factory=list)
+    is_view: bool = False  # the forward answers with a view of an input (no buffer of its own)
 
     @property
     def op(self) -> RuntimeOp:
@@ -62,6 +69,7 @@ class Program:
     instances: dict[tuple[int, torch.dtype], KernelInstance]
     requires_grad: dict[int, bool]  # value id -> needs a gradient
     last_use: dict[int, int]  # value id -> index of the last node reading it (forward)
+    rewrites: list[RewriteReport] = field(default_factory=list)  # what each graph rewrite changed
 
     @property
     def loss(self) -> Value:
@@ -101,7 +109,7 @@ class Program:
         outputs = {v.id for v in self.outputs}
         for index, p in enumerate(self.nodes):
             out = p.node.output
-            if p.forward_launches or out.id in outputs:
+            if not p.is_view or out.id in outputs:
                 live[out.id] = _nbytes(out.shape, out.dtype)
             values, extra_bytes = self._saves(p)
             kept.update((v.id, _nbytes(v.shape, v.dtype)) for v in values)
@@ -125,7 +133,7 @@ class Program:
             kernels = ", ".join(sorted({launch.kernel.name for launch in p.forward_launches + p.backward_launches}))
             rows.append(
                 f"  {p.name:28} {p.op.name:22} {shape:>16} {fwd:2d}+{bwd:<2d} launches"
-                f"  saves {_mib(self.saved_bytes(p)):>8}  {kernels or '(view)'}"
+                f"  saves {_mib(self.saved_bytes(p)):>8}  {kernels or ('(view)' if p.is_view else '(no launch)')}"
             )
         param_bytes = sum(_nbytes(v.shape, v.dtype) for v in self.params)
         rows.append(
@@ -136,6 +144,7 @@ class Program:
             f"{_mib(sum(self.saved_bytes(p) for p in self.nodes))}, peak activations "
             f"{_mib(self.peak_activation_bytes())}"
         )
+        rows += [f"  rewrite {report}" for report in self.rewrites]
         return "\n".join(rows)
 
     def kernel_names(self) -> list[str]:
@@ -144,11 +153,21 @@ class Program:
         )
 
 
-def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=None) -> Program:
-    """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring)."""
+def lower(
+    graph: Graph,
+    mode: LoweringMode = LoweringMode.INFERENCE,
+    outputs=None,
+    rewrites: Sequence[RewriteFn] = DEFAULT_REWRITES,
+    precision: str | None = None,
+) -> Program:
+    """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring).
+    ``rewrites``: the graph rewrites to run first (``teeny.rewrites``; ``()``: none).
+    ``precision``: ``None`` (the graph's dtypes) or ``"bf16-mixed"`` (``rewrites.mixed_precision``)."""
     if not isinstance(mode, LoweringMode):
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)
+    rewrites = list(rewrites) + precision_rewrites(precision)
+    graph, outs, reports = apply_rewrites(graph, outs, mode is LoweringMode.TRAINING, rewrites)
     needed = _ancestors(outs)
     planned = [
         PlannedNode(node, grad_mask=[False] * len(node.inputs), saved_inputs=[False] * len(node.inputs))
@@ -162,7 +181,7 @@ def lower(graph: Graph, mode: LoweringMode = LoweringMode.INFERENCE, outputs=Non
     for index, p in enumerate(planned):
         for v in p.node.inputs:
             last_use[v.id] = index
-    program = Program(graph, mode, planned, outs, {}, requires_grad, last_use)
+    program = Program(graph, mode, planned, outs, {}, requires_grad, last_use, reports)
     _dry_run(program)  # builds exactly the kernel instances the launches use
     if mode is LoweringMode.TRAINING:
         for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
@@ -283,9 +302,13 @@ def _dry_run(program: Program) -> None:
         saved = extra_buffers(p, _meta)
         ctx = make_context(program, p, inputs, output, saved, dry_run=True)
         ctx.launched = p.forward_launches
-        _run_checked(
-            node, "forward", lambda: node.op.view(inputs) is not None or ctx.run(node.op.forward_launches(ctx))
-        )
+
+        def forward(p=p, inputs=inputs, ctx=ctx):
+            p.is_view = p.op.view(inputs) is not None
+            if not p.is_view:
+                ctx.run(p.op.forward_launches(ctx))
+
+        _run_checked(node, "forward", forward)
         if p.needs_backward:
             n_act = node.op.n_activation_inputs
             bctx = make_context(

@@ -120,7 +120,7 @@ class Task:
     spec: dict = field(default_factory=dict)  # what else defines the model (e.g. gpt's size), kept in checkpoints
 
     def train_graph(self, batch_size: int, dtype: torch.dtype) -> Graph:
-        """The training graph: inputs x, y; outputs (loss, logits)."""
+        """The training graph: inputs x, y; the loss is its first output."""
         raise NotImplementedError
 
     def batches(self, epoch: int, batch_size: int, seed: int):
@@ -194,6 +194,8 @@ class CharTask(Task):
         self.epoch_tokens = defaults.get("epoch_tokens", 200_000)
 
     def _graph(self, batch: int, with_loss: bool) -> Graph:
+        """With the loss: inputs x, y and the loss as the only output (so that lowering can run
+        the head and the loss in chunks and never keep the logits); else the logits."""
         g = Graph("gpt")
         idx = g.input("x", (batch, self.block_size), torch.int64)
         logits = self.model(idx)
@@ -203,8 +205,7 @@ class CharTask(Task):
             g.output(
                 ops.cross_entropy(
                     ops.reshape(logits, (batch * self.block_size, v)), ops.reshape(y, (batch * self.block_size,))
-                ),
-                logits,
+                )
             )
         else:
             g.output(logits)
@@ -238,7 +239,7 @@ class CharTask(Task):
         losses = []
         for _ in range(self.eval_batches):
             x, y = self.corpus.batch("val", self.batch_size, self.block_size, gen)
-            loss, _ = self._eval.forward({"x": x, "y": y})
+            loss = self._eval.forward({"x": x, "y": y})
             losses.append(float(loss))
         return {"val_loss": sum(losses) / len(losses), "unigram_entropy": self.corpus.unigram_entropy()}
 
@@ -285,6 +286,18 @@ DEFAULTS: dict[tuple[str, str], dict] = {
     ("gpt", "large"): dict(
         epochs=10, batch_size=64, lr=1e-3, optimizer="adamw", weight_decay=0.01, epoch_tokens=2_000_000, clip=1.0
     ),
+    ("gpt", "gpt2"): dict(
+        epochs=4,
+        batch_size=8,
+        lr=6e-4,
+        optimizer="adamw",
+        weight_decay=0.1,
+        epoch_tokens=2_000_000,
+        clip=1.0,
+        schedule="cosine",
+        warmup_steps=100,
+        precision="bf16-mixed",
+    ),
 }
 
 
@@ -305,7 +318,9 @@ def make_task(name: str, size: str = "small") -> Task:
     if name == "cnn":
         return DigitsTask("cnn", CNN(), image=True, defaults=defaults)
     corpus = CharCorpus()
-    if size == "large":
+    if size == "gpt2":  # GPT-2 small's shape (12 layers, d 768, 12 heads, context 1024) on the characters
+        task = CharTask(corpus, block_size=1024, d_model=768, n_heads=12, n_layers=12, defaults=defaults)
+    elif size == "large":
         task = CharTask(corpus, block_size=128, d_model=256, n_heads=8, n_layers=4, defaults=defaults)
     else:
         task = CharTask(corpus, block_size=32, d_model=48, n_heads=4, n_layers=2, defaults=defaults, eval_batches=4)

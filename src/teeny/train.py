@@ -42,6 +42,7 @@ from .executor import Executor
 from .graph import Graph
 from .lowering import LoweringMode, lower
 from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
+from .rewrites import PRECISIONS
 
 if TYPE_CHECKING:
     from .distributed import DataParallel, World
@@ -80,6 +81,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps in total (e.g. to test resuming)
     progress: bool = True
     dtype: torch.dtype = torch.float32
+    precision: str | None = None  # None: the graph's dtypes; "bf16-mixed": bfloat16 compute, float32 master weights
     cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
     log_every: int | None = None  # read the losses back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
     diverge_factor: float | None = 1e4  # stop at a loss over this times max(|first loss|, 1); None: non-finite only
@@ -114,6 +116,10 @@ class TrainConfig:
                 f"diverge_factor must be > 1 or None, got {self.diverge_factor}",
             ),
             (self.bucket_mb > 0 and finite(self.bucket_mb), f"bucket size must be > 0 MiB, got {self.bucket_mb}"),
+            (
+                self.precision is None or self.precision in PRECISIONS,
+                f"unknown precision {self.precision!r}; choose {', '.join(PRECISIONS)} (or none)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -540,7 +546,8 @@ def train(
         return {"step": step, "nothing_to_do": True}
 
     graph = task.train_graph(local_batch, config.dtype)
-    executor = Executor(lower(graph, LoweringMode.TRAINING), seed=config.seed, device=world and world.device)
+    program = lower(graph, LoweringMode.TRAINING, precision=config.precision)
+    executor = Executor(program, seed=config.seed, device=world and world.device)
     optimizer = make_optimizer(executor, config)
     parallel = None
     if world is not None:

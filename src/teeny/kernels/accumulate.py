@@ -2,7 +2,8 @@
 
 Used where a value fans out (its gradient is the sum of its consumers' gradients) and where a
 parameter's gradient accumulates across backward passes until ``zero_grad``. ``out`` may be
-``a`` itself (in-place accumulation into the gradient arena).
+``a`` itself (in-place accumulation into the gradient arena). Half-precision values add in
+float32 and round once (the interpreter also adds raw bfloat16 wrongly).
 """
 
 import torch
@@ -11,7 +12,7 @@ import triton.language as tl
 
 from ..kernel import kernel
 from ..runtime import ArgVisitor, Launch, launch_kernel
-from .common import ELEMENTWISE_BLOCK
+from .common import ELEMENTWISE_BLOCK, upcast
 
 BLOCK = ELEMENTWISE_BLOCK
 
@@ -22,7 +23,7 @@ def accumulate_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offsets < n
     a = tl.load(a_ptr + offsets, mask=mask)
     b = tl.load(b_ptr + offsets, mask=mask)
-    tl.store(out_ptr + offsets, a + b, mask=mask)
+    tl.store(out_ptr + offsets, (upcast(a) + upcast(b)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:

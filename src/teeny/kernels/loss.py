@@ -55,7 +55,7 @@ from ..graph import Tensor, graph_of
 from ..kernel import dtype_name, kernel
 from ..module import Module
 from ..registry import OpInfo, Sample, away_from, make, register
-from ..runtime import ArgVisitor, Launch, RuntimeOp, TeenyError
+from ..runtime import ArgVisitor, Launch, OpContext, RuntimeOp, TeenyError
 from .common import ELEMENTWISE_BLOCK, acc_dtype, cdiv, pow2, sum_partials, upcast
 
 __all__ = [
@@ -692,14 +692,27 @@ class ClassLossOp(RuntimeOp):
 
     def _args(self, ctx) -> dict:
         """The arguments both kernels take."""
-        n_rows, n_classes, inner = self._dims(ctx.input_shapes[0])
+        weight = ctx.inputs[2] if self.has_weight else None
+        return self.kernel_args(
+            ctx.inputs[0],
+            ctx.inputs[1],
+            weight,
+            ctx.saved.get("lse"),
+            ctx.saved.get("target_mass"),
+            ctx.input_shapes[0],
+        )
+
+    def kernel_args(self, x, target, weight, lse, mass, shape) -> dict:
+        """The arguments both kernels take, for input ``x`` of ``shape`` (also a chunk of rows of
+        the logits: ``LinearCrossEntropyOp``)."""
+        n_rows, n_classes, inner = self._dims(shape)
         rows, block_c = self._blocks(n_rows, n_classes)
         return dict(
-            x_ptr=ctx.inputs[0],
-            target_ptr=ctx.inputs[1],
-            weight_ptr=ctx.inputs[2] if self.has_weight else None,
-            lse_ptr=ctx.saved.get("lse"),
-            mass_ptr=ctx.saved.get("target_mass"),
+            x_ptr=x,
+            target_ptr=target,
+            weight_ptr=weight,
+            lse_ptr=lse,
+            mass_ptr=mass,
             n_rows=n_rows,
             n_classes=n_classes,
             inner=inner,
@@ -766,6 +779,199 @@ class ClassLossOp(RuntimeOp):
         )
         grid = (cdiv(fields["n_rows"], fields["ROWS"]),)
         return [Launch(class_loss_backward, grid, args, work=ctx.inputs[0].numel())]
+
+
+# ===================================================================== linear + cross-entropy
+
+
+@kernel(half=True, optional=("den_ptr",))
+def linear_cross_entropy_backward(grad_ptr, dy_ptr, den_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = grad * dy (/ den, the mean's denominator): a gradient the forward computed for the
+    sum of the losses."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = upcast(tl.load(dy_ptr))
+    if den_ptr is not None:
+        scale = scale / upcast(tl.load(den_ptr))
+    grad = upcast(tl.load(grad_ptr + offsets, mask=mask, other=0.0))
+    tl.store(out_ptr + offsets, (grad * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel(backward=linear_cross_entropy_backward, half=True)
+def linear_cross_entropy_forward(chunk_ptr, total_ptr, n, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """total (float32; float64 for float64) = chunk (FIRST) or total + chunk: dW and db summed
+    over the chunks of rows."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    chunk = upcast(tl.load(chunk_ptr + offsets, mask=mask, other=0.0))
+    if not FIRST:
+        chunk += tl.load(total_ptr + offsets, mask=mask, other=0.0)
+    tl.store(total_ptr + offsets, chunk.to(total_ptr.dtype.element_ty), mask=mask)
+
+
+# logits bytes of one chunk of rows (an automatic chunk size aims below it), and the row multiple
+# a chunk keeps (the matmul tiles' BLOCK_M on the GPU)
+LOGITS_CHUNK_BYTES = 1 << 22 if INTERPRETER else 256 << 20
+CHUNK_ROW_MULTIPLE = 16 if INTERPRETER else 128
+
+
+class LinearCrossEntropyOp(RuntimeOp):
+    """cross_entropy(linear(x, W, b), target) with class-index targets, "mean" or "sum", chunked
+    over rows (made by ``teeny.rewrites.chunk_linear_cross_entropy``; as Liger-Kernel's fused
+    linear cross-entropy). Inputs: x (..., d), target (rows,), class weights (C,) when given, then
+    W (C, d) and b (C,) when given.
+
+    Forward, per chunk of rows: logits = x_c W^T + b (the linear's launches, into one chunk-sized
+    buffer), the chunk's loss partials and lse (``class_loss_forward``), the logits' gradient for
+    dy = 1 in place (``class_loss_backward``), then dX_c = dlogits W (into the saved dX) and
+    dW_c = dlogits^T x_c, db_c (the linear's backward), added into float32 sums. The (rows, C)
+    logits are never stored: the forward keeps dX, dW, db (for training) instead. Backward: the
+    saved gradients times dy (/ the mean's denominator), one launch each."""
+
+    kernel = linear_cross_entropy_forward
+    saves_inputs = ()
+
+    def __init__(self, linear: RuntimeOp, loss: ClassLossOp, out_dtype: torch.dtype, with_grads: bool, chunk_rows=None):
+        if loss.target_probs or loss.reduction == "none" or not loss.from_logits:
+            raise ValueError("linear + cross_entropy is chunked for class-index targets and mean or sum only")
+        self.linear, self.loss, self.out_dtype = linear, loss, out_dtype
+        self.with_grads, self.chunk_rows = with_grads, chunk_rows
+        self.name = "linear_cross_entropy"
+        self.has_bias, self.has_weight = bool(linear.has_bias), loss.has_weight
+        self.n_activation_inputs = 2 + self.has_weight
+        n = self.n_activation_inputs
+        self.differentiable_inputs = (0, n) + ((n + 1,) if self.has_bias else ())
+
+    # --- shapes --------------------------------------------------------------------------
+    def _split(self, items: list):
+        """(x, target, class weight, W, b) out of a list laid out like the inputs."""
+        n = self.n_activation_inputs
+        weight = items[2] if self.has_weight else None
+        return items[0], items[1], weight, items[n], items[n + 1] if self.has_bias else None
+
+    def _sizes(self, input_shapes) -> tuple[int, int, int]:
+        x, _, _, w, _ = self._split(list(input_shapes))
+        return math.prod(x[:-1]), w[1], w[0]  # rows, in_features, classes
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        x, target, weight, w, b = self._split(list(input_shapes))
+        dx, dt, dweight, dw, db = self._split(list(input_dtypes))
+        self.linear.check_inputs([x, w] + ([b] if b is not None else []), [dx, dw] + ([db] if b is not None else []))
+        rows, _, classes = self._sizes(input_shapes)
+        logits = [(rows, classes), target] + ([weight] if weight is not None else [])
+        self.loss.check_inputs(logits, [dx, dt] + ([dweight] if weight is not None else []))
+
+    def output_shape(self, input_shapes):
+        return ()
+
+    def output_dtype(self, input_dtypes):
+        return self.out_dtype
+
+    def _mean(self) -> bool:
+        return self.loss.reduction == "mean"
+
+    def extra_outputs(self, input_shapes, dtype):
+        rows, features, classes = self._sizes(input_shapes)
+        acc = acc_dtype(dtype)
+        extras = {"sums": ((2,), acc)} if self._mean() else {}  # the loss and the target weights, summed
+        if self.with_grads:
+            extras["grad_input"] = (tuple(input_shapes[0]), dtype)
+            extras["grad_weight"] = ((classes, features), acc)
+            if self.has_bias:
+                extras["grad_bias"] = ((classes,), acc)
+        return extras
+
+    def chunk_size(self, rows: int, classes: int, dtype: torch.dtype) -> int:
+        """Rows per chunk: ``chunk_rows``, or as many as keep a chunk's logits near
+        ``LOGITS_CHUNK_BYTES`` (in equal chunks of a multiple of ``CHUNK_ROW_MULTIPLE`` rows)."""
+        if self.chunk_rows:
+            return max(1, min(self.chunk_rows, rows))
+        chunks = max(1, cdiv(rows * classes * dtype.itemsize, LOGITS_CHUNK_BYTES))
+        return max(1, min(rows, cdiv(cdiv(rows, chunks), CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
+
+    # --- forward -------------------------------------------------------------------------
+    def _linear(self, ctx, x, w, b, logits, dlogits=None, dx=None, dw=None, db=None) -> list[Launch]:
+        """The linear's launches on a chunk: forward into ``logits``, or (``dlogits`` given) backward."""
+        params = [w] + ([b] if b is not None else [])
+        sub = OpContext(
+            op=self.linear,
+            node_name=ctx.node_name,
+            dtype=ctx.dtype,
+            inputs=[x],
+            params=params,
+            output=logits,
+            saved={},
+            instances=ctx.instances,
+            dry_run=ctx.dry_run,
+            input_shapes=[tuple(x.shape)] + [tuple(p.shape) for p in params],
+            output_shape=tuple(logits.shape),
+        )
+        if dlogits is None:
+            return self.linear.forward_launches(sub)
+        sub.phase, sub.grad_output, sub.grad_output_row_stride = "backward", dlogits, dlogits.shape[-1]
+        sub.grad_inputs, sub.grad_params = [dx], [dw] + ([db] if b is not None else [])
+        return self.linear.backward_launches(sub)
+
+    def forward_launches(self, ctx):
+        x, target, weight, w, b = self._split([*ctx.inputs, *ctx.params])
+        rows, features, classes = self._sizes(ctx.input_shapes)
+        x = x.reshape(rows, features)
+        chunk = self.chunk_size(rows, classes, ctx.dtype)
+        acc = acc_dtype(ctx.dtype)
+        mode = self.loss._reduction_mode()
+        starts = list(range(0, rows, chunk)) or [0]  # no rows: one empty chunk (the mean of nothing is NaN)
+        sizes = [min(chunk, rows - start) for start in starts]
+        programs = [max(1, cdiv(n, self.loss._blocks(n, classes)[0])) for n in sizes]
+        partials = ctx.empty((sum(programs), 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc)
+        logits, lse = ctx.empty((chunk, classes)), ctx.empty((chunk,), acc)
+        bad_index = None
+        if self.loss.check_indices:
+            bad_index = ctx.zeros((1,), torch.int64)
+            ctx.check_after(bad_index, lambda index: self.loss._describe_bad_index(index, classes))
+        if self.with_grads:
+            one = ctx.zeros((1,), acc).fill_(1.0)  # dy of the chunks' loss sums
+            dx = ctx.saved["grad_input"].view(rows, features)
+            dw_chunk = ctx.empty((classes, features))
+            db_chunk = ctx.empty((classes,)) if b is not None else None
+        launches, first_program = [], 0
+        for start, n, count in zip(starts, sizes, programs):
+            x_c, target_c, logits_c, lse_c = x[start : start + n], target[start : start + n], logits[:n], lse[:n]
+            launches += self._linear(ctx, x_c, w, b, logits_c)
+            args = self.loss.kernel_args(logits_c, target_c, weight, lse_c, None, (n, classes))
+            out = partials[first_program : first_program + count]
+            visitor = ArgVisitor().visit(out_ptr=out, bad_index_ptr=bad_index, **args)
+            launches.append(Launch(class_loss_forward, (count,), visitor, work=n))
+            first_program += count
+            if not self.with_grads:
+                continue
+            args["REDUCTION"] = REDUCE_SUM  # scale 1: the gradient of the loss sum
+            visitor = ArgVisitor().visit(dy_ptr=one, dx_ptr=logits_c, **args)
+            launches.append(Launch(class_loss_backward, (cdiv(n, args["ROWS"]),), visitor, work=n * classes))
+            launches += self._linear(ctx, x_c, w, b, logits_c, logits_c, dx[start : start + n], dw_chunk, db_chunk)
+            for part, total in ((dw_chunk, ctx.saved["grad_weight"]), (db_chunk, ctx.saved.get("grad_bias"))):
+                if part is not None:
+                    visitor = ArgVisitor().visit(chunk_ptr=part, total_ptr=total, n=part.numel(), FIRST=start == 0)
+                    launches.append(Launch(linear_cross_entropy_forward, (cdiv(part.numel(), BLOCK),), visitor, BLOCK))
+        if mode == REDUCE_WEIGHTED_MEAN:
+            sums = ctx.saved["sums"]
+            ratio = Launch(loss_ratio, (1,), ArgVisitor().visit(sums_ptr=sums, out_ptr=ctx.output), work=1)
+            return [*launches, *sum_partials(partials, sums), ratio]
+        return [*launches, *sum_partials(partials, ctx.output)]
+
+    # --- backward ------------------------------------------------------------------------
+    def backward_launches(self, ctx):
+        dx, _, _, dw, db = self._split([*ctx.grad_inputs, *ctx.grad_params])
+        sums = ctx.saved.get("sums")
+        den = sums[1:] if sums is not None else None
+        launches = []
+        for grad, name in ((dx, "grad_input"), (dw, "grad_weight"), (db, "grad_bias")):
+            if grad is not None:
+                n = grad.numel()
+                visitor = ArgVisitor().visit(
+                    grad_ptr=ctx.saved[name], dy_ptr=ctx.grad_output, den_ptr=den, out_ptr=grad, n=n
+                )
+                launches.append(Launch(linear_cross_entropy_backward, (cdiv(n, BLOCK),), visitor, BLOCK))
+        return launches
 
 
 # ============================================================================ functional ops

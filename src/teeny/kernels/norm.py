@@ -318,16 +318,37 @@ def norm_weight_backward(
         tl.store(db_partial_ptr + partial, tl.sum(db, 1), mask=c_mask)
 
 
+@triton.jit
+def _load_x(
+    x_ptr, residual_ptr, sum_ptr, offs, mask, residual_numel, RESIDUAL_REPEATS: tl.constexpr, COMPUTE: tl.constexpr
+):
+    """x at ``offs`` in COMPUTE precision; with residual_ptr, x + residual rounded to x's dtype
+    (as the add it replaces rounds its sum; residual repeats every residual_numel elements when
+    RESIDUAL_REPEATS), also stored at sum_ptr when given."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if residual_ptr is not None:
+        if RESIDUAL_REPEATS:
+            r = tl.load(residual_ptr + offs % residual_numel, mask=mask, other=0.0)
+        else:
+            r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(COMPUTE) + r.to(COMPUTE)).to(x_ptr.dtype.element_ty)
+        if sum_ptr is not None:
+            tl.store(sum_ptr + offs, x, mask=mask)
+    return x.to(COMPUTE)
+
+
 @kernel(
     backward=(norm_backward, norm_weight_backward, sum_to_shape_kernel),
     half=True,
-    optional=("w_ptr", "b_ptr", "mean_ptr", "running_mean_ptr", "running_var_ptr"),
+    optional=("residual_ptr", "w_ptr", "b_ptr", "sum_ptr", "mean_ptr", "running_mean_ptr", "running_var_ptr"),
 )
 def norm_forward(
     x_ptr,
+    residual_ptr,
     w_ptr,
     b_ptr,
     y_ptr,
+    sum_ptr,
     mean_ptr,
     rstd_ptr,
     running_mean_ptr,
@@ -339,17 +360,20 @@ def norm_forward(
     groups,
     eps,
     momentum,
+    residual_numel,
     ROW_LEN: tl.constexpr,
     INNER: tl.constexpr,
     SPATIAL: tl.constexpr,
     CHANNEL: tl.constexpr,
     STATS: tl.constexpr,
+    RESIDUAL_REPEATS: tl.constexpr,
     COMPUTE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One tile of ROWS rows per program: mean (centred: mean_ptr given), rstd (saved), y, and the
-    running statistics (batch statistics with running_mean_ptr given)."""
+    running statistics (batch statistics with running_mean_ptr given). With residual_ptr (rows of
+    x only) the rows normalised are x + residual, written to sum_ptr (``AddNormOp``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = rows.to(tl.int64) * row_stride
@@ -364,7 +388,7 @@ def norm_forward(
                 offs = base[:, None] + cols[None, :]
             else:
                 offs = base[:, None] + ((cols // INNER).to(tl.int64) * outer_stride + cols % INNER)[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+            x = _load_x(x_ptr, residual_ptr, sum_ptr, offs, mask, residual_numel, RESIDUAL_REPEATS, COMPUTE)
             if mean_ptr is not None:
                 mean = tl.sum(x, 1) / ROW_LEN
                 d = tl.where(mask, x - mean[:, None], 0.0)
@@ -382,7 +406,7 @@ def norm_forward(
                     offs = base[:, None] + c[None, :]
                 else:
                     offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
-                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                x = _load_x(x_ptr, residual_ptr, sum_ptr, offs, mask, residual_numel, RESIDUAL_REPEATS, COMPUTE)
                 if mean_ptr is not None:  # Chan et al.: merge this block's (count, mean, M2) into the running ones
                     n_block = tl.minimum(ROW_LEN - start, BLOCK).to(COMPUTE)
                     mean_block = tl.sum(x, 1) / n_block
@@ -413,7 +437,7 @@ def norm_forward(
         else:
             offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
         if STATS == RUNNING_STATS or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+            x = _load_x(x_ptr, residual_ptr, None, offs, mask, residual_numel, RESIDUAL_REPEATS, COMPUTE)
         if mean_ptr is not None:
             y = (x - mean[:, None]) * rstd[:, None]
         else:
@@ -566,6 +590,10 @@ class NormOp(RuntimeOp):
     def momentum(self) -> float:
         return 0.0
 
+    def sources(self, ctx: OpContext) -> dict:
+        """What the forward normalises: x (``AddNormOp``: the sum of two tensors it also writes)."""
+        return dict(x_ptr=ctx.inputs[0], residual_numel=1, RESIDUAL_REPEATS=False)
+
     def _affine(self, tensors: list):
         """weight and bias (or None) out of a list laid out like the node's inputs."""
         w = tensors[self.weight_index] if self.has_weight else None
@@ -579,7 +607,7 @@ class NormOp(RuntimeOp):
         rows_per_tile, block = _tile(rows.rows, rows.row_len, ctx.dtype)
         running_mean, running_var = self.running_stats(ctx)
         args = ArgVisitor().visit(
-            x_ptr=x,
+            **self.sources(ctx),
             w_ptr=w,
             b_ptr=b,
             y_ptr=ctx.output,
@@ -710,6 +738,74 @@ class LayerNormOp(NormOp):
                 f"given normalized_shape={list(ns)}, expected input with shape [*, "
                 f"{', '.join(str(s) for s in ns)}], but got input of size {_dims(shape)}"
             )
+
+
+def repeats_over_rows(shape, full_shape) -> bool:
+    """Whether a tensor of ``shape`` laid over ``full_shape`` repeats along its leading dims
+    (element i of the full tensor reads element i % numel: (T, d) under (B, T, d))."""
+    shape = list(shape)
+    while shape and shape[0] == 1:
+        shape.pop(0)
+    return len(shape) <= len(full_shape) and tuple(shape) == tuple(full_shape[len(full_shape) - len(shape) :])
+
+
+class AddNormOp(LayerNormOp):
+    """layer_norm / rms_norm of s = x + residual where s is also read downstream (a residual
+    stream; made by ``teeny.rewrites.fuse_residual_norm``). Inputs: s, weight and bias (when
+    given), x, residual; s is the output of the add's ``ResidualSumOp``, which launches nothing:
+    this forward reads x and residual once, writes their sum into s and normalises it (one read
+    of s fewer than add + norm, and one launch). residual is x-shaped or repeats over x's leading
+    dims. Backward: the norm's, on s (x and residual get their gradients through the add)."""
+
+    def __init__(self, norm: LayerNormOp):
+        super().__init__(norm.normalized_shape, norm.eps, norm.has_weight, norm.has_bias, norm.centred)
+        self.name = f"add_{norm.name}"
+
+    def param_shapes(self, input_shapes):
+        return [self.affine_shape(input_shapes[0])] * (self.has_weight + self.has_bias) + [None, None]
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        super().check_inputs(input_shapes, input_dtypes)
+        s, x, residual = (tuple(input_shapes[i]) for i in (0, -2, -1))
+        if x != s or not repeats_over_rows(residual, s):
+            raise ValueError(f"the sum {s} must have x's shape {x}, and the residual {residual} must repeat over it")
+
+    def sources(self, ctx):
+        s, (x, residual) = ctx.inputs[0], ctx.params[-2:]
+        return dict(
+            x_ptr=x,
+            residual_ptr=residual,
+            sum_ptr=s,
+            residual_numel=max(residual.numel(), 1),
+            RESIDUAL_REPEATS=residual.numel() != s.numel(),
+        )
+
+
+class ResidualSumOp(RuntimeOp):
+    """The add s = a + b of a residual whose norm (``AddNormOp``, the next node) writes s: no
+    launch forwards; backward, the add's own."""
+
+    def __init__(self, add: RuntimeOp):
+        self.add = add
+        self.name, self.kernel = f"residual_{add.name}", add.kernel
+        self.n_activation_inputs, self.differentiable_inputs = add.n_activation_inputs, add.differentiable_inputs
+        self.saves_inputs, self.saves_output = add.saves_inputs, add.saves_output
+        self.strided_grad_output = add.strided_grad_output
+
+    def output_shape(self, input_shapes):
+        return self.add.output_shape(input_shapes)
+
+    def output_dtype(self, input_dtypes):
+        return self.add.output_dtype(input_dtypes)
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        self.add.check_inputs(input_shapes, input_dtypes)
+
+    def forward_launches(self, ctx):
+        return []  # AddNormOp writes the sum
+
+    def backward_launches(self, ctx):
+        return self.add.backward_launches(ctx)
 
 
 class GroupNormOp(NormOp):

@@ -1,0 +1,362 @@
+"""Graph rewrites that ``lower`` runs before it plans a program.
+
+A rewrite is a function ``(graph, outputs, training) -> (graph, outputs, report)``: it returns a
+graph that computes the same ``outputs`` (the values the program returns, first the loss) with
+fewer launches or less memory, and a line saying what it changed (empty: nothing, and the graph
+it was given). The rewritten graph is a copy made node by node (``Rebuild``); the caller's graph
+stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in order,
+``rewrites=()`` runs none, and ``Program.summary()`` lists what each one did.
+
+* ``fuse_residual_norm``: y = layer_norm(a + b) or rms_norm(a + b) where the sum is also read
+  downstream (the residual stream of a pre-norm transformer) becomes one norm launch that reads
+  a and b, writes the sum and y (``norm.AddNormOp``); the add keeps its node, and its backward,
+  but launches nothing (``norm.ResidualSumOp``). Per residual: one launch and one full read
+  fewer. (The backward still sums the two gradients arriving at the sum with the executor's
+  accumulate launch: folding that into the norm's backward needs a way for an op to read the
+  gradient accumulated so far, which the executor does not offer.)
+* ``chunk_linear_cross_entropy``: cross_entropy(linear(x, W, b)) with class-index targets
+  becomes one op that computes the logits chunk by chunk of rows, with the loss and the
+  gradients of x, W and b in the forward (``loss.LinearCrossEntropyOp``): the (rows x classes)
+  logits are never stored for the backward. For logits of ``CHUNKED_LOGITS_MIN_BYTES`` and more.
+
+``precision=`` of ``lower`` adds a last rewrite, ``mixed_precision``: see its docstring.
+
+Why no q/k/v fusion (yet): a graph node has one output, so one product writing q, k and v
+would reach its three readers through views of a stacked tensor, and the backward of each view
+writes a full stacked-sized gradient that the executor then sums: more traffic than the two
+launches it saves, unless the attention op reads the stacked tensor itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .graph import Graph, Node, Tensor, Value
+from .runtime import RuntimeOp
+
+# The rewrites import the op families they know inside their functions: the families import
+# the registry, which imports lowering, which imports this module.
+
+RewriteFn = Callable[[Graph, list[Value], bool], tuple[Graph, list[Value], str]]
+
+
+@dataclass(frozen=True)
+class RewriteReport:
+    """What one rewrite changed in a program, as ``Program.summary()`` prints it."""
+
+    rewrite: str
+    changed: str
+
+    def __str__(self) -> str:
+        return f"{self.rewrite}: {self.changed}"
+
+
+class Rebuild:
+    """A copy of ``graph`` made node by node: ``copy(node)`` re-applies a node as it is,
+    ``apply(op, inputs, name)`` adds a new one, ``self[old]`` is the new value of an old one.
+    Inputs, parameters and constants are copied first, in their order (so the parameter arena
+    is laid out as before)."""
+
+    def __init__(self, graph: Graph):
+        self.source, self.graph = graph, Graph(graph.name)
+        self.new: dict[int, Value] = {}
+        for v in graph.values:
+            if v.kind == "input":
+                copy = self.graph.input(v.name, v.shape, v.dtype, v.requires_grad)
+            elif v.kind == "param":
+                copy = self.graph.parameter(v.name, v.shape, v.init, v.dtype, v.requires_grad)
+            elif v.kind == "const":
+                copy = self.graph.constant(v.data, v.dtype, v.name)
+            else:
+                continue
+            self.new[v.id] = copy.value
+
+    def __getitem__(self, old: Value) -> Value:
+        return self.new[old.id]
+
+    def apply(self, op: RuntimeOp, inputs: Sequence[Value], name: str) -> Value:
+        """A new node ``op(inputs)`` (new values), its shape and dtype inferred and checked."""
+        return self.graph.apply(op, [Tensor(self.graph, v) for v in inputs], name=name).value
+
+    def copy(self, node: Node) -> Value:
+        """``node`` re-applied to the new values of its inputs."""
+        out = self.apply(node.op, [self[v] for v in node.inputs], node.name)
+        self.new[node.output.id] = out
+        return out
+
+    def finish(self, outputs: Sequence[Value]) -> tuple[Graph, list[Value]]:
+        """The new graph, with the new values of ``outputs`` as its outputs."""
+        outs = [self[v] for v in outputs]
+        self.graph.output(*[Tensor(self.graph, v) for v in outs])
+        return self.graph, outs
+
+
+def ancestors(outputs: Sequence[Value]) -> set[int]:
+    """Ids of the values ``outputs`` are computed from (themselves included)."""
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        v = stack.pop()
+        if v.id not in seen:
+            seen.add(v.id)
+            if v.producer is not None:
+                stack.extend(v.producer.inputs)
+    return seen
+
+
+def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
+    """Per value id, the nodes that read it and at which input position."""
+    out: dict[int, list[tuple[Node, int]]] = {v.id: [] for v in graph.values}
+    for node in graph.nodes:
+        for index, v in enumerate(node.inputs):
+            out[v.id].append((node, index))
+    return out
+
+
+def _nbytes(value: Value) -> int:
+    return value.numel * value.dtype.itemsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def apply_rewrites(
+    graph: Graph, outputs: list[Value], training: bool, rewrites: Sequence[RewriteFn]
+) -> tuple[Graph, list[Value], list[RewriteReport]]:
+    """Run ``rewrites`` in order; the final graph, its outputs and what each rewrite changed."""
+    reports = []
+    for rewrite in rewrites:
+        graph, outputs, changed = rewrite(graph, outputs, training)
+        if changed:
+            reports.append(RewriteReport(getattr(rewrite, "__name__", str(rewrite)), changed))
+    return graph, outputs, reports
+
+
+# ------------------------------------------------------------------------- residual + norm
+
+
+def _residual_add(node: Node) -> tuple[Value, Value] | None:
+    """(x, residual) when ``node`` is a + b of two float tensors, one of the sum's shape and one
+    that repeats over its leading dims; else None."""
+    from .kernels.elementwise import ElementwiseOp
+    from .kernels.norm import repeats_over_rows
+
+    op, out = node.op, node.output
+    if not (isinstance(op, ElementwiseOp) and op.name == "add" and op.alpha == 1 and len(node.inputs) == 2):
+        return None
+    if not out.dtype.is_floating_point:
+        return None
+    a, b = node.inputs
+    for x, residual in ((a, b), (b, a)):
+        if x.shape == out.shape and x.dtype == out.dtype and repeats_over_rows(residual.shape, out.shape):
+            return x, residual
+    return None
+
+
+def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """layer_norm / rms_norm of a residual sum a + b becomes one ``AddNormOp`` launch that also
+    writes the sum (see the module docstring). The norm moves up to just after the add, so its
+    weight and bias must exist there (they are parameters in a model)."""
+    from .kernels.norm import AddNormOp, LayerNormOp, ResidualSumOp
+
+    needed = ancestors(outputs)
+    read_by = readers(graph)
+    position = {node.id: i for i, node in enumerate(graph.nodes)}
+    pairs: dict[int, Node] = {}  # add node id -> the norm node that writes its sum
+    for node in graph.nodes:
+        if node.output.id not in needed or _residual_add(node) is None:
+            continue
+        for reader, index in read_by[node.output.id]:
+            if (
+                index == 0
+                and type(reader.op) is LayerNormOp
+                and reader.output.id in needed
+                and all(v.producer is None or position[v.producer.id] < position[node.id] for v in reader.inputs[1:])
+            ):
+                pairs[node.id] = reader
+                break
+    if not pairs:
+        return graph, outputs, ""
+    rebuild = Rebuild(graph)
+    moved = {norm.id for norm in pairs.values()}
+    for node in graph.nodes:
+        if node.id in moved:
+            continue
+        norm = pairs.get(node.id)
+        if norm is None:
+            rebuild.copy(node)
+            continue
+        x, residual = _residual_add(node)
+        s = rebuild.apply(ResidualSumOp(node.op), [rebuild[v] for v in node.inputs], node.name)
+        rebuild.new[node.output.id] = s
+        affine = [rebuild[v] for v in norm.inputs[1:]]
+        rebuild.new[norm.output.id] = rebuild.apply(
+            AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[residual]], norm.name
+        )
+    sums = sum(_nbytes(norm.inputs[0]) for norm in pairs.values())
+    graph, outputs = rebuild.finish(outputs)
+    kinds = Counter(norm.op.name for norm in pairs.values())
+    fused = ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
+    return graph, outputs, f"{fused} ({len(pairs)} launches and {_mib(sums)} of reads fewer per forward)"
+
+
+# ------------------------------------------------------------------ linear + cross-entropy
+
+
+# Smallest logits tensor worth chunking. Chunking saves memory, not time (it adds the float32
+# sums of dW per chunk and the scaling of the saved gradients by dy, and a few launches): below
+# this size the memory is small and the extra launches cost a launch-bound step more than it saves.
+CHUNKED_LOGITS_MIN_BYTES = 16 << 20
+
+
+def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """cross_entropy(linear(x, W, b)) (class indices, mean or sum; the logits possibly reshaped
+    to (rows, classes) in between) becomes one ``LinearCrossEntropyOp`` that computes the
+    logits chunk by chunk and never keeps them (see its docstring), when nothing else reads the
+    logits, they are not an output and they take at least ``CHUNKED_LOGITS_MIN_BYTES``."""
+    from .kernels.linear import LinearOp
+    from .kernels.loss import ClassLossOp, LinearCrossEntropyOp
+    from .kernels.shape import ViewOp
+
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, tuple[Node, Node | None]] = {}  # loss node id -> (linear node, reshape node or None)
+    for node in graph.nodes:
+        op = node.op
+        if not (type(op) is ClassLossOp and op.from_logits and not op.target_probs and op.reduction != "none"):
+            continue
+        logits = node.inputs[0]
+        if node.output.id not in needed or len(logits.shape) != 2:
+            continue
+        chain = [logits.producer]
+        if chain[0] is not None and type(chain[0].op) is ViewOp:
+            chain.insert(0, chain[0].inputs[0].producer)
+        linear = chain[0]
+        if linear is None or type(linear.op) is not LinearOp or linear.output.shape[-1] != logits.shape[-1]:
+            continue
+        if _nbytes(logits) < CHUNKED_LOGITS_MIN_BYTES:
+            continue
+        if any(n.output.id in kept or len(read_by[n.output.id]) != 1 for n in chain):
+            continue
+        matches[node.id] = (linear, chain[1] if len(chain) == 2 else None)
+    if not matches:
+        return graph, outputs, ""
+    rebuild = Rebuild(graph)
+    skipped = {n.id for linear, view in matches.values() for n in (linear, view) if n is not None}
+    logits_bytes = 0
+    for node in graph.nodes:
+        if node.id in skipped:
+            continue
+        if node.id not in matches:
+            rebuild.copy(node)
+            continue
+        linear, _ = matches[node.id]
+        x, params = linear.inputs[0], linear.inputs[1:]
+        fused = LinearCrossEntropyOp(linear.op, node.op, node.output.dtype, with_grads=training)
+        inputs = [x, *node.inputs[1:], *params]
+        rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
+        logits_bytes += _nbytes(linear.output)
+    graph, outputs = rebuild.finish(outputs)
+    return (
+        graph,
+        outputs,
+        f"cross_entropy(linear) in chunks of rows: {len(matches)}, logits ({_mib(logits_bytes)}) never stored",
+    )
+
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy)
+
+# ------------------------------------------------------------------------- mixed precision
+
+
+def _keeps_float32(op: RuntimeOp) -> bool:
+    """Ops a mixed-precision program runs on float32 inputs: losses (a float32 loss, as
+    autocast computes them), and ops that update a parameter in place (batch_norm's running
+    statistics, embedding's max_norm renormalisation), which must see the float32 parameter."""
+    from .kernels.embedding import EmbeddingOp
+    from .kernels.loss import ClassLossOp, PointwiseLossOp
+    from .kernels.norm import BatchNormOp
+
+    if isinstance(op, EmbeddingOp):
+        return op.max_norm is not None
+    return isinstance(op, (ClassLossOp, PointwiseLossOp, BatchNormOp))
+
+
+def mixed_precision(dtype: torch.dtype) -> RewriteFn:
+    """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16): the program
+    computes in ``dtype`` while the parameters stay float32 in the arena (master weights: the
+    optimizer and its state update float32, one launch per arena as before).
+
+    Each float32 parameter is cast to ``dtype`` once, just before its first reader (the cast's
+    backward brings its gradient back to the float32 gradient arena); float32 inputs are cast
+    the same way and float32 constants converted. Every op is re-applied to the cast values,
+    so its output dtype follows. Losses and in-place updaters (``_keeps_float32``) get float32
+    inputs instead; the chunked head + loss (``LinearCrossEntropyOp``) computes its products in
+    ``dtype`` and writes the loss in float32. Outputs keep the dtypes the graph gave them (a
+    cast back at the end where one changed): the loss is float32, its seed too."""
+    from .kernel import dtype_name
+
+    def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+        from .kernels.cast import CastOp
+        from .kernels.loss import LinearCrossEntropyOp
+
+        rebuild = Rebuild(graph)
+        casts: dict[tuple[int, torch.dtype], Value] = {}
+        counts: Counter = Counter()
+
+        def cast(v: Value, to: torch.dtype) -> Value:
+            if v.dtype == to or not v.dtype.is_floating_point:
+                return v
+            key = (v.id, to)
+            if key not in casts:
+                counts[v.kind] += 1
+                if v.kind == "const":
+                    casts[key] = rebuild.graph.constant(v.data.to(to), to, f"{v.name}.{dtype_name(to)}").value
+                else:
+                    casts[key] = rebuild.apply(CastOp(to), [v], f"{v.name}.{dtype_name(to)}")
+            return casts[key]
+
+        for node in graph.nodes:
+            op = node.op
+            if _keeps_float32(op):
+                inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
+                counts["float32 op"] += 1
+            elif isinstance(op, CastOp):  # an explicit cast in the model stays what it says
+                inputs = [rebuild[v] for v in node.inputs]
+            else:
+                inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
+            if isinstance(op, LinearCrossEntropyOp):
+                op = LinearCrossEntropyOp(op.linear, op.loss, node.output.dtype, op.with_grads, op.chunk_rows)
+            rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
+        for v in outputs:
+            rebuild.new[v.id] = cast(rebuild[v], v.dtype)
+        if not casts:
+            return graph, outputs, ""
+        graph, outputs = rebuild.finish(outputs)
+        names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
+        parts = [f"{dtype_name(dtype)} compute, float32 master weights"]
+        parts += [f"{n} {names[kind]}{'s' if n != 1 else ''} cast" for kind, n in counts.items() if kind in names]
+        if counts["float32 op"]:
+            parts.append(f"{counts['float32 op']} loss or in-place ops on float32")
+        return graph, outputs, ", ".join(parts)
+
+    rewrite.__name__ = f"mixed_precision_{dtype_name(dtype)}"
+    return rewrite
+
+
+PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16}
+
+
+def precision_rewrites(precision: str | None) -> list[RewriteFn]:
+    """The rewrites ``lower(..., precision=...)`` adds after the others (None: none)."""
+    if precision is None:
+        return []
+    if precision not in PRECISIONS:
+        choices = ", ".join(PRECISIONS)
+        raise ValueError(f"unknown precision {precision!r}; choose None (the graph's dtypes) or {choices}")
+    return [mixed_precision(PRECISIONS[precision])]

@@ -1,0 +1,174 @@
+"""Mixed precision (``lower(..., precision="bf16-mixed")``, ``TrainConfig(precision=...)``): what
+the rewrite makes of a graph (bfloat16 compute, float32 parameters, optimizer state and loss),
+gradients against the float32 program, the float32 master weights the optimizer updates, a
+bf16-mixed char-GPT run whose loss curve follows the float32 run's, and the GPT-2-small preset
+(built and lowered only: training it is for the GPU)."""
+
+import json
+
+import pytest
+import torch
+
+import teeny
+from teeny import Graph, LoweringMode, lower, ops
+from teeny.executor import Executor
+from teeny.kernels.cast import CastOp
+from teeny.kernels.norm import AddNormOp
+from teeny.models import MLP, CharTask, make_task
+from teeny.module import Module
+from teeny.optim import SGD
+from teeny.train import TrainConfig, train
+from test_rewrites import half_accumulate  # noqa: F401  (a fixture: bf16 gradient sums under the interpreter)
+
+BF16 = torch.bfloat16
+
+
+def _mlp_graph(x_grad=False):
+    g = Graph("mlp")
+    x = g.input("x", (8, 6), requires_grad=x_grad)
+    y = g.input("y", (8,), torch.int64)
+    g.output(ops.cross_entropy(MLP(6, 16, 3)(x), y))
+    return g
+
+
+def _feed(gen):
+    return {"x": torch.randn(8, 6, generator=gen), "y": torch.randint(3, (8,), generator=gen)}
+
+
+def _step(program, feed, seed=0):
+    ex = Executor(program, seed=seed)
+    loss, cache = ex.forward_train(feed)
+    grads = ex.backward(cache)
+    return ex, loss, grads
+
+
+def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters(half_accumulate):  # noqa: F811
+    program = lower(_mlp_graph(x_grad=True), LoweringMode.TRAINING, precision="bf16-mixed")
+    by_op = {p.op.name: p.node for p in program.nodes}
+    assert by_op["linear"].dtype == BF16 and by_op["gelu"].dtype == BF16
+    assert by_op["cross_entropy"].dtype == torch.float32  # the loss on float32 logits
+    assert program.loss.dtype == torch.float32
+    casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
+    assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == [
+        "fc1.bias",
+        "fc1.weight",
+        "fc2.bias",
+        "fc2.weight",
+        "x",
+    ]
+    ex = Executor(program)
+    assert set(ex.param_arenas) == set(ex.grad_arenas) == {torch.float32}
+    assert all(t.dtype == torch.float32 for t in ex.params.values())
+    assert "bfloat16 compute, float32 master weights, 1 input cast, 4 parameters cast" in program.summary()
+
+
+def test_bf16_mixed_gradients_follow_float32(gen, half_accumulate):  # noqa: F811
+    g, feed = _mlp_graph(x_grad=True), _feed(gen)
+    ex, loss, grads = _step(lower(g, LoweringMode.TRAINING, precision="bf16-mixed"), feed)
+    ref, ref_loss, ref_grads = _step(lower(g, LoweringMode.TRAINING), feed)
+    assert loss.dtype == torch.float32 and grads["x"].dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    for name, grad in [("x", grads["x"]), *ex.grads.items()]:
+        expected = ref_grads["x"] if name == "x" else ref.grads[name]
+        assert grad.dtype == torch.float32
+        assert (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-4, name
+
+
+def test_optimizer_updates_float32_master_weights(gen, half_accumulate):  # noqa: F811
+    """Steps of 1e-5: a bfloat16 copy of the weights (8 bits of mantissa) would lose them; the
+    float32 arena keeps them."""
+    ex = Executor(lower(_mlp_graph(), LoweringMode.TRAINING, precision="bf16-mixed"))
+    opt = SGD(ex, lr=1e-5)
+    before = ex.params["fc1.weight"].clone()
+    feed = _feed(gen)
+    for _ in range(3):
+        ex.zero_grad()
+        _, cache = ex.forward_train(feed)
+        ex.backward(cache)
+        opt.step()
+    after = ex.params["fc1.weight"]
+    moved = after != before
+    assert moved.float().mean() > 0.8  # (a few hidden units get no gradient from this batch)
+    lost_in_bf16 = (after.bfloat16() == before.bfloat16()) & moved
+    assert lost_in_bf16.float().mean() > 0.5  # most of what moved would not have moved in bfloat16
+
+
+def test_losses_and_in_place_updates_run_on_float32(gen, half_accumulate):  # noqa: F811
+    class Net(Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = teeny.nn.Linear(4, 3)
+            self.bn = teeny.nn.BatchNorm1d(3)  # updates its float32 running statistics in place
+
+        def forward(self, x):
+            return self.bn(self.fc(x))
+
+    g = Graph()
+    x, t = g.input("x", (6, 4)), g.input("t", (6, 3))
+    g.output(ops.mse_loss(Net()(x), t))
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    by_op = {p.op.name: p.node for p in program.nodes}
+    assert by_op["linear"].dtype == BF16
+    assert by_op["batch_norm"].dtype == torch.float32 and by_op["mse_loss"].dtype == torch.float32
+    ex = Executor(program)
+    _, cache = ex.forward_train({"x": torch.randn(6, 4, generator=gen), "t": torch.randn(6, 3, generator=gen)})
+    ex.backward(cache)
+    assert not torch.equal(ex.params["bn.running_mean"], torch.zeros(3))  # updated where it lives
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        lower(_mlp_graph(), precision="fp8")
+    with pytest.raises(ValueError, match="unknown precision"):
+        TrainConfig(precision="bf16").validate()
+
+
+def _losses(out_dir) -> list[float]:
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_char_gpt_bf16_mixed_loss_curve_follows_float32(tmp_path, half_accumulate):  # noqa: F811
+    from teeny.data import CharCorpus
+
+    corpus = CharCorpus(max_chars=50_000)
+    curves = {}
+    for precision in (None, "bf16-mixed"):
+        task = CharTask(corpus, 8, 16, 2, 1, defaults={"epoch_tokens": 10 * 8 * 8}, eval_batches=1)
+        out = tmp_path / str(precision)
+        config = TrainConfig(epochs=1, batch_size=8, lr=2e-2, out=str(out), progress=False, precision=precision)
+        result = train(task, config, log=lambda *_: None)
+        assert set(result["executor"].param_arenas) == {torch.float32}
+        curves[precision] = _losses(out)
+    f32, mixed = curves[None], curves["bf16-mixed"]
+    assert len(f32) == len(mixed) == 10
+    assert f32[-1] < f32[0] - 0.5  # it learns
+    assert max(abs(a - b) for a, b in zip(f32, mixed)) < 0.05, (f32, mixed)
+
+
+def test_gpt2_preset_builds_and_lowers():
+    """GPT-2 small's shape: 12 blocks of d 768 and 12 heads, context 1024, the corpus's 96
+    characters; lowered for bf16-mixed training (the dry run only: no data, no launch)."""
+    task = make_task("gpt", "gpt2")
+    graph = task.train_graph(task.defaults["batch_size"])
+    assert task.defaults["precision"] == "bf16-mixed"
+    program = lower(graph, LoweringMode.TRAINING, precision="bf16-mixed")
+    n_params = sum(v.numel for v in program.params)
+    assert n_params == 96 * 768 + 1024 * 768 + 12 * (12 * 768**2 + 13 * 768) + 2 * 768 + 96 * 769
+    assert sum(isinstance(p.op, AddNormOp) for p in program.nodes) == 2 * 12 + 1
+    attention = [p for p in program.nodes if p.op.name == "scaled_dot_product_attention"]
+    assert len(attention) == 12 and all(
+        p.node.dtype == BF16 and p.node.output.shape == (8, 12, 1024, 64) for p in attention
+    )
+    assert all(v.dtype == torch.float32 for v in program.params)
+
+
+def test_cli_trains_gpt2_in_bf16_mixed_by_default():
+    from teeny.cli import build_parser
+
+    args = build_parser().parse_args(["train", "gpt", "--size", "gpt2", "--precision", "bf16-mixed"])
+    assert (args.size, args.precision) == ("gpt2", "bf16-mixed")
+    settings = {k: v for k, v in make_task("gpt", "gpt2").defaults.items() if k != "epoch_tokens"}
+    config = TrainConfig(**settings)
+    config.validate()
+    assert config.precision == "bf16-mixed" and config.batch_size == 8

@@ -1,0 +1,345 @@
+"""Graph rewrites (teeny.rewrites): each fused program against the same graph lowered with
+``rewrites=()`` (outputs and every gradient), a float64 gradcheck of the fused graph, PyTorch
+on the same maths, what ``Program.summary()`` reports, and when a rewrite must not fire."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teeny
+from teeny import Graph, LoweringMode, lower, ops, rewrites
+from teeny.executor import Executor
+from teeny.kernels import loss, norm
+from teeny.kernels.loss import LinearCrossEntropyOp
+from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
+from teeny.models import GPT
+from teeny.rewrites import fuse_residual_norm
+
+
+def _run(graph, feed, rewrites=None, seed=0, **lower_options):
+    """(outputs, input gradients, parameter gradients, program) of one training step."""
+    options = {} if rewrites is None else {"rewrites": rewrites}
+    program = lower(graph, LoweringMode.TRAINING, **options, **lower_options)
+    ex = Executor(program, seed=seed)
+    out, cache = ex.forward_train(feed)
+    grads = ex.backward(cache)
+    return out, grads, {k: v.clone() for k, v in ex.grads.items()}, program
+
+
+def _ops(program):
+    return [p.op for p in program.nodes]
+
+
+def _forward_launches(program):
+    return sum(len(p.forward_launches) for p in program.nodes)
+
+
+def _residual_graph(dtype=torch.float32, shape=(4, 5, 8)):
+    """x + p (p repeats over the batch) -> layer_norm, the sum read again downstream, then a
+    full-shaped residual add -> rms_norm: both fusable."""
+    g = Graph("residual")
+    x = g.input("x", shape, dtype, requires_grad=True)
+    d = shape[-1]
+    p = g.parameter("p", shape[1:], init=teeny.init.normal(1.0), dtype=dtype)
+    w = g.parameter("w", (d,), init=teeny.init.normal(1.0), dtype=dtype)
+    b = g.parameter("b", (d,), init=teeny.init.normal(1.0), dtype=dtype)
+    h = x + p
+    y = layer_norm(h, (d,), w, b)
+    z = h + y * y
+    out = rms_norm(z, (d,), w)
+    g.output(ops.sum(out * out))
+    return g
+
+
+def _torch_residual(x, p, w, b):
+    h = x + p
+    z = h + F.layer_norm(h, (x.shape[-1],), w, b) ** 2
+    return (F.rms_norm(z, (x.shape[-1],), w, eps=torch.finfo(x.dtype).eps) ** 2).sum()
+
+
+def test_residual_norm_fused_is_bit_identical_to_unfused(gen):
+    g = _residual_graph()
+    feed = {"x": torch.randn(4, 5, 8, generator=gen)}
+    fused = _run(g, feed)
+    plain = _run(g, feed, rewrites=())
+    assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 2
+    assert sum(isinstance(op, ResidualSumOp) for op in _ops(fused[3])) == 2
+    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(plain[3]))
+    assert _forward_launches(fused[3]) == _forward_launches(plain[3]) - 2  # the two adds launch nothing
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
+    summary = fused[3].summary()
+    assert "residual add + layer_norm in one launch: 1" in summary
+    assert "residual add + rms_norm in one launch: 1" in summary
+    assert "(no launch)" in summary
+    assert "rewrite" not in plain[3].summary()
+
+
+def test_residual_norm_matches_pytorch(gen):
+    g = _residual_graph()
+    x = torch.randn(4, 5, 8, generator=gen)
+    loss, grads, pgrads, program = _run(g, {"x": x})
+    params = Executor(program, seed=0).params
+    ref = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    xr = x.clone().requires_grad_()
+    ref_loss = _torch_residual(xr, ref["p"], ref["w"], ref["b"])
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grads["x"], xr.grad, rtol=1e-4, atol=1e-4)
+    for name, t in ref.items():
+        torch.testing.assert_close(pgrads[name], t.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_residual_norm_gradcheck_float64(gen):
+    g = _residual_graph(torch.float64, shape=(2, 3, 4))
+    assert any(isinstance(op, AddNormOp) for op in _ops(lower(g, LoweringMode.TRAINING)))
+    teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)})
+
+
+def test_residual_norm_half_precision_rounds_the_sum_like_the_add(gen):
+    """The fused kernel rounds a + b to bfloat16 before normalising, as the add it replaces
+    stores it: the fused program stays bit-identical to the unfused one."""
+    g = _residual_graph(torch.bfloat16)
+    feed = {"x": torch.randn(4, 5, 8, generator=gen).bfloat16()}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
+
+
+def test_residual_norm_rows_longer_than_one_block(monkeypatch, gen):
+    monkeypatch.setattr(norm, "MAX_BLOCK", 16)  # rows of 40: three column blocks, the sum re-read per block
+    g = _residual_graph(shape=(3, 2, 40))
+    feed = {"x": torch.randn(3, 2, 40, generator=gen)}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert any(isinstance(op, AddNormOp) for op in _ops(fused[3]))
+    assert torch.equal(fused[0], plain[0])
+    assert torch.equal(fused[1]["x"], plain[1]["x"])
+
+
+def test_rewrites_leave_the_traced_graph_as_it_was():
+    g = _residual_graph()
+    before = [(n.op, [v.id for v in n.inputs]) for n in g.nodes]
+    program = lower(g, LoweringMode.TRAINING)
+    assert program.graph is not g
+    assert [(n.op, [v.id for v in n.inputs]) for n in g.nodes] == before
+    assert lower(g, LoweringMode.TRAINING, rewrites=()).graph is g
+
+
+def test_residual_norm_needs_the_norm_and_a_repeating_residual():
+    g = Graph()
+    x = g.input("x", (4, 8))
+    r = g.input("r", (4, 1))  # broadcast along the row: not a residual the norm kernel can read
+    w = g.parameter("w", (8,), init=teeny.init.ones())
+    s = x + r
+    y = layer_norm(s, (8,), w)
+    g.output(y)
+    assert not any(isinstance(op, AddNormOp) for op in _ops(lower(g)))
+    g2 = Graph()
+    a, b = g2.input("a", (4, 8)), g2.input("b", (4, 8))
+    s2 = a + b
+    layer_norm(s2, (8,))
+    g2.output(s2)  # the norm is not needed for the output: nothing writes the sum if it is fused away
+    program = lower(g2, outputs=[s2])
+    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(program))
+    out = Executor(program)({"a": torch.ones(4, 8), "b": torch.ones(4, 8)})
+    assert torch.equal(out, torch.full((4, 8), 2.0))
+
+
+def _gpt_graph(model, batch, block, vocab):
+    g = Graph("gpt")
+    idx = g.input("x", (batch, block), torch.int64)
+    y = g.input("y", (batch, block), torch.int64)
+    logits = model(idx)
+    g.output(ops.cross_entropy(ops.reshape(logits, (batch * block, vocab)), ops.reshape(y, (batch * block,))))
+    return g
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    vocab, block, batch = 11, 6, 2
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(vocab, block, d_model=8, n_heads=2, n_layers=2)
+    feed = {
+        "x": torch.randint(vocab, (batch, block), generator=gen),
+        "y": torch.randint(vocab, (batch, block), generator=gen),
+    }
+    return _gpt_graph(model, batch, block, vocab), feed
+
+
+def test_gpt_residual_stream_fuses_every_norm(gpt_case):
+    """Token + position embeddings feed ln1 of block 1; each block's two residual adds feed the
+    next norm: 2 * layers + 1 fused norms, and the same loss and gradients bit for bit."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed, rewrites=(fuse_residual_norm,)), _run(g, feed, rewrites=())
+    assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 5
+    assert torch.equal(fused[0], plain[0])
+    for name in plain[2]:
+        assert torch.equal(fused[2][name], plain[2][name]), name
+
+
+def test_gpt_with_every_default_rewrite(gpt_case):
+    """The head and its loss chunked as well: the same step up to rounding (dW summed by chunks)."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _fused_ops(fused[3]) and sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 5
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------ linear + cross-entropy
+
+
+def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, **loss_options):
+    """x (rows..., d) -> linear -> reshape to (N, classes) -> cross_entropy(target)."""
+    g = Graph("head")
+    x = g.input("x", (*rows, d), dtype, requires_grad=True)
+    n = math.prod(rows)
+    y = g.input("y", (n,), torch.int64)
+    head = teeny.nn.Linear(d, classes, bias=bias, dtype=dtype)
+    logits = ops.reshape(head(x), (n, classes))
+    g.output(ops.cross_entropy(logits, y, **loss_options))
+    return g
+
+
+def _head_feed(gen, rows=(3, 5), d=8, classes=11, dtype=torch.float32):
+    n = math.prod(rows)
+    y = torch.randint(classes, (n,), generator=gen)
+    y[1] = -100  # an ignored row
+    return {"x": torch.randn(*rows, d, generator=gen).to(dtype), "y": y}
+
+
+@pytest.fixture(autouse=True)
+def small_logits_chunked(monkeypatch):
+    """The samples' logits are tiny: chunk them anyway."""
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 rows: the 15-row samples take four, the last one short."""
+    monkeypatch.setattr(loss, "CHUNK_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(loss, "LOGITS_CHUNK_BYTES", 1)
+
+
+def test_small_logits_are_not_chunked(monkeypatch):
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4 + 1)
+    assert not _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4)
+    assert _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
+
+
+def _fused_ops(program):
+    return [op for op in _ops(program) if isinstance(op, LinearCrossEntropyOp)]
+
+
+CE_CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(label_smoothing=0.1),
+    dict(weight=torch.linspace(0.5, 1.5, 11)),
+    dict(bias=False),
+]
+
+
+@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: ",".join(c) or "mean")
+def test_linear_cross_entropy_chunked_matches_unfused(case, small_chunks, gen):
+    options = dict(case)
+    bias = options.pop("bias", True)
+    g = _head_graph(bias=bias, **options)
+    feed = _head_feed(gen)
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    (op,) = _fused_ops(fused[3])
+    assert op.chunk_size(15, 11, torch.float32) == 4
+    assert len(fused[3].nodes) == 1
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-5, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_linear_cross_entropy_gradcheck_float64(small_chunks, gen):
+    shapes = dict(rows=(5,), d=2, classes=3)  # 5 rows: two chunks, the second short
+    g = _head_graph(dtype=torch.float64, label_smoothing=0.2, **shapes)
+    assert _fused_ops(lower(g, LoweringMode.TRAINING))
+    teeny.gradcheck_graph(g, _head_feed(gen, dtype=torch.float64, **shapes))
+
+
+def test_linear_cross_entropy_matches_pytorch(small_chunks, gen):
+    g = _head_graph(label_smoothing=0.1)
+    feed = _head_feed(gen)
+    loss_value, grads, pgrads, program = _run(g, feed)
+    params = {k: v.clone().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
+    x = feed["x"].clone().requires_grad_()
+    logits = F.linear(x, params["weight"], params["bias"]).reshape(15, 11)
+    ref = F.cross_entropy(logits, feed["y"], label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss_value, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["x"], x.grad, rtol=1e-4, atol=1e-6)
+    for name, t in params.items():
+        torch.testing.assert_close(pgrads[name], t.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_linear_cross_entropy_never_stores_the_logits(gen):
+    """A wide head (logits 64 x 512 against a 16-wide input): the fused program keeps dX, dW and
+    db for the backward instead of the logits, and says so."""
+    g = _head_graph(rows=(4, 16), d=16, classes=512)
+    fused = lower(g, LoweringMode.TRAINING)
+    plain = lower(g, LoweringMode.TRAINING, rewrites=())
+    logits = 64 * 512 * 4
+    saved = sum(fused.saved_bytes(p) for p in fused.nodes)
+    assert saved == 64 * 16 * 4 + 512 * 16 * 4 + 512 * 4 + 2 * 4  # dX, dW, db, the mean's two sums
+    assert sum(plain.saved_bytes(p) for p in plain.nodes) >= logits
+    assert plain.peak_activation_bytes() - fused.peak_activation_bytes() >= logits - saved
+    assert "cross_entropy(linear) in chunks of rows: 1, logits (0.12 MiB) never stored" in fused.summary()
+    out, _ = Executor(fused).forward_train(_head_feed(gen, rows=(4, 16), d=16, classes=512))
+    assert torch.isfinite(out)
+
+
+def test_linear_cross_entropy_inference_computes_no_gradients(small_chunks, gen):
+    g = _head_graph()
+    feed = _head_feed(gen)
+    program = lower(g)
+    (op,) = _fused_ops(program)
+    assert not op.with_grads and sum(program.saved_bytes(p) for p in program.nodes) == 0
+    assert "linear_cross_entropy_backward" not in {k.kernel.name for k in program.instances.values()}
+    torch.testing.assert_close(Executor(program)(feed), Executor(lower(g, rewrites=()))(feed))
+
+
+def test_linear_cross_entropy_needs_logits_nobody_else_reads(gen):
+    g = Graph()
+    x, y = g.input("x", (6, 4)), g.input("y", (6,), torch.int64)
+    logits = teeny.nn.Linear(4, 5)(x)
+    g.output(ops.cross_entropy(logits, y), logits)  # the logits are an output: they must exist
+    assert not _fused_ops(lower(g, LoweringMode.TRAINING))
+    g2 = Graph()
+    x2, y2 = g2.input("x", (6, 4)), g2.input("y", (6,), torch.int64)
+    logits2 = teeny.nn.Linear(4, 5)(x2)
+    g2.output(ops.cross_entropy(logits2, y2) + ops.sum(logits2))
+    assert not _fused_ops(lower(g2, LoweringMode.TRAINING))
+
+
+def test_linear_cross_entropy_reports_bad_class_indices(gen):
+    g = _head_graph()
+    feed = _head_feed(gen)
+    feed["y"][4] = 11
+    ex = Executor(lower(g, LoweringMode.TRAINING))
+    with pytest.raises(teeny.TeenyError, match="linear_cross_entropy.*class index 11 is out of range"):
+        ex.forward_train(feed)
+
+
+def test_linear_cross_entropy_half_precision_close_to_unfused(small_chunks, gen):
+    g = _head_graph(dtype=torch.bfloat16)
+    feed = _head_feed(gen, dtype=torch.bfloat16)
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _fused_ops(fused[3])
+    torch.testing.assert_close(fused[0].float(), plain[0].float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), rtol=2e-2, atol=2e-3)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), rtol=2e-2, atol=2e-3, msg=name)
