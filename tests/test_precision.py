@@ -18,7 +18,6 @@ from teeny.models import MLP, CharTask, make_task
 from teeny.module import Module
 from teeny.optim import SGD
 from teeny.train import TrainConfig, train
-from test_rewrites import half_accumulate  # noqa: F401  (a fixture: bf16 gradient sums under the interpreter)
 
 BF16 = torch.bfloat16
 
@@ -42,7 +41,7 @@ def _step(program, feed, seed=0):
     return ex, loss, grads
 
 
-def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters(half_accumulate):  # noqa: F811
+def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters():
     program = lower(_mlp_graph(x_grad=True), LoweringMode.TRAINING, precision="bf16-mixed")
     by_op = {p.op.name: p.node for p in program.nodes}
     assert by_op["linear"].dtype == BF16 and by_op["gelu"].dtype == BF16
@@ -62,7 +61,7 @@ def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters(half_accumulate):
     assert "bfloat16 compute, float32 master weights, 1 input cast, 4 parameters cast" in program.summary()
 
 
-def test_bf16_mixed_gradients_follow_float32(gen, half_accumulate):  # noqa: F811
+def test_bf16_mixed_gradients_follow_float32(gen):
     g, feed = _mlp_graph(x_grad=True), _feed(gen)
     ex, loss, grads = _step(lower(g, LoweringMode.TRAINING, precision="bf16-mixed"), feed)
     ref, ref_loss, ref_grads = _step(lower(g, LoweringMode.TRAINING), feed)
@@ -74,7 +73,7 @@ def test_bf16_mixed_gradients_follow_float32(gen, half_accumulate):  # noqa: F81
         assert (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-4, name
 
 
-def test_optimizer_updates_float32_master_weights(gen, half_accumulate):  # noqa: F811
+def test_optimizer_updates_float32_master_weights(gen):
     """Steps of 1e-5: a bfloat16 copy of the weights (8 bits of mantissa) would lose them; the
     float32 arena keeps them."""
     ex = Executor(lower(_mlp_graph(), LoweringMode.TRAINING, precision="bf16-mixed"))
@@ -93,7 +92,7 @@ def test_optimizer_updates_float32_master_weights(gen, half_accumulate):  # noqa
     assert lost_in_bf16.float().mean() > 0.5  # most of what moved would not have moved in bfloat16
 
 
-def test_losses_and_in_place_updates_run_on_float32(gen, half_accumulate):  # noqa: F811
+def test_losses_and_in_place_updates_run_on_float32(gen):
     class Net(Module):
         def __init__(self):
             super().__init__()
@@ -128,7 +127,7 @@ def _losses(out_dir) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_char_gpt_bf16_mixed_loss_curve_follows_float32(tmp_path, half_accumulate):  # noqa: F811
+def test_char_gpt_bf16_mixed_loss_curve_follows_float32(tmp_path):
     from teeny.data import CharCorpus
 
     corpus = CharCorpus(max_chars=50_000)

@@ -251,6 +251,10 @@ class KernelInstance:
         if _INTERCEPTORS:
             _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
             return
+        if self.kernel.device_scratch:
+            # Triton asks a context-local allocator for the descriptors' global scratch memory; a
+            # backward runs on torch's autograd thread, so set it at each launch, not once at import
+            triton.set_allocator(_device_scratch)
         jit[grid](*args, **options)
 
 
