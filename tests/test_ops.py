@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import teeny
+from teeny.facts import op_facts
 from teeny.interop.torch import apply
 from teeny.ops import all_ops
 from teeny.registry import Sample, tolerance
@@ -35,7 +36,7 @@ def _rebuild(args, fn):
 
 @pytest.mark.parametrize("info", OPS, ids=lambda i: i.name)
 def test_gradcheck_float64(info, gen):
-    if not info.has_backward:
+    if not op_facts(info).has_backward:
         pytest.skip("inference-only op")
     for sample in info.gradcheck_inputs(gen):
         if sample.has_gradient_to_check():
@@ -45,7 +46,7 @@ def test_gradcheck_float64(info, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("info", OPS, ids=lambda i: i.name)
 def test_matches_torch(info, dtype, gen):
-    if dtype not in info.dtypes:
+    if dtype not in op_facts(info).dtypes:
         pytest.skip(f"{info.name} has no {dtype} version")
     for sample in info.samples(dtype, gen):
         args = _rebuild(
@@ -69,7 +70,7 @@ def test_matches_torch(info, dtype, gen):
             out.double(), ref.double(), atol=atol, rtol=rtol, msg=lambda m: f"{info.name} {sample.name} forward: {m}"
         )
         inputs = [t for t in _flat(args) if t.requires_grad]
-        if not info.has_backward or not inputs or out.numel() == 0 or not ref.requires_grad:
+        if not op_facts(info).has_backward or not inputs or out.numel() == 0 or not ref.requires_grad:
             continue
         grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(teeny.DEVICE)
         grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype), allow_unused=True)

@@ -10,8 +10,8 @@ import torch
 import teeny
 import teeny.config
 import teeny.ops as O
+from teeny.facts import op_facts
 from teeny.interop.torch import apply, clear_cache
-from teeny.registry import OPS
 
 
 def _run(fn, *tensors, mode=None):
@@ -210,7 +210,7 @@ def test_rank_above_six_after_merging_is_refused_clearly():
 
 def test_shape_op_facts_include_integer_and_bool_dtypes():
     for name in ("transpose", "getitem", "concat", "reshape"):
-        dtypes = OPS[name].facts().dtypes
+        dtypes = op_facts(name).dtypes
         assert torch.int64 in dtypes and torch.bool in dtypes and torch.float32 in dtypes, name
 
 

@@ -432,3 +432,17 @@ def test_a_factory_whose_shapes_fit_no_data_set_says_so():
 
     with pytest.raises(ValueError, match="no bundled data set fits the model"):
         torch_model_task(make_model)
+
+
+def test_teeny_train_torch_model_trains_and_writes_the_torch_checkpoint(tmp_path, capsys):
+    from teeny.cli import main
+
+    (tmp_path / "model.py").write_text(FACTORY)
+    out = tmp_path / "run"
+    argv = ["train", "--torch-model", f"{tmp_path / 'model.py'}:make_model", "--steps", "3", "--batch-size", "16"]
+    assert main([*argv, "--epochs", "1", "--no-progress", "--out", str(out)]) == 0
+    state = torch.load(out / "torch_model.pt")
+    params, _, _ = teeny.train.load_checkpoint(out / "checkpoint.safetensors")
+    torch.testing.assert_close(state["fc.weight"], params["fc.weight"])
+    assert main(["train", "mlp", "--torch-model", "x.py:f"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -137,17 +137,19 @@ def add_ops(sub) -> None:
 
 
 def cmd_ops(args) -> int:
+    from .facts import op_facts
     from .ops import all_ops
 
     rows = []
     for info in all_ops():
+        facts = op_facts(info)
         rows.append(
             {
                 "name": info.name,
                 "family": info.family,
-                "dtypes": [str(d).replace("torch.", "") for d in info.dtypes],
-                "backward": info.has_backward,
-                "kernels": [k.name for k in info.kernels],
+                "dtypes": [str(d).replace("torch.", "") for d in facts.dtypes],
+                "backward": facts.has_backward,
+                "kernels": [k.name for k in facts.kernels],
             }
         )
     if args.json:
@@ -173,6 +175,7 @@ def add_gradcheck(sub) -> None:
 def cmd_gradcheck(args) -> int:
     import torch
 
+    from .facts import op_facts
     from .gradcheck import gradcheck
     from .ops import all_ops
 
@@ -184,7 +187,7 @@ def cmd_gradcheck(args) -> int:
     selected = [infos[n] for n in args.ops] if args.ops else list(infos.values())
     rows, failed = [], 0
     for info in selected:
-        if not info.has_backward:
+        if not op_facts(info).has_backward:
             rows.append(
                 {
                     "op": info.name,
@@ -234,7 +237,13 @@ def cmd_gradcheck(args) -> int:
 
 def add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model (data-parallel with --nproc N or under torchrun)")
-    p.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("model", nargs="?", help=f"one of: {', '.join(MODELS)} (or --torch-model)")
+    p.add_argument(
+        "--torch-model",
+        metavar="FILE.py:FUNCTION",
+        help="train the torch.nn.Module that FUNCTION returns (with example inputs; see teeny.torch.task)",
+    )
+    p.add_argument("--data", choices=["digits", "digits-image", "chars"], help="--torch-model: the bundled data set")
     p.add_argument("--epochs", type=_positive_int)
     p.add_argument("--batch-size", type=_positive_int, help="the global batch (split over --nproc processes)")
     p.add_argument("--lr", type=_positive_float)
@@ -288,7 +297,10 @@ def _under_torchrun() -> bool:
 
 
 def cmd_train(args) -> int:
-    if args.model not in MODELS:
+    if args.torch_model and args.model:
+        print("teeny train: give a model name or --torch-model, not both", file=sys.stderr)
+        return 2
+    if not args.torch_model and args.model not in MODELS:
         print(f"teeny train: unknown model {args.model!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
         return 2
     if args.nproc and not _under_torchrun():
@@ -323,8 +335,18 @@ def _train(args, world) -> int:
     from .models import make_task
     from .train import CheckpointError, DivergedError, TrainConfig, train
 
-    task = make_task(args.model, args.size)
-    settings = dict(task.defaults)
+    if args.torch_model:
+        from .runtime import TeenyError
+        from .torch.task import torch_model_task
+
+        try:
+            task = torch_model_task(args.torch_model, data=args.data)
+        except (ValueError, OSError, TeenyError) as exc:  # a factory that cannot be loaded or imported
+            print(f"teeny train: --torch-model {args.torch_model}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        task = make_task(args.model, args.size)
+    settings = dict(getattr(task, "defaults", None) or {})
     settings.pop("epoch_tokens", None)
     for key in (
         "epochs",
@@ -348,7 +370,7 @@ def _train(args, world) -> int:
     )
     where = device.describe() if world is None else f"{world.size} processes on {device.describe()}"
     say(
-        f"teeny train {args.model} on {where}: {config.epochs} epochs, batch {config.batch_size}, "
+        f"teeny train {task.name} on {where}: {config.epochs} epochs, batch {config.batch_size}, "
         f"{config.optimizer} lr {config.lr}"
     )
     allow = [name.strip() for item in args.allow_change for name in item.split(",") if name.strip()]
@@ -371,6 +393,14 @@ def _train(args, world) -> int:
     say("final:", json.dumps(shown))
     if args.model == "gpt" and lead:
         say("sample:\n" + task.sample(result["executor"].params))
+    if args.torch_model and lead:  # the trained weights back in the torch module, as a torch checkpoint too
+        import torch
+
+        from .torch import to_torch
+
+        to_torch(result["executor"], task.torch_module)
+        torch.save(task.torch_module.state_dict(), os.path.join(config.out, "torch_model.pt"))
+        say(f"torch state_dict in {os.path.join(config.out, 'torch_model.pt')}")
     say(f"checkpoint, metrics.jsonl and loss.png in {config.out}")
     return 0
 

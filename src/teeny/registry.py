@@ -14,11 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .graph import trace_function
-from .kernel import ANY_DTYPES, Kernel
-from .lowering import LoweringMode, lower
-from .runtime import TeenyError
-
 
 @dataclass
 class Sample:
@@ -52,21 +47,11 @@ def _flat(args) -> list[torch.Tensor]:
     return out
 
 
-@dataclass(frozen=True)
-class OpFacts:
-    """What an op is, computed from the op itself: the kernels its samples launch (forward and
-    backward), the dtypes those kernels all dispatch to, and whether gradients flow through it."""
-
-    kernels: tuple[Kernel, ...]
-    dtypes: tuple[torch.dtype, ...]
-    has_backward: bool
-
-
 @dataclass
 class OpInfo:
     """An op's name, its ``teeny.ops`` function, the PyTorch function with the same arguments,
     and small odd-shaped samples. Its kernels, dtypes and whether it has a backward are not
-    stated here: ``facts()`` computes them by lowering the samples."""
+    stated here: ``teeny.facts.op_facts(info)`` computes them by lowering the samples."""
 
     name: str
     op: Callable  # the teeny.ops function (takes symbolic tensors)
@@ -77,51 +62,11 @@ class OpInfo:
     atol: dict = field(default_factory=dict)  # dtype -> extra absolute tolerance factor
     output_dtype: Callable[[torch.dtype], torch.dtype] | None = None  # None: the output has the input's dtype
     notes: str = ""
-    _facts: OpFacts | None = field(default=None, init=False, repr=False, compare=False)
 
     def gradcheck_inputs(self, gen: torch.Generator) -> list[Sample]:
         if self.gradcheck_samples is not None:
             return self.gradcheck_samples(gen)
         return self.samples(torch.float64, gen)
-
-    def facts(self) -> OpFacts:
-        """Lower every float32 sample (for training where a gradient is wanted) and collect
-        the kernels the launches use."""
-        if self._facts is None:
-            self._facts = _facts_of(self)
-        return self._facts
-
-    @property
-    def kernels(self) -> tuple[Kernel, ...]:
-        return self.facts().kernels
-
-    @property
-    def dtypes(self) -> tuple[torch.dtype, ...]:
-        return self.facts().dtypes
-
-    @property
-    def has_backward(self) -> bool:
-        return self.facts().has_backward
-
-
-def _facts_of(info: OpInfo) -> OpFacts:
-    from .kernels.accumulate import accumulate_kernel
-
-    kernels: dict[int, Kernel] = {}
-    has_backward = False
-    for sample in info.samples(torch.float32, torch.Generator().manual_seed(0)):
-        graph, _ = trace_function(info.op, sample.args, sample.kwargs, requires_grad=sample.wants_grad)
-        try:
-            program = lower(graph, LoweringMode.TRAINING)
-            has_backward = has_backward or any(p.needs_backward for p in program.nodes)
-        except TeenyError:  # nothing to differentiate, or an op without a backward on the way
-            program = lower(graph, LoweringMode.INFERENCE)
-        kernels.update(
-            (id(i.kernel), i.kernel) for i in program.instances.values() if i.kernel is not accumulate_kernel
-        )
-    found = tuple(kernels.values())
-    dtypes = tuple(d for d in ANY_DTYPES if all(d in k.dtypes for k in found))
-    return OpFacts(found, dtypes, has_backward)
 
 
 OPS: dict[str, OpInfo] = {}
