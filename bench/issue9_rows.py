@@ -69,7 +69,7 @@ def _copy_grad(x, dy, a, b):
 
 
 def copy_act(x):
-    return activation._activation(x, "copy", _copy, _copy_grad)
+    return activation.apply_activation(x, "copy", _copy, _copy_grad)
 
 
 # ----------------------------------------------------------------------------- timing

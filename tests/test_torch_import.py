@@ -316,6 +316,49 @@ def test_an_unsupported_call_inside_a_submodule_names_the_module_path():
         from_torch(model, (torch.randn(3, 4),))
 
 
+class _WithBlocks(nn.Module):
+    """``with`` blocks as Hugging Face models write them: torch.export records each as a
+    higher-order call whose body is a graph of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+        self.scale = nn.Linear(5, 4)
+
+    def forward(self, x):
+        with torch.autocast(device_type="cpu", enabled=False):  # Llama's rotary embedding does this
+            h = torch.tanh(self.fc(x).to(x.dtype)) * 2
+        with torch.no_grad():
+            s = torch.sigmoid(self.scale(x))  # no gradient reaches self.scale
+        return (h * s).sum()
+
+
+def test_with_blocks_are_converted_inside_and_no_grad_stops_the_gradient():
+    model = _WithBlocks().double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    graph = from_torch(model, (x,))
+    ex = teeny.Executor(lower(graph, LoweringMode.TRAINING))
+    loss, cache = ex.forward_train({"x": x})
+    ex.backward(cache)
+    model.zero_grad()
+    expected = model(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ex.grads["fc.weight"], model.fc.weight.grad, rtol=1e-12, atol=1e-12)
+    assert model.scale.weight.grad is None and not ex.grads["scale.weight"].any()
+
+
+class _Autocasts(nn.Module):
+    def forward(self, x):
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            return torch.tanh(x).sum()
+
+
+def test_an_enabled_autocast_region_is_listed_as_unsupported():
+    with pytest.raises(UnsupportedError, match=r"torch.autocast at <root>.*an autocast region"):
+        from_torch(_Autocasts(), (torch.randn(3, 4),))
+
+
 class _DropNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -146,7 +146,9 @@ class ActivationOp(RuntimeOp):
         return self.grid(input_shapes, output_shape)
 
 
-def _activation(x, name, fn, grad, a=0.0, b=0.0):
+def apply_activation(x, name: str, fn, grad, a: float = 0.0, b: float = 0.0):
+    """A node applying the element-wise maths ``fn(x, a, b)`` (backward ``grad(x, dy, a, b)``),
+    both ``@triton.jit`` functions, to the teeny tensor ``x``; ``a``, ``b`` are its scalars."""
     return graph_of(x).apply(ActivationOp(name, fn, grad, a, b), [x])
 
 
@@ -431,119 +433,119 @@ _SELU_SCALE = 1.0507009873554804934193349852946
 def relu(x, inplace: bool = False):
     """max(x, 0); the gradient at 0 is 0, as in PyTorch. (``inplace`` is accepted for
     PyTorch compatibility; a graph op always makes a new value.)"""
-    return _activation(x, "relu", _relu, _relu_grad)
+    return apply_activation(x, "relu", _relu, _relu_grad)
 
 
 def leaky_relu(x, negative_slope: float = 0.01, inplace: bool = False):
     """x if x > 0 else negative_slope * x; the gradient at 0 is negative_slope."""
-    return _activation(x, "leaky_relu", _leaky_relu, _leaky_relu_grad, negative_slope)
+    return apply_activation(x, "leaky_relu", _leaky_relu, _leaky_relu_grad, negative_slope)
 
 
 def elu(x, alpha: float = 1.0, inplace: bool = False):
     """x if x > 0 else alpha * (exp(x) - 1); the gradient at 0 is alpha."""
-    return _activation(x, "elu", _elu, _elu_grad, alpha, 1.0)
+    return apply_activation(x, "elu", _elu, _elu_grad, alpha, 1.0)
 
 
 def selu(x, inplace: bool = False):
     """scale * elu(x, alpha) with PyTorch's constants alpha = 1.6733, scale = 1.0507."""
-    return _activation(x, "selu", _elu, _elu_grad, _SELU_ALPHA, _SELU_SCALE)
+    return apply_activation(x, "selu", _elu, _elu_grad, _SELU_ALPHA, _SELU_SCALE)
 
 
 def celu(x, alpha: float = 1.0, inplace: bool = False):
     """x if x > 0 else alpha * (exp(x / alpha) - 1)."""
     if alpha == 0:
         raise ValueError("celu: alpha cannot be 0")
-    return _activation(x, "celu", _celu, _celu_grad, alpha)
+    return apply_activation(x, "celu", _celu, _celu_grad, alpha)
 
 
 def gelu(x, approximate: str = "none"):
     """x * Phi(x) (``approximate="none"``, erf form) or its tanh approximation (``"tanh"``)."""
     if approximate == "tanh":
-        return _activation(x, "gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
+        return apply_activation(x, "gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
     if approximate == "none":
-        return _activation(x, "gelu", _gelu_erf, _gelu_erf_grad)
+        return apply_activation(x, "gelu", _gelu_erf, _gelu_erf_grad)
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
 def silu(x, inplace: bool = False):
     """x * sigmoid(x)."""
-    return _activation(x, "silu", _silu, _silu_grad)
+    return apply_activation(x, "silu", _silu, _silu_grad)
 
 
 def mish(x, inplace: bool = False):
     """x * tanh(softplus(x))."""
-    return _activation(x, "mish", _mish, _mish_grad)
+    return apply_activation(x, "mish", _mish, _mish_grad)
 
 
 def sigmoid(x):
     """1 / (1 + exp(-x))."""
-    return _activation(x, "sigmoid", _sigmoid_fn, _sigmoid_grad)
+    return apply_activation(x, "sigmoid", _sigmoid_fn, _sigmoid_grad)
 
 
 def tanh(x):
     """tanh(x)."""
-    return _activation(x, "tanh", _tanh_fn, _tanh_grad)
+    return apply_activation(x, "tanh", _tanh_fn, _tanh_grad)
 
 
 def softplus(x, beta: float = 1.0, threshold: float = 20.0):
     """log(1 + exp(beta * x)) / beta, and x itself where beta * x > threshold."""
     if beta == 0:
         raise ValueError("softplus: beta cannot be 0")
-    return _activation(x, "softplus", _softplus_fn, _softplus_grad, beta, threshold)
+    return apply_activation(x, "softplus", _softplus_fn, _softplus_grad, beta, threshold)
 
 
 def softsign(x):
     """x / (1 + |x|)."""
-    return _activation(x, "softsign", _softsign, _softsign_grad)
+    return apply_activation(x, "softsign", _softsign, _softsign_grad)
 
 
 def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
     """clamp(x, min_val, max_val); the gradient is 0 at and beyond both bounds."""
     if min_val > max_val:
         raise ValueError(f"hardtanh: min_val cannot be greater than max_val (got {min_val} > {max_val})")
-    return _activation(x, "hardtanh", _hardtanh, _hardtanh_grad, min_val, max_val)
+    return apply_activation(x, "hardtanh", _hardtanh, _hardtanh_grad, min_val, max_val)
 
 
 def relu6(x, inplace: bool = False):
     """hardtanh(x, 0, 6) (so the gradient at 0 and at 6 is 0, as in PyTorch)."""
-    return _activation(x, "relu6", _hardtanh, _hardtanh_grad, 0.0, 6.0)
+    return apply_activation(x, "relu6", _hardtanh, _hardtanh_grad, 0.0, 6.0)
 
 
 def hardsigmoid(x, inplace: bool = False):
     """relu6(x + 3) / 6; the gradient is 1/6 strictly inside (-3, 3), else 0."""
-    return _activation(x, "hardsigmoid", _hardsigmoid, _hardsigmoid_grad)
+    return apply_activation(x, "hardsigmoid", _hardsigmoid, _hardsigmoid_grad)
 
 
 def hardswish(x, inplace: bool = False):
     """x * relu6(x + 3) / 6."""
-    return _activation(x, "hardswish", _hardswish, _hardswish_grad)
+    return apply_activation(x, "hardswish", _hardswish, _hardswish_grad)
 
 
 def logsigmoid(x):
     """log(sigmoid(x)) = -softplus(-x), computed without overflow."""
-    return _activation(x, "logsigmoid", _logsigmoid, _logsigmoid_grad)
+    return apply_activation(x, "logsigmoid", _logsigmoid, _logsigmoid_grad)
 
 
 def tanhshrink(x):
     """x - tanh(x)."""
-    return _activation(x, "tanhshrink", _tanhshrink, _tanhshrink_grad)
+    return apply_activation(x, "tanhshrink", _tanhshrink, _tanhshrink_grad)
 
 
 def softshrink(x, lambd: float = 0.5):
     """x - lambd if x > lambd, x + lambd if x < -lambd, else 0; lambd must be >= 0."""
     if not lambd >= 0:
         raise ValueError(f"softshrink: lambd must be greater or equal to 0, got {lambd}")
-    return _activation(x, "softshrink", _softshrink, _softshrink_grad, lambd)
+    return apply_activation(x, "softshrink", _softshrink, _softshrink_grad, lambd)
 
 
 def hardshrink(x, lambd: float = 0.5):
     """0 where -lambd <= x <= lambd, else x."""
-    return _activation(x, "hardshrink", _hardshrink, _hardshrink_grad, lambd)
+    return apply_activation(x, "hardshrink", _hardshrink, _hardshrink_grad, lambd)
 
 
 def threshold(x, threshold: float, value: float, inplace: bool = False):
     """value where x <= threshold, else x; the gradient is 0 where x <= threshold."""
-    return _activation(x, "threshold", _threshold, _threshold_grad, threshold, value)
+    return apply_activation(x, "threshold", _threshold, _threshold_grad, threshold, value)
 
 
 # -------------------------------------------------------------- gated: glu and swiglu
@@ -892,7 +894,9 @@ def _unary_samples(kinks=(), low=-3.0, high=3.0, kwargs=({},), shapes=_SHAPES):
     return samples
 
 
-def _register_unary(name, fn, ref, kinks=(), low=-3.0, high=3.0, kwargs=({},)):
+def register_activation(name, fn, ref, kinks=(), low=-3.0, high=3.0, kwargs=({},)):
+    """Register the activation ``fn`` with its PyTorch reference ``ref``: samples on odd shapes
+    in [low, high], away from the ``kinks``, once per keyword-argument set in ``kwargs``."""
     register(
         OpInfo(
             name,
@@ -907,32 +911,32 @@ def _register_unary(name, fn, ref, kinks=(), low=-3.0, high=3.0, kwargs=({},)):
     )
 
 
-_register_unary("relu", relu, F.relu, (0.0,))
-_register_unary("leaky_relu", leaky_relu, F.leaky_relu, (0.0,), kwargs=({}, {"negative_slope": 0.2}))
-_register_unary("elu", elu, F.elu, (0.0,), kwargs=({}, {"alpha": 0.5}))
-_register_unary("selu", selu, F.selu, (0.0,))
-_register_unary("celu", celu, F.celu, (0.0,), kwargs=({}, {"alpha": 2.0}))
-_register_unary("gelu", gelu, F.gelu)
-_register_unary("gelu_tanh", lambda x: gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"))
-_register_unary("silu", silu, F.silu, low=-8.0, high=8.0)
-_register_unary("mish", mish, F.mish, low=-8.0, high=8.0)
-_register_unary("sigmoid", sigmoid, torch.sigmoid, low=-8.0, high=8.0)
-_register_unary("tanh", tanh, torch.tanh)
-_register_unary(
+register_activation("relu", relu, F.relu, (0.0,))
+register_activation("leaky_relu", leaky_relu, F.leaky_relu, (0.0,), kwargs=({}, {"negative_slope": 0.2}))
+register_activation("elu", elu, F.elu, (0.0,), kwargs=({}, {"alpha": 0.5}))
+register_activation("selu", selu, F.selu, (0.0,))
+register_activation("celu", celu, F.celu, (0.0,), kwargs=({}, {"alpha": 2.0}))
+register_activation("gelu", gelu, F.gelu)
+register_activation("gelu_tanh", lambda x: gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"))
+register_activation("silu", silu, F.silu, low=-8.0, high=8.0)
+register_activation("mish", mish, F.mish, low=-8.0, high=8.0)
+register_activation("sigmoid", sigmoid, torch.sigmoid, low=-8.0, high=8.0)
+register_activation("tanh", tanh, torch.tanh)
+register_activation(
     "softplus", softplus, F.softplus, (0.5,), low=-8.0, high=8.0, kwargs=({}, {"beta": 2.0, "threshold": 1.0})
 )
-_register_unary("softsign", softsign, F.softsign)
-_register_unary(
+register_activation("softsign", softsign, F.softsign)
+register_activation(
     "hardtanh", hardtanh, F.hardtanh, (-1.0, 1.0, -0.5, 2.0), kwargs=({}, {"min_val": -0.5, "max_val": 2.0})
 )
-_register_unary("relu6", relu6, F.relu6, (0.0, 6.0), low=-2.0, high=8.0)
-_register_unary("hardsigmoid", hardsigmoid, F.hardsigmoid, (-3.0, 3.0), low=-5.0, high=5.0)
-_register_unary("hardswish", hardswish, F.hardswish, (-3.0, 3.0), low=-5.0, high=5.0)
-_register_unary("logsigmoid", logsigmoid, F.logsigmoid, low=-20.0, high=20.0)
-_register_unary("tanhshrink", tanhshrink, F.tanhshrink)
-_register_unary("softshrink", softshrink, F.softshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
-_register_unary("hardshrink", hardshrink, F.hardshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
-_register_unary(
+register_activation("relu6", relu6, F.relu6, (0.0, 6.0), low=-2.0, high=8.0)
+register_activation("hardsigmoid", hardsigmoid, F.hardsigmoid, (-3.0, 3.0), low=-5.0, high=5.0)
+register_activation("hardswish", hardswish, F.hardswish, (-3.0, 3.0), low=-5.0, high=5.0)
+register_activation("logsigmoid", logsigmoid, F.logsigmoid, low=-20.0, high=20.0)
+register_activation("tanhshrink", tanhshrink, F.tanhshrink)
+register_activation("softshrink", softshrink, F.softshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
+register_activation("hardshrink", hardshrink, F.hardshrink, (-0.5, 0.5, -1.0, 1.0), kwargs=({}, {"lambd": 1.0}))
+register_activation(
     "threshold",
     threshold,
     F.threshold,

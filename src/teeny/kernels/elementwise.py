@@ -432,8 +432,9 @@ def _clamp_grad(x, y, z, dout, alpha):
 
 
 @triton.jit
-def _clamp_min(x, y, z, alpha):  # y: min
-    return tl.where((y != y) | (x < y), y, x)
+def _clamp_min(x, y, z, alpha):  # y: min; the NaN test apart, as in _clamp (fused, it was lost on the GPU)
+    low = tl.where(x < y, y, x)
+    return tl.where(y != y, y, low)
 
 
 @triton.jit
@@ -442,8 +443,9 @@ def _clamp_min_grad(x, y, z, dout, alpha):
 
 
 @triton.jit
-def _clamp_max(x, y, z, alpha):  # z: max
-    return tl.where((z != z) | (x > z), z, x)
+def _clamp_max(x, y, z, alpha):  # z: max; the NaN test apart, as in _clamp_min
+    high = tl.where(x > z, z, x)
+    return tl.where(z != z, z, high)
 
 
 @triton.jit

@@ -57,6 +57,9 @@ from ..kernels.cast import to as cast
 from ..runtime import TeenyError
 
 aten = torch.ops.aten
+# `with torch.no_grad()` and `with torch.autocast(...)` blocks, as torch.export records them
+_SET_GRAD_ENABLED = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 
 
 class UnsupportedError(TeenyError):
@@ -918,6 +921,8 @@ class _Import:
                     self.env[node.name] = constants[spec.target].detach().clone()
                 else:
                     raise TeenyError(f"from_torch: exported input {node.name} of kind {kind} is not supported")
+            elif node.op == "get_attr":  # the body of a higher-order call (a `with` block)
+                self.env[node.name] = getattr(self.ep.graph_module, node.target)
             elif node.op == "call_function":
                 if node.name in self.fused:
                     continue
@@ -1019,6 +1024,18 @@ class _Import:
         target = node.target
         args = pytree.tree_map(self._value, node.args)
         kwargs = pytree.tree_map(self._value, dict(node.kwargs))
+        if target is _SET_GRAD_ENABLED:  # with torch.no_grad() / torch.enable_grad(): ...
+            enabled, body, *operands = args
+            outputs = self._inline(body, operands)
+            return outputs if enabled else [ops.stop_gradient(v) if isinstance(v, Tensor) else v for v in outputs]
+        if target is _AUTOCAST:  # with torch.autocast(..., enabled=False): ... (HF's rotary embeddings)
+            _device, dtype, enabled, _cache, body, *operands = args
+            if enabled:
+                self.unsupported.append(
+                    ("torch.autocast", _where(node), f"an autocast region ({dtype}) inside the model: run it without")
+                )
+                return self._stand_in(node)
+            return self._inline(body, operands)
         if target is operator.getitem:
             container, index = args
             return None if container is None else container[index]
@@ -1050,6 +1067,25 @@ class _Import:
             if isinstance(first, torch.fx.Node) and isinstance(self.env.get(first.name), Tensor):
                 self.env[first.name] = result  # x.add_(y): later readers of x see the new value
         return result
+
+    def _inline(self, body: torch.fx.GraphModule, operands: list[Any]) -> list[Any]:
+        """The values of a higher-order call's body graph, converted call by call in a scope of its
+        own (its node names are its own), with ``operands`` bound to its placeholders."""
+        outer, self.env = self.env, {}
+        try:
+            operand = iter(operands)
+            for node in body.graph.nodes:
+                if node.op == "placeholder":
+                    self.env[node.name] = next(operand)
+                elif node.op == "get_attr":
+                    self.env[node.name] = getattr(body, node.target)
+                elif node.op == "call_function":
+                    self.env[node.name] = self._call(node)
+                elif node.op == "output":
+                    return list(pytree.tree_map(self._value, node.args[0]))
+        finally:
+            self.env = outer
+        raise TeenyError("from_torch: the body of a higher-order call has no output")
 
     def _swiglu(self, node) -> Tensor | None:
         """silu(gate) * up (a Llama MLP) as one swiglu pair; the silu node is left unread, and
