@@ -127,22 +127,27 @@ def _losses(out_dir) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_char_gpt_bf16_mixed_loss_curve_follows_float32(tmp_path):
+def test_char_gpt_mixed_precision_loss_curves_follow_float32(tmp_path):
+    """bf16-mixed, and fp16-mixed with its loss scaler (which train() attaches)."""
     from teeny.data import CharCorpus
 
     corpus = CharCorpus(max_chars=50_000)
     curves = {}
-    for precision in (None, "bf16-mixed"):
+    for precision in (None, "bf16-mixed", "fp16-mixed"):
         task = CharTask(corpus, 8, 16, 2, 1, defaults={"epoch_tokens": 10 * 8 * 8}, eval_batches=1)
         out = tmp_path / str(precision)
         config = TrainConfig(epochs=1, batch_size=8, lr=2e-2, out=str(out), progress=False, precision=precision)
         result = train(task, config, log=lambda *_: None)
         assert set(result["executor"].param_arenas) == {torch.float32}
+        scaler = result["optimizer"].scaler
+        assert (scaler is not None) == (precision == "fp16-mixed")
         curves[precision] = _losses(out)
-    f32, mixed = curves[None], curves["bf16-mixed"]
-    assert len(f32) == len(mixed) == 10
+    f32 = curves[None]
     assert f32[-1] < f32[0] - 0.5  # it learns
-    assert max(abs(a - b) for a, b in zip(f32, mixed)) < 0.05, (f32, mixed)
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        mixed = curves[precision]
+        assert len(f32) == len(mixed) == 10
+        assert max(abs(a - b) for a, b in zip(f32, mixed)) < 0.05, (precision, f32, mixed)
 
 
 def test_gpt2_preset_builds_and_lowers():

@@ -254,7 +254,11 @@ def add_train(sub) -> None:
     p.add_argument(
         "--size", choices=SIZES, default="small", help="gpt: model size (gpt2: 12 layers, d 768, context 1024)"
     )
-    p.add_argument("--precision", choices=["bf16-mixed"], help="bf16-mixed: bfloat16 compute, float32 master weights")
+    p.add_argument(
+        "--precision",
+        choices=["bf16-mixed", "fp16-mixed"],
+        help="bfloat16 / float16 compute with float32 master weights (fp16: with dynamic loss scaling)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
     p.add_argument("--checkpoint-every", type=_positive_int, metavar="STEPS", help="default: every epoch")
@@ -389,7 +393,8 @@ def _train(args, world) -> int:
         return 1
     if result.get("nothing_to_do"):
         return 0
-    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items() if k != "executor"}
+    objects = ("executor", "optimizer")
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items() if k not in objects}
     say("final:", json.dumps(shown))
     if args.model == "gpt" and lead:
         say("sample:\n" + task.sample(result["executor"].params))

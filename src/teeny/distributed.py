@@ -340,6 +340,8 @@ class DataParallel:
             "lr": torch.zeros((), dtype=torch.float64),
             "param_steps": torch.zeros(len(optimizer.slots), dtype=torch.int64),
         }
+        if optimizer.scaler is not None:
+            template["loss_scale"] = torch.zeros(optimizer.scaler.state.numel(), dtype=torch.float64)
         for name, arenas in optimizer.state.items():
             for dtype in arenas:
                 key = f"{name}.{str(dtype).replace('torch.', '')}"
@@ -360,7 +362,7 @@ class DataParallel:
         if not self.zero:
             return state
         size = self.world.size
-        full = {k: v for k, v in state.items() if k in ("step", "lr", "param_steps")}
+        full = {k: v for k, v in state.items() if k in self.optimizer.counter_keys()}
         for name, arenas in self.optimizer.state.items():
             for dtype, local in arenas.items():
                 gathered = torch.empty(size * local.numel(), dtype=dtype, device=local.device)

@@ -162,7 +162,8 @@ def lower(
 ) -> Program:
     """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring).
     ``rewrites``: the graph rewrites to run first (``teeny.rewrites``; ``()``: none).
-    ``precision``: ``None`` (the graph's dtypes) or ``"bf16-mixed"`` (``rewrites.mixed_precision``)."""
+    ``precision``: ``None`` (the graph's dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``
+    (``rewrites.mixed_precision``; float16 training wants a loss scaler: ``optim.GradScaler``)."""
     if not isinstance(mode, LoweringMode):
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)

@@ -32,9 +32,12 @@ from .kernels.optim import (
     adam_step_kernel,
     blocks,
     clip_factor_kernel,
+    loss_scale_update_kernel,
+    loss_seed_kernel,
     scale_by_factor_kernel,
     sgd_step_kernel,
     sum_squares_partial_kernel,
+    unscale_partial_kernel,
 )
 from .runtime import ArgVisitor, Launch, TeenyError, launch_kernel
 
@@ -94,6 +97,8 @@ class Optimizer:
         self.sharded = False
         self.state = self._allocate_state()
         self.segments: list[Segment] = []
+        self.scaler: GradScaler | None = None  # set by GradScaler(optimizer)
+        self._advanced: list[int] = []  # the slots the last prepare() advanced
 
     def _allocate_state(self) -> dict[str, dict[torch.dtype, torch.Tensor]]:
         device = self.executor.device
@@ -140,16 +145,30 @@ class Optimizer:
         parameters that have a gradient this step; by default those a backward has written since
         the executor's last ``zero_grad`` (write into ``executor.grads`` yourself only after one)."""
         names = self._with_grad(with_grad)
+        self.settle()
         self.step_count += 1
-        for i, (v, _, _) in enumerate(self.slots):
-            if v.name in names:
-                self.param_steps[i] += 1
+        self._advanced = [i for i, (v, _, _) in enumerate(self.slots) if v.name in names]
+        for i in self._advanced:
+            self.param_steps[i] += 1
         self.segments = self._plan(names)
         values = [0.0] * K.N_HYPER
         values[K.LR.value] = self.lr
         for slot, value in self.hyperparameters().items():
             values[slot.value] = float(value)
         self.hyper.copy_(torch.tensor(values + [float(s) for s in self.param_steps], dtype=torch.float64))
+
+    def settle(self) -> None:
+        """With a loss scaler: if the last step was skipped (its gradients overflowed), take back
+        the step counts it advanced, as PyTorch's optimizer never counts a skipped step. Reads the
+        scaler's flag (a synchronisation); ``prepare`` and ``state_dict`` call it."""
+        if self.scaler is not None and self._advanced and self.scaler.skipped():
+            for i in self._advanced:
+                self.param_steps[i] -= 1
+            self.scaler.skipped_steps += 1
+        self._advanced = []
+
+    def _skip_flag(self) -> torch.Tensor | None:
+        return None if self.scaler is None else self.scaler.found
 
     def _with_grad(self, with_grad: Iterable[str] | None) -> set[str]:
         if with_grad is None:
@@ -220,13 +239,20 @@ class Optimizer:
         raise NotImplementedError
 
     # --- checkpoints ---------------------------------------------------------------------
+    def counter_keys(self) -> tuple[str, ...]:
+        """The entries of ``state_dict`` that are not laid out like the arenas."""
+        return ("step", "lr", "param_steps") + (() if self.scaler is None else ("loss_scale",))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Step counts and state (of the owned ranges, when sharded)."""
+        """Step counts and state (of the owned ranges, when sharded), and the loss scaler's."""
+        self.settle()
         out = {
             "step": torch.tensor(self.step_count, dtype=torch.int64),
             "lr": torch.tensor(self.lr, dtype=torch.float64),
             "param_steps": torch.tensor(self.param_steps, dtype=torch.int64),
         }
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.state.detach().cpu().clone()
         for name, arenas in self.state.items():
             for dtype, t in arenas.items():
                 out[f"{name}.{str(dtype).replace('torch.', '')}"] = t
@@ -252,9 +278,14 @@ class Optimizer:
                 source = state[key].to(t.device, t.dtype)
                 for start, end, offset in self.ranges[dtype]:
                     t[offset : offset + end - start].copy_(source[start:end])
+        if self.scaler is not None:
+            if "loss_scale" not in state:
+                raise KeyError("optimizer state is missing 'loss_scale' (the checkpoint was not trained with one)")
+            self.scaler.state.copy_(state["loss_scale"].to(self.scaler.state.device, torch.float64))
         self.step_count = int(state["step"])
         self.lr = float(state["lr"])
         self.param_steps = [int(s) for s in steps]
+        self._advanced = []
 
 
 class SGD(Optimizer):
@@ -286,6 +317,7 @@ class SGD(Optimizer):
             buf_ptr=state.get("momentum_buffer"),
             hyper_ptr=self.hyper,
             step_ptr=step,
+            skip_ptr=self._skip_flag(),
             n=params.numel(),
             NESTEROV=self.nesterov,
             BLOCK=BLOCK,
@@ -325,6 +357,7 @@ class Adam(Optimizer):
             v_ptr=state["exp_avg_sq"],
             hyper_ptr=self.hyper,
             step_ptr=step,
+            skip_ptr=self._skip_flag(),
             n=params.numel(),
             DECOUPLED=self.decoupled,
             BLOCK=BLOCK,
@@ -397,6 +430,104 @@ def clip_grad_norm(
                 args = ArgVisitor().visit(g_ptr=grads, factor_ptr=factor, n=b - a, BLOCK=BLOCK)
                 launch_kernel(Launch(scale_by_factor_kernel, (blocks(b - a),), args), dtype, where)
     return norm[0]
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 compute (``precision="fp16-mixed"``), PyTorch's rule
+    (``torch.amp.GradScaler``). The backward starts from the scale S instead of 1, so that small
+    float16 gradients do not flush to zero; ``unscale`` divides the gradients by S again (before
+    clipping and the update) and counts those that are inf or NaN. A step with any (S was too
+    large: float16 overflowed) updates nothing (parameters, optimizer state, step counts) and
+    multiplies S by ``backoff_factor``; ``growth_interval`` clean steps in a row multiply it by
+    ``growth_factor``.
+
+    Everything happens on the device: S, the clean-step count and the overflow flag live in a
+    float64 buffer that the kernels read and write, so a captured step replays it. The host hears
+    of a skipped step at the next ``Optimizer.prepare`` (one synchronisation per step), which
+    keeps its per-parameter step counts exact. ``TrainStep`` applies a scaler attached to its
+    optimizer; ``train()`` attaches one for ``precision="fp16-mixed"``."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        _check_positive("init_scale", init_scale, allow_zero=False)
+        if not (growth_factor > 1 and math.isfinite(growth_factor)):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+        if optimizer.scaler is not None:
+            raise TeenyError("this optimizer already has a GradScaler")
+        self.executor = optimizer.executor
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.state = torch.tensor([init_scale, 0.0, 0.0], dtype=torch.float64, device=self.executor.device)
+        self.found = self.state[K.FOUND_INF.value : K.FOUND_INF.value + 1]
+        self.skipped_steps = 0  # steps skipped so far (counted as the host hears of them)
+        optimizer.scaler = self
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (reads the device: a synchronisation)."""
+        return float(self.state[K.SCALE.value])
+
+    def skipped(self) -> bool:
+        """Whether the last unscaled step found an inf or NaN (a synchronisation)."""
+        return bool(self.found.item())
+
+    def seed(self, loss: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The backward's seed: S (times ``base``, a data-parallel rank's loss weight), shaped like the loss."""
+        seed = torch.empty_like(loss)
+        n = seed.numel()
+        args = ArgVisitor().visit(scaler_ptr=self.state, base_ptr=base, seed_ptr=seed, n=n, BLOCK=BLOCK)
+        launch_kernel(Launch(loss_seed_kernel, (blocks(n),), args), seed.dtype, "GradScaler seed")
+        return seed
+
+    def unscale(
+        self,
+        executor: Executor,
+        *,
+        count_ranges: Ranges | None = None,
+        scale_ranges: Ranges | None = None,
+        reduce: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Divide the gradients by S, count the non-finite ones, and update S and the skip flag.
+        Data-parallel training with sharded gradients passes the ranges it counts and scales and
+        ``reduce`` (a sum across processes), as for ``clip_grad_norm``."""
+        where = "GradScaler unscale"
+        device = executor.device
+        prefix = {dtype: [(0, n)] for dtype, n in executor.grad_numel.items() if n}
+        scale_ranges = prefix if scale_ranges is None else scale_ranges
+        count_ranges = prefix if count_ranges is None else count_ranges
+        counted = {(d, a, b) for d, spans in count_ranges.items() for a, b in spans if b > a}
+        scaled = [(d, a, b) for d, spans in scale_ranges.items() for a, b in spans if b > a]
+        if not counted <= set(scaled):
+            raise ValueError("GradScaler.unscale: every counted range must also be a scaled range")
+        pieces = [p for p in scaled if p in counted] + [p for p in scaled if p not in counted]  # counted first
+        counted_blocks = sum(blocks(b - a) for d, a, b in pieces if (d, a, b) in counted)
+        partials = torch.zeros(max(sum(blocks(b - a) for _, a, b in pieces), 1), dtype=torch.float64, device=device)
+        nonfinite = torch.zeros(1, dtype=torch.float64, device=device)
+        offset = 0
+        for dtype, a, b in pieces:
+            grads = executor.grad_arenas[dtype][a:b]
+            args = ArgVisitor().visit(g_ptr=grads, scaler_ptr=self.state, partial_ptr=partials[offset:], n=b - a)
+            args.visit(BLOCK=BLOCK)
+            launch_kernel(Launch(unscale_partial_kernel, (blocks(b - a),), args), dtype, where)
+            offset += blocks(b - a)
+        if counted_blocks:
+            for launch in sum_partials(partials[:counted_blocks].view(counted_blocks, 1), nonfinite):
+                launch_kernel(launch, torch.float64, where)
+        if reduce is not None:
+            reduce(nonfinite)
+        args = ArgVisitor().visit(scaler_ptr=self.state, nonfinite_ptr=nonfinite)
+        args.visit(growth_factor=self.growth_factor, backoff_factor=self.backoff_factor)
+        args.visit(growth_interval=self.growth_interval)
+        launch_kernel(Launch(loss_scale_update_kernel, (1,), args), torch.float64, where)
 
 
 # --------------------------------------------------------------------------- LR schedules

@@ -288,7 +288,8 @@ def _keeps_float32(op: RuntimeOp) -> bool:
 
 
 def mixed_precision(dtype: torch.dtype) -> RewriteFn:
-    """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16): the program
+    """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16; float16 for
+    ``"fp16-mixed"``, whose training also scales the loss: ``optim.GradScaler``): the program
     computes in ``dtype`` while the parameters stay float32 in the arena (master weights: the
     optimizer and its state update float32, one launch per arena as before).
 
@@ -349,7 +350,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     return rewrite
 
 
-PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16}
+PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 def precision_rewrites(precision: str | None) -> list[RewriteFn]:

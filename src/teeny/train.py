@@ -41,7 +41,7 @@ from .data import shard
 from .executor import Executor
 from .graph import Graph
 from .lowering import LoweringMode, lower
-from .optim import OPTIMIZERS, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
+from .optim import OPTIMIZERS, GradScaler, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
 from .rewrites import PRECISIONS
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps in total (e.g. to test resuming)
     progress: bool = True
     dtype: torch.dtype = torch.float32
-    precision: str | None = None  # None: the graph's dtypes; "bf16-mixed": bfloat16 compute, float32 master weights
+    # None: the graph's dtypes; "bf16-mixed" / "fp16-mixed": half compute, float32 master weights
+    # ("fp16-mixed" with dynamic loss scaling: optim.GradScaler)
+    precision: str | None = None
     cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
     log_every: int | None = None  # read the losses back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
     diverge_factor: float | None = 1e4  # stop at a loss over this times max(|first loss|, 1); None: non-finite only
@@ -339,21 +341,35 @@ class TrainStep:
         self.static_loss = None
 
     def _body(self, feed) -> torch.Tensor:
-        executor, parallel = self.executor, self.parallel
+        executor, parallel, scaler = self.executor, self.parallel, self.optimizer.scaler
         executor.zero_grad()
         if parallel is not None:
             parallel.start_step()
         outputs, cache = executor.forward_train(feed)
         loss = outputs[0] if isinstance(outputs, tuple) else outputs
-        executor.backward(cache, None if parallel is None else parallel.loss_seed(loss))
+        seed = None if parallel is None else parallel.loss_seed(loss)
+        if scaler is not None:
+            seed = scaler.seed(loss, seed)
+        executor.backward(cache, seed)
         if parallel is None:
+            if scaler is not None:
+                scaler.unscale(executor)
             if self.clip:
                 clip_grad_norm(executor, self.clip)
             self.optimizer.launch()
             return loss
         parallel.end_backward()
-        if self.clip:
-            clip_grad_norm(executor, self.clip, **parallel.clip_options())
+        if scaler is not None or self.clip:
+            options = parallel.clip_options()  # waits for every bucket
+            if scaler is not None:  # ZeRO-1: each rank counts its shard, the counts are summed
+                scaler.unscale(
+                    executor,
+                    count_ranges=options.get("norm_ranges"),
+                    scale_ranges=options.get("scale_ranges"),
+                    reduce=options.get("reduce"),
+                )
+            if self.clip:
+                clip_grad_norm(executor, self.clip, **options)
         self.optimizer.launch(before=parallel.wait_range, after=parallel.gather_range)
         return parallel.finish_step(loss)
 
@@ -549,6 +565,8 @@ def train(
     program = lower(graph, LoweringMode.TRAINING, precision=config.precision)
     executor = Executor(program, seed=config.seed, device=world and world.device)
     optimizer = make_optimizer(executor, config)
+    if config.precision == "fp16-mixed":
+        GradScaler(optimizer)  # float16 gradients need the loss scaled
     parallel = None
     if world is not None:
         parallel = distributed.DataParallel(world, executor, optimizer, zero=config.zero, bucket_mb=config.bucket_mb)
@@ -694,5 +712,7 @@ def train(
         result["tokens_per_s"] = result["samples_per_s"] * task.block_size
     if parallel is not None:
         result["memory_per_rank"] = parallel.memory()
-    result["executor"] = executor
+    result["executor"], result["optimizer"] = executor, optimizer
+    if optimizer.scaler is not None:
+        result["loss_scale"], result["skipped_steps"] = optimizer.scaler.scale, optimizer.scaler.skipped_steps
     return result

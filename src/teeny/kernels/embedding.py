@@ -22,7 +22,10 @@ PyTorch's options:
   does: the weight itself changes (the parameter in the executor's arena, or the tensor given
   to ``interop.torch.apply``). The renormalisation is not differentiated (as in PyTorch): dW is
   the gradient of a lookup of the renormalised rows. ``embedding_renorm`` does it over the
-  sorted indices, so a row the batch names several times is scaled once.
+  sorted indices, so a row the batch names several times is scaled once. The norm is the true
+  p-norm, (sum |w|^p)^(1/p) and max |w| for inf, as PyTorch computes it on the CPU; PyTorch's
+  CUDA kernel sums w^p without the absolute value, so on a GPU it differs for ``norm_type=inf``
+  and odd or fractional p (the tests compare with the CPU reference).
 
 Indices outside [0, num_embeddings) (negative ones included, as in PyTorch): under
 ``teeny.config.check_indices`` (read at trace time; on by default on the CPU, off on the GPU)
@@ -322,12 +325,24 @@ def _gradcheck(gen):
     ]
 
 
+def _reference(idx, weight, max_norm=None, norm_type=2.0, **options):
+    """F.embedding, renormalising on the CPU (see the module docstring: PyTorch's CUDA renorm
+    is not the p-norm for inf and odd p); the weight changes in place, wherever it lives."""
+    if max_norm is not None and weight.device.type != "cpu":
+        with torch.no_grad():
+            rows = weight.detach().cpu()
+            torch.embedding_renorm_(rows, idx.detach().cpu().reshape(-1), max_norm, norm_type)
+            weight.copy_(rows)
+        max_norm = None
+    return F.embedding(idx, weight, max_norm=max_norm, norm_type=norm_type, **options)
+
+
 for _name, _deterministic in (("embedding", False), ("embedding_deterministic", True)):
     register(
         OpInfo(
             _name,
             lambda idx, w, _d=_deterministic, **options: embedding(idx, w, deterministic=_d, **options),
-            F.embedding,
+            _reference,
             _samples,
             family="embedding",
             gradcheck_samples=_gradcheck,
