@@ -7,7 +7,8 @@
 
 Runs (each in a fresh ``torchrun --standalone``; NVLink multicast stays off):
   teeny:N       GPT-2 small (12 layers, d 768, 12 heads, context 1024, vocab 50304, untied head with
-                bias), ``--dtype`` parameters (bfloat16 by default: teeny has no mixed precision yet),
+                bias), bf16-mixed (float32 parameters and AdamW state, bfloat16 compute; ``--precision
+                none --dtype D`` trains plain ``D`` parameters instead),
                 AdamW, clip 1.0, per-GPU batch ``--batch``, the step captured as a CUDA graph with its
                 NCCL collectives, 25 MiB gradient buckets;
   teeny-zero:N  the same with ZeRO-1 (optimizer state sharded);
@@ -124,14 +125,15 @@ def teeny_worker(args) -> dict:
     from teeny.optim import AdamW
     from teeny.train import TrainStep
 
-    dtype = getattr(torch, args.dtype)
+    mixed = args.precision != "none"
+    dtype = torch.float32 if mixed else getattr(torch, args.dtype)
     model = GPT(VOCAB, CONTEXT, D_MODEL, HEADS, LAYERS).to(dtype)
     g = Graph("gpt2")
     idx, y = g.input("x", (args.batch, CONTEXT), torch.int64), g.input("y", (args.batch, CONTEXT), torch.int64)
     logits = model(idx)
     rows = args.batch * CONTEXT
     g.output(ops.cross_entropy(ops.reshape(logits, (rows, VOCAB)), ops.reshape(y, (rows,))))
-    ex = Executor(lower(g, LoweringMode.TRAINING), seed=0)
+    ex = Executor(lower(g, LoweringMode.TRAINING, precision=args.precision if mixed else None), seed=0)
     opt = AdamW(ex, lr=1e-4, weight_decay=0.1)
     parallel = td.DataParallel(world, ex, opt, zero=args.zero, bucket_mb=25)
     step = TrainStep(ex, opt, clip=1.0, cuda_graph=True, parallel=parallel)
@@ -203,7 +205,8 @@ def torch_worker(args) -> dict:
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TorchGPT().to(device=device, dtype=getattr(torch, args.dtype))
+    mixed = args.precision != "none"
+    model = TorchGPT().to(device=device, dtype=torch.float32 if mixed else getattr(torch, args.dtype))
     ddp = DistributedDataParallel(model, device_ids=[local], bucket_cap_mb=25, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     feeds = [(x.to(device), t.to(device)) for x, t in _tokens(args.batch, rank)]
@@ -213,7 +216,9 @@ def torch_worker(args) -> dict:
         x, t = feeds[calls[0] % 2]
         calls[0] += 1
         opt.zero_grad(set_to_none=True)
-        ddp(x, t).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mixed):
+            loss = ddp(x, t)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         opt.step()
 
@@ -255,6 +260,7 @@ def _run(kind: str, world: int, args) -> dict:
         f"--batch={args.batch}",
         f"--steps={args.steps}",
         f"--dtype={args.dtype}",
+        f"--precision={args.precision}",
     ]
     if kind == "teeny-zero":
         command.append("--zero")
@@ -276,7 +282,8 @@ def main() -> int:
     parser.add_argument("--runs", help="comma-separated KIND:GPUS (KIND: teeny, teeny-zero, torch)")
     parser.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="with --precision none")
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "none"])
     parser.add_argument("--timeout", type=int, default=540, help="seconds per run")
     parser.add_argument("--worker", choices=["teeny", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
