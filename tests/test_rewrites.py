@@ -343,3 +343,108 @@ def test_linear_cross_entropy_half_precision_close_to_unfused(small_chunks, gen)
     torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), rtol=2e-2, atol=2e-3)
     for name in plain[2]:
         torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), rtol=2e-2, atol=2e-3, msg=name)
+
+
+# ------------------------------------------------------------------- attention in place
+
+
+def _strided_copies(program):
+    return sum(launch.kernel.name == "strided_copy" for p in program.nodes for launch in p.forward_launches)
+
+
+def test_gpt_attention_reads_and_writes_its_heads_in_place(gpt_case):
+    """Each layer's q, k, v head splits and the merge after the attention are gone (no
+    strided_copy launch is left); the step is the same bit for bit."""
+    g, feed = gpt_case
+    in_place, plain = _run(g, feed, rewrites=(rewrites.attention_in_place,)), _run(g, feed, rewrites=())
+    layouts = [op.layout for op in _ops(in_place[3]) if op.name == "scaled_dot_product_attention"]
+    assert layouts == ["blhd", "blhd"]
+    assert _strided_copies(plain[3]) == 8 and _strided_copies(in_place[3]) == 0
+    assert "attention on (batch, length, heads, dim) in place: 2, 8 transposes" in in_place[3].summary()
+    assert torch.equal(in_place[0], plain[0])
+    for name in plain[2]:
+        assert torch.equal(in_place[2][name], plain[2][name]), name
+
+
+def _heads_graph(b, lq, lk, h, hkv, d, dv, dtype=torch.float64, mask=None, read_output=False, **attn):
+    """q, k, v (batch, length, heads, dim) inputs, transposed to (batch, heads, length, dim) for
+    the attention and its output transposed back; ``read_output`` also reads the output itself."""
+    g = Graph()
+    q = g.input("q", (b, lq, h, d), dtype, requires_grad=True)
+    k = g.input("k", (b, lk, hkv, d), dtype, requires_grad=True)
+    v = g.input("v", (b, lk, hkv, dv), dtype, requires_grad=True)
+    m = None if mask is None else g.input("mask", mask.shape, mask.dtype)
+    t = lambda x: ops.transpose(x, 1, 2)  # noqa: E731
+    y = ops.scaled_dot_product_attention(t(q), t(k), t(v), m, **attn)
+    out = ops.sum(ops.mul(t(y), g.constant(torch.linspace(-1, 1, lq * h * dv, dtype=dtype).reshape(lq, h, dv))))
+    if read_output:
+        out = ops.add(out, ops.sum(ops.mul(y, y)))
+    g.output(out)
+    return g
+
+
+CASES = {
+    "causal": dict(b=2, lq=5, lk=7, h=3, hkv=3, d=4, dv=6, is_causal=True),
+    "gqa": dict(b=1, lq=6, lk=6, h=4, hkv=2, d=8, dv=8, enable_gqa=True),  # dK/dV summed over the group
+    "one-kv-head": dict(b=2, lq=3, lk=5, h=2, hkv=1, d=4, dv=3),
+    "bool-mask": dict(b=2, lq=4, lk=5, h=3, hkv=3, d=5, dv=5, mask="bool"),
+    "float-mask-output-read": dict(b=2, lq=4, lk=5, h=3, hkv=3, d=5, dv=5, mask="float", read_output=True),
+}
+
+
+def _heads_feed(case, gen):
+    case = dict(case)
+    mask_kind = case.pop("mask", None)
+    b, lq, lk, h, hkv = case["b"], case["lq"], case["lk"], case["h"], case["hkv"]
+    feed = {
+        "q": torch.randn(b, lq, h, case["d"], generator=gen, dtype=torch.float64),
+        "k": torch.randn(b, lk, hkv, case["d"], generator=gen, dtype=torch.float64),
+        "v": torch.randn(b, lk, hkv, case["dv"], generator=gen, dtype=torch.float64),
+    }
+    if mask_kind == "bool":
+        feed["mask"] = torch.rand(b, 1, lq, lk, generator=gen) > 0.3
+        feed["mask"][..., 0] = True
+    elif mask_kind == "float":
+        feed["mask"] = torch.randn(h, lq, lk, generator=gen, dtype=torch.float64)
+    return case, feed
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_attention_in_place_matches_the_transposes(name, gen):
+    """The same loss and q, k, v gradients as the graph with the transposes (float64, 1e-12);
+    where the output is also read as (batch, heads, length, dim), one transpose back stays."""
+    case, feed = _heads_feed(CASES[name], gen)
+    g = _heads_graph(**case, mask=feed.get("mask"))
+    in_place, plain = _run(g, feed, rewrites=(rewrites.attention_in_place,)), _run(g, feed, rewrites=())
+    assert [op.layout for op in _ops(in_place[3]) if op.name == "scaled_dot_product_attention"] == ["blhd"]
+    left = 1 if case.get("read_output") else 0  # a one-head transpose is a view: it copies nothing
+    assert _strided_copies(in_place[3]) == left < _strided_copies(plain[3])
+    torch.testing.assert_close(in_place[0], plain[0], rtol=1e-12, atol=1e-12)
+    for key in ("q", "k", "v"):
+        torch.testing.assert_close(in_place[1][key], plain[1][key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_attention_on_length_heads_layout_gradcheck_float64(mask, gen):
+    """The blhd op itself against central differences (one key/value head for two query heads;
+    with a bool mask)."""
+    from teeny.kernels.attention import AttentionOp
+
+    _, feed = _heads_feed(dict(b=1, lq=3, lk=4, h=2, hkv=1, d=3, dv=2, mask=mask), gen)
+
+    def attend(q, k, v, *m):
+        op = AttentionOp(bool(m), False, None, False, layout="blhd")
+        return q.graph.apply(op, [q, k, v, *m])
+
+    args = [feed["q"], feed["k"], feed["v"]] + ([feed["mask"]] if mask else [])
+    teeny.gradcheck(attend, *args, requires_grad=lambda i, t: i < 3)
+
+
+def test_attention_in_place_needs_transposes_that_nothing_else_reads(gen):
+    g = Graph()
+    q = g.input("q", (1, 3, 2, 4), requires_grad=True)
+    qt = ops.transpose(q, 1, 2)
+    y = ops.scaled_dot_product_attention(qt, qt, qt)
+    g.output(ops.add(ops.sum(y), ops.sum(qt)))  # the transposed q is read again: nothing to save
+    program = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.attention_in_place,))
+    assert [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"] == ["bhld"]

@@ -14,6 +14,9 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   fewer. (The backward still sums the two gradients arriving at the sum with the executor's
   accumulate launch: folding that into the norm's backward needs a way for an op to read the
   gradient accumulated so far, which the executor does not offer.)
+* ``attention_in_place``: the transposes that split the heads of q, k and v before an attention,
+  and merge them after it, are left out: the attention reads and writes (batch, length, heads,
+  dim) tensors through strides (``attention.AttentionOp(layout="blhd")``).
 * ``chunk_linear_cross_entropy``: cross_entropy(linear(x, W, b)) with class-index targets
   becomes one op that computes the logits chunk by chunk of rows, with the loss and the
   gradients of x, W and b in the forward (``loss.LinearCrossEntropyOp``): the (rows x classes)
@@ -269,7 +272,92 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
     )
 
 
-DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy)
+# ------------------------------------------------------------------- attention in place
+
+_SWAP_LENGTH_AND_HEADS = (0, 2, 1, 3)
+
+
+def _transposed_source(value: Value, read_by, kept: set[int]) -> Value | None:
+    """x when ``value`` is x.transpose(1, 2) of a 4-D x, read by one node and not an output."""
+    from .kernels.shape import PermuteOp
+
+    node = value.producer
+    if node is None or type(node.op) is not PermuteOp or node.op.dims != _SWAP_LENGTH_AND_HEADS:
+        return None
+    if value.id in kept or len(read_by[value.id]) != 1:
+        return None
+    return node.inputs[0]
+
+
+def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """scaled_dot_product_attention of q, k, v that are transposes (batch, length, heads, dim)
+    -> (batch, heads, length, dim), as a multi-head layer splits its heads, becomes an attention
+    that reads the untransposed tensors through strides (``AttentionOp(layout="blhd")``) and
+    writes its output as (batch, length, heads, dim), which the transpose after it (the merge of
+    the heads) made: per layer four copies fewer forwards and four backwards. Where something
+    else reads the output, one transpose back stays for it."""
+    from .kernels.attention import AttentionOp
+    from .kernels.shape import PermuteOp
+
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, list[Value]] = {}  # attention node id -> its untransposed q, k, v
+    for node in graph.nodes:
+        if type(node.op) is not AttentionOp or node.op.layout != "bhld" or node.output.id not in needed:
+            continue
+        sources = [_transposed_source(v, read_by, kept) for v in node.inputs[:3]]
+        if any(s is None for s in sources) or len({s.shape[0] for s in sources}) != 1:
+            continue
+        matches[node.id] = sources
+    if not matches:
+        return graph, outputs, ""
+    skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
+    merges: dict[int, list[Node]] = {}  # per matched attention: the transposes of its output (head merges)
+    others: set[int] = set()  # matched attentions whose output something else reads too
+    for node in graph.nodes:
+        if node.id in matches:
+            for reader, _ in read_by[node.output.id]:
+                if type(reader.op) is PermuteOp and reader.op.dims == _SWAP_LENGTH_AND_HEADS:
+                    merges.setdefault(node.id, []).append(reader)
+                    skipped.add(reader.id)
+                else:
+                    others.add(node.id)
+            if node.output.id in kept:
+                others.add(node.id)
+    rebuild = Rebuild(graph)
+    copies = 0
+    for node in graph.nodes:
+        if node.id in skipped:
+            continue
+        if node.id not in matches:
+            rebuild.copy(node)
+            continue
+        op = node.op
+        in_place = AttentionOp(
+            op.has_mask, op.is_causal, op.user_scale, op.enable_gqa, op.dropout_p, op.seed, op.fixed_mask, "blhd"
+        )
+        inputs = [rebuild[v] for v in matches[node.id]] + [rebuild[v] for v in node.inputs[3:]]
+        out = rebuild.apply(in_place, inputs, node.name)
+        copies += sum(_nbytes(v) for v in node.inputs[:3])
+        for merge in merges.get(node.id, []):
+            rebuild.new[merge.output.id] = out
+            copies += _nbytes(node.output)
+        if node.id in others:  # the (batch, heads, length, dim) output for its other readers
+            rebuild.new[node.output.id] = rebuild.apply(
+                PermuteOp("transpose", _SWAP_LENGTH_AND_HEADS), [out], node.name + "_heads_second"
+            )
+            copies -= _nbytes(node.output)
+    graph, outputs = rebuild.finish(outputs)
+    transposes = 3 * len(matches) + sum(len(m) for m in merges.values()) - len(others)
+    return (
+        graph,
+        outputs,
+        f"attention on (batch, length, heads, dim) in place: {len(matches)}, {transposes} transposes "
+        f"({_mib(copies)} of copies) fewer per forward, as many per backward",
+    )
+
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy, attention_in_place)
 
 # ------------------------------------------------------------------------- mixed precision
 

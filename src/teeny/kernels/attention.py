@@ -106,10 +106,11 @@ def _dot(a, b, acc, UPCAST_BF16: tl.constexpr):
 
 
 @_device_fn
-def _load_tile(base, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """base[rows, cols] of a contiguous (n_rows, n_cols) matrix, 0 outside it; unchecked loads
-    (no mask: vectorised, pipelined) where the caller knows the tile is inside."""
-    ptrs = base + rows[:, None] * n_cols + cols[None, :]
+def _load_tile(base, rows, cols, n_rows, n_cols, ROW: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """base[rows, cols] of an (n_rows, n_cols) matrix whose rows lie ROW elements apart, 0
+    outside it; unchecked loads (no mask: vectorised, pipelined) where the caller knows the
+    tile is inside."""
+    ptrs = base + rows[:, None] * ROW + cols[None, :]
     if CHECK_ROWS and CHECK_COLS:
         return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
     elif CHECK_ROWS:
@@ -121,8 +122,8 @@ def _load_tile(base, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK
 
 
 @_device_fn
-def _store_tile(base, value, rows, cols, n_rows, n_cols):
-    ptrs = base + rows[:, None] * n_cols + cols[None, :]
+def _store_tile(base, value, rows, cols, n_rows, n_cols, ROW: tl.constexpr):
+    ptrs = base + rows[:, None] * ROW + cols[None, :]
     tl.store(ptrs, value.to(base.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
 
 
@@ -168,6 +169,8 @@ def _forward_keys(
     DROPOUT: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -182,7 +185,7 @@ def _forward_keys(
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_tile(k_base, cols, offs_d, k_len, D, CHECK, BLOCK_D != D)
+        k = _load_tile(k_base, cols, offs_d, k_len, D, K_ROW, CHECK, BLOCK_D != D)
         qk = _dot(q, tl.trans(k), None, UPCAST_BF16)
         if CHECK or mask_ptr is not None:
             s = qk * qk_scale
@@ -207,7 +210,7 @@ def _forward_keys(
         if DROPOUT:
             keep = philox_keep(seed, dropout_base + rows[:, None] * k_len + cols[None, :], keep_threshold)
             p = tl.where(keep, p, 0.0)
-        v = _load_tile(v_base, cols, offs_dv, k_len, DV, CHECK, BLOCK_DV != DV)
+        v = _load_tile(v_base, cols, offs_dv, k_len, DV, V_ROW, CHECK, BLOCK_DV != DV)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_BF16)
         row_max = new_max
     return acc, row_sum, row_max
@@ -241,6 +244,8 @@ def _dq_keys(
     DROPOUT: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -253,8 +258,8 @@ def _dq_keys(
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_tile(k_base, cols, offs_d, k_len, D, CHECK, BLOCK_D != D)
-        v = _load_tile(v_base, cols, offs_dv, k_len, DV, CHECK, BLOCK_DV != DV)
+        k = _load_tile(k_base, cols, offs_d, k_len, D, K_ROW, CHECK, BLOCK_D != D)
+        v = _load_tile(v_base, cols, offs_dv, k_len, DV, V_ROW, CHECK, BLOCK_DV != DV)
         s = _dot(q, tl.trans(k), None, UPCAST_BF16) * qk_scale
         if mask_ptr is not None:
             offsets = rows[:, None] * mask_stride_q + cols[None, :] * mask_stride_k
@@ -306,6 +311,8 @@ def _dkdv_queries(
     WANT_DV: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
+    Q_ROW: tl.constexpr,
+    O_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -320,8 +327,8 @@ def _dkdv_queries(
     for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        q = _load_tile(q_base, rows, offs_d, q_len, D, CHECK, BLOCK_D != D)
-        do = _load_tile(do_base, rows, offs_dv, q_len, DV, CHECK, BLOCK_DV != DV)
+        q = _load_tile(q_base, rows, offs_d, q_len, D, Q_ROW, CHECK, BLOCK_D != D)
+        do = _load_tile(do_base, rows, offs_dv, q_len, DV, O_ROW, CHECK, BLOCK_DV != DV)
         if CHECK:
             lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0)
         else:
@@ -359,9 +366,12 @@ def _dkdv_queries(
 
 
 # -------------------------------------------------------------------------------- kernels
-# Layout: q, k, v are read through (outer, head) strides per operand (0 along broadcast dims);
-# out, dout (BH, Lq, DV), lse/delta (BH, Lq), dq (BH, Lq, D) and dk/dv (BH / KV_GROUP, Lk, D/DV)
-# are contiguous, BH = n_outer * n_heads. Query head h reads key/value head h // kv_group. The
+# Layout: q, k, v, out/dout, dq and dk/dv are read and written through (outer, head) strides
+# per operand (0 along broadcast dims of q, k, v) and their rows lie Q_ROW, K_ROW, V_ROW and
+# O_ROW elements apart (dq like q, dk like k, dv like v, dout like out): D and DV for tensors
+# laid out (..., heads, length, head dim), heads x D for (batch, length, heads, head dim), which
+# the attention reads and writes in place of the transposes around it. lse/delta (BH, Lq) are
+# contiguous, BH = n_outer * n_heads. Query head h reads key/value head h // kv_group. The
 # mask is read through strides too. Program axis 0 is the head, axis 1 the block: CUDA runs
 # axis 0 fastest, so the first wave holds the first block of every head (the longest ones,
 # causal, once ordered so).
@@ -393,11 +403,19 @@ def attention_backward_dq(
     mask_stride_h,
     mask_stride_q,
     mask_stride_k,
+    o_stride_b,
+    o_stride_h,
+    dq_stride_b,
+    dq_stride_h,
     scale,
     keep_threshold: tl.int64,
     dropout_scale,
     D: tl.constexpr,
     DV: tl.constexpr,
+    Q_ROW: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     ACC: tl.constexpr,
@@ -413,19 +431,21 @@ def attention_backward_dq(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_base = bh.to(tl.int64) * q_len
-    o = _load_tile(out_ptr + row_base * DV, rows, offs_dv, q_len, DV, True, BLOCK_DV != DV)
-    do = _load_tile(dout_ptr + row_base * DV, rows, offs_dv, q_len, DV, True, BLOCK_DV != DV)
+    b = bh // n_heads
+    h = bh - b * n_heads
+    o_base = b.to(tl.int64) * o_stride_b + h.to(tl.int64) * o_stride_h
+    o = _load_tile(out_ptr + o_base, rows, offs_dv, q_len, DV, O_ROW, True, BLOCK_DV != DV)
+    do = _load_tile(dout_ptr + o_base, rows, offs_dv, q_len, DV, O_ROW, True, BLOCK_DV != DV)
     delta = tl.sum(upcast(o) * upcast(do), 1)
     tl.store(delta_ptr + row_base + rows, delta, mask=rows < q_len)
     if dq_ptr is not None:
-        b = bh // n_heads
-        h = bh - b * n_heads
         q = _load_tile(
             q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h,
             rows,
             offs_d,
             q_len,
             D,
+            Q_ROW,
             True,
             BLOCK_D != D,
         )
@@ -477,12 +497,15 @@ def attention_backward_dq(
                 seed_ptr is not None,
                 D,
                 DV,
+                K_ROW,
+                V_ROW,
                 UPCAST_BF16,
                 BLOCK_N,
                 BLOCK_D,
                 BLOCK_DV,
             )
-        _store_tile(dq_ptr + row_base * D, dq * scale, rows, offs_d, q_len, D)
+        dq_base = dq_ptr + b.to(tl.int64) * dq_stride_b + h.to(tl.int64) * dq_stride_h
+        _store_tile(dq_base, dq * scale, rows, offs_d, q_len, D, Q_ROW)
 
 
 @kernel(half=True, optional=("mask_ptr", "seed_ptr", "dk_ptr", "dv_ptr"))
@@ -511,11 +534,21 @@ def attention_backward_dkdv(
     mask_stride_h,
     mask_stride_q,
     mask_stride_k,
+    o_stride_b,
+    o_stride_h,
+    dk_stride_b,
+    dk_stride_h,
+    dv_stride_b,
+    dv_stride_h,
     scale,
     keep_threshold: tl.int64,
     dropout_scale,
     D: tl.constexpr,
     DV: tl.constexpr,
+    Q_ROW: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     ACC: tl.constexpr,
@@ -535,7 +568,14 @@ def attention_backward_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = _load_tile(
-        k_ptr + b.to(tl.int64) * k_stride_b + kv_h.to(tl.int64) * k_stride_h, cols, offs_d, k_len, D, True, BLOCK_D != D
+        k_ptr + b.to(tl.int64) * k_stride_b + kv_h.to(tl.int64) * k_stride_h,
+        cols,
+        offs_d,
+        k_len,
+        D,
+        K_ROW,
+        True,
+        BLOCK_D != D,
     )
     v = _load_tile(
         v_ptr + b.to(tl.int64) * v_stride_b + kv_h.to(tl.int64) * v_stride_h,
@@ -543,6 +583,7 @@ def attention_backward_dkdv(
         offs_dv,
         k_len,
         DV,
+        V_ROW,
         True,
         BLOCK_DV != DV,
     )
@@ -581,7 +622,7 @@ def attention_backward_dkdv(
                 k,
                 v,
                 q_base,
-                dout_ptr + bh * q_len * DV,
+                dout_ptr + b.to(tl.int64) * o_stride_b + h.to(tl.int64) * o_stride_h,
                 lse_ptr + bh * q_len,
                 delta_ptr + bh * q_len,
                 cols,
@@ -605,16 +646,19 @@ def attention_backward_dkdv(
                 dv_ptr is not None,
                 D,
                 DV,
+                Q_ROW,
+                O_ROW,
                 UPCAST_BF16,
                 BLOCK_M,
                 BLOCK_D,
                 BLOCK_DV,
             )
-    kv_base = kv_bh.to(tl.int64) * k_len
     if dk_ptr is not None:
-        _store_tile(dk_ptr + kv_base * D, dk * scale, cols, offs_d, k_len, D)
+        dk_base = dk_ptr + b.to(tl.int64) * dk_stride_b + kv_h.to(tl.int64) * dk_stride_h
+        _store_tile(dk_base, dk * scale, cols, offs_d, k_len, D, K_ROW)
     if dv_ptr is not None:
-        _store_tile(dv_ptr + kv_base * DV, dv * dropout_scale, cols, offs_dv, k_len, DV)
+        dv_base = dv_ptr + b.to(tl.int64) * dv_stride_b + kv_h.to(tl.int64) * dv_stride_h
+        _store_tile(dv_base, dv * dropout_scale, cols, offs_dv, k_len, DV, V_ROW)
 
 
 @kernel(
@@ -645,12 +689,18 @@ def attention_forward(
     mask_stride_h,
     mask_stride_q,
     mask_stride_k,
+    o_stride_b,
+    o_stride_h,
     scale,
     seed,
     keep_threshold: tl.int64,
     dropout_scale,
     D: tl.constexpr,
     DV: tl.constexpr,
+    Q_ROW: tl.constexpr,
+    K_ROW: tl.constexpr,
+    V_ROW: tl.constexpr,
+    O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
     ACC: tl.constexpr,
@@ -669,7 +719,14 @@ def attention_forward(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(
-        q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h, rows, offs_d, q_len, D, True, BLOCK_D != D
+        q_ptr + b.to(tl.int64) * q_stride_b + h.to(tl.int64) * q_stride_h,
+        rows,
+        offs_d,
+        q_len,
+        D,
+        Q_ROW,
+        True,
+        BLOCK_D != D,
     )
     q = tl.where(scale < 0, -q, q)  # the scores use |c|, so that max(qk) * |c| is the largest score
     k_base = k_ptr + b.to(tl.int64) * k_stride_b + (h // kv_group).to(tl.int64) * k_stride_h
@@ -715,6 +772,8 @@ def attention_forward(
             seed_out_ptr is not None,
             D,
             DV,
+            K_ROW,
+            V_ROW,
             UPCAST_BF16,
             BLOCK_N,
             BLOCK_D,
@@ -726,7 +785,8 @@ def attention_forward(
         out = acc * (dropout_scale / safe_sum)[:, None]
     else:
         out = acc / safe_sum[:, None]
-    _store_tile(out_ptr + row_base * DV, out, rows, offs_dv, q_len, DV)
+    o_base = out_ptr + b.to(tl.int64) * o_stride_b + h.to(tl.int64) * o_stride_h
+    _store_tile(o_base, out, rows, offs_dv, q_len, DV, O_ROW)
     lse = tl.where(seen_any, row_max + tl.log2(safe_sum), float("-inf"))
     tl.store(lse_ptr + row_base + rows, lse, mask=rows < q_len)
 
@@ -805,7 +865,9 @@ class AttentionLayout:
     """How the kernels index one call. ``batch``: the broadcast batch dims of the output;
     ``kv_batch``: those of the key/value gradients (the head dim divided by ``kv_group``). The
     kernels see them as ``n_outer`` x ``n_heads`` (query) heads; ``strides`` are the per-operand
-    element strides of those two levels and the mask's along queries and keys."""
+    element strides of those two levels (q, k, v, mask, out and dout) with the mask's along
+    queries and keys and the row strides (``Q_ROW``, ...), which every kernel takes;
+    ``grad_strides`` those of dq, dk and dv, which one backward kernel each takes."""
 
     batch: tuple[int, ...]
     kv_batch: tuple[int, ...]
@@ -817,6 +879,7 @@ class AttentionLayout:
     d: int
     dv: int
     strides: dict[str, int]
+    grad_strides: dict[str, int]
 
     @property
     def n_bh(self) -> int:
@@ -903,7 +966,70 @@ def attention_layout(shapes: list, mask_shape, enable_gqa: bool) -> AttentionLay
     strides.setdefault("mask_stride_h", 0)
     strides.update(mask_stride_q=mask_q, mask_stride_k=mask_k)
     kv_batch = batch[:-1] + (batch[-1] // kv_group,) if kv_group > 1 else batch
-    return AttentionLayout(batch, kv_batch, n_outer, n_heads, kv_group, lq, lk, d, dv, strides)
+    # out, dout, dq, dk and dv are contiguous: (n_outer, n_heads or n_heads / kv_group, length, dim)
+    strides.update(o_stride_b=n_heads * lq * dv, o_stride_h=lq * dv, Q_ROW=d, K_ROW=d, V_ROW=dv, O_ROW=dv)
+    n_kv = n_heads // kv_group
+    grad_strides = dict(
+        dq_stride_b=n_heads * lq * d,
+        dq_stride_h=lq * d,
+        dk_stride_b=n_kv * lk * d,
+        dk_stride_h=lk * d,
+        dv_stride_b=n_kv * lk * dv,
+        dv_stride_h=lk * dv,
+    )
+    return AttentionLayout(batch, kv_batch, n_outer, n_heads, kv_group, lq, lk, d, dv, strides, grad_strides)
+
+
+def heads_second(shape) -> tuple[int, ...]:
+    """(batch, length, heads, dim) -> (batch, heads, length, dim)."""
+    b, length, h, d = shape
+    return (b, h, length, d)
+
+
+def attention_layout_blhd(shapes: list, mask_shape, enable_gqa: bool) -> AttentionLayout:
+    """The layout of q (B, Lq, H, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, DV), each contiguous
+    (what reshape(linear(x), (B, L, H, D)) makes, before the transpose to (B, H, L, D) that this
+    layout saves), and the mask broadcastable to (B, H, Lq, Lk). The output is (B, Lq, H, DV)."""
+    for what, shape in zip(("query", "key", "value"), shapes[:3]):
+        if len(shape) != 4:
+            raise ValueError(f"{what}: the (batch, length, heads, dim) layout takes 4-D tensors, got shape {shape}")
+    q, k, v = (tuple(s) for s in shapes[:3])
+    if not q[0] == k[0] == v[0]:
+        raise ValueError(f"the (batch, length, heads, dim) layout needs one batch size, got {q}, {k} and {v}")
+    logical = attention_layout([heads_second(s) for s in (q, k, v)], mask_shape, enable_gqa)  # the checks
+    (b, lq, h, d), (_, lk, hkv, _), dv = q, k, v[-1]
+    strides = dict(
+        q_stride_b=lq * h * d,
+        q_stride_h=d,
+        k_stride_b=lk * hkv * d,
+        k_stride_h=d,  # query head h reads key/value head h // kv_group
+        v_stride_b=lk * hkv * dv,
+        v_stride_h=dv,
+        o_stride_b=lq * h * dv,
+        o_stride_h=dv,
+        Q_ROW=h * d,
+        K_ROW=hkv * d,
+        V_ROW=hkv * dv,
+        O_ROW=h * dv,
+        mask_stride_q=logical.strides["mask_stride_q"],
+        mask_stride_k=logical.strides["mask_stride_k"],
+        mask_stride_b=0,
+        mask_stride_h=0,
+    )
+    if mask_shape is not None:
+        padded = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+        mask_b, mask_h = _batch_strides(padded[:2], (b, h), padded[2] * padded[3])
+        strides.update(mask_stride_b=mask_b, mask_stride_h=mask_h)
+    grad_strides = dict(
+        dq_stride_b=strides["q_stride_b"],
+        dq_stride_h=d,
+        dk_stride_b=strides["k_stride_b"],
+        dk_stride_h=d,
+        dv_stride_b=strides["v_stride_b"],
+        dv_stride_h=dv,
+    )
+    group = logical.kv_group
+    return AttentionLayout((b, h), (b, h // group), b, h, group, lq, lk, d, dv, strides, grad_strides)
 
 
 def _index_levels(batch, operands, keep_heads: bool) -> list[tuple[int, list[int]]]:
@@ -934,7 +1060,9 @@ class AttentionOp(RuntimeOp):
     """Fused attention; inputs q, k, v[, mask]; saves the inputs, the output, lse2 and, with
     dropout, the seed of the run's mask (``extra_outputs``), as dropout does: every forward run
     draws a new mask (the k-th run of a node with base seed s always the same one), and a
-    backward regenerates the mask of the forward that made its cache."""
+    backward regenerates the mask of the forward that made its cache. ``layout="blhd"``: q, k, v
+    and the output are (batch, length, heads, dim) (``attention_layout_blhd``; the rewrite
+    ``rewrites.attention_in_place`` makes it of the transposes around an attention)."""
 
     name = "scaled_dot_product_attention"
     kernel = attention_forward
@@ -951,7 +1079,11 @@ class AttentionOp(RuntimeOp):
         dropout_p: float = 0.0,
         seed: int = 0,
         fixed_mask: bool = False,
+        layout: str = "bhld",
     ):
+        if layout not in ("bhld", "blhd"):
+            raise ValueError(f"attention layout must be 'bhld' or 'blhd', got {layout!r}")
+        self.layout = layout
         self.has_mask, self.is_causal, self.user_scale, self.enable_gqa = has_mask, is_causal, scale, enable_gqa
         self.n_activation_inputs = 4 if has_mask else 3
         self.dropout_p, self.seed, self.fixed_mask = float(dropout_p), int(seed), bool(fixed_mask)
@@ -960,7 +1092,8 @@ class AttentionOp(RuntimeOp):
 
     # --- shapes --------------------------------------------------------------------------
     def _layout(self, shapes) -> AttentionLayout:
-        return attention_layout(shapes, shapes[3] if self.has_mask else None, self.enable_gqa)
+        build = attention_layout_blhd if self.layout == "blhd" else attention_layout
+        return build(shapes, shapes[3] if self.has_mask else None, self.enable_gqa)
 
     def check_inputs(self, input_shapes, input_dtypes):
         for what, dtype in zip(("query", "key", "value"), input_dtypes[:3]):
@@ -974,6 +1107,8 @@ class AttentionOp(RuntimeOp):
 
     def output_shape(self, input_shapes):
         layout = self._layout(input_shapes)
+        if self.layout == "blhd":
+            return (layout.n_outer, layout.q_len, layout.n_heads, layout.dv)
         return layout.batch + (layout.q_len, layout.dv)
 
     def extra_outputs(self, input_shapes, dtype):
@@ -1055,10 +1190,12 @@ class AttentionOp(RuntimeOp):
         q_shape = layout.batch + (layout.q_len, layout.d)
         k_shape, v_shape = layout.kv_batch + (layout.k_len, layout.d), layout.kv_batch + (layout.k_len, layout.dv)
         # a broadcast operand's gradient is computed per head into float32 scratch, then summed
+        # (the blhd layout has no broadcast operand: its gradients are written in place)
         dq_out, dk_out, dv_out = (
-            g if g is None or tuple(g.shape) == full else ctx.empty(full, acc_dtype(ctx.dtype))
+            g if g is None or tuple(g.shape) == full or self.layout == "blhd" else ctx.empty(full, acc_dtype(ctx.dtype))
             for g, full in ((dq, q_shape), (dk, k_shape), (dv, v_shape))
         )
+        grad = layout.grad_strides
         launches = []
         if dq is not None or dk is not None:  # dq also writes delta, which dkdv reads
             t = tiles.dq
@@ -1069,6 +1206,8 @@ class AttentionOp(RuntimeOp):
                 dout_ptr=ctx.grad_output,
                 delta_ptr=delta,
                 dq_ptr=dq_out,
+                dq_stride_b=grad["dq_stride_b"],
+                dq_stride_h=grad["dq_stride_h"],
                 BLOCK_M=t.block_m,
                 BLOCK_N=t.block_n,
             )
@@ -1083,6 +1222,7 @@ class AttentionOp(RuntimeOp):
                 delta_ptr=delta,
                 dk_ptr=dk_out,
                 dv_ptr=dv_out,
+                **{k: v for k, v in grad.items() if not k.startswith("dq")},
                 BLOCK_M=t.block_m,
                 BLOCK_N=t.block_n,
             )
