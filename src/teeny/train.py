@@ -309,6 +309,8 @@ class TrainStep:
     kernels through device memory (``Optimizer.prepare``), so schedules keep working.
     With ``parallel`` (a ``teeny.distributed.DataParallel``) the step also combines the ranks'
     losses and gradients (collectives included in the captured graph where NCCL allows it).
+    An ``optim.GradScaler`` attached to the optimizer scales the backward's seed and unscales
+    the gradients before clipping and the update (float16 training).
     Returns the loss as a device tensor (reading it is the caller's choice: it synchronises).
     """
 
