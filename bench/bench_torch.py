@@ -62,7 +62,7 @@ def _peak(fn) -> float:
 # ----------------------------------------------------------------------------- 1. overhead
 
 
-def overhead(device, tiny: bool) -> dict:
+def overhead(device, tiny: bool, profile: bool = False) -> dict:
     from teeny.kernels.activation import _gelu_erf, _gelu_erf_grad, activation_backward, activation_forward
 
     n = 1024
@@ -103,6 +103,18 @@ def overhead(device, tiny: bool) -> dict:
         ("teeny.torch.apply(gelu) forward+backward", apply_both),
     ]:
         out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
+    if profile:  # where the host time of a registered op's forward+backward goes
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(200):
+            op_both()
+        _sync()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     out["op overhead forward (us)"] = out["torch.ops.teeny.gelu forward"] - out["raw kernel forward"]
     out["op overhead forward+backward (us)"] = (
         out["torch.ops.teeny.gelu forward+backward"] - out["raw kernels forward+backward"]
@@ -208,12 +220,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: check that every part runs")
     parser.add_argument("--only", choices=["overhead", "patched", "imported"], nargs="*")
+    parser.add_argument("--profile", action="store_true", help="cProfile the registered op's host path")
     args = parser.parse_args()
     device = teeny.DEVICE
     parts = args.only or ["overhead", "patched", "imported"]
     report = {"device": teeny.device.describe(), "tiny": args.tiny}
     if "overhead" in parts:
-        report["overhead (us per call)"] = overhead(device, args.tiny)
+        report["overhead (us per call)"] = overhead(device, args.tiny, args.profile)
     if "patched" in parts:
         report["GPT-2 training step, patched"] = patched_gpt2(device, args.tiny)
     if "imported" in parts:

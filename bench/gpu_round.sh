@@ -6,9 +6,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -n 14 -p no:cacheprovider --timeout 150 tests --maxfail=60 \
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -n 14 -p no:cacheprovider --timeout 150 tests --maxfail=60 \
     > "$OUT/tests.log" 2>&1
-  echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40
+  echo "pytest exit $?"; grep -E " passed| failed|FAILED|ERROR" "$OUT/tests.log" | grep -v "^$" | tail -60
 fi
 for spec in "$@"; do
   name=${spec%%:*}; rest=${spec#*:}; limit=${rest%%:*}; cmd=${rest#*:}

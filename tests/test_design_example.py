@@ -17,12 +17,15 @@ DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
 
 @pytest.fixture(scope="module")
-def example():
+def example(tmp_path_factory):
     text = DESIGN.read_text()
     section = text[text.index("## Adding an op: a worked example") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    # a file of its own: compiled Triton (not the interpreter) reads a kernel's source back from it
+    source = tmp_path_factory.mktemp("design") / "design_example.py"
+    source.write_text(code)
     namespace: dict = {"__name__": "design_example"}
-    exec(compile(code, str(DESIGN), "exec"), namespace)
+    exec(compile(code, str(source), "exec"), namespace)
     yield namespace, code
     OPS.pop("squareplus", None)  # the registry is process-wide: leave it as the suite found it
 

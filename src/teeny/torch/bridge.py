@@ -97,7 +97,9 @@ class Compiled:
         updates in place (``mutated``; the inputs themselves are left alone). Nothing returned
         aliases an input."""
         ex = self.executor
-        tensors = [t.clone() if i in self.mutated else t for i, t in enumerate(tensors)]
+        # an input written in place is copied onto the executor's device here, so that the copy it
+        # updates is the one returned (a CPU tensor given to a GPU program would be moved inside it)
+        tensors = [t.to(ex.device, copy=True) if i in self.mutated else t for i, t in enumerate(tensors)]
         feed = dict(zip(self.input_names, tensors))
         device = tensors[0].device if tensors else ex.device
         if self.training:
