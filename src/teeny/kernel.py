@@ -111,6 +111,7 @@ class Kernel:
         self.params = tuple(
             KernelParam(p.name, _param_kind(p), p.name in optional) for p in signature.parameters.values()
         )
+        self._param_by_name = {p.name: p for p in self.params}
         unknown = optional - {p.name for p in self.params if p.kind == "ptr"}
         if unknown:
             raise TypeError(f"kernel {self.name}: optional= names {sorted(unknown)}, which are not pointer parameters")
@@ -137,7 +138,7 @@ class Kernel:
         return bool(self.backward)
 
     def param(self, name: str) -> KernelParam | None:
-        return next((p for p in self.params if p.name == name), None)
+        return self._param_by_name.get(name)
 
     def tune(self, dtype: torch.dtype | None = None, **options: Any) -> Kernel:
         """Default Triton launch options (``num_warps``, ``num_stages``) for every launch of this

@@ -134,9 +134,18 @@ _FITS = {
 }
 
 
+class _Where:
+    def __init__(self, where: str, kernel: str, index: int, param: str) -> None:
+        self.parts = (where, kernel, index, param)
+
+    def __format__(self, spec: str) -> str:
+        where, kernel, index, param = self.parts
+        return f"{where}: kernel {kernel} argument {index} '{param}'"
+
+
 def _resolve(param: KernelParam, visit: Visit, where: str, kernel: Kernel, index: int) -> Any:
     """The value to pass for ``param``, after checking the visit's kind (and value) against it."""
-    what = f"{where}: kernel {kernel.name} argument {index} '{param.name}'"
+    what = _Where(where, kernel.name, index, param.name)  # formatted only for an error
     value, kind = visit.value, visit.kind
     if kind == AUTO:
         if param.kind == "constexpr":
@@ -179,7 +188,7 @@ def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: i
                 raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
             by_name[v.name] = v
         values = []
-        for p in params:
+        for index, p in enumerate(params):
             v = by_name.get(p.name)
             if v is None:
                 if p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
@@ -188,7 +197,7 @@ def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: i
                     v = Visit(p.name, "ptr", None)
                 else:
                     raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
-            values.append(_resolve(p, v, where, kernel, params.index(p)))
+            values.append(_resolve(p, v, where, kernel, index))
         return values
     if len(visits) != len(params):
         expected = ", ".join(f"{p.name}:{p.kind}" for p in params)

@@ -458,12 +458,14 @@ def _setup_context(ctx, inputs, output) -> None:
             ctx.input_versions = []
 
 
-def _backward(ctx, grads):
+def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None] | None:
+    """The gradients of the flat inputs (``None`` for an entry lowered for inference), through
+    the backward operator, or straight through the entry when ``eager``."""
     entry: Compiled = ctx.entry
     if entry.key not in _ENTRIES:  # evicted since the forward: the autograd graph kept it alive
         remember(entry)
     if not entry.training:
-        return None, None
+        return None
     try:
         saved = ctx.saved_tensors
     except RuntimeError as exc:
@@ -471,9 +473,18 @@ def _backward(ctx, grads):
             raise
         raise RuntimeError(_changed_message(ctx, entry)) from exc
     grad = grads[0] if grads else None
-    computed = torch.ops.teeny.run_backward(entry.key, [] if grad is None else [grad], list(saved))
+    if not eager:
+        computed = torch.ops.teeny.run_backward(entry.key, [] if grad is None else [grad], list(saved))
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (grad, *saved)):
+        raise RuntimeError(_double_backward_message(entry))
+    else:
+        computed = entry.backward(grad, saved)
     by_input = dict(zip(entry.grad_inputs, computed))
-    return None, [by_input.get(i) for i in range(len(entry.input_names))]
+    return [by_input.get(i) for i in range(len(entry.input_names))]
+
+
+def _backward(ctx, grads):
+    return None, _input_gradients(ctx, grads, eager=False)
 
 
 def _changed_message(ctx, entry: Compiled) -> str:
@@ -492,20 +503,57 @@ def _changed_message(ctx, entry: Compiled) -> str:
 run_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx, inputs, output) -> None:
-    entry = lookup(inputs[0])
-    raise RuntimeError(
+def _double_backward_message(entry: Compiled) -> str:
+    return (
         f"{entry.label}: double backward (create_graph=True, e.g. a gradient penalty) is not supported: "
         "teeny's backward kernels have no backward of their own"
     )
 
 
+def _no_double_backward(ctx, inputs, output) -> None:
+    raise RuntimeError(_double_backward_message(lookup(inputs[0])))
+
+
 run_backward.register_autograd(lambda ctx, grads: None, setup_context=_no_double_backward)
 
 
+class _EagerRun(torch.autograd.Function):
+    """``run_forward`` and ``run_backward`` for plain tensors in eager mode: the same entry,
+    context and gradients, without the two custom-operator dispatches (their Python wrappers
+    cost about a millisecond per forward+backward on the H200's host, bench/NOTES.md)."""
+
+    @staticmethod
+    def forward(ctx, key, *tensors):  # ctx in forward: apply() binds no signature per call then
+        output = tuple(lookup(key).forward(list(tensors)))
+        ctx.set_materialize_grads(False)
+        _setup_context(ctx, (key, list(tensors)), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        computed = _input_gradients(ctx, grads, eager=True)
+        return None, *(computed or [None] * (len(ctx.needs_input_grad) - 1))
+
+
+def _eager(tensors: Sequence[torch.Tensor]) -> bool:
+    """Plain tensors outside any tracing (torch.compile, make_fx, fake or functional tensors,
+    dispatch modes such as opcheck's): the call can skip the operators' dispatch."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    )
+
+
 def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run ``entry`` through the operators (differentiably where it was lowered for training)."""
-    results = torch.ops.teeny.run_forward(entry.key, list(tensors))
+    """Run ``entry`` through the operators (differentiably where it was lowered for training);
+    in eager mode on plain tensors through ``_EagerRun``, which computes the same."""
+    if not _eager(tensors):
+        results = torch.ops.teeny.run_forward(entry.key, list(tensors))
+    elif entry.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        results = list(_EagerRun.apply(entry.key, *tensors))
+    else:
+        results = entry.forward(list(tensors))
     if entry.mutated:  # the operator is functional: it returns the new values, written back here
         n = len(results) - len(entry.mutated)
         with torch.no_grad():
