@@ -473,6 +473,8 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None] | Non
             raise
         raise RuntimeError(_changed_message(ctx, entry)) from exc
     grad = grads[0] if grads else None
+    if grad is None:  # output 0 (every float output, flattened) does not reach the loss: no gradient
+        return [None] * len(entry.input_names)
     if not eager:
         computed = torch.ops.teeny.run_backward(entry.key, [] if grad is None else [grad], list(saved))
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (grad, *saved)):
