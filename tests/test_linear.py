@@ -151,6 +151,7 @@ SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles), the multiprocessors
     "stream_k_2_waves": (dict(stream_k=2, subtile=True), 3),  # dX's last 4 tiles shared by 3
     "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),  # dW's 3 tiles shared by 4 programs
     "k_major": (dict(stream_k=1), 2),  # float32 only: MN-major operands copied K-major first
+    "few_tiles_stream_k": (dict(stream_k=1), 64),  # dW's 3 tiles on 7 of the 64 (4+ K tiles each)
 }
 
 
@@ -252,3 +253,21 @@ def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
     for name, r in zip("xwb", refs):
         torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+
+
+def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(monkeypatch):
+    """An MLP layer's product (128 x 784 by 784 x 256: two 128x128 tiles of 25 K tiles) on a
+    132-multiprocessor GPU runs on 12 programs of 4+ K tiles each, not on 2 programs of 25;
+    with whole tiles to go round, or too few K tiles to share, the schedule is the plain one."""
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
+    P = linear_module.Product
+    config = linear_module._cfg(128, 128, 32, 8, 3, stream_k=1)
+    mlp = P(128, 256, 784, (784, 1), (1, 784), (256, 1), [], [])
+    sched = linear_module.schedule(mlp, config)
+    assert (sched.programs, sched.dp_tiles, sched.sk_tiles) == (12, 0, 2) and sched.slots > 1
+    owners = [linear_module._segment_owners(i, 25, 50, 12) for i in range(2)]
+    assert owners[0][0] == 0 and owners[-1][1] == 11  # every program takes part
+    tiny = P(128, 256, 64, (64, 1), (1, 64), (256, 1), [], [])  # 2 K tiles per tile: nothing to share
+    assert linear_module.schedule(tiny, config) == linear_module.schedule(tiny, {**config, "STREAM_K": 0})
+    wide = P(8192, 768, 768, (768, 1), (1, 768), (768, 1), [], [])  # 384 tiles: 2 waves whole, 1 shared
+    assert linear_module.schedule(wide, config).programs == 132

@@ -696,7 +696,9 @@ class Schedule:
 
 def schedule(p: Product, config: dict) -> Schedule:
     """The schedule of ``p`` under a TMA ``config``: STREAM_K = w shares out the tiles of the last
-    w waves (a wave: one tile per program), where each program gets enough K tiles."""
+    w waves (a wave: one tile per program), where each program gets enough K tiles. A product of
+    fewer tiles than multiprocessors is all stream-K, on as many programs as get that many K tiles
+    each (a 128x784 by 784x256 product: 2 tiles of 25 K tiles on 12 programs, not 2)."""
     tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
     k_tiles = cdiv(p.K, config["BLOCK_K"])
     full = config["OCCUPANCY"] * tuning.multiprocessors()
@@ -706,12 +708,15 @@ def schedule(p: Product, config: dict) -> Schedule:
     dp_tiles = max(0, cdiv(tiles, full) - config["STREAM_K"]) * full
     sk_tiles = tiles - dp_tiles
     total = sk_tiles * k_tiles
-    if total < full * STREAM_K_MIN_K_TILES:
-        return whole
+    programs = full
+    if total < full * STREAM_K_MIN_K_TILES:  # too few K tiles for every program to get enough
+        programs = 0 if dp_tiles else total // STREAM_K_MIN_K_TILES  # (whole tiles go round all)
+        if programs <= sk_tiles:
+            return whole
     # the owners of tile i, as _segment_owners computes them in the kernels
-    slots = max(((i + 1) * k_tiles * full - 1) // total - ((i * k_tiles + 1) * full - 1) // total + 1
+    slots = max(((i + 1) * k_tiles * programs - 1) // total - ((i * k_tiles + 1) * programs - 1) // total + 1
                 for i in range(sk_tiles))  # fmt: skip
-    return whole if slots == 1 else Schedule(full, dp_tiles, sk_tiles, slots)
+    return whole if slots == 1 else Schedule(programs, dp_tiles, sk_tiles, slots)
 
 
 def _stream_k_useful(p: Product, config: dict, waves: int) -> bool:

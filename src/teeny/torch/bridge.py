@@ -16,7 +16,9 @@ for the backward are exactly the tensors the ops' pairs declare (``saves_inputs`
 and backward), the rest as extras. The backward operator rebuilds the ``ActivationCache`` from
 them and runs teeny's backward kernels; a backward may run any number of times
 (``retain_graph=True``). The backward operator has no backward: ``create_graph=True`` through a
-teeny op raises an error naming the op.
+teeny op raises an error naming the op. In plain eager mode (real tensors, nothing tracing)
+``call`` skips the two operators' dispatch and runs the same entry through ``_EagerRun``, an
+``autograd.Function`` with the same saved tensors, checks and errors.
 
 A function with several outputs returns them as one flat float buffer (the outputs
 concatenated, so the executor seeds one gradient) plus its non-float outputs, and the caller
