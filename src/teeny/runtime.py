@@ -169,36 +169,51 @@ def _resolve(param: KernelParam, visit: Visit, where: str, kernel: Kernel, index
     return value
 
 
+_NAMED_ORDERS: dict[tuple, tuple[int | Visit, ...]] = {}
+
+
+def _named_order(kernel: Kernel, visits: list[Visit], where: str, block_size: int | None) -> tuple[int | Visit, ...]:
+    """Per kernel parameter, the index of the named visit that fills it, or the default visit
+    (``BLOCK``: ``block_size``; an optional pointer: ``None``); ``PackingError`` for a name the
+    kernel does not have, a parameter packed twice or one left out."""
+    by_name: dict[str, int] = {}
+    for index, v in enumerate(visits):
+        if kernel.param(v.name) is None:
+            raise PackingError(
+                f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
+                f"(its parameters: {', '.join(p.name for p in kernel.params)})"
+            )
+        if v.name in by_name:
+            raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
+        by_name[v.name] = index
+    order: list[int | Visit] = []
+    for p in kernel.params:
+        if p.name in by_name:
+            order.append(by_name[p.name])
+        elif p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
+            order.append(Visit(p.name, "constexpr", block_size))
+        elif p.optional:
+            order.append(Visit(p.name, "ptr", None))
+        else:
+            raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
+    return tuple(order)
+
+
 def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: int | None = None) -> list[Any]:
     """The argument values in signature order; ``PackingError`` unless the visits match
     ``kernel``'s signature. When every visit is named, a ``BLOCK`` constexpr nobody visited
     takes ``block_size`` and an optional pointer nobody visited is ``None``."""
     params = kernel.params
     visits = visitor.visits
-    named = [v for v in visits if v.name is not None]
-    if named and len(named) == len(visits):  # every visit named: place them by name
-        by_name: dict[str, Visit] = {}
-        for v in visits:
-            if kernel.param(v.name) is None:
-                raise PackingError(
-                    f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
-                    f"(its parameters: {', '.join(p.name for p in params)})"
-                )
-            if v.name in by_name:
-                raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
-            by_name[v.name] = v
-        values = []
-        for index, p in enumerate(params):
-            v = by_name.get(p.name)
-            if v is None:
-                if p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
-                    v = Visit(p.name, "constexpr", block_size)
-                elif p.optional:
-                    v = Visit(p.name, "ptr", None)
-                else:
-                    raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
-            values.append(_resolve(p, v, where, kernel, index))
-        return values
+    if visits and all(v.name is not None for v in visits):  # every visit named: place them by name
+        key = (kernel, tuple(v.name for v in visits), block_size)
+        order = _NAMED_ORDERS.get(key)
+        if order is None:  # the names are checked once per kernel and set of names
+            order = _NAMED_ORDERS[key] = _named_order(kernel, visits, where, block_size)
+        return [
+            _resolve(p, visits[slot] if isinstance(slot, int) else slot, where, kernel, index)
+            for index, (p, slot) in enumerate(zip(params, order))
+        ]
     if len(visits) != len(params):
         expected = ", ".join(f"{p.name}:{p.kind}" for p in params)
         got = ", ".join(v.kind for v in visits)
