@@ -169,6 +169,7 @@ def patched_gpt2(device, tiny: bool) -> dict:
             results[label] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
         except Exception as exc:  # report and go on: one failing variant must not hide the others
             results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"patched GPT-2, {label}: {results[label]}", flush=True)  # a slot that times out keeps these
         del model, optimizer, forward
     return results
 
