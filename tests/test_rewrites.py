@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import teeny
 from teeny import Graph, LoweringMode, lower, ops, rewrites
 from teeny.executor import Executor
+from teeny.graph import Tensor
 from teeny.kernels import loss, norm
+from teeny.kernels.linear import SharedInputLinearOp
 from teeny.kernels.loss import LinearCrossEntropyOp
 from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
 from teeny.models import GPT
@@ -459,3 +461,86 @@ def test_attention_in_place_needs_transposes_that_nothing_else_reads(gen):
     g.output(ops.add(ops.sum(y), ops.sum(qt)))  # the transposed q is read again: nothing to save
     program = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.attention_in_place,))
     assert [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"] == ["bhld"]
+
+
+# ------------------------------------------------------------------------- q, k, v as one product
+
+
+def _qkv_graph(b, length, heads, dim, dtype=torch.float64, bias=True, mask=None, **attn):
+    """x (batch, length, width) -> q, k, v linears -> (batch, length, heads, dim) -> attention
+    with the head transposes, as a multi-head layer writes it."""
+    g = Graph()
+    width = heads * dim
+    x = g.input("x", (b, length, width), dtype, requires_grad=True)
+    m = None if mask is None else g.input("mask", mask.shape, mask.dtype)
+    t = lambda u: ops.transpose(u, 1, 2)  # noqa: E731
+    layer = teeny.Module()
+    layer.q, layer.k, layer.v = (teeny.nn.Linear(width, width, bias=bias, dtype=dtype) for _ in range(3))
+    q, k, v = layer.q(x), layer.k(x), layer.v(x)
+    split = [t(ops.reshape(u, (b, length, heads, dim))) for u in (q, k, v)]
+    y = t(ops.scaled_dot_product_attention(*split, m, **attn))
+    weights = torch.linspace(-1, 1, length * width, dtype=dtype).reshape(length, heads, dim)
+    g.output(ops.sum(ops.mul(y, g.constant(weights))))
+    return g
+
+
+QKV_REWRITES = (rewrites.attention_in_place, rewrites.fuse_qkv_products)
+
+
+@pytest.mark.parametrize("case", ["causal", "no-bias", "bool-mask"])
+def test_qkv_products_fused_match_the_three_products(case, gen):
+    """One product for q, k and v and a packed attention: the same loss and every gradient (x,
+    the three weights and biases) as the unfused graph, float64 to 1e-12."""
+    shape = dict(b=2, length=5, heads=3, dim=4)
+    mask = torch.rand(2, 1, 5, 5, generator=gen) > 0.3 if case == "bool-mask" else None
+    if mask is not None:
+        mask[..., 0] = True
+    g = _qkv_graph(**shape, bias=case != "no-bias", mask=mask, is_causal=case == "causal")
+    feed = {"x": torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)}
+    if mask is not None:
+        feed["mask"] = mask
+    fused, plain = _run(g, feed, rewrites=QKV_REWRITES), _run(g, feed, rewrites=())
+    names = [op.name for op in _ops(fused[3])]
+    assert names.count("linear") == 1 and sum(isinstance(op, SharedInputLinearOp) for op in _ops(fused[3])) == 1
+    assert [op.layout for op in _ops(fused[3]) if op.name == "scaled_dot_product_attention"] == ["packed"]
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-12)
+    assert set(fused[2]) == set(plain[2])
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-12, atol=1e-12, msg=name)
+    summary = fused[3].summary()
+    assert "q, k, v projections as one product: 1, 2 products fewer per forward" in summary
+
+
+def test_qkv_products_fused_gradcheck_float64(gen):
+    g = _qkv_graph(b=1, length=3, heads=2, dim=2, is_causal=True)
+    assert any(isinstance(op, SharedInputLinearOp) for op in _ops(lower(g, LoweringMode.TRAINING)))
+    teeny.gradcheck_graph(g, {"x": torch.randn(1, 3, 4, dtype=torch.float64, generator=gen)})
+
+
+def test_gpt_fuses_every_layers_qkv_products(gpt_case):
+    """teeny.models.GPT under the default rewrites: one q/k/v product per layer, the same loss
+    and gradients as without any rewrite (within float32 rounding)."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert sum(isinstance(op, SharedInputLinearOp) for op in _ops(fused[3])) == 2
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_qkv_products_need_one_input_and_no_other_reader(gen):
+    g = Graph()
+    x = g.input("x", (1, 3, 4), torch.float64, requires_grad=True)
+    z = g.input("z", (1, 3, 4), torch.float64, requires_grad=True)
+    t = lambda u: ops.transpose(u, 1, 2)  # noqa: E731
+    layer = teeny.Module()
+    layer.q, layer.k, layer.v = (teeny.nn.Linear(4, 4, dtype=torch.float64) for _ in range(3))
+    q, k, v = layer.q(x), layer.k(z), layer.v(x)  # k of another input: no shared product
+    heads = [t(ops.reshape(u, (1, 3, 2, 2))) for u in (q, k, v)]
+    g.output(ops.sum(ops.scaled_dot_product_attention(*heads)))
+    assert not any(isinstance(op, SharedInputLinearOp) for op in _ops(lower(g, rewrites=QKV_REWRITES)))
+    g2 = _qkv_graph(b=1, length=3, heads=2, dim=2)
+    q_node = next(n for n in g2.nodes if n.op.name == "linear")
+    g2.output(Tensor(g2, q_node.output))  # q is an output too: it must exist
+    assert not any(isinstance(op, SharedInputLinearOp) for op in _ops(lower(g2, rewrites=QKV_REWRITES)))

@@ -24,14 +24,18 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
 
 ``precision=`` of ``lower`` adds a last rewrite, ``mixed_precision``: see its docstring.
 
-Why no q/k/v fusion (yet): a graph node has one output, so one product writing q, k and v
-would reach its three readers through views of a stacked tensor, and the backward of each view
-writes a full stacked-sized gradient that the executor then sums: more traffic than the two
-launches it saves, unless the attention op reads the stacked tensor itself.
+* ``fuse_qkv_products`` (after ``attention_in_place``): the q, k and v projections of an
+  attention, three linears of one input, become one product (``linear.SharedInputLinearOp``)
+  whose (batch, length, 3 * heads * dim) output the attention reads as it is
+  (``AttentionOp(layout="packed")``), and whose gradient the attention's backward writes whole:
+  per layer two products fewer forwards, two products and the two sums of dX's three parts
+  fewer backwards. (A graph node has one output, so the attention must read the stacked tensor
+  itself: through views, each view's backward would write a stacked-sized gradient to sum.)
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -357,7 +361,89 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
     )
 
 
-DEFAULT_REWRITES: tuple[RewriteFn, ...] = (fuse_residual_norm, chunk_linear_cross_entropy, attention_in_place)
+# ------------------------------------------------------------------------- q, k, v as one product
+
+
+def _projection(value: Value, read_by, kept: set[int]) -> Node | None:
+    """The linear node when ``value`` is reshape(linear(x, W[, b])) splitting the last dim into
+    (heads, dim), the linear and the reshape each read once and neither an output."""
+    from .kernels.linear import LinearOp
+    from .kernels.shape import ViewOp
+
+    view = value.producer
+    if view is None or type(view.op) is not ViewOp or value.id in kept or len(read_by[value.id]) != 1:
+        return None
+    projected = view.inputs[0]
+    linear = projected.producer
+    if linear is None or type(linear.op) is not LinearOp or projected.id in kept or len(read_by[projected.id]) != 1:
+        return None
+    rows = math.prod(projected.shape[:-1])
+    if (
+        len(value.shape) != 4
+        or value.shape[2] * value.shape[3] != projected.shape[-1]
+        or math.prod(value.shape[:2]) != rows
+    ):
+        return None
+    return linear
+
+
+def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """An attention in the (batch, length, heads, dim) layout whose q, k and v are reshaped
+    linears of one input (same heads and head dim, all with a bias or none) reads them from one
+    product instead (see the module docstring). The product runs just before the attention."""
+    from .kernels.attention import AttentionOp
+    from .kernels.linear import SharedInputLinearOp
+    from .kernels.shape import ViewOp
+
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, list[Node]] = {}  # attention node id -> its q, k and v linears
+    for node in graph.nodes:
+        if type(node.op) is not AttentionOp or node.op.layout != "blhd" or node.output.id not in needed:
+            continue
+        linears = [_projection(v, read_by, kept) for v in node.inputs[:3]]
+        if any(linear is None for linear in linears) or len({v.shape for v in node.inputs[:3]}) != 1:
+            continue
+        if (
+            len({linear.inputs[0].id for linear in linears}) != 1
+            or len({linear.op.has_bias for linear in linears}) != 1
+        ):
+            continue
+        matches[node.id] = linears
+    if not matches:
+        return graph, outputs, ""
+    skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
+    skipped |= {linear.id for linears in matches.values() for linear in linears}
+    rebuild = Rebuild(graph)
+    for node in graph.nodes:
+        if node.id in skipped:
+            continue
+        if node.id not in matches:
+            rebuild.copy(node)
+            continue
+        linears, op = matches[node.id], node.op
+        b, length, heads, dim = node.inputs[0].shape
+        inputs = [rebuild[linears[0].inputs[0]]] + [rebuild[v] for linear in linears for v in linear.inputs[1:]]
+        stacked = rebuild.apply(SharedInputLinearOp(3, linears[0].op.has_bias), inputs, node.name + "_qkv")
+        packed = rebuild.apply(ViewOp("reshape", (b, length, 3 * heads * dim)), [stacked], node.name + "_qkv_rows")
+        attention = AttentionOp(
+            op.has_mask, op.is_causal, op.user_scale, False, op.dropout_p, op.seed, op.fixed_mask, "packed", heads
+        )
+        rebuild.new[node.output.id] = rebuild.apply(
+            attention, [packed] + [rebuild[v] for v in node.inputs[3:]], node.name
+        )
+    graph, outputs = rebuild.finish(outputs)
+    n = len(matches)
+    more = f"; {2 * n} products and {2 * n} gradient sums fewer per backward" if training else ""
+    return graph, outputs, f"q, k, v projections as one product: {n}, {2 * n} products fewer per forward{more}"
+
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
+    fuse_residual_norm,
+    chunk_linear_cross_entropy,
+    attention_in_place,
+    fuse_qkv_products,
+)
 
 # ------------------------------------------------------------------------- mixed precision
 

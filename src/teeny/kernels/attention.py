@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -1032,6 +1032,32 @@ def attention_layout_blhd(shapes: list, mask_shape, enable_gqa: bool) -> Attenti
     return AttentionLayout((b, h), (b, h // group), b, h, group, lq, lk, d, dv, strides, grad_strides)
 
 
+def attention_layout_packed(qkv_shape, heads: int, mask_shape) -> AttentionLayout:
+    """The layout of q, k and v packed in one (B, L, 3 * H * D) tensor, as one product of the
+    three projections writes them (``rewrites.fuse_qkv_products``): q, k, v are its three
+    column blocks, (B, L, H, D) each with rows 3 * H * D apart, and the (B, L, 3 * H * D)
+    gradient holds dq, dk, dv the same way. The output is (B, L, H, D)."""
+    if len(qkv_shape) != 3:
+        raise ValueError(f"packed q, k, v: expected a (batch, length, 3 * heads * dim) tensor, got {tuple(qkv_shape)}")
+    b, length, width = qkv_shape
+    if heads <= 0 or width % (3 * heads):
+        raise ValueError(f"packed q, k, v: the last dim {width} is not 3 x heads ({heads}) x head dim")
+    d = width // (3 * heads)
+    layout = attention_layout_blhd([(b, length, heads, d)] * 3, mask_shape, False)
+    rows = dict(Q_ROW=width, K_ROW=width, V_ROW=width)
+    batch = {f"{x}_stride_b": length * width for x in ("q", "k", "v")}
+    grads = {f"d{x}_stride_b": length * width for x in ("q", "k", "v")}
+    return replace(layout, strides={**layout.strides, **rows, **batch}, grad_strides={**layout.grad_strides, **grads})
+
+
+def _packed_parts(qkv: torch.Tensor | None) -> tuple:
+    """q, k and v (or dq, dk and dv): the three column blocks of a packed tensor, as views."""
+    if qkv is None:
+        return None, None, None
+    third = qkv.shape[-1] // 3
+    return qkv[..., :third], qkv[..., third : 2 * third], qkv[..., 2 * third :]
+
+
 def _index_levels(batch, operands, keep_heads: bool) -> list[tuple[int, list[int]]]:
     """The batch dims merged into as few (size, per-operand stride) levels as the operands'
     strides allow (neighbours merge when, for every operand, outer stride = inner stride x
@@ -1062,13 +1088,15 @@ class AttentionOp(RuntimeOp):
     draws a new mask (the k-th run of a node with base seed s always the same one), and a
     backward regenerates the mask of the forward that made its cache. ``layout="blhd"``: q, k, v
     and the output are (batch, length, heads, dim) (``attention_layout_blhd``; the rewrite
-    ``rewrites.attention_in_place`` makes it of the transposes around an attention)."""
+    ``rewrites.attention_in_place`` makes it of the transposes around an attention).
+    ``layout="packed"``: one input holds q, k and v, (batch, length, 3 * heads * dim), and the
+    output is (batch, length, heads, dim) (``attention_layout_packed``, ``heads`` given; the
+    rewrite ``rewrites.fuse_qkv_products`` makes it of one product for the three)."""
 
     name = "scaled_dot_product_attention"
     kernel = attention_forward
     saves_inputs = True
     saves_output = True
-    differentiable_inputs = (0, 1, 2)  # no gradient for the mask
 
     def __init__(
         self,
@@ -1080,34 +1108,43 @@ class AttentionOp(RuntimeOp):
         seed: int = 0,
         fixed_mask: bool = False,
         layout: str = "bhld",
+        heads: int = 0,
     ):
-        if layout not in ("bhld", "blhd"):
-            raise ValueError(f"attention layout must be 'bhld' or 'blhd', got {layout!r}")
-        self.layout = layout
+        if layout not in ("bhld", "blhd", "packed"):
+            raise ValueError(f"attention layout must be 'bhld', 'blhd' or 'packed', got {layout!r}")
+        if (layout == "packed") != (heads > 0):
+            raise ValueError("attention: the packed layout, and only it, takes heads=")
+        self.layout, self.heads = layout, heads
         self.has_mask, self.is_causal, self.user_scale, self.enable_gqa = has_mask, is_causal, scale, enable_gqa
-        self.n_activation_inputs = 4 if has_mask else 3
+        self.n_qkv = 1 if layout == "packed" else 3  # inputs holding q, k and v; the mask follows
+        self.n_activation_inputs = self.n_qkv + 1 if has_mask else self.n_qkv
+        self.differentiable_inputs = tuple(range(self.n_qkv))
         self.dropout_p, self.seed, self.fixed_mask = float(dropout_p), int(seed), bool(fixed_mask)
         self.capturable = self.dropout_p == 0.0  # the per-run seed comes from the host
         self.runs = 0  # forward runs so far: the step of the next dropout mask
 
     # --- shapes --------------------------------------------------------------------------
     def _layout(self, shapes) -> AttentionLayout:
+        mask = shapes[self.n_qkv] if self.has_mask else None
+        if self.layout == "packed":
+            return attention_layout_packed(shapes[0], self.heads, mask)
         build = attention_layout_blhd if self.layout == "blhd" else attention_layout
-        return build(shapes, shapes[3] if self.has_mask else None, self.enable_gqa)
+        return build(shapes, mask, self.enable_gqa)
 
     def check_inputs(self, input_shapes, input_dtypes):
-        for what, dtype in zip(("query", "key", "value"), input_dtypes[:3]):
+        names = ("packed q, k, v",) if self.layout == "packed" else ("query", "key", "value")
+        for what, dtype in zip(names, input_dtypes):
             if not dtype.is_floating_point:
                 raise TypeError(f"{what} must be a float tensor, got {str(dtype).replace('torch.', '')}")
         if self.has_mask:
-            dtype = input_dtypes[3]
+            dtype = input_dtypes[self.n_qkv]
             if dtype != torch.bool and dtype != input_dtypes[0]:
                 raise TypeError(f"attn_mask must be bool or have the query's dtype, got {dtype}")
         self._layout(input_shapes)
 
     def output_shape(self, input_shapes):
         layout = self._layout(input_shapes)
-        if self.layout == "blhd":
+        if self.layout != "bhld":
             return (layout.n_outer, layout.q_len, layout.n_heads, layout.dv)
         return layout.batch + (layout.q_len, layout.dv)
 
@@ -1134,13 +1171,13 @@ class AttentionOp(RuntimeOp):
 
     def _common(self, ctx, layout: AttentionLayout) -> dict:
         """The arguments every kernel takes, by name."""
-        q, k, v = ctx.inputs[:3]
+        q, k, v = _packed_parts(ctx.inputs[0]) if self.layout == "packed" else ctx.inputs[:3]
         block_d, block_dv = head_blocks(ctx.dtype, layout.d, layout.dv)
         return dict(
             q_ptr=q,
             k_ptr=k,
             v_ptr=v,
-            mask_ptr=ctx.inputs[3] if self.has_mask else None,
+            mask_ptr=ctx.inputs[self.n_qkv] if self.has_mask else None,
             q_len=layout.q_len,
             k_len=layout.k_len,
             n_heads=layout.n_heads,
@@ -1183,16 +1220,16 @@ class AttentionOp(RuntimeOp):
     def backward_launches(self, ctx):
         layout = self._layout(ctx.input_shapes)
         tiles = attention_tiles(ctx.dtype, layout.d, layout.dv, layout.q_len, layout.k_len)
-        dq, dk, dv = ctx.grad_inputs[:3]
+        dq, dk, dv = _packed_parts(ctx.grad_inputs[0]) if self.layout == "packed" else ctx.grad_inputs[:3]
         common = self._common(ctx, layout)
         saved = dict(lse_ptr=ctx.saved["lse"], seed_ptr=ctx.saved.get("seed"))
         delta = ctx.empty(ctx.saved["lse"].shape, ctx.saved["lse"].dtype)
         q_shape = layout.batch + (layout.q_len, layout.d)
         k_shape, v_shape = layout.kv_batch + (layout.k_len, layout.d), layout.kv_batch + (layout.k_len, layout.dv)
         # a broadcast operand's gradient is computed per head into float32 scratch, then summed
-        # (the blhd layout has no broadcast operand: its gradients are written in place)
+        # (the blhd and packed layouts have no broadcast operand: their gradients are written in place)
         dq_out, dk_out, dv_out = (
-            g if g is None or tuple(g.shape) == full or self.layout == "blhd" else ctx.empty(full, acc_dtype(ctx.dtype))
+            g if g is None or tuple(g.shape) == full or self.layout != "bhld" else ctx.empty(full, acc_dtype(ctx.dtype))
             for g, full in ((dq, q_shape), (dk, k_shape), (dv, v_shape))
         )
         grad = layout.grad_strides

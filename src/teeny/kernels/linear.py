@@ -47,6 +47,7 @@ float32 before ``tl.dot`` (its bfloat16 dot is wrong).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
 from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
+from .shape import copy_launch
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -1179,6 +1181,88 @@ class LinearOp(_ProductOp):
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
+        return launches
+
+
+class SharedInputLinearOp(_ProductOp):
+    """linear(x, W_i, b_i) of one input by several weights as one product,
+    y = x [W_1; W_2; ...]^T + [b_1, b_2, ...], the parts side by side in the last dim (the q, k
+    and v projections of an attention: ``rewrites.fuse_qkv_products``). Inputs x, W_1[, b_1],
+    W_2[, b_2], ... The forward copies the weights into one matrix, which it keeps for dX, and
+    the biases into one vector; the backward computes dW and db of the stacked ones in one
+    product (db in its epilogue) and copies each part's rows out to that part's gradient."""
+
+    name = "linear"
+    n_activation_inputs = 1
+    saves_inputs = (0,)  # x for dW; the stacked weight is an extra output
+
+    def __init__(self, parts: int, has_bias: bool):
+        super().__init__()
+        self.parts, self.has_bias = parts, has_bias
+        self.stride = 2 if has_bias else 1  # inputs per part
+
+    def _split(self, params) -> tuple[list, list]:
+        """(weights, biases) of the parts from the op's parameters (or their gradients)."""
+        params = list(params)
+        return params[:: self.stride], params[1 :: self.stride] if self.has_bias else [None] * self.parts
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        if len(input_shapes) != 1 + self.parts * self.stride:
+            raise ValueError(f"linear of {self.parts} weights: expected {1 + self.parts * self.stride} inputs")
+        x = input_shapes[0]
+        weights, biases = self._split(input_shapes[1:])
+        for w, b in zip(weights, biases):
+            LinearOp(self.has_bias).check_inputs([x, w] + ([b] if self.has_bias else []), input_dtypes[:3])
+        if len(set(input_dtypes)) != 1:
+            raise TypeError(f"linear of {self.parts} weights: one dtype for all inputs, got {set(input_dtypes)}")
+
+    def _rows(self, input_shapes) -> list[int]:
+        return [w[0] for w in self._split(input_shapes[1:])[0]]
+
+    def output_shape(self, input_shapes):
+        return tuple(input_shapes[0][:-1]) + (sum(self._rows(input_shapes)),)
+
+    def extra_outputs(self, input_shapes, dtype):
+        return {"weight": ((sum(self._rows(input_shapes)), input_shapes[0][-1]), dtype)}
+
+    def _stacked(self, ctx) -> list[tuple[int, int]]:
+        """Each part's rows in the stacked weight: (first, end)."""
+        ends = list(itertools.accumulate(self._rows(ctx.input_shapes)))
+        return list(zip([0] + ends[:-1], ends))
+
+    def forward_launches(self, ctx):
+        weights, biases = self._split(ctx.params)
+        stacked = ctx.saved["weight"]
+        rows = self._stacked(ctx)
+        launches = [copy_launch(w, w, stacked, stacked[a:b]) for w, (a, b) in zip(weights, rows)]
+        bias = None
+        if self.has_bias:
+            bias = ctx.empty((stacked.shape[0],), ctx.dtype)
+            launches += [copy_launch(b_, b_, bias, bias[a:b]) for b_, (a, b) in zip(biases, rows)]
+        shapes = [ctx.input_shapes[0], tuple(stacked.shape)]
+        product = LinearOp.products(shapes)["forward"]
+        return launches + self.product(ctx, "forward", product, ctx.inputs[0], stacked, ctx.output, bias)
+
+    def backward_launches(self, ctx):
+        x, stacked, go = ctx.inputs[0], ctx.saved["weight"], ctx.grad_output
+        products = LinearOp.products([ctx.input_shapes[0], tuple(stacked.shape)])
+        (dx,) = ctx.grad_inputs
+        dws, dbs = self._split(ctx.grad_params)
+        launches = []
+        if dx is not None:
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, stacked, dx)
+        want_w, want_b = any(g is not None for g in dws), any(g is not None for g in dbs)
+        dw = ctx.empty(tuple(stacked.shape), ctx.dtype) if want_w else None
+        db = ctx.empty((stacked.shape[0],), ctx.dtype) if want_b else None
+        if dw is not None:  # db (dY's column sums) in dW's epilogue
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=db)
+        elif db is not None:
+            launches += sum_to_shape(ctx, go, ctx.output_shape, db)
+        for (a, b), gw, gb in zip(self._stacked(ctx), dws, dbs):
+            if gw is not None:
+                launches.append(copy_launch(dw, dw[a:b], gw, gw))
+            if gb is not None:
+                launches.append(copy_launch(db, db[a:b], gb, gb))
         return launches
 
 
