@@ -415,26 +415,33 @@ def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else DEVICE
 
 
-@torch.library.custom_op("teeny::run_forward", mutates_args=(), schema="(str key, Tensor[] tensors) -> Tensor[]")
+# Defined with the low-level Library API rather than torch.library.custom_op: the same schema,
+# fake and autograd registrations, without custom_op's Python wrapper around each call (in the
+# H200 run's profile, torch 2.11's custom_ops.backend_impl took 470 us per call, bench/NOTES.md).
+_LIB.define("run_forward(str key, Tensor[] tensors) -> Tensor[]")
+_LIB.define("run_backward(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]")
+
+
 def run_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run the compiled entry ``key`` forwards: its outputs, then the extras its backward reads."""
     return lookup(key).forward(tensors)
 
 
-@run_forward.register_fake
-def _run_forward_fake(key, tensors):
-    return _fake_outputs(lookup(key), _device_of(tensors))
-
-
-@torch.library.custom_op(
-    "teeny::run_backward", mutates_args=(), schema="(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]"
-)
 def run_backward(key: str, grads: list[torch.Tensor], saved: list[torch.Tensor]) -> list[torch.Tensor]:
     """teeny's backward kernels for entry ``key``: gradients of its inputs that want one."""
     return lookup(key).backward(grads[0] if grads else None, saved)
 
 
-@run_backward.register_fake
+_LIB.impl("run_forward", run_forward, "CompositeExplicitAutograd")
+_LIB.impl("run_backward", run_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("teeny::run_forward", lib=_LIB)
+def _run_forward_fake(key, tensors):
+    return _fake_outputs(lookup(key), _device_of(tensors))
+
+
+@torch.library.register_fake("teeny::run_backward", lib=_LIB)
 def _run_backward_fake(key, grads, saved):
     entry = lookup(key)
     device = grads[0].device if grads else _device_of(saved)
@@ -504,7 +511,7 @@ def _changed_message(ctx, entry: Compiled) -> str:
     )
 
 
-run_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("teeny::run_forward", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 def _double_backward_message(entry: Compiled) -> str:
@@ -518,7 +525,9 @@ def _no_double_backward(ctx, inputs, output) -> None:
     raise RuntimeError(_double_backward_message(lookup(inputs[0])))
 
 
-run_backward.register_autograd(lambda ctx, grads: None, setup_context=_no_double_backward)
+torch.library.register_autograd(
+    "teeny::run_backward", lambda ctx, grads: None, setup_context=_no_double_backward, lib=_LIB
+)
 
 
 class _EagerRun(torch.autograd.Function):
