@@ -94,6 +94,16 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
     def apply_both():
         apply(ops.gelu, x).backward(seed)
 
+    # through the operators, as compiled code calls them, against torch's own gelu compiled
+    compiled_op = torch.compile(lambda t: torch.ops.teeny.gelu(t), fullgraph=True)
+    compiled_torch = torch.compile(lambda t: F.gelu(t), fullgraph=True)
+
+    def compiled_op_both():
+        compiled_op(x).backward(seed)
+
+    def compiled_torch_both():
+        compiled_torch(x).backward(seed)
+
     out = {}
     for name, fn in [
         ("raw kernel forward", raw_forward),
@@ -101,6 +111,8 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
         ("torch.ops.teeny.gelu forward", op_forward),
         ("torch.ops.teeny.gelu forward+backward", op_both),
         ("teeny.torch.apply(gelu) forward+backward", apply_both),
+        ("torch.compile(torch.ops.teeny.gelu) forward+backward", compiled_op_both),
+        ("torch.compile(F.gelu) forward+backward", compiled_torch_both),
     ]:
         out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
     if profile:  # where the host time of a registered op's forward+backward goes
