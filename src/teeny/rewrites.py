@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,6 +95,18 @@ class Rebuild:
         out = self.apply(node.op, [self[v] for v in node.inputs], node.name)
         self.new[node.output.id] = out
         return out
+
+    def replace(self, skipped: set[int], fused: Mapping[int, Any], fuse: Callable[[Node, Any], None]) -> None:
+        """Every node of the source graph in order: those in ``skipped`` left out, each one in
+        ``fused`` handed to ``fuse(node, fused[node.id])`` (which applies what replaces it and
+        sets ``self.new`` for the values it stands for), the others copied."""
+        for node in self.source.nodes:
+            if node.id in skipped:
+                continue
+            if node.id in fused:
+                fuse(node, fused[node.id])
+            else:
+                self.copy(node)
 
     def finish(self, outputs: Sequence[Value]) -> tuple[Graph, list[Value]]:
         """The new graph, with the new values of ``outputs`` as its outputs."""
@@ -190,14 +203,8 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
     if not pairs:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
-    moved = {norm.id for norm in pairs.values()}
-    for node in graph.nodes:
-        if node.id in moved:
-            continue
-        norm = pairs.get(node.id)
-        if norm is None:
-            rebuild.copy(node)
-            continue
+
+    def fuse(node: Node, norm: Node) -> None:
         x, residual = _residual_add(node)
         s = rebuild.apply(ResidualSumOp(node.op), [rebuild[v] for v in node.inputs], node.name)
         rebuild.new[node.output.id] = s
@@ -205,6 +212,8 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
         rebuild.new[norm.output.id] = rebuild.apply(
             AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[residual]], norm.name
         )
+
+    rebuild.replace({norm.id for norm in pairs.values()}, pairs, fuse)
     sums = sum(_nbytes(norm.inputs[0]) for norm in pairs.values())
     graph, outputs = rebuild.finish(outputs)
     kinds = Counter(norm.op.name for norm in pairs.values())
@@ -254,20 +263,16 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
     if not matches:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
-    skipped = {n.id for linear, view in matches.values() for n in (linear, view) if n is not None}
-    logits_bytes = 0
-    for node in graph.nodes:
-        if node.id in skipped:
-            continue
-        if node.id not in matches:
-            rebuild.copy(node)
-            continue
-        linear, _ = matches[node.id]
+
+    def fuse(node: Node, match: tuple[Node, Node | None]) -> None:
+        linear = match[0]
         x, params = linear.inputs[0], linear.inputs[1:]
         fused = LinearCrossEntropyOp(linear.op, node.op, node.output.dtype, with_grads=training)
         inputs = [x, *node.inputs[1:], *params]
         rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
-        logits_bytes += _nbytes(linear.output)
+
+    rebuild.replace({n.id for linear, view in matches.values() for n in (linear, view) if n is not None}, matches, fuse)
+    logits_bytes = sum(_nbytes(linear.output) for linear, _ in matches.values())
     graph, outputs = rebuild.finish(outputs)
     return (
         graph,
@@ -329,28 +334,26 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
             if node.output.id in kept:
                 others.add(node.id)
     rebuild = Rebuild(graph)
-    copies = 0
-    for node in graph.nodes:
-        if node.id in skipped:
-            continue
-        if node.id not in matches:
-            rebuild.copy(node)
-            continue
+
+    def fuse(node: Node, sources: list[Value]) -> None:
         op = node.op
         in_place = AttentionOp(
             op.has_mask, op.is_causal, op.user_scale, op.enable_gqa, op.dropout_p, op.seed, op.fixed_mask, "blhd"
         )
-        inputs = [rebuild[v] for v in matches[node.id]] + [rebuild[v] for v in node.inputs[3:]]
-        out = rebuild.apply(in_place, inputs, node.name)
-        copies += sum(_nbytes(v) for v in node.inputs[:3])
+        out = rebuild.apply(in_place, [rebuild[v] for v in sources + node.inputs[3:]], node.name)
         for merge in merges.get(node.id, []):
             rebuild.new[merge.output.id] = out
-            copies += _nbytes(node.output)
         if node.id in others:  # the (batch, heads, length, dim) output for its other readers
             rebuild.new[node.output.id] = rebuild.apply(
                 PermuteOp("transpose", _SWAP_LENGTH_AND_HEADS), [out], node.name + "_heads_second"
             )
-            copies -= _nbytes(node.output)
+
+    rebuild.replace(skipped, matches, fuse)
+    copies = 0
+    for node in graph.nodes:
+        if node.id in matches:  # the head splits, the merges, less the transpose back that stays
+            copies += sum(_nbytes(v) for v in node.inputs[:3])
+            copies += (len(merges.get(node.id, [])) - (node.id in others)) * _nbytes(node.output)
     graph, outputs = rebuild.finish(outputs)
     transposes = 3 * len(matches) + sum(len(m) for m in merges.values()) - len(others)
     return (
@@ -415,13 +418,9 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
     skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
     skipped |= {linear.id for linears in matches.values() for linear in linears}
     rebuild = Rebuild(graph)
-    for node in graph.nodes:
-        if node.id in skipped:
-            continue
-        if node.id not in matches:
-            rebuild.copy(node)
-            continue
-        linears, op = matches[node.id], node.op
+
+    def fuse(node: Node, linears: list[Node]) -> None:
+        op = node.op
         b, length, heads, dim = node.inputs[0].shape
         inputs = [rebuild[linears[0].inputs[0]]] + [rebuild[v] for linear in linears for v in linear.inputs[1:]]
         stacked = rebuild.apply(SharedInputLinearOp(3, linears[0].op.has_bias), inputs, node.name + "_qkv")
@@ -432,6 +431,8 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
         rebuild.new[node.output.id] = rebuild.apply(
             attention, [packed] + [rebuild[v] for v in node.inputs[3:]], node.name
         )
+
+    rebuild.replace(skipped, matches, fuse)
     graph, outputs = rebuild.finish(outputs)
     n = len(matches)
     more = f"; {2 * n} products and {2 * n} gradient sums fewer per backward" if training else ""
