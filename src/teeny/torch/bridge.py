@@ -485,7 +485,7 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None] | Non
     if grad is None:  # output 0 (every float output, flattened) does not reach the loss: no gradient
         return [None] * len(entry.input_names)
     if not eager:
-        computed = torch.ops.teeny.run_backward(entry.key, [] if grad is None else [grad], list(saved))
+        computed = torch.ops.teeny.run_backward(entry.key, [grad], list(saved))
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (grad, *saved)):
         raise RuntimeError(_double_backward_message(entry))
     else:
@@ -532,8 +532,8 @@ torch.library.register_autograd(
 
 class _EagerRun(torch.autograd.Function):
     """``run_forward`` and ``run_backward`` for plain tensors in eager mode: the same entry,
-    context and gradients, without the two custom-operator dispatches (their Python wrappers
-    cost about a millisecond per forward+backward on the H200's host, bench/NOTES.md)."""
+    context and gradients, without the two operators' dispatch and autograd wrappers (on the
+    H200's host they cost more than the launches themselves, bench/NOTES.md)."""
 
     @staticmethod
     def forward(ctx, key, *tensors):  # ctx in forward: apply() binds no signature per call then
