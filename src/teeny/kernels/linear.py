@@ -1225,7 +1225,7 @@ class SharedInputLinearOp(_ProductOp):
     def extra_outputs(self, input_shapes, dtype):
         return {"weight": ((sum(self._rows(input_shapes)), input_shapes[0][-1]), dtype)}
 
-    def _stacked(self, ctx) -> list[tuple[int, int]]:
+    def _row_ranges(self, ctx) -> list[tuple[int, int]]:
         """Each part's rows in the stacked weight: (first, end)."""
         ends = list(itertools.accumulate(self._rows(ctx.input_shapes)))
         return list(zip([0] + ends[:-1], ends))
@@ -1233,7 +1233,7 @@ class SharedInputLinearOp(_ProductOp):
     def forward_launches(self, ctx):
         weights, biases = self._split(ctx.params)
         stacked = ctx.saved["weight"]
-        rows = self._stacked(ctx)
+        rows = self._row_ranges(ctx)
         launches = [copy_launch(w, w, stacked, stacked[a:b]) for w, (a, b) in zip(weights, rows)]
         bias = None
         if self.has_bias:
@@ -1258,7 +1258,7 @@ class SharedInputLinearOp(_ProductOp):
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=db)
         elif db is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, db)
-        for (a, b), gw, gb in zip(self._stacked(ctx), dws, dbs):
+        for (a, b), gw, gb in zip(self._row_ranges(ctx), dws, dbs):
             if gw is not None:
                 launches.append(copy_launch(dw, dw[a:b], gw, gw))
             if gb is not None:
