@@ -29,7 +29,8 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   whose (batch, length, 3 * heads * dim) output the attention reads as it is
   (``AttentionOp(layout="packed")``), and whose gradient the attention's backward writes whole:
   per layer two products fewer forwards, two products and the two sums of dX's three parts
-  fewer backwards. (A graph node has one output, so the attention must read the stacked tensor
+  fewer backwards, for six small copies each way (stacking the weights and biases, and their
+  gradients out). (A graph node has one output, so the attention must read the stacked tensor
   itself: through views, each view's backward would write a stacked-sized gradient to sum.)
 """
 
@@ -435,8 +436,14 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
     rebuild.replace(skipped, matches, fuse)
     graph, outputs = rebuild.finish(outputs)
     n = len(matches)
-    more = f"; {2 * n} products and {2 * n} gradient sums fewer per backward" if training else ""
-    return graph, outputs, f"q, k, v projections as one product: {n}, {2 * n} products fewer per forward{more}"
+    copies = sum(6 if linears[0].op.has_bias else 3 for linears in matches.values())  # the stacking, each way
+    more = f"; {2 * n} products and {2 * n} gradient sums fewer per backward, {copies} copies out" if training else ""
+    return (
+        graph,
+        outputs,
+        f"q, k, v projections as one product: {n}, {2 * n} products fewer per forward, {copies} small copies "
+        f"to stack the weights{more}",
+    )
 
 
 DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
