@@ -135,6 +135,10 @@ _FITS = {
 
 
 class _Where:
+    """The place a packing error names (where, kernel, argument index and name), formatted only
+    when one is raised: building the text for every argument of every launch cost more than the
+    checks themselves."""
+
     def __init__(self, where: str, kernel: str, index: int, param: str) -> None:
         self.parts = (where, kernel, index, param)
 
