@@ -545,3 +545,31 @@ def test_qkv_products_need_one_input_and_no_other_reader(gen):
     q_node = next(n for n in g2.nodes if n.op.name == "linear")
     g2.output(Tensor(g2, q_node.output))  # q is an output too: it must exist
     assert not any(isinstance(op, SharedInputLinearOp) for op in _ops(lower(g2, rewrites=QKV_REWRITES)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qkv_products_fused_match_pytorch(dtype, gen):
+    """The fused graph against torch (three F.linear, head split, causal SDPA) on odd shapes:
+    loss, dx and every weight and bias gradient, within the registry's tolerance rule."""
+    from teeny.registry import tolerance
+
+    b, length, heads, dim = 3, 7, 3, 5
+    g = _qkv_graph(b, length, heads, dim, dtype=dtype, is_causal=True)
+    x = torch.randn(b, length, heads * dim, generator=gen).to(dtype)
+    loss, grads, pgrads, program = _run(g, {"x": x})
+    assert any(isinstance(op, SharedInputLinearOp) for op in _ops(program))
+    params = {k: v.detach().double().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
+    xr = x.double().to(teeny.DEVICE).requires_grad_()
+    split = [
+        F.linear(xr, params[f"{n}.weight"], params[f"{n}.bias"]).reshape(b, length, heads, dim).transpose(1, 2)
+        for n in "qkv"
+    ]
+    y = F.scaled_dot_product_attention(*split, is_causal=True).transpose(1, 2)
+    weights = torch.linspace(-1, 1, length * heads * dim, dtype=torch.float64).reshape(length, heads, dim)
+    ref = (y * weights.to(y.device)).sum()
+    ref.backward()
+    atol, rtol = tolerance(dtype, heads * dim * length)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(grads["x"].double(), xr.grad, atol=atol, rtol=rtol)
+    for name, t in params.items():
+        torch.testing.assert_close(pgrads[name].double(), t.grad, atol=atol, rtol=rtol, msg=name)
