@@ -265,7 +265,7 @@ def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(
     mlp = P(128, 256, 784, (784, 1), (1, 784), (256, 1), [], [])
     sched = linear_module.schedule(mlp, config)
     assert (sched.programs, sched.dp_tiles, sched.sk_tiles) == (12, 0, 2) and sched.slots > 1
-    owners = [linear_module._segment_owners(i, 25, 50, 12) for i in range(2)]
+    owners = [linear_module._segment_owners.fn(i, 25, 50, 12) for i in range(2)]  # the maths, off the GPU
     assert owners[0][0] == 0 and owners[-1][1] == 11  # every program takes part
     tiny = P(128, 256, 64, (64, 1), (1, 64), (256, 1), [], [])  # 2 K tiles per tile: nothing to share
     assert linear_module.schedule(tiny, config) == linear_module.schedule(tiny, {**config, "STREAM_K": 0})
