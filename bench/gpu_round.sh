@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -n 14 -p no:cacheprovider --timeout 150 tests --maxfail=60 \
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -n 14 -p no:cacheprovider --timeout 150 ${TEST_PATHS:-tests} --maxfail=60 \
     > "$OUT/tests.log" 2>&1
   echo "pytest exit $?"; grep -E " passed| failed|FAILED|ERROR" "$OUT/tests.log" | grep -v "^$" | tail -60
 fi

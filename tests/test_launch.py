@@ -242,7 +242,7 @@ def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
     x = g.input("x", (5, 8))
     y = g.input("y", (5,), torch.int64)
     g.output(teeny.ops.cross_entropy(MLP(8, 16, 3)(x), y))
-    program = lower(g, LoweringMode.TRAINING)
+    program = lower(g, LoweringMode.TRAINING, rewrites=())  # a node per op
     ex = teeny.Executor(program)
     with record_launches() as log:
         _, cache = ex.forward_train({"x": torch.randn(5, 8), "y": torch.tensor([0, 1, 2, 1, 0])})
@@ -258,3 +258,7 @@ def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
     assert program.saved_bytes(fc1) == 0
     assert program.saved_bytes(gelu) == program.saved_bytes(fc2) == 5 * 16 * 4
     assert program.peak_activation_bytes() >= 2 * 5 * 16 * 4
+    # fused (rewrites.fuse_mlp), one node keeps both: gelu's input and its output
+    fused = lower(g, LoweringMode.TRAINING)
+    (mlp,) = [p for p in fused.nodes if p.op.name == "mlp"]
+    assert fused.saved_bytes(mlp) == 2 * 5 * 16 * 4

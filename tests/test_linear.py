@@ -203,6 +203,52 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
 
+EPILOGUE_KERNELS = {  # (kernel, options, multiprocessors)
+    "strided": ("strided", {}, 4),
+    "tma": ("tma", dict(subtile=True), 4),
+    "tma_stream_k": ("tma", dict(stream_k=2), 4),  # the epilogue in matmul_sum_segments too
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("where", list(EPILOGUE_KERNELS))
+def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypatch):
+    """An activation in the epilogue (``MLPOp``): forwards y = gelu(x W^T + b), with h = x W^T + b
+    written for the backward; backwards dh = gelu'(h) * (dY W), h read back. In the strided
+    kernel, in matmul_tma and in the segment sums of its stream-K tiles."""
+    from teeny.kernels.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
+
+    kind, options, sms = EPILOGUE_KERNELS[where]
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    gelu = ActivationOp("gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
+    rows, fin, fout = 45, 72, 80
+    shapes = ((rows, fin), (fout, fin), (fout,), (rows, fout), (rows, fin))
+    x, w, bias, dy, h_in = (torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in shapes)
+    h_ref = (x.double() @ w.double().T + bias.double()).to(dtype).double()  # rounded as an unfused product
+    g_ref = (dy.double() @ w.double()).to(dtype).double()
+    h_in64 = h_in.double().requires_grad_()
+    torch.nn.functional.gelu(h_in64, approximate="tanh").backward(g_ref)
+    products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
+    precision = linear_module.dot_precision(dtype, False)
+    config = dict(linear_module._cfg(16, 32, 16, 4, 2, kind=kind, **options), K_MAJOR=False)
+    if "stream_k" in options:
+        assert all(linear_module.schedule(p, config).slots > 1 for p in products.values())
+
+    def run(product, a, b, out, bias, epilogue):
+        scratch = lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE)  # noqa: E731
+        _run(linear_module.product_launches(product, a, b, out, bias, dtype, precision, config, scratch,
+                                            epilogue=epilogue), dtype)  # fmt: skip
+
+    y, h, dh = (torch.empty(s, dtype=dtype, device=teeny.DEVICE) for s in ((rows, fout), (rows, fout), (rows, fin)))
+    run(products["forward"], x, w, y, bias, linear_module.Epilogue(gelu, h))
+    run(products["grad_input"], dy, w, dh, None, linear_module.Epilogue(gelu, h_in, derivative=True))
+    atol, rtol = tolerance(dtype, fin)
+    torch.testing.assert_close(h.cpu().double(), h_ref.cpu(), atol=atol, rtol=rtol)
+    y_ref = torch.nn.functional.gelu(h.double(), approximate="tanh")  # of h as written
+    torch.testing.assert_close(y.cpu().double(), y_ref.cpu(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(dh.cpu().double(), h_in64.grad.cpu(), atol=atol, rtol=rtol)
+
+
 def test_tma_layout_refuses_what_tma_cannot_read():
     P = linear_module.Product
     assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is not None

@@ -13,7 +13,7 @@ from teeny import Graph, LoweringMode, lower, ops, rewrites
 from teeny.executor import Executor
 from teeny.graph import Tensor
 from teeny.kernels import loss, norm
-from teeny.kernels.linear import SharedInputLinearOp
+from teeny.kernels.linear import MLPOp, SharedInputLinearOp
 from teeny.kernels.loss import LinearCrossEntropyOp
 from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
 from teeny.models import GPT
@@ -569,6 +569,148 @@ def test_qkv_products_fused_match_pytorch(dtype, gen):
     ref = (y * weights.to(y.device)).sum()
     ref.backward()
     atol, rtol = tolerance(dtype, heads * dim * length)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(grads["x"].double(), xr.grad, atol=atol, rtol=rtol)
+    for name, t in params.items():
+        torch.testing.assert_close(pgrads[name].double(), t.grad, atol=atol, rtol=rtol, msg=name)
+
+
+# ------------------------------------------------------------------------- linear, activation, linear
+
+MLP_LAYERS = {  # (out features, bias, activation after the layer) per layer; the last has none
+    "gelu": [(9, True, ("gelu", {})), (6, True, None)],
+    "three-layers": [(9, True, ("gelu", {"approximate": "tanh"})), (6, False, ("silu", {})), (5, True, None)],
+    "relu-no-bias": [(8, False, ("relu", {})), (3, False, None)],
+    "leaky-relu": [(8, True, ("leaky_relu", {"negative_slope": 0.3})), (4, True, None)],
+}
+
+
+def _mlp_graph(layers, shape=(2, 5, 7), dtype=torch.float64, frozen=()):
+    """x -> linear -> activation -> linear ... -> a weighted sum, as a model writes an MLP."""
+    g = Graph()
+    x = g.input("x", shape, dtype, requires_grad=True)
+    model = teeny.Module()
+    h, width = x, shape[-1]
+    for i, (out, bias, act) in enumerate(layers):
+        layer = teeny.nn.Linear(width, out, bias=bias, dtype=dtype)
+        setattr(model, f"fc{i}", layer)
+        if i in frozen:
+            layer.weight.trainable = False
+        h, width = layer(h), out
+        if act is not None:
+            h = getattr(ops, act[0])(h, **act[1])
+    weights = torch.linspace(-1, 1, math.prod(h.shape), dtype=dtype).reshape(h.shape)
+    g.output(ops.sum(ops.mul(h, g.constant(weights))))
+    return g
+
+
+MLP_REWRITES = (rewrites.fuse_mlp,)
+
+
+def _mlp_ops(program):
+    return [op for op in _ops(program) if isinstance(op, MLPOp)]
+
+
+@pytest.mark.parametrize("case", list(MLP_LAYERS))
+def test_mlp_fused_matches_the_unfused_layers(case, gen):
+    """One node for the whole chain: the same loss and every gradient (x, weights, biases) as
+    the unfused graph in float64 (to rounding: the activations are the same maths), with one
+    launch per product and no activation launch either way."""
+    g = _mlp_graph(MLP_LAYERS[case])
+    feed = {"x": torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)}
+    fused, plain = _run(g, feed, rewrites=MLP_REWRITES), _run(g, feed, rewrites=())
+    (op,) = _mlp_ops(fused[3])
+    assert len(op.activations) == len(MLP_LAYERS[case]) - 1 and len(_mlp_ops(fused[3])) == 1
+    kernels = {launch.kernel.name for p in fused[3].nodes for launch in p.forward_launches}
+    assert "activation_forward" not in kernels
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-12)
+    assert set(fused[2]) == set(plain[2])
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-12, atol=1e-12, msg=name)
+    assert f"{len(op.activations)} in 1 chain," in fused[3].summary()
+
+
+def test_mlp_fused_gradcheck_float64(gen):
+    g = _mlp_graph(MLP_LAYERS["three-layers"], shape=(3, 4))
+    assert _mlp_ops(lower(g, LoweringMode.TRAINING))
+    teeny.gradcheck_graph(g, {"x": torch.randn(3, 4, dtype=torch.float64, generator=gen)})
+
+
+def test_mlp_fused_with_a_frozen_weight_and_for_inference(gen):
+    """A frozen first weight: no gradient for it, the others as unfused; lowered for inference
+    the node keeps no pre-activations and gives the training forward's numbers."""
+    layers = MLP_LAYERS["three-layers"]
+    g = _mlp_graph(layers, frozen=(0,))
+    feed = {"x": torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)}
+    fused, plain = _run(g, feed, rewrites=MLP_REWRITES), _run(g, feed, rewrites=())
+    assert not fused[2]["fc0.weight"].any() and set(fused[2]) == set(plain[2])  # the arena's slot stays zero
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-12, atol=1e-12, msg=name)
+    program = lower(g, LoweringMode.INFERENCE, rewrites=MLP_REWRITES)
+    (op,) = _mlp_ops(program)
+    assert not op.keep_pre_activations
+    assert set(op.extra_outputs([(2, 5, 7), (9, 7), (9,), (6, 9), (5, 6), (5,)], torch.float64)) == {"act0", "act1"}
+    out = Executor(program, seed=0)(feed)
+    torch.testing.assert_close(out, fused[0], rtol=1e-12, atol=1e-12)
+
+
+def test_mlp_needs_activations_and_linears_nothing_else_reads(gen):
+    """Not fused: an activation read twice, a hidden value that is an output, an activation
+    whose reader is not a linear, and a linear whose weight (not input) is the activation."""
+    dtype = torch.float64
+    g = Graph()
+    x = g.input("x", (3, 4), dtype, requires_grad=True)
+    m = teeny.Module()
+    m.a, m.b = teeny.nn.Linear(4, 4, dtype=dtype), teeny.nn.Linear(4, 4, dtype=dtype)
+    h = ops.relu(m.a(x))
+    g.output(ops.sum(ops.add(m.b(h), h)))  # h read by the linear and by the add
+    assert not _mlp_ops(lower(g, rewrites=MLP_REWRITES))
+    g2 = _mlp_graph(MLP_LAYERS["gelu"], shape=(3, 7))
+    hidden = next(n for n in g2.nodes if n.op.name == "gelu")
+    g2.output(Tensor(g2, hidden.output))
+    assert not _mlp_ops(lower(g2, rewrites=MLP_REWRITES))
+    g3 = Graph()
+    x = g3.input("x", (3, 4), dtype, requires_grad=True)
+    w = g3.input("w", (4, 4), dtype, requires_grad=True)
+    g3.output(ops.sum(ops.linear(x, ops.tanh(ops.linear(x, w)))))  # the activation is a weight
+    assert not _mlp_ops(lower(g3, rewrites=MLP_REWRITES))
+    g4 = Graph()
+    x = g4.input("x", (3, 4), dtype, requires_grad=True)
+    g4.output(ops.sum(ops.exp(ops.tanh(m.a(x)))))  # no second linear
+    assert not _mlp_ops(lower(g4, rewrites=MLP_REWRITES))
+
+
+def test_gpt_fuses_every_layers_mlp(gpt_case):
+    """teeny.models.GPT under the default rewrites: each block's fc, gelu, proj is one node."""
+    g, feed = gpt_case
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert len(_mlp_ops(fused[3])) == 2
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mlp_fused_matches_pytorch(dtype, gen):
+    """The fused chain against torch (F.linear, F.gelu tanh, F.silu, F.linear) on odd shapes:
+    loss, dx and every weight and bias gradient, within the registry's tolerance rule."""
+    from teeny.registry import tolerance
+
+    layers = MLP_LAYERS["three-layers"]
+    g = _mlp_graph(layers, shape=(3, 7, 13), dtype=dtype)
+    x = torch.randn(3, 7, 13, generator=gen).to(dtype)
+    loss, grads, pgrads, program = _run(g, {"x": x})
+    assert _mlp_ops(program)
+    params = {k: v.detach().double().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
+    xr = x.double().to(teeny.DEVICE).requires_grad_()
+    h = F.gelu(F.linear(xr, params["fc0.weight"], params["fc0.bias"]), approximate="tanh")
+    h = F.silu(F.linear(h, params["fc1.weight"]))
+    h = F.linear(h, params["fc2.weight"], params["fc2.bias"])
+    weights = torch.linspace(-1, 1, h.numel(), dtype=torch.float64).reshape(h.shape).to(h.device)
+    ref = (h * weights).sum()
+    ref.backward()
+    atol, rtol = tolerance(dtype, 13 * 9)
     torch.testing.assert_close(loss.double(), ref.detach(), atol=atol, rtol=rtol)
     torch.testing.assert_close(grads["x"].double(), xr.grad, atol=atol, rtol=rtol)
     for name, t in params.items():

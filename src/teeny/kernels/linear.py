@@ -31,6 +31,10 @@ Two kernels compute them:
   interpreter): the same tiles in grouped order through strided pointer loads; the bias
   gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
 
+Both kernels can run an element-wise activation in the epilogue (``Epilogue``): Z = f(h) with h
+the product plus bias also written out for the backward, or, backwards, Z = f'(h) * the product
+with h read back. ``MLPOp`` (linear, activation, linear, ... as one node) uses both.
+
 Tile sizes, warps, stages, the schedule and the copies are chosen per static shape when the
 program is lowered: ``teeny.tuning`` times a few candidates on the GPU and caches the winner
 on disk; under the interpreter, or with tuning off (``TEENY_TUNING=0``), ``default_config``
@@ -49,8 +53,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,14 +170,43 @@ def _store_tile(desc, row, col, acc, out_ptr, SUBTILE: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
-def _finish_tile(
-    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, sum_rows,
-    ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _activation_epilogue(
+    acc, z_ptr, aux_ptr, offs_m, offs_n, M, N, stride_m, stride_n, act_a, act_b,
+    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr,
 ):  # fmt: skip
-    """The epilogue of a tile whose whole contraction one program summed: bias, store, row sums."""
+    """An activation fused into the product (``MLPOp``), on the tile ``acc`` (bias added) of
+    rows offs_m and columns offs_n, rounded first to Z's dtype as an unfused product stores it.
+    ACTIVATION: returns f(h, a, b) of h = acc, h written to aux_ptr (when given) for the backward;
+    DERIVATIVE: returns the gradient through the activation, f'(h, acc, a, b), h read from aux_ptr.
+    aux_ptr's rows and columns are stride_m and stride_n apart."""
+    if ACTIVATION is not None or DERIVATIVE is not None:
+        acc = acc.to(z_ptr.dtype.element_ty).to(acc.dtype)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        if ACTIVATION is not None:
+            if aux_ptr is not None:
+                aux = aux_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :] * stride_n
+                tl.store(aux, acc.to(aux_ptr.dtype.element_ty), mask=mask)
+            acc = ACTIVATION(acc, act_a, act_b)
+        else:
+            aux = aux_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :] * stride_n
+            acc = DERIVATIVE(tl.load(aux, mask=mask, other=0.0).to(acc.dtype), acc, act_a, act_b)
+    return acc
+
+
+@triton.jit
+def _finish_tile(
+    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, sum_rows, act_a, act_b,
+    ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a tile whose whole contraction one program summed: bias, activation,
+    store, row sums."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     if bias_ptr is not None:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+    acc = _activation_epilogue(
+        acc, z_ptr, aux_ptr, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, z_stride, 1, act_a, act_b, ACTIVATION, DERIVATIVE
+    )
     _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
     if row_sums_ptr is not None:
         if sum_rows:
@@ -189,7 +223,9 @@ def _segment_owners(i, k_tiles, total, programs):
     return first, last
 
 
-@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr"), device_scratch=True)
+@kernel(
+    half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr", "aux_ptr"), device_scratch=True
+)
 @triton.jit(do_not_specialize=["programs", "dp_tiles", "partial_rows"])
 def matmul_tma(
     x_ptr,
@@ -199,6 +235,7 @@ def matmul_tma(
     row_sums_ptr,
     partial_ptr,
     partial_sums_ptr,
+    aux_ptr,
     M,
     N,
     K,
@@ -208,6 +245,8 @@ def matmul_tma(
     programs,
     dp_tiles,
     partial_rows,
+    act_a,
+    act_b,
     X_K_CONTIGUOUS: tl.constexpr,
     Y_K_CONTIGUOUS: tl.constexpr,
     ACC: tl.constexpr,
@@ -219,12 +258,15 @@ def matmul_tma(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SUBTILE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DERIVATIVE: tl.constexpr,
 ):
     """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs. X is (M, K)
     with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed, (K, M) with rows x_stride
     apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart.
     row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
-    by the programs of the first column tile.
+    by the programs of the first column tile. ACTIVATION / DERIVATIVE (with aux_ptr, act_a,
+    act_b): an activation in the epilogue (``_activation_epilogue``).
 
     Tiles 0 .. dp_tiles - 1 (grouped order) go round the programs whole. The rest are stream-K
     (with partial_ptr): their K tiles, laid end to end, are shared out evenly, so the last wave
@@ -279,15 +321,15 @@ def matmul_tma(
         )  # fmt: skip
         if partial_ptr is None:
             _finish_tile(
-                z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
-                BLOCK_M, BLOCK_N,
+                z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
             )  # fmt: skip
         else:
             first, last = _segment_owners(i, k_tiles, total, programs)
             if whole | (first == last):
                 _finish_tile(
-                    z_desc, z_ptr, bias_ptr, row_sums_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0, ACC, SUBTILE,
-                    BLOCK_M, BLOCK_N,
+                    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                    act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
                 )  # fmt: skip
             else:
                 # a segment of a shared tile: its box of fp32 partials, stored from registers
@@ -300,7 +342,7 @@ def matmul_tma(
                         tl.store(partial_sums_ptr + row + tl.arange(0, BLOCK_M), row_sums)
 
 
-@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr"))
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr", "aux_ptr"))
 @triton.jit(do_not_specialize=["programs", "dp_tiles"])
 def matmul_sum_segments(
     partial_ptr,
@@ -308,12 +350,15 @@ def matmul_sum_segments(
     z_ptr,
     bias_ptr,
     row_sums_ptr,
+    aux_ptr,
     M,
     N,
     K,
     z_stride,
     programs,
     dp_tiles,
+    act_a,
+    act_b,
     ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -321,11 +366,14 @@ def matmul_sum_segments(
     GROUP_M: tl.constexpr,
     SLOTS: tl.constexpr,
     CHUNK_M: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DERIVATIVE: tl.constexpr,
 ):
     """The second pass of ``matmul_tma``'s stream-K tiles: program (i, c) adds up the segments
     of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), SLOTS boxes
     loaded at once (one memory latency, not one per segment) and summed in a fixed order
-    (bit-reproducible), adds the bias and stores Z; for the first column tile, the row sums too.
+    (bit-reproducible), adds the bias, applies the epilogue's activation and stores Z; for the
+    first column tile, the row sums too.
     Tiles summed whole by one program were stored by ``matmul_tma`` and are left alone."""
     i = tl.program_id(0).to(tl.int64)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -354,6 +402,9 @@ def matmul_sum_segments(
         offs_n = pid_n * BLOCK_N + cols
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
+        acc = _activation_epilogue(
+            acc, z_ptr, aux_ptr, offs_m, offs_n, M, N, z_stride, 1, act_a, act_b, ACTIVATION, DERIVATIVE
+        )
         z = z_ptr + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
         tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
         if row_sums_ptr is not None:
@@ -377,13 +428,16 @@ def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, BLOCK: tl.constexpr
 # its backward= lists what a backward launches besides it: the Hopper kernel and the sums of
 # the bias gradient and of split-contraction partials.
 @kernel(
-    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, sum_to_shape_kernel), half=True, optional=("bias_ptr",)
+    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, sum_to_shape_kernel),
+    half=True,
+    optional=("bias_ptr", "aux_ptr"),
 )
 def matmul_product(
     x_ptr,
     y_ptr,
     z_ptr,
     bias_ptr,
+    aux_ptr,
     M,
     N,
     K,
@@ -410,6 +464,8 @@ def matmul_product(
     sxr1,
     syr0,
     syr1,
+    act_a,
+    act_b,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -417,9 +473,12 @@ def matmul_product(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DERIVATIVE: tl.constexpr,
 ):
     """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry
-    per program; g = (g0, g1, g2) over sizes (., G1, G2), r = (r0, r1) over (n_red / R1, R1)."""
+    per program; g = (g0, g1, g2) over sizes (., G1, G2), r = (r0, r1) over (n_red / R1, R1).
+    ACTIVATION / DERIVATIVE: an activation in the epilogue of a 2-D product (aux_ptr lies like Z)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -456,6 +515,9 @@ def matmul_product(
             y_tile += BLOCK_K * syk
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC)[None, :]
+    acc = _activation_epilogue(
+        acc, z_ptr, aux_ptr, offs_m, offs_n, M, N, szm, szn, act_a, act_b, ACTIVATION, DERIVATIVE
+    )
     z_tile = z_base + offs_m[:, None] * szm + offs_n[None, :] * szn
     tl.store(z_tile, acc.to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -781,6 +843,40 @@ def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: boo
 # ------------------------------------------------------------------- launches
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """An element-wise activation in a product's epilogue (``MLPOp``): ``activation`` is an
+    ``activation.ActivationOp`` (its ``fn``, ``grad``, ``a``, ``b``). Forwards, Z = fn(h) of
+    h = the product (+ bias), h also written to ``aux`` when given; with ``derivative``, Z =
+    grad(h, the product), the gradient through the activation, h read from ``aux``. ``aux``
+    lies like Z."""
+
+    activation: Any
+    aux: torch.Tensor | None
+    derivative: bool = False
+
+    def args(self) -> dict:
+        op = self.activation
+        return dict(
+            aux_ptr=self.aux,
+            act_a=op.a,
+            act_b=op.b,
+            ACTIVATION=None if self.derivative else op.fn,
+            DERIVATIVE=op.grad if self.derivative else None,
+        )
+
+
+NO_EPILOGUE_ARGS = dict(aux_ptr=None, act_a=0.0, act_b=0.0, ACTIVATION=None, DERIVATIVE=None)
+
+
+def _epilogue_args(epilogue: Epilogue | None, p: Product, z: torch.Tensor) -> dict:
+    if epilogue is None:
+        return NO_EPILOGUE_ARGS
+    if p.kept or p.reduced or (epilogue.aux is not None and epilogue.aux.stride() != z.stride()):
+        raise ValueError(f"an activation epilogue needs a 2-D product and an aux tensor laid out like Z ({p})")
+    return epilogue.args()
+
+
 def _product_args(p: Product, x, y, z, bias, dtype: torch.dtype, precision: str, config: dict) -> ArgVisitor:
     kept = list(p.kept) + [(1, 0, 0, 0)] * (MAX_KEPT_DIMS - len(p.kept))
     reduced = list(p.reduced) + [(1, 0, 0)] * (MAX_REDUCED_DIMS - len(p.reduced))
@@ -814,7 +910,7 @@ def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, 
     return Launch(matmul_k_major, grid, args, Block(num_warps=4), work=rows * cols)
 
 
-def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch):
+def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch, epilogue):
     """matmul_tma's launch for ``config`` (and matmul_sum_segments' where tiles are shared)."""
     sched = schedule(p, config)
     shared = sched.slots > 1
@@ -847,6 +943,7 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
         UPCAST=dtype == torch.bfloat16 and DOT_UPCAST_BF16,
         SUBTILE=config["SUBTILE"],
         **_tiles(config),
+        **epilogue,
     )
     block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
@@ -856,7 +953,7 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
         sums = ArgVisitor().visit(
             partial_ptr=partials, partial_sums_ptr=partial_sums, z_ptr=z, bias_ptr=bias, row_sums_ptr=row_sums,
             M=p.M, N=p.N, K=p.K, z_stride=layout.z_stride, programs=sched.programs, dp_tiles=sched.dp_tiles,
-            ACC=tl_acc_dtype(dtype), SLOTS=slots, CHUNK_M=chunk, **_tiles(config),
+            ACC=tl_acc_dtype(dtype), SLOTS=slots, CHUNK_M=chunk, **_tiles(config), **epilogue,
         )  # fmt: skip
         grid = (sched.sk_tiles, config["BLOCK_M"] // chunk)
         launches.append(Launch(matmul_sum_segments, grid, sums, Block(num_warps=4), work=p.work()))
@@ -874,17 +971,20 @@ def product_launches(
     config: dict,
     scratch: Callable[[tuple, torch.dtype], torch.Tensor],
     row_sums: torch.Tensor | None = None,
+    epilogue: Epilogue | None = None,
 ) -> list[Launch]:
     """The launches computing ``p`` into ``z`` with ``config`` (``scratch(shape, dtype)``
     allocates the partials of stream-K tiles and K-major copies); ``row_sums``: also the sums
     of X's rows over the contraction (X must then be stored transposed and contiguous, (K, M),
-    as linear's dY is), in the kernel or by ``sum_to_shape``."""
+    as linear's dY is), in the kernel or by ``sum_to_shape``; ``epilogue``: an activation
+    applied before the store (see ``Epilogue``)."""
     layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
     fused = row_sums is not None and layout is not None and config.get("FUSED_SUMS", True)
+    epilogue_args = _epilogue_args(epilogue, p, z)
     if layout is None:
         if config["kernel"] == "tma":
             raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
-        args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config))
+        args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config), **epilogue_args)
         grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
         block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
         launches = [Launch(matmul_product, grid, args, block, work=p.work())]
@@ -902,7 +1002,7 @@ def product_launches(
             layout = TmaLayout(True, True, p.K if xk is not x else layout.x_stride,
                                p.K if yk is not y else layout.y_stride, layout.z_stride)  # fmt: skip
         launches += _tma_launches(p, xk, yk, z, bias, row_sums if fused else None, layout, dtype, precision, config,
-                                  scratch)  # fmt: skip
+                                  scratch, epilogue_args)  # fmt: skip
     if row_sums is not None and not fused:
         if p.x != (1, p.M):
             raise ValueError(f"the row sums of X need X stored transposed and contiguous, not strides {p.x}")
@@ -997,9 +1097,11 @@ class _ProductOp(RuntimeOp):
     def precision(self, dtype: torch.dtype) -> str:
         return dot_precision(dtype, self.allow_tf32)
 
-    def product(self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None, row_sums=None) -> list[Launch]:
+    def product(
+        self, ctx: OpContext, name: str, p: Product, x, y, z, bias=None, row_sums=None, epilogue=None
+    ) -> list[Launch]:
         """The launches of one product (``name`` tells the op's products apart); ``row_sums``:
-        also X's row sums (see ``product_launches``)."""
+        also X's row sums, ``epilogue``: an activation (see ``product_launches``)."""
         precision = self.precision(ctx.dtype)
         config = self.configs.get(name)
         if config is None or ctx.dry_run:
@@ -1007,7 +1109,9 @@ class _ProductOp(RuntimeOp):
         if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
             raise TeenyError(f"{ctx.where}: a TMA product's operand is not 16-byte aligned ({p})")
-        return product_launches(p, x, y, z, bias, ctx.dtype, precision, config, lambda s, d: ctx.empty(s, d), row_sums)
+        return product_launches(
+            p, x, y, z, bias, ctx.dtype, precision, config, lambda s, d: ctx.empty(s, d), row_sums, epilogue
+        )
 
 
 # ------------------------------------------------------------------------------- matmul
@@ -1263,6 +1367,112 @@ class SharedInputLinearOp(_ProductOp):
                 launches.append(copy_launch(dw, dw[a:b], gw, gw))
             if gb is not None:
                 launches.append(copy_launch(db, db[a:b], gb, gb))
+        return launches
+
+
+class MLPOp(_ProductOp):
+    """linear, activation, linear (, activation, linear ...) as one node (``rewrites.fuse_mlp``):
+
+        h_i = y_{i-1} W_i^T + b_i,   y_i = f_i(h_i)   (y_0 = x; the last layer has no f)
+
+    Each activation runs in the epilogue of the product before it, which also writes h_i for the
+    backward; backwards, f_i' runs in the epilogue of the product that computes the gradient of
+    y_i, dh_i = f_i'(h_i) * (dh_{i+1} W_{i+1}): no activation takes a pass of its own either way.
+    Inputs x, W_1[, b_1], W_2[, b_2], ...; the extra outputs h_i (training only) and y_i (the
+    next layer's input, which its dW reads)."""
+
+    name = "mlp"
+    n_activation_inputs = 1
+
+    def __init__(self, has_bias: Sequence[bool], activations: Sequence[Any], keep_pre_activations: bool = True):
+        super().__init__()
+        if len(activations) != len(has_bias) - 1 or not activations:
+            raise ValueError(
+                f"mlp: {len(has_bias)} layers need {len(has_bias) - 1} activations, got {len(activations)}"
+            )
+        self.has_bias, self.activations = tuple(has_bias), tuple(activations)
+        self.keep_pre_activations = keep_pre_activations  # False when lowered for inference
+        self.weight_index = list(itertools.accumulate([1] + [1 + b for b in self.has_bias[:-1]]))
+        self.saves_inputs = (0, *self.weight_index)  # x for dW_1, the weights for dX
+
+    def _layers(self, tensors) -> list[tuple[Any, Any]]:
+        """(W_i, b_i or None) per layer from the node's inputs after x (or their gradients)."""
+        tensors = list(tensors)
+        return [(tensors[i - 1], tensors[i] if bias else None) for i, bias in zip(self.weight_index, self.has_bias)]
+
+    def _shapes(self, input_shapes) -> list[tuple[tuple, tuple]]:
+        """(input shape, weight shape) per layer."""
+        shape, out = tuple(input_shapes[0]), []
+        for w, _ in self._layers(input_shapes[1:]):
+            out.append((shape, tuple(w)))
+            shape = shape[:-1] + (w[0],)
+        return out
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        if len(input_shapes) != 1 + len(self.has_bias) + sum(self.has_bias):
+            raise ValueError(
+                f"mlp of {len(self.has_bias)} layers: expected {1 + len(self.has_bias) + sum(self.has_bias)} inputs"
+            )
+        if len(set(input_dtypes)) != 1:
+            raise TypeError(f"mlp: one dtype for all inputs, got {sorted(map(str, set(input_dtypes)))}")
+        for (shape, w), (_, b), has_bias in zip(
+            self._shapes(input_shapes), self._layers(input_shapes[1:]), self.has_bias
+        ):
+            LinearOp(has_bias).check_inputs([shape, w] + ([b] if has_bias else []), input_dtypes[:3])
+
+    def output_shape(self, input_shapes):
+        shape, w = self._shapes(input_shapes)[-1]
+        return shape[:-1] + (w[0],)
+
+    def extra_outputs(self, input_shapes, dtype):
+        extras = {}
+        for i, (shape, _) in enumerate(self._shapes(input_shapes)[1:]):
+            if self.keep_pre_activations:
+                extras[f"pre{i}"] = (shape, dtype)
+            extras[f"act{i}"] = (shape, dtype)
+        return extras
+
+    def forward_launches(self, ctx):
+        launches, y = [], ctx.inputs[0]
+        shapes = self._shapes(ctx.input_shapes)
+        for i, ((w, b), shape) in enumerate(zip(self._layers(ctx.params), shapes)):
+            product = LinearOp.products(list(shape))["forward"]
+            if i < len(self.activations):
+                out = ctx.saved[f"act{i}"]
+                epilogue = Epilogue(self.activations[i], ctx.saved.get(f"pre{i}"))
+            else:
+                out, epilogue = ctx.output, None
+            launches += self.product(ctx, f"forward{i}", product, y, w, out, b, epilogue=epilogue)
+            y = out
+        return launches
+
+    def backward_launches(self, ctx):
+        weights = [w for w, _ in self._layers(ctx.params)]
+        grads = self._layers(ctx.grad_params)
+        (dx,) = ctx.grad_inputs
+        shapes = self._shapes(ctx.input_shapes)
+        wanted = [dw is not None or db is not None for dw, db in grads]
+        launches, g = [], ctx.grad_output  # g: the gradient of layer i's output h_i
+        for i in reversed(range(len(weights))):
+            products = LinearOp.products(list(shapes[i]))
+            y = ctx.inputs[0] if i == 0 else ctx.saved[f"act{i - 1}"]
+            dw, db = grads[i]
+            if dw is not None:  # db (g's column sums) in dW's epilogue
+                launches += self.product(ctx, f"grad_weight{i}", products["grad_weight"], g, y, dw, row_sums=db)
+            elif db is not None:
+                launches += sum_to_shape(ctx, g, tuple(g.shape), db)
+            if i == 0:
+                if dx is not None:
+                    launches += self.product(ctx, "grad_input0", products["grad_input"], g, weights[0], dx)
+            elif dx is not None or any(wanted[:i]):
+                dh = ctx.empty(shapes[i][0], ctx.dtype)
+                epilogue = Epilogue(self.activations[i - 1], ctx.saved[f"pre{i - 1}"], derivative=True)
+                launches += self.product(
+                    ctx, f"grad_input{i}", products["grad_input"], g, weights[i], dh, epilogue=epilogue
+                )
+                g = dh
+            else:
+                break
         return launches
 
 
