@@ -14,13 +14,16 @@ one would pass them, so that the differences are each layer's own cost:
     library composite -> bridge.call -> Compiled.forward -> Executor.forward_train
       -> one node's launches (OpContext, forward_launches, run_launch) -> KernelInstance.launch
 
-Times are the minimum over repeats of the mean of many calls, in microseconds.
+Times are the minimum over repeats of the mean of many calls, in microseconds of the process's
+CPU time (all its threads: the autograd engine's too), which other work on a shared machine
+disturbs less than the wall clock.
 """
 
 from __future__ import annotations  # noqa: I001  (teeny before triton: it chooses the device)
 
 import argparse
 import contextlib
+import time
 import timeit
 
 import teeny
@@ -50,7 +53,7 @@ def stubbed_launches():
 
 
 def _us(fn, number: int, repeat: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+    return min(timeit.repeat(fn, number=number, repeat=repeat, timer=time.process_time)) / number * 1e6
 
 
 def measure(number: int, repeat: int) -> dict[str, float]:
