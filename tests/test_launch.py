@@ -156,6 +156,27 @@ def test_packing_mistakes_name_op_node_kernel_and_parameter(op, pattern):
         _run(op, torch.randn(4))
 
 
+def test_a_packing_plan_made_once_still_checks_each_launchs_values():
+    from teeny.runtime import check_packing
+
+    x, y = torch.randn(4), torch.empty(4)
+    good = ArgVisitor().visit(x_ptr=x, y_ptr=y, n=4, a=0.5)
+    assert check_packing(_axpb_forward, good, "here", 16) == [x, None, y, 4, 0.5, 16]
+    # the same names and kinds: the plan is reused, and the values are checked again
+    with pytest.raises(teeny.PackingError, match=r"there: kernel _axpb_forward argument 2 'y_ptr' got None"):
+        check_packing(_axpb_forward, ArgVisitor().visit(x_ptr=x, y_ptr=None, n=4, a=0.5), "there", 16)
+    with pytest.raises(teeny.PackingError, match=r"argument 0 'x_ptr' is a pointer, but a int was packed there"):
+        check_packing(_axpb_forward, ArgVisitor().visit(x_ptr=3, y_ptr=y, n=4, a=0.5), "there", 16)
+    with pytest.raises(teeny.PackingError, match=r"argument 3 'n' is a scalar scalar, but 'four' was packed there"):
+        check_packing(_axpb_forward, ArgVisitor().visit(x_ptr=x, y_ptr=y, n="four", a=0.5), "there", 16)
+    assert check_packing(_axpb_forward, ArgVisitor().visit(x_ptr=x, y_ptr=y, n=4.0, a=1), "here", 16)[3:5] == [4.0, 1]
+    positional = ArgVisitor().visit_ptr(x).visit_ptr(None).visit_ptr(y).visit_i64(2**40).visit_float(2.0)
+    assert check_packing(_axpb_forward, positional.visit_constexpr(16), "here") == [x, None, y, 2**40, 2.0, 16]
+    positional = ArgVisitor().visit_ptr(x).visit_ptr(None).visit_ptr(None).visit_i64(2**40).visit_float(2.0)
+    with pytest.raises(teeny.PackingError, match=r"argument 2 'y_ptr' got None"):
+        check_packing(_axpb_forward, positional.visit_constexpr(16), "here")
+
+
 def test_backward_may_only_launch_kernels_the_forward_kernel_declares():
     with pytest.raises(teeny.TeenyError, match=r"launches kernel _other_forward, which is not declared as a backward"):
         _run(_TwoBackwardLaunchesOfAnUndeclaredKernel(0.5), torch.randn(4), train=True)

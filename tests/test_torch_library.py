@@ -205,6 +205,23 @@ def test_autocast_bf16_in_bf16_out():
     torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.05)
 
 
+def test_a_plain_call_keyed_once_still_follows_grad_mode_autocast_and_strides():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 16, generator=gen)[:, ::2].requires_grad_()  # non-contiguous
+    w = torch.randn(6, 8, generator=gen)
+    with torch.no_grad():
+        assert torch.ops.teeny.linear(x, w).grad_fn is None
+    for _ in range(2):  # the second call finds the key of the first
+        out = torch.ops.teeny.linear(x, w)
+        out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, 2 * torch.ones(4, 6) @ w)
+    with torch.no_grad():
+        assert torch.ops.teeny.linear(x, w).grad_fn is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same tensors: autocast's key, not the plain one
+        assert torch.ops.teeny.linear(x, w).dtype == torch.bfloat16
+    assert torch.ops.teeny.linear(x, w).dtype == torch.float32
+
+
 # ------------------------------------------------------------------- user ops
 
 

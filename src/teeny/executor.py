@@ -110,6 +110,26 @@ class Executor:
         self.live_values = 0  # after forward: how many intermediate buffers were still alive at the end
         self._consts = {v.id: v.data.to(self.device) for v in program.graph.values if v.kind == "const"}
         self._zeroed: set[int] = set(self._grad_by_id)  # the gradient arena starts at zero
+        self._plan_runs()
+
+    def _plan_runs(self) -> None:
+        """What every run does the same: the graph's inputs, which buffers each node frees after
+        it, and how a saved tensor that belongs to an input or parameter is named."""
+        program = self.program
+        self._inputs = program.inputs
+        self._input_names = {v.name for v in self._inputs}
+        keep = {v.id for v in program.outputs}
+        self._intermediates = {v.id for v in program.graph.values if v.kind == "node" and v.id not in keep}
+        self._frees = [
+            tuple(v.id for v in p.node.inputs if program.last_use.get(v.id) == index and v.id in self._intermediates)
+            for index, p in enumerate(program.nodes)
+        ]
+        self._sources = [
+            (v.id, f"{'input' if v.kind == 'input' else 'parameter'} '{v.name}'")
+            for v in program.graph.values
+            if v.kind in ("input", "param")
+        ]
+        self._nodes_by_id = {node.id: node for node in program.graph.nodes}
 
     # --- parameters ----------------------------------------------------------------------
     def _build_arenas(self, seed: int) -> None:
@@ -193,7 +213,7 @@ class Executor:
 
     # --- forward -------------------------------------------------------------------------
     def _bind_inputs(self, inputs: Any, kwargs: dict) -> dict[int, torch.Tensor]:
-        graph_inputs = self.program.inputs
+        graph_inputs = self._inputs
         if inputs is None:
             given: dict[str, Any] = {}
         elif isinstance(inputs, Mapping):
@@ -208,7 +228,7 @@ class Executor:
         else:
             raise TypeError(f"inputs must be a dict, a list or a tensor, got {type(inputs).__name__}")
         given.update(kwargs)
-        names = {v.name for v in graph_inputs}
+        names = self._input_names
         unknown = sorted(set(given) - names)
         if unknown:
             raise KeyError(f"unknown inputs {unknown}; the graph's inputs are {sorted(names)}")
@@ -247,7 +267,6 @@ class Executor:
     def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
         program = self.program
         values = self._bind_inputs(inputs, kwargs)
-        keep = {v.id for v in program.outputs}
         checks: list = []
         for index, p in enumerate(program.nodes):
             node = p.node
@@ -271,13 +290,12 @@ class Executor:
                     "output": out if node.op.saves_output else None,
                     "saved": saved,
                 }
-            for v in node.inputs:  # free what no later node reads
-                if program.last_use.get(v.id) == index and v.id not in keep and v.kind == "node":
-                    values.pop(v.id, None)
+            for value_id in self._frees[index]:  # free what no later node reads
+                values.pop(value_id, None)
         _raise_failed_checks(checks)
         if cache is not None:
             cache.versions = self._saved_versions(cache, values)
-        self.live_values = sum(1 for vid in values if program.graph.values[vid].kind == "node" and vid not in keep)
+        self.live_values = len(self._intermediates.intersection(values))
         outs = tuple(values[v.id] for v in program.outputs)
         if cache is not None:
             cache.outputs = {v.id: values[v.id] for v in program.outputs}
@@ -323,7 +341,7 @@ class Executor:
                 grad_out = grad_out.contiguous()
             self._node_backward(p, entry, grad_out, grads)
         result = {}
-        for v in program.inputs:
+        for v in self._inputs:
             if v.requires_grad:
                 g = grads.get(v.id)
                 result[v.name] = g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device)
@@ -332,14 +350,12 @@ class Executor:
 
     def _saved_versions(self, cache: ActivationCache, values: dict[int, torch.Tensor]) -> list:
         """(tensor, version, description) for every tensor the backward will read."""
-        graph = self.program.graph
         sources = {}  # storage -> the input or parameter it belongs to (views of inputs name the input)
-        for v in graph.values:
-            if v.kind in ("input", "param") and v.id in values and values[v.id].numel():
-                sources[values[v.id].untyped_storage().data_ptr()] = (
-                    f"{'input' if v.kind == 'input' else 'parameter'} '{v.name}'"
-                )
-        by_node = {node.id: node for node in graph.nodes}
+        for value_id, description in self._sources:
+            t = values.get(value_id)
+            if t is not None and t.numel():
+                sources[t.untyped_storage().data_ptr()] = description
+        by_node = self._nodes_by_id
         seen: set[int] = set()
         recorded = []
         for node_id, entry in cache.entries.items():

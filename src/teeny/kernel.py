@@ -243,12 +243,13 @@ class KernelInstance:
         """Launch over ``grid`` with ``args`` in signature order; ``options`` are Triton's
         launch options (num_warps, num_stages). Float scalars of a float64 instance are float64."""
         jit = self.kernel.jit
-        types_ = self.scalar_types(self.kernel.params, args) if (_RECORDERS or self.dtype == torch.float64) else {}
-        wide = frozenset(name for name, t in types_.items() if t == "fp64")
-        if wide:
-            jit = self.kernel.jit_with_float64(wide)
-        for log in _RECORDERS:
-            log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
+        if _RECORDERS or self.dtype == torch.float64:
+            types_ = self.scalar_types(self.kernel.params, args)
+            wide = frozenset(name for name, t in types_.items() if t == "fp64")
+            if wide:
+                jit = self.kernel.jit_with_float64(wide)
+            for log in _RECORDERS:
+                log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
         if _INTERCEPTORS:
             _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
             return

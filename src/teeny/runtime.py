@@ -27,9 +27,9 @@ The inputs of a node are its activation inputs followed by its parameters: the f
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,8 +64,7 @@ class KernelLaunchError(TeenyError):
 AUTO = "auto"  # a named visit whose kind the kernel's signature decides
 
 
-@dataclass(frozen=True)
-class Visit:
+class Visit(NamedTuple):
     name: str | None
     kind: str  # ptr, i32, i64, float, constexpr or AUTO
     value: Any
@@ -134,105 +133,127 @@ _FITS = {
 }
 
 
-class _Where:
-    """The place a packing error names (where, kernel, argument index and name), formatted only
-    when one is raised: building the text for every argument of every launch cost more than the
-    checks themselves."""
-
-    def __init__(self, where: str, kernel: str, index: int, param: str) -> None:
-        self.parts = (where, kernel, index, param)
-
-    def __format__(self, spec: str) -> str:
-        where, kernel, index, param = self.parts
-        return f"{where}: kernel {kernel} argument {index} '{param}'"
+def _what(where: str, kernel: Kernel, index: int, param: KernelParam) -> str:
+    """The place a packing error names."""
+    return f"{where}: kernel {kernel.name} argument {index} '{param.name}'"
 
 
-def _resolve(param: KernelParam, visit: Visit, where: str, kernel: Kernel, index: int) -> Any:
-    """The value to pass for ``param``, after checking the visit's kind (and value) against it."""
-    what = _Where(where, kernel.name, index, param.name)  # formatted only for an error
-    value, kind = visit.value, visit.kind
-    if kind == AUTO:
-        if param.kind == "constexpr":
+Check = Callable[[Any, str], Any]  # (visited value, where) -> the value to pass; PackingError if it does not fit
+
+
+def _check(kernel: Kernel, index: int, param: KernelParam, kind: str, where: str) -> Check:
+    """How a visit of ``kind`` fills ``param``: what does not depend on the value is checked here
+    (once per packing plan, for the launch at ``where``), the returned function checks the rest."""
+
+    def fail(message: str, where: str):
+        raise PackingError(f"{_what(where, kernel, index, param)} {message}")
+
+    if kind == AUTO and param.kind == "constexpr":
+        return lambda value, where: value
+    if param.kind == "ptr" and kind in (AUTO, "ptr"):
+
+        def pointer(value, where):
+            if isinstance(value, torch.Tensor):
+                return value
+            if value is not None:  # only a named visit (kind AUTO) gets here with another type
+                fail(f"is a pointer, but a {type(value).__name__} was packed there", where)
+            if not param.optional:
+                fail("got None, but the pointer is not declared optional (@kernel(optional=...))", where)
             return value
-        if param.kind == "ptr":
-            if value is not None and not isinstance(value, torch.Tensor):
-                raise PackingError(f"{what} is a pointer, but a {type(value).__name__} was packed there")
-            kind = "ptr"
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PackingError(f"{what} is a {param.kind} scalar, but {value!r} was packed there")
-        elif param.kind == "f32" or isinstance(value, float):
-            kind, value = "float", float(value)
-        else:
-            kind = "i32" if param.kind == "i32" else "i64"
-            if kind == "i32" and not -(2**31) <= value < 2**31:
-                raise PackingError(f"{what} is int32, but {value} does not fit")
+
+        return pointer
+    if kind == AUTO:
+
+        def scalar(value, where):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                fail(f"is a {param.kind} scalar, but {value!r} was packed there", where)
+            if param.kind == "f32" or isinstance(value, float):
+                return float(value)
+            if param.kind == "i32" and not -(2**31) <= value < 2**31:
+                fail(f"is int32, but {value} does not fit", where)
+            return value
+
+        return scalar
     if kind not in _FITS[param.kind]:
-        raise PackingError(f"{what} is {param.kind}, but a {kind} was packed there")
-    if kind == "ptr" and value is None and not param.optional:
-        raise PackingError(f"{what} got None, but the pointer is not declared optional (@kernel(optional=...))")
-    return value
+        raise PackingError(f"{_what(where, kernel, index, param)} is {param.kind}, but a {kind} was packed there")
+    return lambda value, where: value
 
 
-_NAMED_ORDERS: dict[tuple, tuple[int | Visit, ...]] = {}
+@dataclass(frozen=True)
+class _Plan:
+    """How one combination of visits (names, kinds) fills a kernel's parameters: per parameter,
+    the position of its visit among the visits followed by ``defaults``, and its ``Check``."""
+
+    defaults: tuple[Visit, ...]
+    fills: tuple[tuple[int, Check], ...]
 
 
-def _named_order(kernel: Kernel, visits: list[Visit], where: str, block_size: int | None) -> tuple[int | Visit, ...]:
-    """Per kernel parameter, the index of the named visit that fills it, or the default visit
-    (``BLOCK``: ``block_size``; an optional pointer: ``None``); ``PackingError`` for a name the
-    kernel does not have, a parameter packed twice or one left out."""
-    by_name: dict[str, int] = {}
-    for index, v in enumerate(visits):
-        if kernel.param(v.name) is None:
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(kernel: Kernel, visits: list[Visit], where: str, block_size: int | None) -> _Plan:
+    """``PackingError`` for a name the kernel does not have, a parameter packed twice or one
+    left out, a count that does not match (positional visits) or a kind that cannot fill its
+    parameter; otherwise the plan (see ``check_packing``)."""
+    params = kernel.params
+    if visits and all(v.name is not None for v in visits):  # every visit named: place them by name
+        by_name: dict[str, int] = {}
+        for index, v in enumerate(visits):
+            if kernel.param(v.name) is None:
+                raise PackingError(
+                    f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
+                    f"(its parameters: {', '.join(p.name for p in params)})"
+                )
+            if v.name in by_name:
+                raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
+            by_name[v.name] = index
+        defaults: list[Visit] = []
+        order: list[int] = []
+        for p in params:
+            if p.name in by_name:
+                order.append(by_name[p.name])
+                continue
+            if p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
+                defaults.append(Visit(p.name, "constexpr", block_size))
+            elif p.optional:
+                defaults.append(Visit(p.name, "ptr", None))
+            else:
+                raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
+            order.append(len(visits) + len(defaults) - 1)
+    else:
+        if len(visits) != len(params):
+            expected = ", ".join(f"{p.name}:{p.kind}" for p in params)
+            got = ", ".join(v.kind for v in visits)
             raise PackingError(
-                f"{where}: kernel {kernel.name} has no parameter '{v.name}' "
-                f"(its parameters: {', '.join(p.name for p in kernel.params)})"
+                f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
+                f"but {len(visits)} were packed ({got})"
             )
-        if v.name in by_name:
-            raise PackingError(f"{where}: kernel {kernel.name} parameter '{v.name}' was packed twice")
-        by_name[v.name] = index
-    order: list[int | Visit] = []
-    for p in kernel.params:
-        if p.name in by_name:
-            order.append(by_name[p.name])
-        elif p.name == "BLOCK" and p.kind == "constexpr" and block_size is not None:
-            order.append(Visit(p.name, "constexpr", block_size))
-        elif p.optional:
-            order.append(Visit(p.name, "ptr", None))
-        else:
-            raise PackingError(f"{where}: kernel {kernel.name} parameter '{p.name}' ({p.kind}) was not packed")
-    return tuple(order)
+        for index, (p, v) in enumerate(zip(params, visits)):
+            if v.name is not None and v.name != p.name:
+                raise PackingError(
+                    f"{where}: kernel {kernel.name} argument {index} is '{p.name}', "
+                    f"but the visit there names '{v.name}'"
+                )
+        defaults, order = [], list(range(len(params)))
+    every = [*visits, *defaults]
+    fills = tuple(
+        (slot, _check(kernel, index, p, every[slot].kind, where)) for index, (p, slot) in enumerate(zip(params, order))
+    )
+    return _Plan(tuple(defaults), fills)
 
 
 def check_packing(kernel: Kernel, visitor: ArgVisitor, where: str, block_size: int | None = None) -> list[Any]:
     """The argument values in signature order; ``PackingError`` unless the visits match
     ``kernel``'s signature. When every visit is named, a ``BLOCK`` constexpr nobody visited
-    takes ``block_size`` and an optional pointer nobody visited is ``None``."""
-    params = kernel.params
+    takes ``block_size`` and an optional pointer nobody visited is ``None``. What does not depend
+    on the values is checked once per kernel and combination of visits (names and kinds)."""
     visits = visitor.visits
-    if visits and all(v.name is not None for v in visits):  # every visit named: place them by name
-        key = (kernel, tuple(v.name for v in visits), block_size)
-        order = _NAMED_ORDERS.get(key)
-        if order is None:  # the names are checked once per kernel and set of names
-            order = _NAMED_ORDERS[key] = _named_order(kernel, visits, where, block_size)
-        return [
-            _resolve(p, visits[slot] if isinstance(slot, int) else slot, where, kernel, index)
-            for index, (p, slot) in enumerate(zip(params, order))
-        ]
-    if len(visits) != len(params):
-        expected = ", ".join(f"{p.name}:{p.kind}" for p in params)
-        got = ", ".join(v.kind for v in visits)
-        raise PackingError(
-            f"{where}: kernel {kernel.name} takes {len(params)} arguments ({expected}) "
-            f"but {len(visits)} were packed ({got})"
-        )
-    values = []
-    for index, (p, v) in enumerate(zip(params, visits)):
-        if v.name is not None and v.name != p.name:
-            raise PackingError(
-                f"{where}: kernel {kernel.name} argument {index} is '{p.name}', but the visit there names '{v.name}'"
-            )
-        values.append(_resolve(p, v, where, kernel, index))
-    return values
+    key = (kernel, tuple([v[:2] for v in visits]), block_size)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(kernel, visits, where, block_size)
+    every = visits + list(plan.defaults) if plan.defaults else visits
+    return [check(every[slot].value, where) for slot, check in plan.fills]
 
 
 # ----------------------------------------------------------------------------- Launch
@@ -270,10 +291,15 @@ class Launch:
 
 
 def run_launch(
-    launch: Launch, instance: KernelInstance, where: str, work: int, dry_run: bool = False, shapes: str = ""
+    launch: Launch,
+    instance: KernelInstance,
+    where: str,
+    work: int,
+    dry_run: bool = False,
+    input_shapes: Sequence[Shape] = (),
 ) -> None:
     """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the one path every
-    kernel launch in teeny takes."""
+    kernel launch in teeny takes. A failing launch's error names ``input_shapes``."""
     kernel = launch.kernel
     block = as_block(launch.block)
     values = check_packing(kernel, launch.args, where, block.size)
@@ -302,9 +328,10 @@ def run_launch(
     except TeenyError:
         raise
     except Exception as exc:  # Triton's compile or launch failed: say where, in which dtype, on what
+        shapes = f" on inputs {', '.join(str(tuple(s)) for s in input_shapes)}" if input_shapes else ""
         raise KernelLaunchError(
-            f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed"
-            f"{' on ' + shapes if shapes else ''}: {type(exc).__name__}: {exc}"
+            f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed{shapes}: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -403,9 +430,9 @@ class OpContext:
         else:
             ref = self.output
         work = 1 if ref is None else ref.numel()
-        shapes = "inputs " + ", ".join(str(tuple(s)) for s in self.input_shapes)
+        where = self.where
         for launch in launches:
-            run_launch(launch, self.instance(launch.kernel), self.where, work, self.dry_run, shapes)
+            run_launch(launch, self.instance(launch.kernel), where, work, self.dry_run, self.input_shapes)
             if self.launched is not None:
                 self.launched.append(launch)
 

@@ -85,6 +85,36 @@ class Compiled:
     keep_alive: tuple = ()  # objects whose identity the key uses (an apply key holds them)
     consts: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """What every call does the same, worked out once (see ``_extra_sources``, ``_pool_slots``)."""
+        ex = self.executor
+        self._extra_sources = _extra_sources(self.layout, len(self.extras))
+        self._fixed_storages = frozenset(_storage(t) for t in [*self.consts.values(), *ex.param_arenas.values()])
+        n_in, n_out = len(self.saved_inputs), len(self.saved_outputs)
+        positions = {
+            **{("input", i): k for k, i in enumerate(self.saved_inputs)},
+            **{("output", j): n_in + k for k, j in enumerate(self.saved_outputs)},
+            **{("extra", k): n_in + n_out + k for k in range(len(self.extras))},
+        }
+        self._fixed_tensors: list[torch.Tensor] = []  # after the saved tensors in the backward's pool
+
+        def position(slot: Slot | None) -> int | None:
+            if slot is None:
+                return None
+            if slot.kind in ("const", "param"):
+                if slot.kind == "const":
+                    tensor = self.consts[slot.index]
+                else:
+                    tensor = ex.params[ex.program.graph.values[slot.index].name]
+                self._fixed_tensors.append(tensor)
+                return n_in + n_out + len(self.extras) + len(self._fixed_tensors) - 1
+            return positions[(slot.kind, slot.index)]
+
+        self._pool_slots = [
+            (node_id, [position(s) for s in in_slots], position(out_slot), {n: position(s) for n, s in saved.items()})
+            for node_id, in_slots, out_slot, saved in self.layout
+        ]
+
     @property
     def training(self) -> bool:
         return self.executor.training
@@ -101,27 +131,22 @@ class Compiled:
         ex = self.executor
         # an input written in place is copied onto the executor's device here, so that the copy it
         # updates is the one returned (a CPU tensor given to a GPU program would be moved inside it)
-        tensors = [t.to(ex.device, copy=True) if i in self.mutated else t for i, t in enumerate(tensors)]
+        if self.mutated:
+            tensors = [t.to(ex.device, copy=True) if i in self.mutated else t for i, t in enumerate(tensors)]
         feed = dict(zip(self.input_names, tensors))
         device = tensors[0].device if tensors else ex.device
         if self.training:
             outs, cache = ex.forward_train(feed)
+            extras = []
+            for node_id, part, key in self._extra_sources:
+                t = cache.entries[node_id][part]
+                extras.append(t if key is None else t[key])
         else:
-            outs, cache = ex.forward(feed), None
+            outs, extras = ex.forward(feed), []
         outs = list(outs) if isinstance(outs, tuple) else [outs]
-        extras: list[torch.Tensor | None] = [None] * len(self.extras)
-        if cache is not None:
-            for node_id, in_slots, out_slot, saved_slots in self.layout:
-                entry = cache.entries[node_id]
-                pairs = [*zip(entry["inputs"], in_slots), (entry["output"], out_slot)]
-                pairs += [(entry["saved"][name], slot) for name, slot in saved_slots.items()]
-                for t, slot in pairs:
-                    if slot is not None and slot.kind == "extra" and extras[slot.index] is None:
-                        extras[slot.index] = t
         updated = [tensors[i] for i in self.mutated]
         taken = {_storage(t) for i, t in enumerate(tensors) if i not in self.mutated}
-        taken.update(_storage(t) for t in self.consts.values())
-        taken.update(_storage(t) for t in ex.param_arenas.values())
+        taken.update(self._fixed_storages)
         result = []
         for t in [*outs, *extras, *updated]:
             t = t.to(device)
@@ -134,31 +159,14 @@ class Compiled:
     def backward(self, grad: torch.Tensor | None, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients of the flat inputs in ``grad_inputs`` from the gradient of output 0."""
         ex = self.executor
-        n_in, n_out = len(self.saved_inputs), len(self.saved_outputs)
-        inputs = dict(zip(self.saved_inputs, saved[:n_in]))
-        outputs = dict(zip(self.saved_outputs, saved[n_in : n_in + n_out]))
-        extras = list(saved[n_in + n_out :])
         here = ex.device
-
-        def resolve(slot: Slot | None):
-            if slot is None:
-                return None
-            if slot.kind == "input":
-                return inputs[slot.index].to(here).contiguous()
-            if slot.kind == "output":
-                return outputs[slot.index].to(here).contiguous()
-            if slot.kind == "extra":
-                return extras[slot.index].to(here).contiguous()
-            if slot.kind == "const":
-                return self.consts[slot.index]
-            return ex.params[ex.program.graph.values[slot.index].name]
-
+        pool = [*(t.to(here).contiguous() for t in saved), *self._fixed_tensors]
         cache = ActivationCache()
-        for node_id, in_slots, out_slot, saved_slots in self.layout:
+        for node_id, in_slots, out_slot, saved_slots in self._pool_slots:
             cache.entries[node_id] = {
-                "inputs": [resolve(s) for s in in_slots],
-                "output": resolve(out_slot),
-                "saved": {name: resolve(s) for name, s in saved_slots.items()},
+                "inputs": [None if k is None else pool[k] for k in in_slots],
+                "output": None if out_slot is None else pool[out_slot],
+                "saved": {name: pool[k] for name, k in saved_slots.items()},
             }
         shape, dtype = self.outputs[0]
         device = grad.device if grad is not None else (saved[0].device if saved else here)
@@ -186,6 +194,19 @@ class Compiled:
                 _, offset, shape = piece
                 values.append(outputs[0].narrow(0, offset, math.prod(shape)).view(shape))
         return values[0] if self.container is None else self.container(values)
+
+
+def _extra_sources(layout: list, n_extras: int) -> list[tuple[int, str, int | str | None]]:
+    """Where the forward's cache holds each extra: (node id, ``"inputs"`` / ``"output"`` /
+    ``"saved"``, the index or name within it, ``None`` for the output), first place first."""
+    found: dict[int, tuple[int, str, int | str | None]] = {}
+    for node_id, in_slots, out_slot, saved_slots in layout:
+        places = [*((s, "inputs", i) for i, s in enumerate(in_slots)), (out_slot, "output", None)]
+        places += [(s, "saved", name) for name, s in saved_slots.items()]
+        for slot, part, key in places:
+            if slot is not None and slot.kind == "extra":
+                found.setdefault(slot.index, (node_id, part, key))
+    return [found[k] for k in range(n_extras)]
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -450,10 +471,11 @@ def _run_backward_fake(key, grads, saved):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    key = inputs[0]
-    entry = lookup(key)
-    flat = list(inputs[1])
-    ctx.key, ctx.entry = key, entry
+    _save_for_backward(ctx, lookup(inputs[0]), inputs[1], output)
+
+
+def _save_for_backward(ctx, entry: Compiled, flat: Sequence[torch.Tensor], output: Sequence[torch.Tensor]) -> None:
+    ctx.entry = entry
     if not entry.training:
         ctx.save_for_backward()
         return
@@ -536,10 +558,10 @@ class _EagerRun(torch.autograd.Function):
     H200's host they cost more than the launches themselves, bench/NOTES.md)."""
 
     @staticmethod
-    def forward(ctx, key, *tensors):  # ctx in forward: apply() binds no signature per call then
-        output = tuple(lookup(key).forward(list(tensors)))
+    def forward(ctx, entry, *tensors):  # ctx in forward: apply() binds no signature per call then
+        output = tuple(entry.forward(tensors))
         ctx.set_materialize_grads(False)
-        _setup_context(ctx, (key, list(tensors)), output)
+        _save_for_backward(ctx, entry, tensors, output)
         return output
 
     @staticmethod
@@ -564,7 +586,7 @@ def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]
     if not _eager(tensors):
         results = torch.ops.teeny.run_forward(entry.key, list(tensors))
     elif entry.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        results = list(_EagerRun.apply(entry.key, *tensors))
+        results = list(_EagerRun.apply(entry, *tensors))
     else:
         results = entry.forward(list(tensors))
     if entry.mutated:  # the operator is functional: it returns the new values, written back here

@@ -381,10 +381,21 @@ def _cast(v: Any, dtype: torch.dtype) -> Any:
     return v
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _implementation(reg: Registered) -> Callable:
     names = reg.arg_names
+    plain_keys: dict[tuple, str] = {}  # the common call (plain tensors, positional, no autocast): its key in one hit
 
     def composite(*args, **kwargs):
+        plain = not kwargs and all(type(a) in _PLAIN_TENSORS for a in args) and not torch._C._is_any_autocast_enabled()
+        if plain:
+            grad = torch.is_grad_enabled()
+            signature = tuple([(a.shape, a.dtype, grad and a.requires_grad) for a in args])
+            key = plain_keys.get(signature)
+            if key is not None:
+                return run(key, [a.contiguous() for a in args])
         bound = dict(zip(names, args))
         bound.update(kwargs)
         given = [n for n in names if n in bound]  # arguments left out take the teeny function's defaults
@@ -400,6 +411,11 @@ def _implementation(reg: Registered) -> Callable:
         key = _KEYS.get(call)
         if key is None:  # the key text once per signature, not per call
             key = _KEYS[call] = _PREFIX + repr(call)
+        if plain:
+            plain_keys[signature] = key
+        return run(key, tensors)
+
+    def run(key: str, tensors: list[torch.Tensor]):
         entry = bridge.lookup(key)
         out = entry.unpack(bridge.call(entry, tensors))
         return list(out) if reg.multi_output else out
