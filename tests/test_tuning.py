@@ -184,3 +184,21 @@ def test_small_products_take_the_heuristic_without_timing(monkeypatch):
     p = linear_module.LinearOp.products([(128, 256), (784, 256)])["forward"]  # 2.6e7 multiply-adds
     config = linear_module.choose_config(p, torch.float32, "ieee", True)
     assert calls == [] and config == linear_module.default_config(p, torch.float32, "ieee", True)
+
+
+def test_an_activation_epilogue_leaves_room_for_the_tile_it_converts(monkeypatch):
+    """With an activation in the epilogue the accumulator tile goes through shared memory once
+    more (the H200 refused 128x256x64 in 3 stages: 256 KiB of 227): the candidates and the
+    heuristic's pick leave room for it, and tuning keys the choice apart."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
+    fc = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]
+    plain = linear_module.candidates(fc, torch.bfloat16, "tf32", True)
+    fused = linear_module.candidates(fc, torch.bfloat16, "tf32", True, epilogue=True)
+    assert fused and len(fused) < len(plain) and all(c in plain for c in fused)
+    for c in fused:
+        budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
+        assert linear_module._shared_bytes(c, torch.bfloat16) + c["BLOCK_M"] * c["BLOCK_N"] * 2 <= budget
+    assert not any((c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) == (128, 256, 3) for c in fused)
+    assert linear_module.default_config(fc, torch.bfloat16, "tf32", True, epilogue=True) == fused[0]

@@ -700,19 +700,23 @@ SHARED_MEMORY_BUDGET = 226 * 1024
 SHARED_MEMORY_PER_PAIR = 112 * 1024
 
 
-def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False) -> int:
+def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: bool = False) -> int:
     """Shared memory a TMA configuration needs: num_stages operand tiles, the epilogue's staging
-    tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers)."""
+    tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers);
+    with an activation epilogue, a whole output tile more, through which the compiler moves the
+    accumulator to the layout of the aux tensor's load or store (H200: the 128x256x64 3-stage
+    tile needed 60 KiB more, 256 KiB in all)."""
     size = torch.empty((), dtype=dtype).element_size()
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
     store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
     ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
-    return operands + config["BLOCK_M"] * store_n * size + ones
+    conversion = config["BLOCK_M"] * config["BLOCK_N"] * size if epilogue else 0
+    return operands + config["BLOCK_M"] * store_n * size + ones + conversion
 
 
-def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False) -> bool:
+def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: bool = False) -> bool:
     budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
-    return _shared_bytes(config, dtype, row_sums) <= budget
+    return _shared_bytes(config, dtype, row_sums, epilogue) <= budget
 
 
 # H200, bf16 4096^3 forward+backward (bench/tune_launch.py, version 1): 8 warps and 4 stages for
@@ -806,9 +810,12 @@ def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
     return (not (layout.x_k_contiguous and layout.y_k_contiguous)) and (p.K * size) % TMA_ALIGN == 0
 
 
-def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> list[dict]:
+def candidates(
+    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: bool = False
+) -> list[dict]:
     """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
-    ``row_sums``: the product also sums X's rows (linear's bias gradient)."""
+    ``row_sums``: the product also sums X's rows (linear's bias gradient); ``epilogue``: it
+    applies an activation (``Epilogue``)."""
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
@@ -821,17 +828,19 @@ def candidates(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, r
             variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
             if cls in (TF32X3, TF32) and _k_major_useful(p, dtype):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
-        out += [v for v in variants if _fits(v, dtype)]
+        out += [v for v in variants if _fits(v, dtype, epilogue=epilogue)]
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
         fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
     return out
 
 
-def default_config(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False) -> dict:
+def default_config(
+    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: bool = False
+) -> dict:
     """The heuristic: the first candidate, or its first stream-K variant where the output has
     fewer tiles than the GPU has multiprocessors."""
-    options = candidates(p, dtype, precision, has_bias, row_sums)
+    options = candidates(p, dtype, precision, has_bias, row_sums, epilogue)
     config = options[0]
     if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
         shared = [c for c in options if c["STREAM_K"] and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
@@ -1019,9 +1028,10 @@ def _extent(sizes_strides) -> int:
     return 1 + sum((s - 1) * abs(st) for s, st in sizes_strides if s > 0)
 
 
-def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool, where: str):
+def _bench_for(p: Product, dtype, precision: str, has_bias: bool, row_sums: bool, epilogue, where: str):
     """A timing function for tuning: runs ``p``'s launches with a configuration on random data
-    (allocated at the first call, so that a cached choice allocates nothing)."""
+    (allocated at the first call, so that a cached choice allocates nothing), with ``epilogue``'s
+    activation where it is not None."""
     buffers: list = []
 
     def operands():
@@ -1032,13 +1042,15 @@ def _bench_for(p: Product, dtype: torch.dtype, precision: str, has_bias: bool, r
             z = torch.empty(_extent([(p.M, p.z[0]), (p.N, p.z[1])] + [(d[0], d[3]) for d in p.kept]), device=DEVICE)
             bias = torch.randn(p.N, device=DEVICE) if has_bias else None
             sums = torch.empty(p.M, device=DEVICE) if row_sums else None
-            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias, sums))
+            aux = torch.randn_like(z) if epilogue is not None else None
+            buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias, sums, aux))
         return buffers
 
     def bench(config: dict) -> float:
-        x, y, z, bias, sums = operands()
+        x, y, z, bias, sums, aux = operands()
         scratch = lambda shape, dt: torch.empty(shape, device=DEVICE, dtype=dt)  # noqa: E731
-        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch, sums)
+        timed = None if epilogue is None else Epilogue(epilogue.activation, aux, epilogue.derivative)
+        launches = product_launches(p, x, y, z, bias, dtype, precision, config, scratch, sums, timed)
 
         def run():
             for launch in launches:
@@ -1056,19 +1068,22 @@ def choose_config(
     has_bias: bool,
     row_sums: bool = False,
     observe: Callable[[dict, float | None], None] | None = None,
+    epilogue: Epilogue | None = None,
 ) -> dict:
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
-    ``row_sums``: the product also sums X's rows. ``observe(config, ms)`` sees every timing
-    (``None``: the candidate failed)."""
-    options = candidates(p, dtype, precision, has_bias, row_sums)
-    default = default_config(p, dtype, precision, has_bias, row_sums)
+    ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation.
+    ``observe(config, ms)`` sees every timing (``None``: the candidate failed)."""
+    options = candidates(p, dtype, precision, has_bias, row_sums, epilogue is not None)
+    default = default_config(p, dtype, precision, has_bias, row_sums, epilogue is not None)
     key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
     if row_sums:
         key["row_sums"] = True
+    if epilogue is not None:
+        key["epilogue"] = "derivative" if epilogue.derivative else "activation"
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
         return default  # a few microseconds at most: not worth timing
-    bench = _bench_for(p, dtype, precision, has_bias, row_sums, f"tuning {kernel_name} {key}")
+    bench = _bench_for(p, dtype, precision, has_bias, row_sums, epilogue, f"tuning {kernel_name} {key}")
     if observe is not None:
         timed = bench
 
@@ -1105,7 +1120,9 @@ class _ProductOp(RuntimeOp):
         precision = self.precision(ctx.dtype)
         config = self.configs.get(name)
         if config is None or ctx.dry_run:
-            config = self.configs[name] = choose_config(p, ctx.dtype, precision, bias is not None, row_sums is not None)
+            config = self.configs[name] = choose_config(
+                p, ctx.dtype, precision, bias is not None, row_sums is not None, epilogue=epilogue
+            )
         if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
             raise TeenyError(f"{ctx.where}: a TMA product's operand is not 16-byte aligned ({p})")
