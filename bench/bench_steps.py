@@ -33,6 +33,7 @@ from teeny import LoweringMode, lower, ops
 from teeny.graph import Graph
 from teeny.models import GPT
 from teeny.optim import SGD, AdamW
+from teeny.rewrites import DEFAULT_REWRITES
 from teeny.train import TrainStep
 
 DEV = teeny.DEVICE
@@ -186,7 +187,7 @@ def timed(step, warmup, steps):
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None):
+def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites"):
     ex, opt = teeny_step(case, precision, rewrites)
     step = TrainStep(ex, opt, cuda_graph=DEV.type == "cuda")
     t0 = time.perf_counter()
@@ -210,7 +211,7 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None):
                 f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
-    return ("teeny (CUDA graph)" if rewrites is None else "teeny, no rewrites", ms, mem, first)
+    return ("teeny (CUDA graph)" if rewrites is None else label, ms, mem, first)
 
 
 def torch_row(case, mode, x, y, steps, precision=None):
@@ -244,7 +245,7 @@ def torch_row(case, mode, x, y, steps, precision=None):
     return (f"torch {mode}", ms, mem, first)
 
 
-def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False):
+def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=()):
     if precision:  # float32 parameters: float inputs stay float32 as well
         case = {**case, "dtype": torch.float32}
     x, y = batch_for(case)
@@ -254,6 +255,10 @@ def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=
     torch.cuda.empty_cache()
     if no_rewrites_row:
         rows.append(teeny_row(case, x, y, steps, False, precision, rewrites=()))
+        torch.cuda.empty_cache()
+    for left_out in without:  # what one default rewrite buys: the step without it
+        rewrites = tuple(r for r in DEFAULT_REWRITES if r.__name__ != left_out)
+        rows.append(teeny_row(case, x, y, steps, False, precision, rewrites, f"teeny w/o {left_out}"))
         torch.cuda.empty_cache()
     for mode in modes:
         rows.append(torch_row(case, mode, x, y, steps, precision))
@@ -274,10 +279,12 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--precision", choices=["bf16-mixed"], help="float32 parameters, bfloat16 compute")
     parser.add_argument("--no-rewrites-row", action="store_true", help="also time teeny with lower(rewrites=())")
+    parser.add_argument("--without", default="", help="also time teeny without these default rewrites (names, commas)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
+    without = [w for w in args.without.split(",") if w]
     results = [
-        run_case(m, CASES[m], modes, args.steps, args.profile, args.precision, args.no_rewrites_row)
+        run_case(m, CASES[m], modes, args.steps, args.profile, args.precision, args.no_rewrites_row, without)
         for m in args.models.split(",")
     ]
     if os.environ.get("OUT"):
