@@ -2,9 +2,11 @@
 
 The same model is built twice, in teeny (``teeny.models``) and in torch.nn with the same layers,
 shapes, dtype and optimizer; a step is zero_grad + forward + backward + optimizer update. teeny's
-step is ``teeny.train.TrainStep`` captured as a CUDA graph. Prints step ms (median of timed
-steps, CUDA events), tokens (samples) per second and peak memory per step; with ``--profile``
-also teeny's time per kernel name from one eager step (torch.profiler).
+step is ``teeny.train.TrainStep`` captured as a CUDA graph. Prints step ms two ways (alone:
+the median of steps each timed between a synchronisation; queued: steps issued back to back, as
+a training loop runs them), tokens (samples) per second queued and peak memory per step; with
+``--profile`` also teeny's time per kernel name from one eager step (torch.profiler), with
+``--launches`` its time per launch (which node, kernel, grid and tile constexprs).
 
     PYTHONPATH=src python3 bench/bench_steps.py --models gpt6,mlp --modes eager,default,reduce-overhead
     PYTHONPATH=src python3 bench/bench_steps.py --models gpt2 --precision bf16-mixed --no-rewrites-row
@@ -29,7 +31,7 @@ import torch.nn as tnn
 import torch.nn.functional as F
 
 import teeny
-from teeny import LoweringMode, lower, ops
+from teeny import LoweringMode, lower, ops, runtime
 from teeny.graph import Graph
 from teeny.models import GPT
 from teeny.optim import SGD, AdamW
@@ -171,6 +173,11 @@ def torch_model(case, precision=None):
 
 
 def timed(step, warmup, steps):
+    """(median ms of a step timed alone, ms per step of ``steps`` queued back to back, peak MiB).
+    Alone: each step between two events and a synchronisation, so host work inside the step
+    (teeny's optimizer prepare, a graph's launch) counts in full. Queued: the steps issued
+    without a synchronisation, as a training loop runs them (teeny's reads the loss every 20
+    steps), so host work overlaps the GPU's."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -184,7 +191,14 @@ def timed(step, warmup, steps):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return statistics.median(times), start.elapsed_time(end) / steps, peak
 
 
 def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites"):
@@ -194,12 +208,14 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="
     step({"x": x, "y": y})
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    ms, _ = timed(lambda: step({"x": x, "y": y}), 3, steps)
+    ms, queued, _ = timed(lambda: step({"x": x, "y": y}), 3, steps)
     # the graph's memory pool was taken at capture, before the peak counter was reset: measure
     # the step's peak on the same step run eagerly (activations allocated as torch's are)
     eager = TrainStep(ex, opt, cuda_graph=False)
-    _, mem = timed(lambda: eager({"x": x, "y": y}), 1, 1)
-    if profile:
+    _, _, mem = timed(lambda: eager({"x": x, "y": y}), 1, 1)
+    if profile == "launches":
+        print_launches(label if rewrites is not None else "teeny", lambda: eager({"x": x, "y": y}))
+    elif profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             eager({"x": x, "y": y})
             torch.cuda.synchronize()
@@ -211,7 +227,49 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="
                 f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
-    return ("teeny (CUDA graph)" if rewrites is None else label, ms, mem, first)
+    return ("teeny (CUDA graph)" if rewrites is None else label, ms, queued, mem, first)
+
+
+def print_launches(label, step):
+    """GPU time of every launch of one eager step, by where it ran and what (kernel, grid,
+    block): each launch runs inside a profiler range of that name. Prints the 30 longest and
+    appends all of them to $OUT/launches.jsonl (to diff two variants)."""
+    original = runtime.run_launch
+
+    def labelled(launch, instance, where, *args, **kwargs):
+        block = runtime.as_block(launch.block)
+        consts = " ".join(  # the constexprs (upper-case names): tiles, epilogue, layout
+            f"{v.name}={getattr(v.value, '__name__', v.value)}"
+            for v in launch.args.visits
+            if v.name and v.name.isupper() and not torch.is_tensor(v.value)
+        )
+        name = (
+            f"{where} | {launch.kernel.name} grid={tuple(launch.grid)} w{block.num_warps} s{block.num_stages} {consts}"
+        )
+        with torch.profiler.record_function("launch: " + name):
+            return original(launch, instance, where, *args, **kwargs)
+
+    runtime.run_launch = labelled
+    try:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            torch.cuda.synchronize()
+    finally:
+        runtime.run_launch = original
+    times: dict[str, list] = {}  # label -> [launches, total us]
+    for e in prof.events():
+        if e.name.startswith("launch: "):
+            entry = times.setdefault(e.name[8:], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time_total
+    total = sum(us for _, us in times.values())
+    print(f"  {label}: {sum(n for n, _ in times.values())} launches, {total / 1000:.2f} ms GPU; the longest:")
+    for name, (n, us) in sorted(times.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"    {us:8.1f} us {n:3d}x  {name[:220]}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "launches.jsonl"), "a") as f:
+            f.write(json.dumps({"label": label, "launches": times}) + "\n")
 
 
 def torch_row(case, mode, x, y, steps, precision=None):
@@ -241,8 +299,8 @@ def torch_row(case, mode, x, y, steps, precision=None):
     run()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    ms, mem = timed(run, 3, steps)
-    return (f"torch {mode}", ms, mem, first)
+    ms, queued, mem = timed(run, 3, steps)
+    return (f"torch {mode}", ms, queued, mem, first)
 
 
 def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=()):
@@ -258,17 +316,23 @@ def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=
         torch.cuda.empty_cache()
     for left_out in without:  # what one default rewrite buys: the step without it
         rewrites = tuple(r for r in DEFAULT_REWRITES if r.__name__ != left_out)
-        rows.append(teeny_row(case, x, y, steps, False, precision, rewrites, f"teeny w/o {left_out}"))
+        launches = "launches" if profile == "launches" else False
+        rows.append(teeny_row(case, x, y, steps, launches, precision, rewrites, f"teeny w/o {left_out}"))
         torch.cuda.empty_cache()
     for mode in modes:
         rows.append(torch_row(case, mode, x, y, steps, precision))
         torch.cuda.empty_cache()
-    compiled = [r[1] for r in rows if r[0].startswith("torch ") and r[0] != "torch eager"]
-    best = min(compiled, default=math.nan)
-    for label, ms, mem, first in rows:
-        print(f"  {label:22} {ms:8.3f} ms  {tokens / ms * 1000:12.0f} tok/s  peak {mem:8.0f} MiB  first {first:6.1f} s")
-    print(f"  teeny / best of the others but eager = {rows[0][1] / best:.2f}")
-    return {"case": name, "precision": precision, "rows": rows, "teeny_over_best": rows[0][1] / best}
+    compiled = [r for r in rows if r[0].startswith("torch ") and r[0] != "torch eager"]
+    best = min((r[1] for r in compiled), default=math.nan)
+    best_queued = min((r[2] for r in compiled), default=math.nan)
+    for label, ms, queued, mem, first in rows:
+        print(
+            f"  {label:22} {ms:8.3f} ms alone {queued:8.3f} ms queued {tokens / queued * 1000:12.0f} tok/s"
+            f"  peak {mem:8.0f} MiB  first {first:6.1f} s"
+        )
+    ratio, ratio_queued = rows[0][1] / best, rows[0][2] / best_queued
+    print(f"  teeny / best of the others but eager = {ratio:.2f} alone, {ratio_queued:.2f} queued")
+    return {"case": name, "precision": precision, "rows": rows, "teeny_over_best": ratio, "queued": ratio_queued}
 
 
 def main():
@@ -276,7 +340,8 @@ def main():
     parser.add_argument("--models", default="gpt6,mlp,mlp_bf16")
     parser.add_argument("--modes", default="eager,default,reduce-overhead", help="also: max-autotune, cudagraph")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="teeny's GPU time per kernel name")
+    parser.add_argument("--launches", action="store_true", help="teeny's GPU time per launch (every teeny row)")
     parser.add_argument("--precision", choices=["bf16-mixed"], help="float32 parameters, bfloat16 compute")
     parser.add_argument("--no-rewrites-row", action="store_true", help="also time teeny with lower(rewrites=())")
     parser.add_argument("--without", default="", help="also time teeny without these default rewrites (names, commas)")
@@ -284,7 +349,16 @@ def main():
     modes = [m for m in args.modes.split(",") if m]
     without = [w for w in args.without.split(",") if w]
     results = [
-        run_case(m, CASES[m], modes, args.steps, args.profile, args.precision, args.no_rewrites_row, without)
+        run_case(
+            m,
+            CASES[m],
+            modes,
+            args.steps,
+            "launches" if args.launches else args.profile,
+            args.precision,
+            args.no_rewrites_row,
+            without,
+        )
         for m in args.models.split(",")
     ]
     if os.environ.get("OUT"):

@@ -396,3 +396,32 @@ def test_train_step_refuses_to_capture_per_run_state():
     x = (2.0 ** torch.arange(24.0)).reshape(4, 6)  # every subset of kept elements has its own sum
     losses = [float(step({"x": x})) for _ in range(2)]
     assert losses[0] != losses[1]  # a fresh mask each step
+
+
+def test_train_step_queues_without_waiting_for_the_gpu():
+    """Steps with a changing learning rate, replayed as a CUDA graph: lr and the step counts
+    reach the kernels every step without a host synchronisation (CUDA's sync debug mode raises
+    on one), and the losses are PyTorch's SGD's. On the CPU the same steps run uncaptured."""
+    from teeny.train import TrainStep
+
+    on_gpu = teeny.DEVICE.type == "cuda"
+    ex, ref = _pair(torch.float32)
+    ref.to(teeny.DEVICE)
+    opt, ref_opt = SGD(ex, lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = TrainStep(ex, opt, cuda_graph=on_gpu)
+    for i, (x, y) in enumerate(_data(torch.float32, 6)):
+        x, y = x.to(teeny.DEVICE), y.to(teeny.DEVICE)
+        opt.lr = ref_opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+        opt.zero_grad()
+        if on_gpu and i >= 2:  # captured by now: each step is a replay
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = step({"x": x, "y": y})
+        finally:
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("default")
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.reshape(()), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")

@@ -55,6 +55,34 @@ def _tiling(spans: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]] 
     return [(bounds[i], bounds[i + 1]) for i in range(len(spans))] if bounds[-1] == n else None
 
 
+class _HostUpload:
+    """Copies host values into a device tensor without making the host wait for the stream.
+
+    A copy from pageable memory blocks until the stream reaches it, so the next step could not
+    be queued while this one runs. On CUDA the values go through two pinned host buffers used
+    in turn, each written again only once its last copy has finished (an event recorded behind
+    it): the host may run one step ahead of the GPU. Elsewhere the copy is a plain one.
+    """
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+        pinned = target.device.type == "cuda"
+        count = 2 if pinned else 1
+        self.buffers = [torch.empty(target.shape, dtype=target.dtype, pin_memory=pinned) for _ in range(count)]
+        self.done = [torch.cuda.Event() if pinned else None for _ in self.buffers]
+        self.turn = 0
+
+    def __call__(self, values: list[float]) -> None:
+        buffer, done = self.buffers[self.turn], self.done[self.turn]
+        if done is not None:
+            done.synchronize()  # the copy that last read this buffer has finished
+        buffer.numpy()[:] = values
+        self.target.copy_(buffer, non_blocking=done is not None)
+        if done is not None:
+            done.record()
+        self.turn = (self.turn + 1) % len(self.buffers)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One update launch: arena elements [start, end) of one dtype, whose optimizer state starts at
@@ -90,6 +118,7 @@ class Optimizer:
         self.param_steps = [0] * len(self.slots)
         # lr and the other hyperparameters (K.LR, ...), then the step counts, read by the kernels from device memory
         self.hyper = torch.zeros(K.N_HYPER + len(self.slots), dtype=torch.float64, device=executor.device)
+        self._upload = _HostUpload(self.hyper)
         # the ranges of each arena this optimizer updates, with where their state starts
         self.ranges: dict[torch.dtype, list[tuple[int, int, int]]] = {
             dtype: [(0, n, 0)] for dtype, n in executor.grad_numel.items() if n
@@ -155,7 +184,7 @@ class Optimizer:
         values[K.LR.value] = self.lr
         for slot, value in self.hyperparameters().items():
             values[slot.value] = float(value)
-        self.hyper.copy_(torch.tensor(values + [float(s) for s in self.param_steps], dtype=torch.float64))
+        self._upload(values + [float(s) for s in self.param_steps])
 
     def settle(self) -> None:
         """With a loss scaler: if the last step was skipped (its gradients overflowed), take back
