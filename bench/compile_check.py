@@ -5,7 +5,7 @@ shared memory, registers and spills. A candidate that does not compile, or that 
 shared memory than a multiprocessor has (227 KiB; 113 KiB each for two per multiprocessor),
 is listed as such.
 
-    python3 bench/compile_check.py [--quick]       # from the repository root, no GPU needed
+    python3 bench/compile_check.py [--quick] [--match gelu]   # from the repository root, no GPU needed
 
 It pretends CUDA is there while teeny is imported, so that the kernels are JIT functions (not
 the interpreter's) and the GPU configuration lists are the ones checked.
@@ -35,6 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import teeny.kernels.activation as activation  # noqa: E402
 import teeny.kernels.linear as linear  # noqa: E402
 from teeny import tuning  # noqa: E402
 
@@ -107,9 +108,10 @@ def describe(compiled, occupancy: int = 1) -> str:
 
 
 def matmul_cases(quick: bool):
-    """(label, dtype, precision, product, has_bias, row_sums) for linear's three products at two
-    GPT-2 shapes (768->3072: many tiles; 768->768: dW shared out stream-K), dW with the bias
-    gradient fused."""
+    """(label, dtype, precision, product, has_bias, row_sums, epilogue) for linear's three
+    products at two GPT-2 shapes (768->3072: many tiles; 768->768: dW shared out stream-K), dW
+    with the bias gradient fused, and MLPOp's two epilogue products: 768->3072 forward with its
+    GELU (h stored) and the dX of 3072->768 with GELU's derivative (h loaded)."""
     dtypes = [(torch.bfloat16, None)]
     if not quick:
         dtypes += [(torch.float16, None), (torch.float32, "tf32x3"), (torch.float32, "tf32"),
@@ -121,7 +123,14 @@ def matmul_cases(quick: bool):
             for name, p in products.items():
                 if fout == 768 and name != "grad_weight":
                     continue
-                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight"
+                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight", None
+    gelu = activation.ActivationOp("gelu_tanh", activation._gelu_tanh, activation._gelu_tanh_grad)
+    forward = linear.LinearOp.products([(8192, 768), (3072, 768)])["forward"]
+    grad_input = linear.LinearOp.products([(8192, 3072), (768, 3072)])["grad_input"]
+    for dtype, precision in dtypes[:1] if quick else dtypes[:3]:
+        precision = precision or linear.dot_precision(dtype, False)
+        yield "768->3072 fwd+gelu  ", dtype, precision, forward, True, False, (gelu, False)
+        yield "3072->768 dX*gelu'  ", dtype, precision, grad_input, False, False, (gelu, True)
 
 
 def specialisation(launch) -> tuple:
@@ -185,6 +194,7 @@ def op_launches():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="bf16 linear products only")
+    parser.add_argument("--match", default="", help="only the linear products whose label has this text")
     args = parser.parse_args()
     meta = torch.device("meta")
     failures = 0
@@ -206,15 +216,21 @@ def main():
                 failures += 1
                 print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
     compiled = {}
-    for label, dtype, precision, p, has_bias, row_sums in matmul_cases(args.quick):
+    for label, dtype, precision, p, has_bias, row_sums, act in matmul_cases(args.quick):
+        if args.match not in label:
+            continue
         x, y, z = (torch.empty(n, dtype=dtype, device=meta) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
         bias = torch.empty(p.N, dtype=dtype, device=meta) if has_bias else None
         sums = torch.empty(p.M, dtype=dtype, device=meta) if row_sums else None
-        for config in linear.candidates(p, dtype, precision, has_bias, row_sums):
+        epilogue = None if act is None else linear.Epilogue(act[0], torch.empty_like(z), derivative=act[1])
+        kind = None if epilogue is None else epilogue.kind
+        for config in linear.candidates(p, dtype, precision, has_bias, row_sums, kind):
             launches = linear.product_launches(
-                p, x, y, z, bias, dtype, precision, config, lambda s, d: torch.empty(s, dtype=d, device=meta), sums
-            )
-            what = f"{label} {str(dtype)[6:]:8} {precision:6} {describe_config(config)}"
+                p, x, y, z, bias, dtype, precision, config, lambda s, d: torch.empty(s, dtype=d, device=meta), sums,
+                epilogue,
+            )  # fmt: skip
+            estimate = linear._shared_bytes(config, dtype, row_sums, kind) // 1024
+            what = f"{label} {str(dtype)[6:]:8} {precision:6} {describe_config(config)} (est. {estimate}K)"
             cells = []
             for launch in launches:
                 key = (launch.kernel.name, dtype, config["num_warps"], config["num_stages"], specialisation(launch))

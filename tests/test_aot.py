@@ -267,7 +267,7 @@ def test_build_command(bundles, tmp_path, capsys):
     out = tmp_path / "mlp.teeny"
     argv = ["build", "mlp", "--mode", "inference", "--batch-size", "16", "--target", "cuda:90", "--params", "init"]
     assert main([*argv, "-o", str(out)]) == 0
-    assert "cuda:90@132: 2 kernels" in capsys.readouterr().out  # the products (gelu in their epilogue), the loss
+    assert "cuda:90@132: 3 kernels" in capsys.readouterr().out
     bundle = aot.Bundle(out)
     assert bundle.manifest["source"] == {"kind": "model", "model": "mlp", "size": "small", "batch_size": 16}
     from safetensors.torch import load

@@ -205,7 +205,8 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
 
 EPILOGUE_KERNELS = {  # (kernel, options, multiprocessors)
     "strided": ("strided", {}, 4),
-    "tma": ("tma", dict(subtile=True), 4),
+    "tma": ("tma", {}, 4),
+    "tma_subtile": ("tma", dict(subtile=True), 4),  # h stored and loaded in half tiles
     "tma_stream_k": ("tma", dict(stream_k=2), 4),  # the epilogue in matmul_sum_segments too
 }
 

@@ -40,7 +40,7 @@ def _setup(precision="fp16-mixed", optimizer=SGD, loss_factor=1.0, **scaler):
 def test_fp16_mixed_computes_in_float16():
     program = lower(_graph(), LoweringMode.TRAINING, precision="fp16-mixed")
     by_op = {p.op.name: p.node for p in program.nodes}
-    assert by_op["mlp"].dtype == F16  # linear, gelu, linear as one node (rewrites.fuse_mlp)
+    assert by_op["linear"].dtype == F16 and by_op["gelu"].dtype == F16
     assert program.loss.dtype == torch.float32
     assert set(Executor(program).param_arenas) == {torch.float32}
 

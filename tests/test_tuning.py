@@ -186,19 +186,27 @@ def test_small_products_take_the_heuristic_without_timing(monkeypatch):
     assert calls == [] and config == linear_module.default_config(p, torch.float32, "ieee", True)
 
 
-def test_an_activation_epilogue_leaves_room_for_the_tile_it_converts(monkeypatch):
-    """With an activation in the epilogue the accumulator tile goes through shared memory once
-    more (the H200 refused 128x256x64 in 3 stages: 256 KiB of 227): the candidates and the
-    heuristic's pick leave room for it, and tuning keys the choice apart."""
+def test_a_derivative_epilogue_leaves_room_for_the_box_it_loads(monkeypatch):
+    """A derivative epilogue loads h through a TMA box of its own (the H200 refuses 128x256x64
+    in 3 stages with it: 272 KiB of 227): the candidates leave room for it, taking half-tile
+    stores where that makes a configuration fit, and so does the heuristic's pick; an activation
+    epilogue stores h through Z's staging tile and keeps every plain candidate."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    fc = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]
-    plain = linear_module.candidates(fc, torch.bfloat16, "tf32", True)
-    fused = linear_module.candidates(fc, torch.bfloat16, "tf32", True, epilogue=True)
-    assert fused and len(fused) < len(plain) and all(c in plain for c in fused)
-    for c in fused:
+    products = linear_module.LinearOp.products([(8192, 3072), (768, 3072)])
+    plain = linear_module.candidates(products["grad_input"], torch.bfloat16, "tf32", False)
+    loads = linear_module.candidates(products["grad_input"], torch.bfloat16, "tf32", False, epilogue="derivative")
+    for c in loads:
         budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
-        assert linear_module._shared_bytes(c, torch.bfloat16) + c["BLOCK_M"] * c["BLOCK_N"] * 2 <= budget
-    assert not any((c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) == (128, 256, 3) for c in fused)
-    assert linear_module.default_config(fc, torch.bfloat16, "tf32", True, epilogue=True) == fused[0]
+        store_n = c["BLOCK_N"] // 2 if c["SUBTILE"] else c["BLOCK_N"]
+        assert linear_module._shared_bytes(c, torch.bfloat16) + c["BLOCK_M"] * store_n * 2 <= budget
+        assert c in plain or {**c, "SUBTILE": False} in plain  # a plain candidate, or it with half-tile stores
+    big = [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], c["SUBTILE"]) for c in loads]
+    assert (128, 256, 3, True) in big and (128, 256, 3, False) not in big
+    forward = products["forward"]
+    assert linear_module.candidates(forward, torch.bfloat16, "tf32", True, epilogue="activation") == (
+        linear_module.candidates(forward, torch.bfloat16, "tf32", True)
+    )
+    pick = linear_module.default_config(products["grad_input"], torch.bfloat16, "tf32", False, epilogue="derivative")
+    assert pick == loads[0]

@@ -194,19 +194,38 @@ def _activation_epilogue(
 
 
 @triton.jit
+def _load_tile(desc, row, col, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), as ``_store_tile`` stores it."""
+    if SUBTILE:
+        left = desc.load([row, col])
+        right = desc.load([row, col + BLOCK_N // 2])
+        return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (BLOCK_M, BLOCK_N))
+    else:
+        return desc.load([row, col])
+
+
+@triton.jit
 def _finish_tile(
-    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, sum_rows, act_a, act_b,
+    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, sum_rows, act_a, act_b,
     ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr,
 ):  # fmt: skip
     """The epilogue of a tile whose whole contraction one program summed: bias, activation,
-    store, row sums."""
+    store, row sums. The activation's aux tile (h, as ``_activation_epilogue`` describes it)
+    moves through ``aux_desc`` as Z does, a TMA box: stored or loaded from the accumulator's
+    registers by pointers, it took a product 2.5x the time of the same product without it."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
-    acc = _activation_epilogue(
-        acc, z_ptr, aux_ptr, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, z_stride, 1, act_a, act_b, ACTIVATION, DERIVATIVE
-    )
+    if ACTIVATION is not None or DERIVATIVE is not None:
+        acc = acc.to(z_ptr.dtype.element_ty).to(acc.dtype)
+        if ACTIVATION is not None:
+            if aux_ptr is not None:
+                _store_tile(aux_desc, m0, n0, acc, aux_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+            acc = ACTIVATION(acc, act_a, act_b)
+        else:
+            h = _load_tile(aux_desc, m0, n0, SUBTILE, BLOCK_M, BLOCK_N).to(acc.dtype)
+            acc = DERIVATIVE(h, acc, act_a, act_b)
     _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
     if row_sums_ptr is not None:
         if sum_rows:
@@ -284,6 +303,10 @@ def matmul_tma(
         y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
     store_n: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
     z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
+    if aux_ptr is not None:  # laid out as Z
+        aux_desc = tl.make_tensor_descriptor(aux_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
+    else:
+        aux_desc = None
     row_sums_wanted: tl.constexpr = row_sums_ptr is not None
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -321,14 +344,14 @@ def matmul_tma(
         )  # fmt: skip
         if partial_ptr is None:
             _finish_tile(
-                z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
                 act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
             )  # fmt: skip
         else:
             first, last = _segment_owners(i, k_tiles, total, programs)
             if whole | (first == last):
                 _finish_tile(
-                    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_ptr, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
                     act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
                 )  # fmt: skip
             else:
@@ -700,21 +723,21 @@ SHARED_MEMORY_BUDGET = 226 * 1024
 SHARED_MEMORY_PER_PAIR = 112 * 1024
 
 
-def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: bool = False) -> int:
+def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: str | None = None) -> int:
     """Shared memory a TMA configuration needs: num_stages operand tiles, the epilogue's staging
     tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers);
-    with an activation epilogue, a whole output tile more, through which the compiler moves the
-    accumulator to the layout of the aux tensor's load or store (H200: the 128x256x64 3-stage
-    tile needed 60 KiB more, 256 KiB in all)."""
+    with a derivative epilogue (``Epilogue.kind``), the box h is loaded into. (An activation
+    epilogue's store of h reuses Z's staging tile: sm_90 compiles of every candidate, with
+    ``bench/compile_check.py --match gelu``, take exactly these sizes.)"""
     size = torch.empty((), dtype=dtype).element_size()
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
     store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
     ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
-    conversion = config["BLOCK_M"] * config["BLOCK_N"] * size if epilogue else 0
-    return operands + config["BLOCK_M"] * store_n * size + ones + conversion
+    aux = config["BLOCK_M"] * store_n * size if epilogue == "derivative" else 0
+    return operands + config["BLOCK_M"] * store_n * size + ones + aux
 
 
-def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: bool = False) -> bool:
+def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: str | None = None) -> bool:
     budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
     return _shared_bytes(config, dtype, row_sums, epilogue) <= budget
 
@@ -811,11 +834,12 @@ def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
 
 
 def candidates(
-    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: bool = False
+    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: str | None = None
 ) -> list[dict]:
     """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
     ``row_sums``: the product also sums X's rows (linear's bias gradient); ``epilogue``: it
-    applies an activation (``Epilogue``)."""
+    applies an activation (``Epilogue.kind``). A configuration the epilogue's aux box leaves
+    without room is tried with half-tile stores (SUBTILE), which halve that box."""
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
@@ -828,7 +852,11 @@ def candidates(
             variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
             if cls in (TF32X3, TF32) and _k_major_useful(p, dtype):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
-        out += [v for v in variants if _fits(v, dtype, epilogue=epilogue)]
+        for v in variants:
+            if epilogue and not v["SUBTILE"] and not _fits(v, dtype, epilogue=epilogue):
+                v = {**v, "SUBTILE": True}
+            if _fits(v, dtype, epilogue=epilogue) and v not in out:
+                out.append(v)
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
         fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
@@ -836,7 +864,7 @@ def candidates(
 
 
 def default_config(
-    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: bool = False
+    p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: str | None = None
 ) -> dict:
     """The heuristic: the first candidate, or its first stream-K variant where the output has
     fewer tiles than the GPU has multiprocessors."""
@@ -863,6 +891,11 @@ class Epilogue:
     activation: Any
     aux: torch.Tensor | None
     derivative: bool = False
+
+    @property
+    def kind(self) -> str:
+        """What the epilogue does with h: "activation" (stores it) or "derivative" (loads it)."""
+        return "derivative" if self.derivative else "activation"
 
     def args(self) -> dict:
         op = self.activation
@@ -1073,13 +1106,14 @@ def choose_config(
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
     ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation.
     ``observe(config, ms)`` sees every timing (``None``: the candidate failed)."""
-    options = candidates(p, dtype, precision, has_bias, row_sums, epilogue is not None)
-    default = default_config(p, dtype, precision, has_bias, row_sums, epilogue is not None)
+    kind = None if epilogue is None else epilogue.kind
+    options = candidates(p, dtype, precision, has_bias, row_sums, kind)
+    default = default_config(p, dtype, precision, has_bias, row_sums, kind)
     key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
     if row_sums:
         key["row_sums"] = True
-    if epilogue is not None:
-        key["epilogue"] = "derivative" if epilogue.derivative else "activation"
+    if kind is not None:
+        key["epilogue"] = kind
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
         return default  # a few microseconds at most: not worth timing
