@@ -2,12 +2,14 @@
 # One device call between rounds of work: the GPU test suite, then the benches named on the
 # command line (each "name:timeout:command"). Logs go to $OUT; the summary to stdout.
 # The benches keep tuning choices and Triton's compiled kernels in .device-cache/ (git-ignored),
-# packed into $OUT/device-cache.tgz at the end: unpack it into the checkout and name
-# .device-cache in the next call's carry, and that call neither tunes nor compiles again.
+# packed into $OUT/device-cache.tgz at the end: copy it to .device-cache/pack.tgz here and name
+# .device-cache in the next call's carry (packed: the kernels unpacked outgrow what travels),
+# and that call neither tunes nor compiles again.
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 CACHE=$PWD/.device-cache
 mkdir -p "$OUT" "$CACHE"
+if [ -f "$CACHE/pack.tgz" ]; then tar xzf "$CACHE/pack.tgz" -C "$PWD" && rm "$CACHE/pack.tgz"; fi
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -n 14 -p no:cacheprovider --timeout 150 ${TEST_PATHS:-tests} --maxfail=60 \
