@@ -17,7 +17,7 @@ analytical one. A NaN or inf on either side is a failure.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,15 +82,17 @@ def gradcheck_graph(
     max_elements: int = 400,
     seed: int = 0,
     raise_on_failure: bool = True,
+    rewrites: Sequence[Callable] | None = None,
 ) -> GradcheckResult:
     """Check every gradient of ``graph``'s first output: w.r.t. inputs marked ``requires_grad``
     and trainable parameters. ``mode``: "full" (every element), "directional" (one random
-    direction per tensor), or "auto" (full up to ``max_elements`` elements, else directional)."""
+    direction per tensor), or "auto" (full up to ``max_elements`` elements, else directional).
+    ``rewrites``: the graph rewrites to lower with (``lower``'s default if None)."""
     from .executor import Executor
 
     if mode not in ("auto", "full", "directional"):
         raise ValueError(f"mode must be auto, full or directional, got {mode!r}")
-    program = lower(graph, LoweringMode.TRAINING)
+    program = lower(graph, LoweringMode.TRAINING, **({} if rewrites is None else {"rewrites": rewrites}))
     executor = Executor(program, seed=seed)
     if params is not None:
         executor.load_params(params, strict=False)

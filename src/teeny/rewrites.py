@@ -32,16 +32,18 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   fewer backwards, for six small copies each way (stacking the weights and biases, and their
   gradients out). (A graph node has one output, so the attention must read the stacked tensor
   itself: through views, each view's backward would write a stacked-sized gradient to sum.)
-* ``fuse_mlp`` (last): linear, element-wise activation, linear (and longer such chains, the
-  MLP of a transformer block) become one node (``linear.MLPOp``): the activation runs in the
+* ``fuse_mlp`` (not a default: ask for it, ``rewrites=DEFAULT_REWRITES + (fuse_mlp,)``):
+  linear, element-wise activation, linear (and longer such chains, the MLP of a transformer
+  block) become one node (``linear.MLPOp``): the activation runs in the
   first product's epilogue, which writes h and f(h), and its derivative in the epilogue of the
   product that computes the gradient of f(h), which writes dh = f'(h) * (dZ W) in place of
   the gradient of f(h). Per activation: one launch and one read of h fewer forwards; one launch
   and a write and read of the gradient of f(h) fewer backwards. (Only between two linears: an
-  activation whose gradient no product of the same node computes keeps its own launch.) Only
-  for cheap activations (``EPILOGUE_ACTIVATIONS``: ReLU and the other piecewise-linear ones):
-  the epilogue's maths does not overlap the product's, and a GELU's costs more there than its
-  own pass (GPT-2's MLPs are left unfused).
+  activation whose gradient no product of the same node computes keeps its own launch.) The
+  persistent product kernel runs its epilogue between two tiles' products, not under them, so
+  the activation's maths adds to the product's time: on the H200 that cost more than the pass
+  it saves (GPT-2 small's c_fc with tanh-GELU: 73.6 us, against 30.8 + 17.1 us unfused; its step
+  17.9 ms unfused, 19.1 fused) or as much (a ReLU MLP; bench/NOTES.md, version 6).
 """
 
 from __future__ import annotations
@@ -459,21 +461,10 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
 # ------------------------------------------------------------------------- linear, activation, linear
 
 
-# The activations fuse_mlp moves into the products' epilogues (None: every one). The persistent
-# product kernel runs its epilogue's maths between two tiles' products, not under them, so an
-# activation belongs there only if its maths costs less than the memory pass it saves: the
-# piecewise-linear ones and the hard- variants (compares, selects, a multiply). H200, GPT-2
-# small's c_fc (8192 x 3072 x 768, bf16): with tanh-GELU in the epilogue 73.6 us, against 30.8 us
-# for the product plus 17.1 us for the activation's own pass (bench/NOTES.md, version 6).
-EPILOGUE_ACTIVATIONS: frozenset[str] | None = frozenset(
-    {"relu", "leaky_relu", "relu6", "hardtanh", "threshold", "hardshrink", "softshrink", "hardsigmoid", "hardswish"}
-)
-
-
 def _next_layer(linear: Node, read_by, kept: set[int]) -> tuple[Node, Node] | None:
     """(activation, next linear) when ``linear``'s output is read only by an element-wise
-    activation (of ``EPILOGUE_ACTIVATIONS``) whose output is read only by another linear, as
-    its input, all of one dtype and neither value an output."""
+    activation whose output is read only by another linear, as its input, all of one dtype
+    and neither value an output."""
     from .kernels.activation import ActivationOp
     from .kernels.linear import LinearOp
 
@@ -482,8 +473,6 @@ def _next_layer(linear: Node, read_by, kept: set[int]) -> tuple[Node, Node] | No
 
     first = only_reader(linear.output)
     if first is None or type(first[0].op) is not ActivationOp:
-        return None
-    if EPILOGUE_ACTIVATIONS is not None and first[0].op.name not in EPILOGUE_ACTIVATIONS:
         return None
     activation = first[0]
     second = only_reader(activation.output)
@@ -498,8 +487,7 @@ def _next_layer(linear: Node, read_by, kept: set[int]) -> tuple[Node, Node] | No
 def fuse_mlp(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """Chains linear, activation, linear (, activation, linear ...) become one ``MLPOp`` at the
     place of their last linear: each activation in the epilogue of the product before it, its
-    derivative in the epilogue of the product that computes its gradient (see the op). Only
-    the activations of ``EPILOGUE_ACTIVATIONS``, whose maths is cheaper than a pass of their own."""
+    derivative in the epilogue of the product that computes its gradient (see the op)."""
     from .kernels.linear import LinearOp, MLPOp
 
     needed, read_by = ancestors(outputs), readers(graph)
@@ -551,7 +539,6 @@ DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
     chunk_linear_cross_entropy,
     attention_in_place,
     fuse_qkv_products,
-    fuse_mlp,
 )
 
 # ------------------------------------------------------------------------- mixed precision
