@@ -79,7 +79,7 @@ class _HostUpload:
         buffer.numpy()[:] = values
         self.target.copy_(buffer, non_blocking=done is not None)
         if done is not None:
-            done.record()
+            done.record(torch.cuda.current_stream(self.target.device))  # the stream the copy went on
         self.turn = (self.turn + 1) % len(self.buffers)
 
 
