@@ -348,6 +348,9 @@ def main():
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     without = [w for w in args.without.split(",") if w]
+    unknown = sorted(set(without) - {r.__name__ for r in DEFAULT_REWRITES})
+    if unknown:
+        parser.error(f"--without {','.join(unknown)}: not among the default rewrites")
     results = [
         run_case(
             m,

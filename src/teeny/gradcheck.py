@@ -25,6 +25,7 @@ import torch
 
 from .graph import Graph, Tensor, trace_function
 from .lowering import LoweringMode, lower
+from .rewrites import DEFAULT_REWRITES
 from .runtime import TeenyError
 
 DEFAULTS = {
@@ -82,17 +83,17 @@ def gradcheck_graph(
     max_elements: int = 400,
     seed: int = 0,
     raise_on_failure: bool = True,
-    rewrites: Sequence[Callable] | None = None,
+    rewrites: Sequence[Callable] = DEFAULT_REWRITES,
 ) -> GradcheckResult:
     """Check every gradient of ``graph``'s first output: w.r.t. inputs marked ``requires_grad``
     and trainable parameters. ``mode``: "full" (every element), "directional" (one random
     direction per tensor), or "auto" (full up to ``max_elements`` elements, else directional).
-    ``rewrites``: the graph rewrites to lower with (``lower``'s default if None)."""
+    ``rewrites``: the graph rewrites to lower with, as ``lower`` takes them."""
     from .executor import Executor
 
     if mode not in ("auto", "full", "directional"):
         raise ValueError(f"mode must be auto, full or directional, got {mode!r}")
-    program = lower(graph, LoweringMode.TRAINING, **({} if rewrites is None else {"rewrites": rewrites}))
+    program = lower(graph, LoweringMode.TRAINING, rewrites=rewrites)
     executor = Executor(program, seed=seed)
     if params is not None:
         executor.load_params(params, strict=False)

@@ -58,10 +58,11 @@ def _tiling(spans: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]] 
 class _HostUpload:
     """Copies host values into a device tensor without making the host wait for the stream.
 
-    A copy from pageable memory blocks until the stream reaches it, so the next step could not
-    be queued while this one runs. On CUDA the values go through two pinned host buffers used
-    in turn, each written again only once its last copy has finished (an event recorded behind
-    it): the host may run one step ahead of the GPU. Elsewhere the copy is a plain one.
+    PyTorch makes a copy from pageable memory synchronise the stream (it waits for all the work
+    queued before it), so the next step could not be queued while this one runs. On CUDA the
+    values go through two pinned host buffers used in turn, each written again only once its
+    last copy has finished (an event recorded behind it): the host may run one step ahead of
+    the GPU. Elsewhere the copy is a plain one.
     """
 
     def __init__(self, target: torch.Tensor):
