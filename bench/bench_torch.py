@@ -7,7 +7,8 @@
    against the raw Triton launch of the same kernel, on a small tensor (launch-bound), forward
    and forward+backward; the goal is at most 10 us over the raw kernels.
 2. A GPT-2-small training step from ``transformers`` (batch 8 x 512, AdamW): unpatched and
-   ``teeny.torch.patch``-ed, eager and under ``torch.compile``; step time and peak memory.
+   ``teeny.torch.patch``-ed, eager and under ``torch.compile``, in float32 and under bfloat16
+   autocast; step time and peak memory.
 3. The same GPT-2-small imported with ``teeny.torch.from_torch`` and trained by teeny
    (``TrainStep``, CUDA graph), against ``teeny.models.GPT`` of the same size.
 
@@ -104,15 +105,36 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
     def compiled_torch_both():
         compiled_torch(x).backward(seed)
 
+    def torch_forward():
+        with torch.no_grad():
+            F.gelu(x)
+
+    def torch_both():
+        F.gelu(x).backward(seed)
+
+    def replay_off(fn):
+        def run():
+            teeny.config.replay = False
+            try:
+                fn()
+            finally:
+                teeny.config.replay = True
+
+        return run
+
     out = {}
     for name, fn in [
         ("raw kernel forward", raw_forward),
         ("raw kernels forward+backward", raw_both),
         ("torch.ops.teeny.gelu forward", op_forward),
         ("torch.ops.teeny.gelu forward+backward", op_both),
+        ("torch.ops.teeny.gelu forward, replay off", replay_off(op_forward)),
+        ("torch.ops.teeny.gelu forward+backward, replay off", replay_off(op_both)),
         ("teeny.torch.apply(gelu) forward+backward", apply_both),
         ("torch.compile(torch.ops.teeny.gelu) forward+backward", compiled_op_both),
         ("torch.compile(F.gelu) forward+backward", compiled_torch_both),
+        ("F.gelu forward (torch eager)", torch_forward),
+        ("F.gelu forward+backward (torch eager)", torch_both),
     ]:
         out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
     if profile:  # where the host time of a registered op's forward+backward goes
@@ -155,35 +177,59 @@ def _gpt2(tiny: bool, device):
     return model, ids, config
 
 
-def patched_gpt2(device, tiny: bool) -> dict:
+def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str], profile: bool = False) -> dict:
+    """The step of each variant in each precision ("fp32", or "bf16-autocast": float32 weights,
+    the step under ``torch.autocast(bfloat16)``), eager variants first (the compiled ones take
+    minutes to compile, and a slot that times out keeps what was printed)."""
     base, ids, _ = _gpt2(tiny, device)
     results = {}
     reps = 3 if tiny else 20
-    for label, patch, compile_ in [
-        ("eager", False, False),
-        ("patched eager", True, False),
-        ("torch.compile", False, True),
-        ("patched + torch.compile", True, True),
-    ]:
+    known = {
+        "eager": ("eager", False, False),
+        "patched": ("patched eager", True, False),
+        "compile": ("torch.compile", False, True),
+        "patched-compile": ("patched + torch.compile", True, True),
+    }
+    plan = [(p, known[v]) for v in variants for p in precisions]
+    for precision, (label, patch, compile_) in plan:
         model = copy.deepcopy(base)
         if patch:
             teeny.torch.patch(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         forward = torch.compile(model) if compile_ else model
+        autocast = precision == "bf16-autocast"
 
-        def step(optimizer=optimizer, forward=forward):
+        def step(optimizer=optimizer, forward=forward, autocast=autocast):
             optimizer.zero_grad(set_to_none=True)
-            forward(ids, labels=ids).loss.backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = forward(ids, labels=ids).loss
+            loss.backward()
             optimizer.step()
 
+        name = f"{label}, {precision}"
         try:
             seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
-            results[label] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
+            results[name] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
+            if profile and not compile_:
+                _profile_step(name, step)
         except Exception as exc:  # report and go on: one failing variant must not hide the others
-            results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        print(f"patched GPT-2, {label}: {results[label]}", flush=True)  # a slot that times out keeps these
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"patched GPT-2, {name}: {results[name]}", flush=True)  # a slot that times out keeps these
         del model, optimizer, forward
     return results
+
+
+def _profile_step(name: str, step) -> None:
+    """The device time of three steps by kernel, and the host's share (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"== profile of 3 steps: {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
 # ----------------------------------------------------------------------------- 3. imported GPT-2
@@ -233,7 +279,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: check that every part runs")
     parser.add_argument("--only", choices=["overhead", "patched", "imported"], nargs="*")
-    parser.add_argument("--profile", action="store_true", help="cProfile the registered op's host path")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the registered op's host path; profile the patched eager steps"
+    )
+    parser.add_argument("--precisions", default="fp32,bf16-autocast", help="patched GPT-2: fp32, bf16-autocast")
+    parser.add_argument(
+        "--variants", default="eager,patched,compile,patched-compile", help="patched GPT-2: which steps, in order"
+    )
     args = parser.parse_args()
     device = teeny.DEVICE
     parts = args.only or ["overhead", "patched", "imported"]
@@ -241,7 +293,9 @@ def main() -> None:
     if "overhead" in parts:
         report["overhead (us per call)"] = overhead(device, args.tiny, args.profile)
     if "patched" in parts:
-        report["GPT-2 training step, patched"] = patched_gpt2(device, args.tiny)
+        report["GPT-2 training step, patched"] = patched_gpt2(
+            device, args.tiny, args.precisions.split(","), args.variants.split(","), args.profile
+        )
     if "imported" in parts:
         report["GPT-2 training step, imported"] = imported_gpt2(device, args.tiny)
     text = json.dumps(report, indent=2)

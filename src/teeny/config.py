@@ -4,6 +4,7 @@ behaviour it was built with) unless its description says otherwise.
     teeny.config.allow_tf32 = True          # float32 products on TF32 tensor cores (default False)
     teeny.config.deterministic = True       # bit-reproducible backward passes (no atomics)
     teeny.config.check_indices = False      # device-side range checks of index inputs
+    teeny.config.replay = False             # registered ops' calls take the full host path
 
 ``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
 precision by default, float64 is always exact.
@@ -15,6 +16,9 @@ out-of-range index raises an error naming the op and the index instead of readin
 (with the check off, an out-of-range embedding or getitem index reads 0 and gets no gradient,
 and an out-of-range class gives a NaN loss). On by default under the interpreter (CPU), off on the GPU, where the check
 costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
+``replay`` (read at each call, not at tracing): a call of a registered op or of ``apply`` is
+recorded once and replayed (``teeny.tape``) instead of running the executor's host path each
+time; ``TEENY_REPLAY=0`` sets the default off.
 """
 
 from __future__ import annotations
@@ -26,3 +30,4 @@ from .device import INTERPRETER
 allow_tf32: bool = False
 deterministic: bool = False
 check_indices: bool = os.environ.get("TEENY_CHECK_INDICES", "1" if INTERPRETER else "0").strip() not in ("0", "")
+replay: bool = os.environ.get("TEENY_REPLAY", "1").strip() not in ("0", "")

@@ -33,7 +33,7 @@ from .device import DEVICE
 from .graph import Value
 from .kernels.accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context, row_stride
-from .runtime import TeenyError
+from .runtime import TeenyError, raise_failed_checks
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -292,7 +292,7 @@ class Executor:
                 }
             for value_id in self._frees[index]:  # free what no later node reads
                 values.pop(value_id, None)
-        _raise_failed_checks(checks)
+        raise_failed_checks(checks)
         if cache is not None:
             cache.versions = self._saved_versions(cache, values)
         self.live_values = len(self._intermediates.intersection(values))
@@ -459,15 +459,3 @@ def _check_versions(cache: ActivationCache) -> None:
             f"{', '.join(changed)} was modified in place between forward_train and backward: the backward kernels "
             "would read the new values and give a wrong gradient (clone before changing it, or run forward_train again)"
         )
-
-
-def _raise_failed_checks(checks: list) -> None:
-    """Read the flags ops asked to have checked (``OpContext.check_after``): one host
-    synchronisation for all of them. Skipped while a CUDA graph is being captured and for meta
-    tensors (a run without data, as an ahead-of-time build makes)."""
-    if not checks or checks[0][0].is_meta or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
-    values = torch.stack([flag.reshape(()).to(torch.int64) for flag, _, _ in checks]).cpu().tolist()
-    for value, (_, where, describe) in zip(values, checks):
-        if value:
-            raise TeenyError(f"{where}: {describe(value)}")

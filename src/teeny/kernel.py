@@ -253,11 +253,41 @@ class KernelInstance:
         if _INTERCEPTORS:
             _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
             return
+        self.run_jit(jit, grid, args, options)
+
+    def run_jit(self, jit: Any, grid: tuple[int, ...], args: list, options: dict[str, Any]) -> Any:
+        """Launch ``jit`` (this instance's Triton function, or its float64 variant) as it is:
+        no recording, no interception. Returns what Triton returns: the compiled kernel on a
+        GPU (``direct_launcher`` launches it again without Triton's argument binding)."""
         if self.kernel.device_scratch:
             # Triton asks a context-local allocator for the descriptors' global scratch memory; a
             # backward runs on torch's autograd thread, so set it at each launch, not once at import
             triton.set_allocator(_device_scratch)
-        jit[grid](*args, **options)
+        return jit[grid](*args, **options)
+
+
+def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
+    """``launch(stream, args)``: the Triton-compiled kernel ``compiled`` launched straight
+    through its launcher over ``grid``, skipping ``JITFunction.run`` (argument binding,
+    specialisation key, cache lookup: most of a launch's host time). Valid only for arguments
+    that specialise as the ones it was compiled for (same scalars, pointers with the same
+    16-byte alignment). ``None`` where there is nothing to launch directly (the interpreter) or
+    where Triton's launch hooks are set (a profiler that wants the full path)."""
+    from triton import knobs
+
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return None
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+
+    def launch(stream: int, args: list) -> None:
+        if device_scratch:
+            triton.set_allocator(_device_scratch)
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+
+    return launch
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

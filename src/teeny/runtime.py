@@ -27,6 +27,7 @@ The inputs of a node are its activation inputs followed by its parameters: the f
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -435,6 +436,25 @@ class OpContext:
             run_launch(launch, self.instance(launch.kernel), where, work, self.dry_run, self.input_shapes)
             if self.launched is not None:
                 self.launched.append(launch)
+
+
+_CHECK_SINKS: dict[int, list] = {}  # thread -> where its checks go while a run is recorded (teeny.tape)
+
+
+def raise_failed_checks(checks: list) -> None:
+    """Read the flags ops asked to have checked (``OpContext.check_after``) of one run: one
+    host synchronisation for all of them. Skipped while a CUDA graph is being captured and for
+    meta tensors (a run without data, as an ahead-of-time build makes); handed to the recorder
+    instead while a run is recorded (``teeny.tape``, which reads them itself)."""
+    if _CHECK_SINKS and threading.get_ident() in _CHECK_SINKS:
+        _CHECK_SINKS[threading.get_ident()].extend(checks)
+        return
+    if not checks or checks[0][0].is_meta or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    values = torch.stack([flag.reshape(()).to(torch.int64) for flag, _, _ in checks]).cpu().tolist()
+    for value, (_, where, describe) in zip(values, checks):
+        if value:
+            raise TeenyError(f"{where}: {describe(value)}")
 
 
 def _device_of(ctx: OpContext) -> torch.device:

@@ -50,6 +50,7 @@ from ..graph import Graph, Tensor, Value
 from ..kernel import dtype_name
 from ..lowering import LoweringMode, lower
 from ..runtime import MissingBackwardError, TeenyError
+from ..tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
 
@@ -114,6 +115,9 @@ class Compiled:
             (node_id, [position(s) for s in in_slots], position(out_slot), {n: position(s) for n, s in saved.items()})
             for node_id, in_slots, out_slot, saved in self.layout
         ]
+        blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.tape)
+        self._forward_replay = Replayed(self._run_forward, blocked)
+        self._backward_replay = Replayed(self._run_backward, blocked)
 
     @property
     def training(self) -> bool:
@@ -127,7 +131,17 @@ class Compiled:
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the program: its outputs, the extras, then the new values of the inputs it
         updates in place (``mutated``; the inputs themselves are left alone). Nothing returned
-        aliases an input."""
+        aliases an input. Recorded on the first call and replayed after (``teeny.tape``)."""
+        return self._forward_replay(tensors)
+
+    def backward(self, grad: torch.Tensor | None, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of the flat inputs in ``grad_inputs`` from the gradient of output 0
+        (recorded and replayed as the forward is)."""
+        if grad is None:
+            return self._run_backward([None, *saved])
+        return self._backward_replay([grad, *saved])
+
+    def _run_forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         ex = self.executor
         # an input written in place is copied onto the executor's device here, so that the copy it
         # updates is the one returned (a CPU tensor given to a GPU program would be moved inside it)
@@ -156,8 +170,8 @@ class Compiled:
             result.append(t)
         return result
 
-    def backward(self, grad: torch.Tensor | None, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients of the flat inputs in ``grad_inputs`` from the gradient of output 0."""
+    def _run_backward(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        grad, saved = tensors[0], tensors[1:]
         ex = self.executor
         here = ex.device
         pool = [*(t.to(here).contiguous() for t in saved), *self._fixed_tensors]

@@ -1,0 +1,170 @@
+"""Calls recorded once and replayed (``teeny.tape``): every registered op gives the same outputs
+and gradients replayed as through the full host path; what cannot be replayed is not, and says
+why; a call that does not fit the recording (alignment, strides) takes the full path; checks,
+in-place updates, launch records and repeated backwards behave as without replay."""
+
+import pytest
+import torch
+from tests.test_torch_library import OVERLOADS, REGISTERED, _calls, _flat, _torch_args
+
+import teeny
+from teeny import config
+from teeny.kernel import record_launches
+from teeny.registry import OPS
+from teeny.tape import Replayed
+from teeny.torch import bridge, library
+
+
+def _run(packet, sample, calls: int):
+    """Outputs and gradients of ``calls`` forward+backward calls of ``packet`` on ``sample``."""
+    results = []
+    for _ in range(calls):
+        args, kwargs = _torch_args(sample)
+        out = packet(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+        floats = [o for o in outs if o.requires_grad]
+        if floats:
+            torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+        leaves = _flat((args, list(kwargs.values())))
+        grads = [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        results.append([o.detach().clone() for o in outs] + [g.clone() for g in grads if g is not None])
+    return results
+
+
+def _replays():
+    return {
+        (entry.label, way): (run.replays, run.not_recorded)
+        for entry in bridge._ENTRIES.values()
+        for way, run in (("forward", entry._forward_replay), ("backward", entry._backward_replay))
+    }
+
+
+@pytest.mark.parametrize("qualname", OVERLOADS, ids=str)
+def test_a_replayed_call_computes_what_the_full_path_does(qualname, gen, monkeypatch):
+    reg = REGISTERED[qualname]
+    packet, samples = _calls(qualname, OPS[reg.name].samples(torch.float32, gen), limit=1)
+    if not samples:
+        pytest.skip(f"no registry sample fits {reg.schema}")
+    bridge.clear_cache()
+    replayed = _run(packet, samples[0], calls=3)  # recorded, then replayed twice
+    seen = _replays()
+    monkeypatch.setattr(config, "replay", False)
+    full = _run(packet, samples[0], calls=1)[0]
+    for call in replayed:
+        assert len(call) == len(full)
+        for got, want in zip(call, full):
+            assert torch.equal(got, want) or torch.allclose(got, want, equal_nan=True, rtol=0, atol=0)
+    for (label, way), (replays, reason) in seen.items():
+        if reason is None:
+            assert replays >= 1, f"{label} {way} was recorded but never replayed"
+        else:  # the only runs that may not be replayed: ops that take host state per run
+            assert "take host state that changes per run" in reason, f"{label} {way}: {reason}"
+
+
+def _entry(label: str):
+    """The entry of ``label`` used last (an op has one per signature: grad mode, shapes)."""
+    return [e for e in bridge._ENTRIES.values() if e.label == label][-1]
+
+
+def test_dropout_is_never_replayed_and_draws_a_new_mask_each_call():
+    bridge.clear_cache()
+    x = torch.ones(64, 64)
+    masks = [torch.ops.teeny.dropout(x, 0.5, True) for _ in range(3)]
+    assert not torch.equal(masks[1], masks[2])
+    run = _entry("teeny op dropout")._forward_replay
+    assert run.replays == 0 and "dropout" in run.not_recorded
+
+
+def test_a_run_that_reads_a_device_value_on_the_host_is_not_replayed():
+    run = Replayed(lambda ts: [ts[0] * 2 if ts[0].sum().item() > 0 else ts[0] * 3])
+    x = torch.ones(4)
+    assert torch.equal(run([x])[0], x * 2)
+    assert torch.equal(run([-x])[0], -x * 3)  # the branch is taken again, not replayed
+    assert run.tape is None and "host" in run.not_recorded
+
+
+def test_a_misaligned_input_or_other_strides_take_the_full_path():
+    bridge.clear_cache()
+    base = torch.randn(1 + 6 * 5)
+    aligned = base[:30].view(6, 5)
+    shifted = base[1:].view(6, 5)  # 4 bytes off the 16-byte alignment the recording saw
+    torch.ops.teeny.gelu(aligned)
+    run = _entry("teeny op gelu")._forward_replay
+    torch.ops.teeny.gelu(aligned)
+    assert run.replays == 1
+    out = torch.ops.teeny.gelu(shifted)
+    assert run.replays == 1
+    torch.testing.assert_close(out, torch.nn.functional.gelu(shifted))
+
+    x = torch.randn(6, 5, requires_grad=True)
+    for grad in (torch.ones(6, 5), torch.ones(6, 5), torch.ones(5, 6).t(), torch.ones(()).expand(6, 5)):
+        torch.ops.teeny.gelu(x).backward(grad)
+    backward = _entry("teeny op gelu")._backward_replay
+    assert backward.replays == 1  # the second call; the transposed and the expanded gradients did not fit
+    expected = torch.autograd.grad(torch.nn.functional.gelu(x), x, torch.ones(6, 5))[0]
+    torch.testing.assert_close(x.grad, 4 * expected)
+
+
+def test_a_replayed_index_check_still_raises_naming_the_op():
+    bridge.clear_cache()
+    weight = torch.randn(10, 4)
+    for _ in range(2):
+        torch.ops.teeny.embedding(torch.tensor([1, 2, 3]), weight)
+    run = _entry("teeny op embedding")._forward_replay
+    assert run.replays == 1 and run.tape.checks
+    with pytest.raises(teeny.TeenyError, match=r"op embedding .*index 12"):
+        torch.ops.teeny.embedding(torch.tensor([1, 12, 3]), weight)
+    assert run.replays == 2
+
+
+def test_a_replay_updates_running_statistics_in_place():
+    bridge.clear_cache()
+    x = torch.randn(8, 3, 5, 5)
+    mean, var = torch.zeros(3), torch.ones(3)
+    ref_mean, ref_var = mean.clone(), var.clone()
+    for _ in range(3):
+        torch.ops.teeny.batch_norm(x, mean, var, None, None, True, 0.1, 1e-5)
+        torch.nn.functional.batch_norm(x, ref_mean, ref_var, None, None, True, 0.1, 1e-5)
+    assert _entry("teeny op batch_norm")._forward_replay.replays == 2
+    torch.testing.assert_close(mean, ref_mean)
+    torch.testing.assert_close(var, ref_var)
+
+
+def test_recorded_launches_see_a_replay():
+    bridge.clear_cache()
+    x = torch.randn(7, 9, requires_grad=True)
+    w = torch.randn(5, 9, requires_grad=True)
+    torch.ops.teeny.linear(x, w).sum().backward()  # recorded
+    with record_launches() as log:
+        torch.ops.teeny.linear(x, w).sum().backward()
+    assert _entry("teeny op linear")._forward_replay.replays == 1
+    config_replay = config.replay
+    try:
+        config.replay = False
+        with record_launches() as full:
+            torch.ops.teeny.linear(x, w).sum().backward()
+    finally:
+        config.replay = config_replay
+    assert [r.kernel for r in log] == [r.kernel for r in full]
+
+
+def test_retain_graph_backward_twice_replays_the_backward():
+    bridge.clear_cache()
+    x = torch.randn(6, 7, requires_grad=True)
+    y = torch.ops.teeny.layer_norm(x, [7])
+    y.backward(torch.ones_like(y), retain_graph=True)
+    first = x.grad.clone()
+    y.backward(torch.ones_like(y))
+    assert _entry("teeny op layer_norm")._backward_replay.replays == 1
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_replay_can_be_switched_off(monkeypatch):
+    bridge.clear_cache()
+    monkeypatch.setattr(config, "replay", False)
+    x = torch.randn(10)
+    for _ in range(3):
+        torch.ops.teeny.gelu(x)
+    run = _entry("teeny op gelu")._forward_replay
+    assert run.tape is None and run.replays == 0
+    assert library.registered_ops()  # the ops themselves are untouched
