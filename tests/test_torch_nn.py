@@ -198,3 +198,12 @@ def test_compiled_mlp_of_drop_in_layers_trains_like_torch(dtype, backend):
             torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
         opt.step()
         opt_ref.step()
+
+
+def test_a_dropout_that_keeps_everything_is_the_input_itself():
+    x = torch.randn(4, 5, requires_grad=True)
+    assert tnn.functional.dropout(x, 0.0, True) is x  # as torch answers: no copy, no launch
+    assert tnn.functional.dropout(x, 0.5, False) is x
+    assert tnn.Dropout(0.0)(x) is x
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        tnn.functional.dropout(x, 1.5, False)

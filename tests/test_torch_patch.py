@@ -196,3 +196,16 @@ def test_layers_with_options_teeny_lacks_are_left_and_reported():
     assert report.left == [("0", "Conv2d", "teeny has no kernel for padding_mode='reflect'")]
     assert tt.patch(model) is report  # patching again changes nothing and keeps one report
     assert len(report.swapped) == 2
+
+
+def test_conv1d_is_one_teeny_call_and_a_zero_dropout_none():
+    from teeny.torch import bridge
+
+    model = _gpt2(torch.float32)
+    tt.patch(model)
+    bridge.clear_cache()
+    (ids,) = _batches(1)
+    _lm_loss(model, ids, torch.float32).backward()
+    labels = {entry.label for entry in bridge._ENTRIES.values()}
+    assert "teeny op matmul_add" in labels  # x @ W + b: its two launches in one call
+    assert "teeny op add" not in labels and "teeny op dropout" not in labels

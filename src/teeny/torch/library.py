@@ -363,6 +363,15 @@ def _autocast(reg: Registered, values: list) -> list:
     return [_cast(v, target) for v in values]
 
 
+def _autocast_dtype(args) -> torch.dtype | None:
+    """The autocast dtype of the device of the first floating-point argument (None: autocast off there)."""
+    for a in args:
+        if a.is_floating_point():
+            device_type = a.device.type
+            return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return None
+
+
 def _flat(values) -> list:
     out = []
     for v in values:
@@ -386,20 +395,26 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _implementation(reg: Registered) -> Callable:
     names = reg.arg_names
-    plain_keys: dict[tuple, str] = {}  # the common call (plain tensors, positional, no autocast): its key in one hit
+    plain_keys: dict[tuple, tuple] = {}  # the common call (plain tensors, positional): its key and casts in one hit
 
     def composite(*args, **kwargs):
-        plain = not kwargs and all(type(a) in _PLAIN_TENSORS for a in args) and not torch._C._is_any_autocast_enabled()
+        plain = not kwargs and all(type(a) in _PLAIN_TENSORS for a in args)
         if plain:
             grad = torch.is_grad_enabled()
             signature = tuple([(a.shape, a.dtype, grad and a.requires_grad) for a in args])
-            key = plain_keys.get(signature)
-            if key is not None:
+            if torch._C._is_any_autocast_enabled():
+                signature = (signature, _autocast_dtype(args))
+            hit = plain_keys.get(signature)
+            if hit is not None:
+                key, casts = hit
+                if casts:
+                    args = [a if dtype is None else a.to(dtype) for a, dtype in zip(args, casts)]
                 return run(key, [a.contiguous() for a in args])
         bound = dict(zip(names, args))
         bound.update(kwargs)
         given = [n for n in names if n in bound]  # arguments left out take the teeny function's defaults
         values = _autocast(reg, [bound[n] for n in given])
+        casts = tuple(None if v is a or v.dtype == a.dtype else v.dtype for v, a in zip(values, args)) if plain else ()
         tensors: list[torch.Tensor] = []
         labels: list[str] = []
         encoded = []
@@ -412,7 +427,7 @@ def _implementation(reg: Registered) -> Callable:
         if key is None:  # the key text once per signature, not per call
             key = _KEYS[call] = _PREFIX + repr(call)
         if plain:
-            plain_keys[signature] = key
+            plain_keys[signature] = (key, casts if any(d is not None for d in casts) else ())
         return run(key, tensors)
 
     def run(key: str, tensors: list[torch.Tensor]):

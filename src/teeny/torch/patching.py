@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .. import ops
+from . import library
 from .nn import DROP_INS
 from .nn import functional as TF
 
@@ -82,9 +84,18 @@ def _rms_norm_forward(self, hidden_states):
     return TF.rms_norm(hidden_states, [self.weight.shape[-1]], self.weight, self.variance_epsilon)
 
 
+def _matmul_add(x, weight, bias):
+    """x @ weight + bias as one teeny call (its two launches recorded and replayed together)."""
+    return ops.matmul(x, weight) + bias
+
+
+_MATMUL_ADD = library.register(_matmul_add, name="matmul_add")
+
+
 def _conv1d_forward(self, x):  # transformers' Conv1D: x @ weight + bias, weight (in, out)
-    out = torch.ops.teeny.matmul(x, self.weight)
-    return out if self.bias is None else torch.ops.teeny.add(out, self.bias)
+    if self.bias is None:
+        return torch.ops.teeny.matmul(x, self.weight)
+    return _MATMUL_ADD(x, self.weight, self.bias)
 
 
 def _gelu_tanh_forward(self, input):

@@ -209,6 +209,10 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
 
 def dropout(input, p=0.5, training=True, inplace=False):
     _floating(input)
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not training:  # the identity: like torch, the input itself, with no call at all
+        return input
     return T.dropout(input, float(p), bool(training))
 
 
