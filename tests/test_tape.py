@@ -160,6 +160,20 @@ def test_retain_graph_backward_twice_replays_the_backward():
     torch.testing.assert_close(x.grad, 2 * first)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter has no compiled launcher")
+def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
+    from teeny.tape import _LaunchStep
+
+    bridge.clear_cache()
+    x = torch.randn(7, 9, device="cuda", requires_grad=True)
+    for _ in range(2):
+        torch.ops.teeny.layer_norm(x, [9]).sum().backward()
+    entry = _entry("teeny op layer_norm")
+    for run in (entry._forward_replay, entry._backward_replay):
+        launches = [step for step in run.tape.steps if isinstance(step, _LaunchStep)]
+        assert launches and all(step.direct is not None for step in launches)
+
+
 def test_replay_can_be_switched_off(monkeypatch):
     bridge.clear_cache()
     monkeypatch.setattr(config, "replay", False)

@@ -277,7 +277,8 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
 
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         return None
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    if any(hook is not None and getattr(hook, "calls", True) for hook in hooks):  # a HookChain with hooks in it
         return None
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1, g2 = (*grid, 1, 1)[:3]

@@ -462,6 +462,7 @@ def register(
     schema: str | None = None,
     n_inputs: int | None = None,
     multi_output: bool = False,
+    product: bool = False,
 ) -> Callable:
     """Register a teeny function, or a ``RuntimeOp``/``CustomOp`` (instance or class), as
     ``torch.ops.teeny.<name>``; returns the operator.
@@ -472,6 +473,8 @@ def register(
     An op takes ``n_inputs`` tensors (default: its ``n_activation_inputs``) and no other
     argument. Forward and backward run teeny's kernels through the bridge, so the operator
     differentiates, compiles (``fullgraph=True``) and passes ``torch.library.opcheck``.
+    ``product=True``: under autocast the call runs in the autocast dtype, as products do (see
+    the module docstring); otherwise in the dtype of its first floating-point tensor.
     """
     if isinstance(fn, type) and issubclass(fn, RuntimeOp):
         fn = fn()
@@ -494,6 +497,8 @@ def register(
     if not name or not name.isidentifier():
         raise ValueError(f"register: give the operator a name (got {name!r})")
     arguments = schema if schema is not None else schema_arguments(fn, name)
+    if product:
+        _PRODUCTS.add(name)
     reg = _define(name, "", fn, arguments, multi_output)
     return reg.packet
 

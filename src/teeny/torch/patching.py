@@ -89,7 +89,7 @@ def _matmul_add(x, weight, bias):
     return ops.matmul(x, weight) + bias
 
 
-_MATMUL_ADD = library.register(_matmul_add, name="matmul_add")
+_MATMUL_ADD = library.register(_matmul_add, name="matmul_add", product=True)
 
 
 def _conv1d_forward(self, x):  # transformers' Conv1D: x @ weight + bias, weight (in, out)
