@@ -83,6 +83,13 @@ def test_a_run_that_reads_a_device_value_on_the_host_is_not_replayed():
     assert run.tape is None and "host" in run.not_recorded
 
 
+def test_a_view_made_without_aten_is_not_frozen_into_the_tape():
+    run = Replayed(lambda ts: [torch.from_numpy(ts[0].numpy()) * 2])  # a view the dispatch mode never sees
+    assert torch.equal(run([torch.ones(3)])[0], torch.full((3,), 2.0))
+    assert torch.equal(run([torch.full((3,), 5.0)])[0], torch.full((3,), 10.0))
+    assert run.tape is None and "outside ATen" in run.not_recorded
+
+
 def test_a_misaligned_input_or_other_strides_take_the_full_path():
     bridge.clear_cache()
     base = torch.randn(1 + 6 * 5)

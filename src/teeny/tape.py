@@ -38,6 +38,7 @@ from .kernel import KernelInstance, direct_launcher
 from .runtime import _CHECK_SINKS, raise_failed_checks
 
 ALIGN = 16  # bytes: the alignment Triton specialises pointers on and TMA needs
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors as they are (no subclass, no fake tensor)
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,19 @@ class _Slot:
     index: int
 
 
-def _template(value: Any, slots: dict[int, int]) -> Any:
-    """``value`` with every tensor the run knows replaced by its ``_Slot``."""
+def _template(value: Any, slots: dict[int, int], unknown: list) -> Any:
+    """``value`` with every tensor the run knows replaced by its ``_Slot``; the tensors it does
+    not know are kept as they are and listed in ``unknown``."""
     if isinstance(value, torch.Tensor):
         index = slots.get(id(value))
-        return value if index is None else _Slot(index)
+        if index is None:
+            unknown.append(value)
+            return value
+        return _Slot(index)
     if isinstance(value, (list, tuple)):
-        return type(value)(_template(v, slots) for v in value)
+        return type(value)(_template(v, slots, unknown) for v in value)
     if isinstance(value, dict):
-        return {k: _template(v, slots) for k, v in value.items()}
+        return {k: _template(v, slots, unknown) for k, v in value.items()}
     return value
 
 
@@ -233,8 +238,15 @@ class Tape:
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         if len(tensors) != len(self.signatures):
             return False
-        for t, signature in zip(tensors, self.signatures):
-            if type(t) not in (torch.Tensor, torch.nn.Parameter) or _signature(t) != signature:
+        for t, (shape, stride, dtype, device, residue) in zip(tensors, self.signatures):
+            if (
+                type(t) not in _PLAIN
+                or t.data_ptr() % ALIGN != residue
+                or t.stride() != stride
+                or t.shape != shape
+                or t.dtype != dtype
+                or t.get_device() != device
+            ):
                 return False
         # a GPU tape launches kernels loaded on its device, on that device's current stream
         return self.device.type != "cuda" or torch.cuda.current_device() == self.device.index
@@ -264,6 +276,7 @@ class _Recording(TorchDispatchMode):
         super().__init__()
         self.slots: dict[int, int] = {id(t): i for i, t in enumerate(inputs)}
         self.alive: list = list(inputs)  # every tensor seen stays alive, so no id is reused
+        self.storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel() and t.device.type != "meta"}
         self.steps: list = []
         self.failure: str | None = None
         self.thread = threading.get_ident()  # launches from other threads are theirs, not recorded
@@ -272,6 +285,8 @@ class _Recording(TorchDispatchMode):
         index = len(self.alive)
         self.slots[id(t)] = index
         self.alive.append(t)
+        if t.numel() and t.device.type != "meta":
+            self.storages.add(t.untyped_storage().data_ptr())
         return index
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -287,7 +302,7 @@ class _Recording(TorchDispatchMode):
             self.slots[id(out)] = self.slots[id(args[0])]
             self.alive.append(out)
             return out
-        template = (_template(list(args), self.slots), _template(kwargs, self.slots))
+        template = (self._template(list(args)), self._template(kwargs))
         made = [(position, self._new_slot(t)) for position, t in enumerate(tensors) if id(t) not in self.slots]
         self.steps.append(_AtenStep(func, *template, made))
         return out
@@ -299,7 +314,18 @@ class _Recording(TorchDispatchMode):
         with _disable_current_modes():  # the launch itself (the interpreter's ATen calls) is not recorded
             compiled = instance.run_jit(jit, grid, args, options)
         if self.failure is None:
-            self.steps.append(_LaunchStep(instance, jit, grid, _template(args, self.slots), options, compiled))
+            self.steps.append(_LaunchStep(instance, jit, grid, self._template(args), options, compiled))
+
+    def _template(self, value: Any) -> Any:
+        """``_template`` of an argument; a tensor the run did not make (through ATen) is kept as
+        a constant, unless it shares memory with one the run did make or was given: a view made
+        without ATen (``.data``, ``from_numpy``) would then be frozen to this run's memory."""
+        unknown: list = []
+        template = _template(value, self.slots, unknown)
+        for t in unknown:
+            if t.numel() and t.device.type != "meta" and t.untyped_storage().data_ptr() in self.storages:
+                self.failure = "a tensor made outside ATen shares memory with one of the run's"
+        return template
 
 
 def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Tensor]):
@@ -355,7 +381,7 @@ class Replayed:
                 self.replays += 1
                 return tape.replay(tensors)
             return self.fn(list(tensors))
-        if self.not_recorded is not None or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        if self.not_recorded is not None or any(type(t) not in _PLAIN for t in tensors):
             return self.fn(list(tensors))
         result, recorded = record(self.fn, tensors)
         if isinstance(recorded, str):
