@@ -218,7 +218,13 @@ def test_a_plain_call_keyed_once_still_follows_grad_mode_autocast_and_strides():
     with torch.no_grad():
         assert torch.ops.teeny.linear(x, w).grad_fn is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the same tensors: autocast's key, not the plain one
-        assert torch.ops.teeny.linear(x, w).dtype == torch.bfloat16
+        for _ in range(2):  # the second call finds the key and the casts of the first
+            assert torch.ops.teeny.linear(x, w).dtype == torch.bfloat16
+        for _ in range(2):  # the float32 norm weight cast to the bf16 activations on every call
+            y = torch.ops.teeny.layer_norm(torch.ops.teeny.linear(x, w), [6], torch.ones(6))
+            assert y.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):  # another autocast dtype: another key
+        assert torch.ops.teeny.linear(x, w).dtype == torch.float16
     assert torch.ops.teeny.linear(x, w).dtype == torch.float32
 
 
