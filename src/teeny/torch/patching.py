@@ -8,8 +8,9 @@ Two things happen, both in place and both reversible only by rebuilding the mode
 * **Submodules** whose class teeny has a drop-in for change class (``module.__class__``) to it:
   every ``torch.nn`` layer of ``teeny.torch.nn.DROP_INS``, and, recognised by class name so that
   ``transformers`` stays optional, Hugging Face's ``*RMSNorm`` (Llama, Mistral, Qwen2, ...),
-  GPT-2's ``Conv1D``, the tanh-GELU activations (``NewGELUActivation``, ...) and gated MLPs
-  (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``: one fused SwiGLU pair).
+  GPT-2's ``Conv1D`` (x @ W + b as one call, ``torch.ops.teeny.matmul_add``), the tanh-GELU
+  activations (``NewGELUActivation``, ...) and gated MLPs (``gate_proj``/``up_proj``/``down_proj``
+  with a SiLU ``act_fn``: one fused SwiGLU pair).
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
