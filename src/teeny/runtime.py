@@ -446,8 +446,9 @@ def raise_failed_checks(checks: list) -> None:
     host synchronisation for all of them. Skipped while a CUDA graph is being captured and for
     meta tensors (a run without data, as an ahead-of-time build makes); handed to the recorder
     instead while a run is recorded (``teeny.tape``, which reads them itself)."""
-    if _CHECK_SINKS and threading.get_ident() in _CHECK_SINKS:
-        _CHECK_SINKS[threading.get_ident()].extend(checks)
+    sink = _CHECK_SINKS.get(threading.get_ident()) if _CHECK_SINKS else None
+    if sink is not None:
+        sink.extend(checks)
         return
     if not checks or checks[0][0].is_meta or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return

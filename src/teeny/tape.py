@@ -64,14 +64,15 @@ def _template(value: Any, slots: dict[int, int], unknown: list) -> Any:
     return value
 
 
-def _has_slot(template: Any) -> bool:
+def _slots_in(template: Any) -> set[int]:
+    """The slots a template reads (empty: it holds no tensor of the run)."""
     if isinstance(template, _Slot):
-        return True
+        return {template.index}
     if isinstance(template, (list, tuple)):
-        return any(_has_slot(v) for v in template)
+        return set().union(*(_slots_in(v) for v in template)) if template else set()
     if isinstance(template, dict):
-        return any(_has_slot(v) for v in template.values())
-    return False
+        return _slots_in(list(template.values()))
+    return set()
 
 
 def _fill(template: Any, slots: list) -> Any:
@@ -87,10 +88,10 @@ def _fill(template: Any, slots: list) -> Any:
 def _filler(template: Any) -> Callable[[list], Any]:
     """A function of the slots giving ``template`` filled in (the template itself when it
     holds no slot); top-level slots of a flat list are filled by position, the common case."""
-    if not _has_slot(template):
+    if not _slots_in(template):
         return lambda slots: template
     if isinstance(template, (list, tuple)) and not any(
-        isinstance(v, (list, tuple, dict)) and _has_slot(v) for v in template
+        isinstance(v, (list, tuple, dict)) and _slots_in(v) for v in template
     ):
         positions = [(i, v.index) for i, v in enumerate(template) if isinstance(v, _Slot)]
         base = list(template)
@@ -155,11 +156,11 @@ def _caller(func, args: list, kwargs: dict) -> Callable[[list], Any]:
     clones, zeroing) through torch's Python functions, which cost a fraction of an operator
     call's dispatch from Python."""
     plain = all(kwargs.get(k) in ok for k, ok in _PLAIN_FACTORY.items())
-    if func in (_aten.empty.memory_format, _aten.zeros.default) and plain and not _has_slot(args):
+    if func in (_aten.empty.memory_format, _aten.zeros.default) and plain and not _slots_in(args):
         make = torch.empty if func is _aten.empty.memory_format else torch.zeros
         size, dtype, device = tuple(args[0]), kwargs.get("dtype"), kwargs.get("device")
         return lambda slots: make(size, dtype=dtype, device=device)
-    if args and isinstance(args[0], _Slot) and not _has_slot(args[1:]) and not _has_slot(kwargs):
+    if args and isinstance(args[0], _Slot) and not _slots_in(args[1:]) and not _slots_in(kwargs):
         k, rest = args[0].index, args[1:]
         if func is _aten.view.default:
             return lambda slots: slots[k].view(rest[0])
@@ -194,16 +195,6 @@ class _LaunchStep:
             self.direct(stream, args)
         else:
             self.instance.run_jit(self.jit, self.grid, args, self.options)
-
-
-def _slots_in(template: Any) -> set[int]:
-    if isinstance(template, _Slot):
-        return {template.index}
-    if isinstance(template, (list, tuple)):
-        return set().union(*(_slots_in(v) for v in template)) if template else set()
-    if isinstance(template, dict):
-        return _slots_in(list(template.values()))
-    return set()
 
 
 def _live(steps: list, needed: set[int]) -> list:
@@ -350,7 +341,8 @@ def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Ten
     elif any(k is None for k in flags):
         tape = "a checked flag is not a tensor the run made"
     else:
-        device = tensors[0].device if tensors else torch.device("cpu")
+        # the device the launches run on (a GPU program may be given CPU index tensors)
+        device = next((t.device for t in recording.alive if t.is_cuda), torch.device("cpu"))
         tape = Tape(
             signatures=[_signature(t) for t in tensors],
             steps=_live(recording.steps, {*outputs, *flags}),
