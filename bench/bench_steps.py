@@ -6,7 +6,8 @@ step is ``teeny.train.TrainStep`` captured as a CUDA graph. Prints step ms two w
 the median of steps each timed between a synchronisation; queued: steps issued back to back, as
 a training loop runs them), tokens (samples) per second queued and peak memory per step; with
 ``--profile`` also teeny's time per kernel name from one eager step (torch.profiler), with
-``--launches`` its time per launch (which node, kernel, grid and tile constexprs).
+``--launches`` its time per launch (which node, kernel, grid and tile constexprs), with
+``--host`` where the host time of its queued step goes.
 
     PYTHONPATH=src python3 bench/bench_steps.py --models gpt6,mlp --modes eager,default,reduce-overhead
     PYTHONPATH=src python3 bench/bench_steps.py --models gpt2 --precision bf16-mixed --no-rewrites-row
@@ -201,7 +202,7 @@ def timed(step, warmup, steps):
     return statistics.median(times), start.elapsed_time(end) / steps, peak
 
 
-def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites"):
+def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites", host=False):
     ex, opt = teeny_step(case, precision, rewrites)
     step = TrainStep(ex, opt, cuda_graph=DEV.type == "cuda")
     t0 = time.perf_counter()
@@ -213,6 +214,8 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="
     # the step's peak on the same step run eagerly (activations allocated as torch's are)
     eager = TrainStep(ex, opt, cuda_graph=False)
     _, _, mem = timed(lambda: eager({"x": x, "y": y}), 1, 1)
+    if host:
+        print_host(label if rewrites is not None else "teeny", lambda: step({"x": x, "y": y}))
     if profile == "launches":
         print_launches(label if rewrites is not None else "teeny", lambda: eager({"x": x, "y": y}))
     elif profile:
@@ -228,6 +231,34 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
     return ("teeny (CUDA graph)" if rewrites is None else label, ms, queued, mem, first)
+
+
+def print_host(label, step, calls=300):
+    """Where the host time of a queued step goes: its wall time per call issued back to back
+    (the GPU catching up only where the host waits on it), cProfile's busiest functions, and
+    the CUDA runtime calls by host time (torch.profiler)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step()
+    issued = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    print(f"  {label}: host {issued * 1e6:.1f} us a step issued back to back")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def print_launches(label, step):
@@ -303,13 +334,13 @@ def torch_row(case, mode, x, y, steps, precision=None):
     return (f"torch {mode}", ms, queued, mem, first)
 
 
-def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=()):
+def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=(), host=False):
     if precision:  # float32 parameters: float inputs stay float32 as well
         case = {**case, "dtype": torch.float32}
     x, y = batch_for(case)
     tokens = x.numel() if case["kind"] == "gpt" else x.shape[0]
     print(f"{name}: {case}{', ' + precision if precision else ''}")
-    rows = [teeny_row(case, x, y, steps, profile, precision)]
+    rows = [teeny_row(case, x, y, steps, profile, precision, host=host)]
     torch.cuda.empty_cache()
     if no_rewrites_row:
         rows.append(teeny_row(case, x, y, steps, False, precision, rewrites=()))
@@ -342,6 +373,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="teeny's GPU time per kernel name")
     parser.add_argument("--launches", action="store_true", help="teeny's GPU time per launch (every teeny row)")
+    parser.add_argument("--host", action="store_true", help="where the host time of teeny's queued step goes")
     parser.add_argument("--precision", choices=["bf16-mixed"], help="float32 parameters, bfloat16 compute")
     parser.add_argument("--no-rewrites-row", action="store_true", help="also time teeny with lower(rewrites=())")
     parser.add_argument("--without", default="", help="also time teeny without these default rewrites (names, commas)")
@@ -361,6 +393,7 @@ def main():
             args.precision,
             args.no_rewrites_row,
             without,
+            args.host,
         )
         for m in args.models.split(",")
     ]

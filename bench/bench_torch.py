@@ -220,7 +220,8 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
 
 
 def _profile_step(name: str, step) -> None:
-    """The device time of three steps by kernel, and the host's share (torch.profiler)."""
+    """The device time of three steps by kernel and the host's share (torch.profiler), then the
+    host's Python by function (cProfile)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -230,6 +231,18 @@ def _profile_step(name: str, step) -> None:
         _sync()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"== profile of 3 steps: {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()  # the host's Python: which functions the steps spend it in
+    profiler.enable()
+    for _ in range(3):
+        step()
+    _sync()
+    profiler.disable()
+    print(f"== host functions of 3 steps (cProfile): {name}", flush=True)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
 
 
 # ----------------------------------------------------------------------------- 3. imported GPT-2

@@ -228,6 +228,77 @@ def test_a_plain_call_keyed_once_still_follows_grad_mode_autocast_and_strides():
     assert torch.ops.teeny.linear(x, w).dtype == torch.float32
 
 
+def test_a_keyed_call_with_values_tells_them_apart(monkeypatch):
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second round answers from the one-hit keys of the first
+        torch.testing.assert_close(torch.ops.teeny.leaky_relu(x, 0.25), torch.nn.functional.leaky_relu(x, 0.25))
+        torch.testing.assert_close(torch.ops.teeny.leaky_relu(x, 0.5), torch.nn.functional.leaky_relu(x, 0.5))
+        torch.testing.assert_close(torch.ops.teeny.gelu(x, "tanh"), torch.nn.functional.gelu(x, approximate="tanh"))
+        torch.testing.assert_close(torch.ops.teeny.gelu(x), torch.nn.functional.gelu(x))
+        y = torch.ops.teeny.layer_norm(x, [8], eps=0.5)  # a keyword: its own key
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, [8], eps=0.5))
+        torch.testing.assert_close(torch.ops.teeny.layer_norm(x, [8]), torch.nn.functional.layer_norm(x, [8]))
+    monkeypatch.setattr(library, "_encode", lambda *a: pytest.fail("a known call was keyed again"))
+    torch.ops.teeny.gelu(x, "tanh")
+    torch.ops.teeny.layer_norm(x, [8], eps=0.5)
+
+
+def test_direct_calls_skip_the_dispatcher_only_in_plain_eager_mode():
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    took = []
+    call = library._direct_call(lambda *a: took.append("direct"), lambda *a: took.append("operator"))
+
+    class Seeing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassingTeenyOps(Seeing):
+        passes_teeny_ops = True
+
+    class Dispatching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.randn(3)
+    call(x, "tanh")
+    with PassingTeenyOps():
+        call(x)
+    with Seeing():  # a mode of the user's sees the operator
+        call(x)
+    with Dispatching():
+        call(x)
+    call(x.as_subclass(Sub))
+    torch.func.vmap(lambda t: call(t) or t)(torch.randn(2, 3))
+    assert took == ["direct", "direct", "operator", "operator", "operator", "operator"]
+
+
+def test_teenys_layers_call_directly_and_a_users_mode_still_sees_the_operator():
+    from torch.overrides import TorchFunctionMode
+
+    from teeny.torch.nn import functional as TF
+
+    seen = []
+
+    class Seeing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = TF.gelu(x, "tanh")
+    with Seeing():
+        y = TF.gelu(x, "tanh")
+    assert "teeny.gelu" in seen
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(torch.nn.functional.gelu(x, approximate="tanh").sum(), x)[0])
+
+
 # ------------------------------------------------------------------- user ops
 
 

@@ -212,11 +212,11 @@ def test_conv1d_is_one_teeny_call_and_a_zero_dropout_none():
 
 
 def test_conv1d_under_autocast_runs_as_a_product_in_the_autocast_dtype():
-    from teeny.torch.patching import _MATMUL_ADD
+    import teeny.torch.patching  # noqa: F401  (registers matmul_add)
 
     x, w, b = torch.randn(2, 3, 8), torch.randn(8, 5), torch.randn(5)
     device_type = "cuda" if x.is_cuda else "cpu"
     with torch.autocast(device_type, dtype=torch.bfloat16):
-        y = _MATMUL_ADD(x, w, b)
+        y = torch.ops.teeny.matmul_add(x, w, b)
     assert y.dtype == torch.bfloat16  # like torch's addmm under autocast, not float32 products
     torch.testing.assert_close(y.float(), x @ w + b, atol=0.1, rtol=0.02)

@@ -181,6 +181,7 @@ class Registered:
     arg_names: list[str]
     arg_types: list[str]
     multi_output: bool
+    composite: Callable | None = None  # the implementation the dispatcher calls
 
     @property
     def qualname(self) -> str:
@@ -391,30 +392,52 @@ def _cast(v: Any, dtype: torch.dtype) -> Any:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype)
+
+
+def _call_signature(args: tuple, kwargs: dict, grad: bool) -> tuple | None:
+    """What a call's key depends on, cheaply: each plain tensor's shape, dtype and gradient
+    flag, each other argument's type and value (lists of numbers too), the autocast dtype.
+    None for anything else (tensor subclasses, lists of tensors, NaN): the key is built in full."""
+    parts = []
+    for a in (*args, *kwargs.values()):
+        kind = type(a)
+        if kind in _PLAIN_TENSORS:
+            parts.append((a.shape, a.dtype, grad and a.requires_grad))
+        elif kind in _PLAIN_VALUES and a == a:
+            parts.append((kind, a))
+        elif kind in (list, tuple) and all(type(e) in (int, float, bool) and e == e for e in a):
+            parts.append((kind, tuple(a), tuple(map(type, a))))
+        else:
+            return None
+    if kwargs:
+        parts.append(tuple(kwargs))
+    if torch._C._is_any_autocast_enabled():
+        parts.append(_autocast_dtype([a for a in (*args, *kwargs.values()) if type(a) in _PLAIN_TENSORS]))
+    return tuple(parts)
 
 
 def _implementation(reg: Registered) -> Callable:
     names = reg.arg_names
-    plain_keys: dict[tuple, tuple] = {}  # the common call (plain tensors, positional): its key and casts in one hit
+    # the common call (plain tensors and values): its key, and where each of its tensors comes
+    # from (a position or a keyword) with the dtype autocast gives it, in one hit
+    known_calls: dict[tuple, tuple[str, list[tuple[int | str, torch.dtype | None]]]] = {}
 
     def composite(*args, **kwargs):
-        plain = not kwargs and all(type(a) in _PLAIN_TENSORS for a in args)
-        if plain:
-            grad = torch.is_grad_enabled()
-            signature = tuple([(a.shape, a.dtype, grad and a.requires_grad) for a in args])
-            if torch._C._is_any_autocast_enabled():
-                signature = (signature, _autocast_dtype(args))
-            hit = plain_keys.get(signature)
-            if hit is not None:
-                key, casts = hit
-                if casts:
-                    args = [a if dtype is None else a.to(dtype) for a, dtype in zip(args, casts)]
-                return run(key, [a.contiguous() for a in args])
+        signature = _call_signature(args, kwargs, torch.is_grad_enabled())
+        hit = None if signature is None else known_calls.get(signature)
+        if hit is not None:
+            key, picks = hit
+            tensors = []
+            for source, dtype in picks:
+                t = args[source] if type(source) is int else kwargs[source]
+                tensors.append((t if dtype is None else t.to(dtype)).contiguous())
+            return run(key, tensors)
         bound = dict(zip(names, args))
         bound.update(kwargs)
         given = [n for n in names if n in bound]  # arguments left out take the teeny function's defaults
-        values = _autocast(reg, [bound[n] for n in given])
-        casts = tuple(None if v is a or v.dtype == a.dtype else v.dtype for v, a in zip(values, args)) if plain else ()
+        originals = [bound[n] for n in given]
+        values = _autocast(reg, originals)
         tensors: list[torch.Tensor] = []
         labels: list[str] = []
         encoded = []
@@ -426,8 +449,16 @@ def _implementation(reg: Registered) -> Callable:
         key = _KEYS.get(call)
         if key is None:  # the key text once per signature, not per call
             key = _KEYS[call] = _PREFIX + repr(call)
-        if plain:
-            plain_keys[signature] = (key, casts if any(d is not None for d in casts) else ())
+        if signature is not None:
+            positions = {n: i for i, n in enumerate(names[: len(args)])}
+            known_calls[signature] = (
+                key,
+                [
+                    (positions.get(n, n), None if v is a else v.dtype)
+                    for n, a, v in zip(given, originals, values)
+                    if isinstance(a, torch.Tensor)
+                ],
+            )
         return run(key, tensors)
 
     def run(key: str, tensors: list[torch.Tensor]):
@@ -436,6 +467,49 @@ def _implementation(reg: Registered) -> Callable:
         return list(out) if reg.multi_output else out
 
     return composite
+
+
+class _Direct:
+    """``torch.ops.teeny`` for teeny's own layers (``teeny.torch.nn``, ``teeny.torch.patch``):
+    the same operators, but a call in plain eager mode goes straight to the operator's Python
+    implementation instead of through the dispatcher, whose round trip into Python costs about
+    as much as the rest of the call (bench/bench_host.py). Plain eager: nothing is compiling,
+    no dispatch mode, no functorch transform, no function mode but ones that pass teeny's
+    operators through unchanged (a class attribute ``passes_teeny_ops = True``: patch's
+    router), and the arguments are plain tensors and values. Any other call goes through the
+    operator, so every mode, subclass and tracer sees it. Names with several overloads are
+    the operators themselves."""
+
+    def __getattr__(self, name: str):
+        packet = getattr(torch.ops.teeny, name)
+        overloads = [r for r in _REGISTERED.values() if r.name == name]
+        call = packet if len(overloads) != 1 else _direct_call(overloads[0].composite, packet)
+        setattr(self, name, call)
+        return call
+
+
+def _direct_call(composite: Callable, packet) -> Callable:
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+            return packet(*args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            return packet(*args, **kwargs)
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS:
+                return packet(*args, **kwargs)
+        modes = torch._C._len_torch_function_stack()
+        if not modes:
+            return composite(*args, **kwargs)
+        for i in range(modes):
+            if not getattr(torch._C._get_function_stack_at(i), "passes_teeny_ops", False):
+                return packet(*args, **kwargs)
+        with torch._C.DisableTorchFunction():  # as inside the mode's handler: teeny's own torch calls skip it
+            return composite(*args, **kwargs)
+
+    return call
+
+
+direct = _Direct()
 
 
 # ----------------------------------------------------------------------------- registering
@@ -450,7 +524,8 @@ def _define(name: str, overload: str, fn: Callable, arguments: str, multi_output
     parsed = _parse_arguments(arguments)
     reg = Registered(name, overload, fn, schema, [n for _, n in parsed], [t for t, _ in parsed], multi_output)
     _LIB.define(schema)
-    _LIB.impl(f"{name}{'.' + overload if overload else ''}", _implementation(reg), "CompositeImplicitAutograd")
+    reg.composite = _implementation(reg)
+    _LIB.impl(f"{name}{'.' + overload if overload else ''}", reg.composite, "CompositeImplicitAutograd")
     _REGISTERED[qualname] = reg
     _FUNCTIONS[name] = fn
     return reg

@@ -28,7 +28,6 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -90,13 +89,13 @@ def _matmul_add(x, weight, bias):
     return ops.matmul(x, weight) + bias
 
 
-_MATMUL_ADD = library.register(_matmul_add, name="matmul_add", product=True)
+library.register(_matmul_add, name="matmul_add", product=True)
 
 
 def _conv1d_forward(self, x):  # transformers' Conv1D: x @ weight + bias, weight (in, out)
     if self.bias is None:
-        return torch.ops.teeny.matmul(x, self.weight)
-    return _MATMUL_ADD(x, self.weight, self.bias)
+        return library.direct.matmul(x, self.weight)
+    return library.direct.matmul_add(x, self.weight, self.bias)
 
 
 def _gelu_tanh_forward(self, input):
@@ -153,6 +152,8 @@ def _source(fn) -> str:
 
 class _Router(TorchFunctionMode):
     """Routes the functional calls of ``teeny.torch.nn.functional.ROUTED`` to teeny."""
+
+    passes_teeny_ops = True  # teeny's operators run unchanged under it (``library.direct`` may skip it)
 
     def __init__(self, report: PatchReport):
         super().__init__()

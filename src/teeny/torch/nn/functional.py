@@ -3,6 +3,9 @@
     import teeny.torch.nn.functional as TF
     y = TF.gelu(x, approximate="tanh")           # torch.ops.teeny.gelu underneath
 
+In plain eager mode the calls skip the dispatcher's round trip (``teeny.torch.library.direct``);
+under torch.compile, a dispatch mode or a tensor subclass they go through the operators.
+
 A call whose arguments teeny has no kernel for (attention dropout, ``max_norm`` embeddings, a
 ``dtype=`` softmax, ...) raises ``Unsupported`` naming the argument; ``teeny.torch.patch``
 catches it and lets PyTorch run that call (and reports it).
@@ -12,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import library  # noqa: F401  (registers torch.ops.teeny.*)
+from .. import library
 
-T = torch.ops.teeny
+T = library.direct
 
 
 class Unsupported(NotImplementedError):
