@@ -198,6 +198,19 @@ def test_each_parameter_keeps_its_own_step_count(ours, theirs, kwargs):
     assert launches == [2, 2, 3, 3, 3, 3]
 
 
+def test_the_launch_plan_is_kept_while_names_and_step_counts_allow_it():
+    ex = _executor_with_params([(5,), (3,), (4,)])
+    opt = SGD(ex, lr=0.1)
+    plans = []
+    for names in (["p0", "p1", "p2"], ["p0", "p1", "p2"], ["p0", "p2"], ["p0", "p1", "p2"]):
+        _backward(ex)
+        opt.step(with_grad=names)
+        plans.append(opt.segments)
+    assert plans[1] is plans[0] and len(plans[0]) == 1  # the same names, equal counts: planned once
+    assert len(plans[2]) == 2  # p1 has no gradient: two launches around it
+    assert len(plans[3]) == 3 and opt.param_steps == [4, 3, 4]  # p1's count differs now: its own launch
+
+
 def test_with_grad_naming_a_parameter_no_optimizer_updates_is_refused():
     ex = _executor_with_params([(3,), (2,)], frozen=("p1",))
     with pytest.raises(ValueError, match=r"\['p1'\].*never writes"):

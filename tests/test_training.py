@@ -425,3 +425,31 @@ def test_train_step_queues_without_waiting_for_the_gpu():
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(loss.reshape(()), ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
+
+
+@pytest.mark.skipif(teeny.DEVICE.type != "cuda", reason="CUDA graphs need the GPU")
+def test_a_batch_written_into_the_captured_inputs_is_read_without_a_copy():
+    """Feeding ``step.inputs`` themselves (a loader writing each batch into them) trains as
+    feeding fresh tensors does, less the step's two copies of the batch."""
+    from teeny.train import TrainStep
+
+    batches = [(x.to(teeny.DEVICE), y.to(teeny.DEVICE)) for x, y in _data(torch.float32, 5)]
+    losses, copies = {}, {}
+    for way in ("fresh tensors", "into the inputs"):
+        ex, _ = _pair(torch.float32)
+        step = TrainStep(ex, SGD(ex, lr=0.1), cuda_graph=True)
+        losses[way], copies[way] = [], []
+        for i, (x, y) in enumerate(batches):
+            if i < 2:  # the eager first step, then the capture
+                losses[way].append(float(step({"x": x, "y": y})))
+                continue
+            if way == "into the inputs":
+                step.inputs["x"].copy_(x)
+                step.inputs["y"].copy_(y)
+            feed = step.inputs if way == "into the inputs" else {"x": x, "y": y}
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss = step(feed)
+            copies[way].append(sum(e.name == "aten::copy_" and e.cpu_parent is None for e in prof.events()))
+            losses[way].append(float(loss))
+    assert losses["fresh tensors"] == losses["into the inputs"]
+    assert [a - b for a, b in zip(copies["fresh tensors"], copies["into the inputs"])] == [2, 2, 2]

@@ -127,6 +127,7 @@ class Optimizer:
         self.sharded = False
         self.state = self._allocate_state()
         self.segments: list[Segment] = []
+        self._planned: frozenset | None = None  # the names the segments were planned for (equal step counts)
         self.scaler: GradScaler | None = None  # set by GradScaler(optimizer)
         self._advanced: list[int] = []  # the slots the last prepare() advanced
 
@@ -159,6 +160,7 @@ class Optimizer:
             if n
         )
         self.ranges, self.sharded = owned, not tiled  # sharded: the state of some elements lives elsewhere
+        self._planned = None  # the segments cut the ranges: plan them again
         self.state = self._allocate_state()
 
     def zero_grad(self) -> None:
@@ -180,7 +182,11 @@ class Optimizer:
         self._advanced = [i for i, (v, _, _) in enumerate(self.slots) if v.name in names]
         for i in self._advanced:
             self.param_steps[i] += 1
-        self.segments = self._plan(names)
+        uniform = len(set(self.param_steps)) <= 1  # then the plan depends on the names alone
+        planned = frozenset(names)
+        if not (uniform and planned == self._planned):
+            self.segments = self._plan(names)
+            self._planned = planned if uniform else None
         values = [0.0] * K.N_HYPER
         values[K.LR.value] = self.lr
         for slot, value in self.hyperparameters().items():

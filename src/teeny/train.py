@@ -312,6 +312,8 @@ class TrainStep:
     An ``optim.GradScaler`` attached to the optimizer scales the backward's seed and unscales
     the gradients before clipping and the update (float16 training).
     Returns the loss as a device tensor (reading it is the caller's choice: it synchronises).
+    ``inputs``: the captured graph's input buffers (after the second call); a feed of these
+    very tensors (a loader writing each batch into them) is not copied.
     """
 
     def __init__(
@@ -341,6 +343,11 @@ class TrainStep:
         self.captured_segments = None
         self.static_feed: dict[str, torch.Tensor] = {}
         self.static_loss = None
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The input buffers the captured graph reads (empty until the graph is captured)."""
+        return self.static_feed
 
     def _body(self, feed) -> torch.Tensor:
         executor, parallel, scaler = self.executor, self.parallel, self.optimizer.scaler
@@ -405,7 +412,9 @@ class TrainStep:
             self.captured_segments = list(self.optimizer.segments)
         else:
             for k, v in feed.items():
-                self.static_feed[k].copy_(v, non_blocking=True)
+                static = self.static_feed[k]
+                if v is not static:  # a loader that writes into ``inputs`` saves the copy
+                    static.copy_(v, non_blocking=True)
         self.graph.replay()
         return self.static_loss
 
