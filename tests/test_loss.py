@@ -436,3 +436,20 @@ def test_public_names():
         for name, p in inspect.signature(theirs).parameters.items():
             if name not in ("size_average", "reduce"):
                 assert name in mine and mine[name].default == p.default, (ours.__name__, name)
+
+
+@pytest.mark.parametrize("rows", [5, 20000], ids=["one program", "several programs"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_class_loss_of_one_program_writes_its_sums_in_place(rows, reduction):
+    """One program's partial sums are the sums: no second pass (the small MLP's loss is one
+    launch and the ratio, not three); several programs still add their partials."""
+    gen = torch.Generator().manual_seed(4)
+    x, t = torch.randn(rows, 7, generator=gen), torch.randint(0, 7, (rows,), generator=gen)
+    t[::3] = -100  # ignored rows: the mean divides by the kept ones
+    with record_launches() as launches:
+        out = apply(lambda a, b: L.cross_entropy(a, b, reduction=reduction), x, t)
+    kernels = [r.kernel for r in launches]
+    torch.testing.assert_close(out, F.cross_entropy(x, t, reduction=reduction), rtol=1e-5, atol=1e-6)
+    single = rows * 8 <= L.ROW_TILE
+    assert ("sum_to_shape_kernel" in kernels) == (not single)
+    assert ("loss_ratio" in kernels) == (reduction == "mean")

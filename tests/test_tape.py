@@ -179,6 +179,8 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
     for run in (entry._forward_replay, entry._backward_replay):
         launches = [step for step in run.tape.steps if isinstance(step, _LaunchStep)]
         assert launches and all(step.direct is not None for step in launches)
+        # kernels without scratch memory skip Triton's Python launcher as well
+        assert all(step.direct.__name__ == "launch_native" for step in launches)
 
 
 def test_replay_can_be_switched_off(monkeypatch):

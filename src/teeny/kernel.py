@@ -271,8 +271,10 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
     through its launcher over ``grid``, skipping ``JITFunction.run`` (argument binding,
     specialisation key, cache lookup: most of a launch's host time). Valid only for arguments
     that specialise as the ones it was compiled for (same scalars, pointers with the same
-    16-byte alignment). ``None`` where there is nothing to launch directly (the interpreter) or
-    where Triton's launch hooks are set (a profiler that wants the full path)."""
+    16-byte alignment). A kernel that needs no scratch memory goes straight to the C launcher
+    under Triton's Python one (which would look for scratch to allocate on every launch).
+    ``None`` where there is nothing to launch directly (the interpreter) or where Triton's
+    launch hooks are set (a profiler that wants the full path)."""
     from triton import knobs
 
     if compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -282,6 +284,16 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
         return None
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1, g2 = (*grid, 1, 1)[:3]
+    native = getattr(run, "launch", None)  # the C launcher under Triton's Python one
+    needs = ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if native is not None and all(hasattr(run, a) for a in needs) and not device_scratch:
+        if not (run.global_scratch_size or run.profile_scratch_size):  # no scratch to allocate per launch
+            cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+            def launch_native(stream: int, args: list) -> None:
+                native(g0, g1, g2, stream, function, cooperative, pdl, None, None, metadata, None, None, None, *args)
+
+            return launch_native
 
     def launch(stream: int, args: list) -> None:
         if device_scratch:

@@ -736,11 +736,18 @@ class ClassLossOp(RuntimeOp):
         if self.check_indices and not self.target_probs:
             bad_index = ctx.zeros((1,), torch.int64)
             ctx.check_after(bad_index, lambda index: self._describe_bad_index(index, n_classes))
+        single = programs <= 1  # one program even for no rows (the mean of nothing is NaN): its sums are final
         if mode == REDUCE_NONE:
             out = ctx.output
+        elif single and mode == REDUCE_WEIGHTED_MEAN:
+            out = ctx.saved["sums"]
+        elif single and ctx.output.dtype == acc_dtype(ctx.dtype):
+            out = ctx.output
         else:
-            programs = max(programs, 1)  # one program even for no rows: the mean of nothing is NaN
+            programs = max(programs, 1)
             out = ctx.empty((programs, 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc_dtype(ctx.dtype))
+            single = False
+        programs = max(programs, 1)
         launch = Launch(
             class_loss_forward,
             (programs,),
@@ -750,10 +757,10 @@ class ClassLossOp(RuntimeOp):
         if mode == REDUCE_NONE:
             return [launch]
         if mode == REDUCE_SUM or mode == REDUCE_MEAN:
-            return [launch, *sum_partials(out, ctx.output)]
+            return [launch] if single else [launch, *sum_partials(out, ctx.output)]
         sums = ctx.saved["sums"]
         ratio = Launch(loss_ratio, (1,), ArgVisitor().visit(sums_ptr=sums, out_ptr=ctx.output), work=1)
-        return [launch, *sum_partials(out, sums), ratio]
+        return [launch, ratio] if single else [launch, *sum_partials(out, sums), ratio]
 
     def _describe_bad_index(self, index: int, n_classes: int) -> str:
         return (
