@@ -20,6 +20,9 @@ Autocast: under ``torch.autocast`` the products (``linear``, ``matmul``, ``conv2
 of its first floating-point tensor (a float32 norm weight meets bf16 activations as bf16),
 so bf16 in gives bf16 out, with no upcast copy. Ops whose kernels have no bf16 version say so.
 
+teeny's own layers call the operators through ``library.direct``: the same operators, which
+in plain eager mode go straight to their Python implementation, past the dispatcher.
+
 Not registered: ``getitem`` and ``getitem_advanced`` (the index is an arbitrary Python object; use tensor indexing or
 ``teeny.torch.apply``). ``registered_ops()`` lists the rest.
 """

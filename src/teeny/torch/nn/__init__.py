@@ -4,7 +4,8 @@
     layer.load_state_dict(torch_linear.state_dict())
 
 Each class subclasses its ``torch.nn`` counterpart and replaces only ``forward`` (through
-``torch.ops.teeny.*``, see ``teeny.torch.library``): construction, initialisation, parameters,
+``torch.ops.teeny.*``, see ``teeny.torch.library``; in plain eager mode straight into the
+operators' implementation, ``library.direct``): construction, initialisation, parameters,
 buffers, ``state_dict`` keys and ``repr`` are PyTorch's own, so a checkpoint loads either way
 and ``teeny.torch.patch`` can turn a torch layer into its teeny one in place. ``SwiGLUMLP`` and
 ``ScaledDotProductAttention`` have no ``torch.nn`` class; they follow Llama's naming
