@@ -736,18 +736,18 @@ class ClassLossOp(RuntimeOp):
         if self.check_indices and not self.target_probs:
             bad_index = ctx.zeros((1,), torch.int64)
             ctx.check_after(bad_index, lambda index: self._describe_bad_index(index, n_classes))
-        single = programs <= 1  # one program even for no rows (the mean of nothing is NaN): its sums are final
         if mode == REDUCE_NONE:
-            out = ctx.output
-        elif single and mode == REDUCE_WEIGHTED_MEAN:
-            out = ctx.saved["sums"]
-        elif single and ctx.output.dtype == acc_dtype(ctx.dtype):
-            out = ctx.output
+            out, single = ctx.output, False
         else:
-            programs = max(programs, 1)
-            out = ctx.empty((programs, 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc_dtype(ctx.dtype))
-            single = False
-        programs = max(programs, 1)
+            programs = max(programs, 1)  # one program even for no rows: the mean of nothing is NaN
+            single = programs == 1  # its sums are final: written in place, with no second pass
+            if single and mode == REDUCE_WEIGHTED_MEAN:
+                out = ctx.saved["sums"]
+            elif single and ctx.output.dtype == acc_dtype(ctx.dtype):
+                out = ctx.output
+            else:
+                single = False
+                out = ctx.empty((programs, 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc_dtype(ctx.dtype))
         launch = Launch(
             class_loss_forward,
             (programs,),
