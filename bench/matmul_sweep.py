@@ -16,7 +16,9 @@ teeny's winner without the row sums.
 
 Cases, most wanted first (the budget may stop the run): the GPT-2-small linear layers at
 M = 8192 tokens (768->768, 768->3072, 3072->768, 768->50304) in bf16; float32 (tf32x3, teeny's
-default) for linear 8192x4096->4096 and at 4096^3; bf16 at 4096^3. The run stops starting
+default) for linear 8192x4096->4096 and at 4096^3; bf16 at 4096^3; then the small MLP's layers
+(128 rows; ``--only mlp``), timed although teeny does not time products that small when it
+lowers (the heuristic's pick, ``default``, is printed beside the winner). The run stops starting
 new products after ``--budget`` seconds and says which it skipped. Results also go to
 $OUT/matmul_sweep.json.
 """
@@ -44,6 +46,7 @@ from teeny.runtime import run_launch  # noqa: E402
 DEV = teeny.DEVICE
 GPT2 = [(768, 768), (768, 3072), (3072, 768), (768, 50304)]
 TOKENS = 8192
+MLP, MLP_ROWS = [(784, 256), (256, 256), (256, 10)], 128  # bench_steps.py's small MLP, batch 128
 CHECK_ROWS = 256  # rows from each end of Z compared with float64
 
 
@@ -51,6 +54,7 @@ def cases(selected, smoke: bool = False):
     """(case name, dtype, precision, {product name: (Product, has_bias, row_sums)}, tag);
     ``smoke``: tiny sizes (a check of this script under the interpreter)."""
     m, gpt2, tokens, big = (40, [(24, 40)], 37, 24) if smoke else (4096, GPT2, TOKENS, 4096)
+    mlp_rows, mlp = (24, [(40, 10)]) if smoke else (MLP_ROWS, MLP)
     mm = {name: (plan(), False, False) for name, plan in linear.MatmulOp()._plans((m, m), (m, m)).items()}
 
     def linear_products(rows, fin, fout):
@@ -62,6 +66,9 @@ def cases(selected, smoke: bool = False):
     out.append((f"linear {tokens}x{big}->{big}", torch.float32, "tf32x3", linear_products(tokens, big, big)))
     out.append((f"matmul {m}^3", torch.float32, "tf32x3", mm))
     out.append((f"matmul {m}^3", torch.bfloat16, "tf32", mm))
+    for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
+        for fin, fout in mlp:  # small products (timed although under linear.TUNE_MIN_MACS)
+            out.append((f"mlp linear {mlp_rows}x{fin}->{fout}", dtype, precision, linear_products(mlp_rows, fin, fout)))
     label = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
     for case, dtype, precision, products in out:
         tag = f"{label[dtype]}-{precision}" if dtype == torch.float32 else label[dtype]
@@ -83,10 +90,10 @@ def rel_err(z, ref):
 def describe(config):
     tiles = f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} w{config['num_warps']}s{config['num_stages']}"
     if config["kernel"] == "strided":
-        return f"strided {tiles}"
+        return f"strided {tiles}" + (" fma" if config.get("PRECISION") == "ieee" else "")
     flags = [(f"sk{config['STREAM_K']}", config["STREAM_K"]), ("sub", config["SUBTILE"]),
              ("x2", config["OCCUPANCY"] == 2), ("kmajor", config["K_MAJOR"]),
-             ("unfused", not config.get("FUSED_SUMS", True))]  # fmt: skip
+             ("unfused", not config.get("FUSED_SUMS", True)), ("fma", config.get("PRECISION") == "ieee")]  # fmt: skip
     return tiles + "".join(f" {name}" for name, on in flags if on)
 
 
@@ -98,7 +105,10 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
     """Tune one product, check every candidate, time the winner against cuBLAS; print and return its row."""
     sweep = []
     t0 = time.time()
-    best = linear.choose_config(p, dtype, precision, has_bias, with_sums, observe=lambda c, ms: sweep.append((ms, c)))
+    best = linear.choose_config(
+        p, dtype, precision, has_bias, with_sums, observe=lambda c, ms: sweep.append((ms, c)), time_small=True
+    )
+    default = linear.default_config(p, dtype, precision, has_bias, with_sums)
     tune_s = time.time() - t0
     xs, xv = operand((p.M, p.K), p.x, dtype, gen)
     ys, yv = operand((p.K, p.N), p.y, dtype, gen)
@@ -164,6 +174,10 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
             f"{extra['cublas_dw_ms']:.3f} ({extra['cublas_dw_ms'] / extra['teeny_dw_alone_ms']:.2f}x), "
             f"torch's dY.sum(0) {extra['torch_sum_ms']:.3f} ms"
         )
+    default_ms = next((m for m, c in sweep if c == default), None)
+    if default != best and default_ms is not None:
+        line += f"\n    the untimed heuristic's pick: {describe(default)} {default_ms:.3f} ms"
+    row["default"], row["default_ms"] = describe(default), default_ms
     print(line, flush=True)
     if wrong:
         print(f"    WRONG results from: {', '.join(wrong)}", flush=True)

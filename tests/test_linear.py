@@ -152,6 +152,7 @@ SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles), the multiprocessors
     "pairs_stream_k": (dict(stream_k=1, occupancy=2), 2),  # dW's 3 tiles shared by 4 programs
     "k_major": (dict(stream_k=1), 2),  # float32 only: MN-major operands copied K-major first
     "few_tiles_stream_k": (dict(stream_k=1), 64),  # dW's 3 tiles on 7 of the 64 (4+ K tiles each)
+    "fma_stream_k": (dict(stream_k=1, fma=True), 2),  # float32 only: exact FMA products (small ones)
 }
 
 
@@ -162,8 +163,8 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     operands lie in all four layouts, with the bias (forward) and the bias gradient (the row
     sums of dY^T in dW); sizes that are not multiples of the tiles; scratch memory starts as
     NaN, so a partial box read before it is written shows."""
-    if schedule == "k_major" and dtype != torch.float32:
-        pytest.skip("K-major copies are for float32 tensor cores")
+    if schedule in ("k_major", "fma_stream_k") and dtype != torch.float32:
+        pytest.skip("K-major copies and FMA products are float32 configurations")
     options, sms = SCHEDULES[schedule]
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
     if schedule == "pairs_stream_k":  # the segment sums take one box at a time: a round per segment
@@ -192,6 +193,9 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
         )  # fmt: skip
         kernels = [launch.kernel for launch in launches]
         assert linear_module.matmul_tma in kernels and (linear_module.matmul_sum_segments in kernels) == shared[-1]
+        products = [launch for launch in launches if launch.kernel is linear_module.matmul_tma]
+        launched = {v.name: v.value for v in products[0].args.visits}
+        assert launched["PRECISION"] == ("ieee" if schedule == "fma_stream_k" else precision)
         if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
             copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
             assert kernels.count(linear_module.matmul_k_major) == copies
@@ -318,3 +322,36 @@ def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(
     assert linear_module.schedule(tiny, config) == linear_module.schedule(tiny, {**config, "STREAM_K": 0})
     wide = P(8192, 768, 768, (768, 1), (1, 768), (768, 1), [], [])  # 384 tiles: 2 waves whole, 1 shared
     assert linear_module.schedule(wide, config).programs == 132
+
+
+def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch):
+    """A product under TUNE_MIN_MACS (the small MLP's layers) also lists small tiles, float32
+    ones on the FMA units among them, each with its stream-K variants; a big product does not.
+    Nothing is timed for the small one when it lowers: the heuristic picks (time_small is the
+    sweep's way in)."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
+    P = linear_module.Product
+    small = P(128, 256, 784, (784, 1), (1, 784), (256, 1), [], [])
+    big = P(8192, 768, 768, (768, 1), (1, 768), (768, 1), [], [])
+    for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
+        few = linear_module.candidates(small, dtype, precision, True)
+        many = linear_module.candidates(big, dtype, precision, True)
+        assert any(c["BLOCK_M"] == 64 and c["BLOCK_N"] == 64 for c in few)
+        assert not any(c["BLOCK_M"] == 64 and c["BLOCK_N"] == 64 for c in many)
+        fma = [c for c in few if c.get("PRECISION") == "ieee"]
+        assert bool(fma) == (dtype == torch.float32) and not any("PRECISION" in c for c in many)
+        if fma:
+            assert any(c["STREAM_K"] for c in fma) and not any(c["K_MAJOR"] for c in fma)
+    narrow = P(128, 10, 256, (256, 1), (1, 256), (10, 1), [], [])  # 40-byte rows: the strided kernel
+    assert narrow.tma_layout(torch.float32) is None
+    assert any(c["BLOCK_N"] == 16 for c in linear_module.candidates(narrow, torch.float32, "tf32x3", True))
+
+    def timed(*args, **kwargs):
+        raise AssertionError("a small product was timed")
+
+    monkeypatch.setattr(linear_module.tuning, "choose", timed)
+    assert linear_module.choose_config(small, torch.float32, "tf32x3", True) == linear_module.default_config(
+        small, torch.float32, "tf32x3", True
+    )

@@ -656,16 +656,19 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
 # (how many of the last waves of tiles are shared out stream-K; 0: none), OCCUPANCY (programs
 # per multiprocessor: 2 lets one program's epilogue overlap the other's products) and K_MAJOR
 # (float32: copy MN-major operands K-major first, see candidates); products that also sum X's
-# rows add FUSED_SUMS (in the kernel, or a separate column sum). Candidates per operand
-# precision (what the tuning pass times); the first of each list is the default where nothing
-# is timed.
+# rows add FUSED_SUMS (in the kernel, or a separate column sum); a float32 one may name
+# PRECISION "ieee" (the FMA units: exact, and for a small product faster than tf32x3's three
+# tensor-core products). Candidates per operand precision (what the tuning pass times); the
+# first of each list is the default where nothing is timed.
 
 
-def _cfg(bm, bn, bk, warps, stages, subtile=False, stream_k=0, occupancy=1, kind="tma") -> dict:
+def _cfg(bm, bn, bk, warps, stages, subtile=False, stream_k=0, occupancy=1, kind="tma", fma=False) -> dict:
     config = {"kernel": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
               "num_warps": warps, "num_stages": stages}  # fmt: skip
     if kind == "tma":
         config.update(SUBTILE=subtile, STREAM_K=stream_k, OCCUPANCY=occupancy, K_MAJOR=False)
+    if fma:  # float32 on the FMA units, exact: a small product's latency without tf32x3's splits
+        config["PRECISION"] = IEEE
     return config
 
 
@@ -715,6 +718,27 @@ _TMA_CANDIDATES = {
 # how many of each list (the first) also get stream-K and K_MAJOR variants
 _VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
 
+# Small products (under TUNE_MIN_MACS: the small MLP's 128-row layers) are latency-bound: a
+# few programs of big tiles leave the GPU idle. These small tiles (all with stream-K variants)
+# are timed for them by bench/matmul_sweep.py --only mlp; SMALL_DEFAULTS holds the winners.
+_SMALL_FMA = [_cfg(64, 64, 32, 4, 3, fma=True), _cfg(32, 64, 32, 4, 3, fma=True), _cfg(64, 32, 32, 4, 3, fma=True),
+              _cfg(32, 32, 64, 4, 3, fma=True)]  # fmt: skip
+_SMALL_TMA_CANDIDATES = {
+    "half": [_cfg(64, 64, 64, 4, 3), _cfg(64, 128, 64, 4, 3), _cfg(64, 64, 128, 4, 2), _cfg(128, 64, 64, 4, 3)],
+    TF32X3: [_cfg(64, 64, 32, 4, 3), _cfg(64, 32, 32, 4, 4), _cfg(64, 128, 32, 4, 3)] + _SMALL_FMA,
+    TF32: [_cfg(64, 64, 32, 4, 3), _cfg(64, 32, 32, 4, 4)] + _SMALL_FMA,
+}
+_SMALL_STRIDED_FMA = [
+    _cfg(bm, bn, bk, w, 3, kind="strided", fma=True)
+    for bm, bn, bk, w in ((32, 32, 32, 4), (16, 64, 32, 4), (64, 16, 32, 4), (16, 16, 64, 2))
+]
+_SMALL_STRIDED_CANDIDATES = {
+    "half": [_cfg(32, 32, 64, 4, 3, kind="strided"), _cfg(16, 64, 64, 4, 3, kind="strided"),
+             _cfg(64, 16, 64, 4, 3, kind="strided"), _cfg(64, 64, 64, 4, 3, kind="strided")],
+    TF32X3: [_cfg(32, 32, 32, 4, 3, kind="strided")] + _SMALL_STRIDED_FMA,
+    TF32: [_cfg(32, 32, 32, 4, 3, kind="strided")] + _SMALL_STRIDED_FMA,
+}  # fmt: skip
+
 # What a multiprocessor offers a program (227 KiB on Hopper), less a margin for the barriers;
 # two programs per multiprocessor share 228 KiB less 1 KiB reserved for each. The estimate
 # below is an upper bound: bench/compile_check.py prints what each candidate takes (128x256x64
@@ -763,6 +787,11 @@ SEGMENT_SUM_ELEMENTS = 8192  # partial elements a program of matmul_sum_segments
 SEGMENT_SUM_MAX_SLOTS = 16  # segments it loads at once
 K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
+
+
+def _small(p: Product) -> bool:
+    """Whether ``p`` is small enough to take the heuristic without timing (see TUNE_MIN_MACS)."""
+    return p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS
 
 
 def _precision_class(dtype: torch.dtype, precision: str) -> str:
@@ -843,14 +872,16 @@ def candidates(
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
+    small = _small(p)
     if p.tma_layout(dtype) is None or not tuning.has_tma():
-        return list(_STRIDED_CANDIDATES[cls])
+        return list(_STRIDED_CANDIDATES[cls]) + (_SMALL_STRIDED_CANDIDATES.get(cls, []) if small else [])
     out = []
-    for index, option in enumerate(_TMA_CANDIDATES[cls]):
+    options = _TMA_CANDIDATES[cls] + (_SMALL_TMA_CANDIDATES.get(cls, []) if small else [])
+    for index, option in enumerate(options):
         variants = [option]
-        if index < _VARIANTS_OF[cls]:
+        if index < _VARIANTS_OF[cls] or index >= len(_TMA_CANDIDATES[cls]):
             variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
-            if cls in (TF32X3, TF32) and _k_major_useful(p, dtype):
+            if cls in (TF32X3, TF32) and "PRECISION" not in option and _k_major_useful(p, dtype):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
         for v in variants:
             if epilogue and not v["SUBTILE"] and not _fits(v, dtype, epilogue=epilogue):
@@ -1020,6 +1051,7 @@ def product_launches(
     of X's rows over the contraction (X must then be stored transposed and contiguous, (K, M),
     as linear's dY is), in the kernel or by ``sum_to_shape``; ``epilogue``: an activation
     applied before the store (see ``Epilogue``)."""
+    precision = config.get("PRECISION", precision)
     layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
     fused = row_sums is not None and layout is not None and config.get("FUSED_SUMS", True)
     epilogue_args = _epilogue_args(epilogue, p, z)
@@ -1102,10 +1134,12 @@ def choose_config(
     row_sums: bool = False,
     observe: Callable[[dict, float | None], None] | None = None,
     epilogue: Epilogue | None = None,
+    time_small: bool = False,
 ) -> dict:
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
     ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation.
-    ``observe(config, ms)`` sees every timing (``None``: the candidate failed)."""
+    ``observe(config, ms)`` sees every timing (``None``: the candidate failed); ``time_small``:
+    a small product is timed too (how bench/matmul_sweep.py finds SMALL_DEFAULTS)."""
     kind = None if epilogue is None else epilogue.kind
     options = candidates(p, dtype, precision, has_bias, row_sums, kind)
     default = default_config(p, dtype, precision, has_bias, row_sums, kind)
@@ -1115,7 +1149,7 @@ def choose_config(
     if kind is not None:
         key["epilogue"] = kind
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
-    if p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS:
+    if _small(p) and not time_small:
         return default  # a few microseconds at most: not worth timing
     bench = _bench_for(p, dtype, precision, has_bias, row_sums, epilogue, f"tuning {kernel_name} {key}")
     if observe is not None:
