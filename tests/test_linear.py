@@ -327,8 +327,8 @@ def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(
 def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch):
     """A product under TUNE_MIN_MACS (the small MLP's layers) also lists small tiles, float32
     ones on the FMA units among them, each with its stream-K variants; a big product does not.
-    Nothing is timed for the small one when it lowers: the heuristic picks (time_small is the
-    sweep's way in)."""
+    Nothing is timed for the small one when it lowers: the heuristic picks the sweep's winners
+    (time_small is the sweep's way in)."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
@@ -347,6 +347,26 @@ def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch)
     narrow = P(128, 10, 256, (256, 1), (1, 256), (10, 1), [], [])  # 40-byte rows: the strided kernel
     assert narrow.tma_layout(torch.float32) is None
     assert any(c["BLOCK_N"] == 16 for c in linear_module.candidates(narrow, torch.float32, "tf32x3", True))
+
+    # the picks of the H200 sweep (bench/NOTES.md, version 9) for the small MLP's layers
+    products = {(fin, fout): linear_module.LinearOp.products([(128, fin), (fout, fin)]) for fin, fout in
+                ((784, 256), (256, 256), (256, 10))}  # fmt: skip
+
+    def pick(fin, fout, name, dtype=torch.float32):
+        precision = "tf32x3" if dtype == torch.float32 else "tf32"
+        c = linear_module.default_config(products[fin, fout][name], dtype, precision, True, name == "grad_weight")
+        tile = (c["kernel"], c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c.get("PRECISION", precision))
+        return tile + ((c["STREAM_K"], c.get("FUSED_SUMS", False)) if c["kernel"] == "tma" else ())
+
+    assert pick(784, 256, "forward") == ("tma", 64, 32, 32, "tf32x3", 1, False)  # 25 K tiles: stream-K
+    assert pick(256, 256, "forward") == ("tma", 64, 32, 32, "tf32x3", 0, False)
+    assert pick(256, 256, "grad_input") == ("tma", 32, 64, 32, "ieee", 0, False)  # W is MN-major
+    assert pick(784, 256, "grad_weight") == ("tma", 32, 64, 32, "ieee", 0, True)  # the bias gradient fused
+    assert pick(256, 10, "forward") == ("strided", 16, 16, 64, "ieee")
+    assert pick(784, 256, "forward", torch.bfloat16) == ("tma", 64, 64, 64, "tf32", 0, False)
+    assert pick(256, 256, "grad_weight", torch.bfloat16) == ("tma", 64, 64, 128, "tf32", 0, True)
+    assert pick(256, 10, "grad_input", torch.bfloat16) == ("strided", 32, 32, 64, "tf32")
+    assert linear_module.default_config(big, torch.float32, "tf32x3", True)["BLOCK_M"] == 128  # the general rule
 
     def timed(*args, **kwargs):
         raise AssertionError("a small product was timed")

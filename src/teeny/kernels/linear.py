@@ -720,7 +720,7 @@ _VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
 
 # Small products (under TUNE_MIN_MACS: the small MLP's 128-row layers) are latency-bound: a
 # few programs of big tiles leave the GPU idle. These small tiles (all with stream-K variants)
-# are timed for them by bench/matmul_sweep.py --only mlp; SMALL_DEFAULTS holds the winners.
+# are what bench/matmul_sweep.py --only mlp times for them; _small_default picks from them.
 _SMALL_FMA = [_cfg(64, 64, 32, 4, 3, fma=True), _cfg(32, 64, 32, 4, 3, fma=True), _cfg(64, 32, 32, 4, 3, fma=True),
               _cfg(32, 32, 64, 4, 3, fma=True)]  # fmt: skip
 _SMALL_TMA_CANDIDATES = {
@@ -894,11 +894,52 @@ def candidates(
     return out
 
 
+SMALL_STREAM_K_MIN_K_TILES = 16  # a small product's tiles are shared out stream-K from this many K tiles
+
+
+def _small_default(p: Product, dtype: torch.dtype, precision: str, epilogue: str | None) -> dict | None:
+    """The pick for a small product, from the H200 sweep of the small MLP's layers (128 rows;
+    bench/NOTES.md, version 9), where it is 2-4x faster than the big-tile default:
+
+    * half: 64x64 tiles, K in one or two 128-wide steps (64 wide past K = 256);
+    * float32 with both operands K-major (a forward): 64x32 tf32x3 tiles; with an MN-major operand
+      (dX, dW), which float32 tensor cores would transpose through shared memory: 32x64 tiles on
+      the FMA units (exact);
+    * the strided kernel (rows not 16-byte aligned: a 10-wide output): 32x32x64 half tiles,
+      16x16x64 float32 ones on the FMA units;
+    * tiles shared out stream-K from SMALL_STREAM_K_MIN_K_TILES K tiles each (K = 784: yes; 256: no).
+
+    None for float64 (the general rule)."""
+    cls = _precision_class(dtype, precision)
+    if cls == "float64":
+        return None
+    layout = p.tma_layout(dtype) if tuning.has_tma() else None
+    if layout is None:
+        if cls == "half":
+            return _cfg(32, 32, 64, 4, 3, kind="strided")
+        return _cfg(16, 16, 64, 2, 3, kind="strided", fma=True)
+    if cls == "half":
+        config = _cfg(64, 64, 128, 4, 2) if p.K <= 256 else _cfg(64, 64, 64, 4, 3)
+    elif layout.x_k_contiguous and layout.y_k_contiguous:
+        config = _cfg(64, 32, 32, 4, 4)
+    else:
+        config = _cfg(32, 64, 32, 4, 3, fma=True)
+    if cdiv(p.K, config["BLOCK_K"]) >= SMALL_STREAM_K_MIN_K_TILES and _stream_k_useful(p, config, 1):
+        config["STREAM_K"] = 1
+    if epilogue and not _fits(config, dtype, epilogue=epilogue):
+        config["SUBTILE"] = True
+    return config
+
+
 def default_config(
     p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: str | None = None
 ) -> dict:
-    """The heuristic: the first candidate, or its first stream-K variant where the output has
-    fewer tiles than the GPU has multiprocessors."""
+    """The heuristic: for a small product ``_small_default``; else the first candidate, or its
+    first stream-K variant where the output has fewer tiles than the GPU has multiprocessors."""
+    if not INTERPRETER and _small(p):
+        config = _small_default(p, dtype, precision, epilogue)
+        if config is not None:
+            return {**config, "FUSED_SUMS": True} if row_sums and config["kernel"] == "tma" else config
     options = candidates(p, dtype, precision, has_bias, row_sums, epilogue)
     config = options[0]
     if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
