@@ -96,7 +96,7 @@ def test_patched_gpt2_trains_like_the_unpatched_model(dtype):
         opt.step()
         opt_ref.step()
     swapped = {new for _, _, new in report.swapped}
-    assert {"LayerNorm", "Embedding", "Linear", "TeenyConv1D", "TeenyNewGELUActivation"} <= swapped
+    assert {"LayerNorm", "Embedding", "Linear", "TeenyConv1D", "TeenyGPT2MLP"} <= swapped
     assert report.routed["scaled_dot_product_attention"] > 0
     if dtype == torch.float32:
         assert report.routed["cross_entropy"] > 0  # the loss inside the model's forward
@@ -198,7 +198,7 @@ def test_layers_with_options_teeny_lacks_are_left_and_reported():
     assert len(report.swapped) == 2
 
 
-def test_conv1d_is_one_teeny_call_and_a_zero_dropout_none():
+def test_conv1d_is_one_teeny_linear_the_mlp_one_node_and_a_zero_dropout_none():
     from teeny.torch import bridge
 
     model = _gpt2(torch.float32)
@@ -207,16 +207,31 @@ def test_conv1d_is_one_teeny_call_and_a_zero_dropout_none():
     (ids,) = _batches(1)
     _lm_loss(model, ids, torch.float32).backward()
     labels = {entry.label for entry in bridge._ENTRIES.values()}
-    assert "teeny op matmul_add" in labels  # x @ W + b: its two launches in one call
-    assert "teeny op add" not in labels and "teeny op dropout" not in labels
+    assert "teeny op linear" in labels  # x @ W + b: the bias in the product's epilogue
+    assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu"}
+    (mlp,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gelu_mlp"]  # both layers: one signature
+    assert [type(node.op).__name__ for node in mlp.executor.program.nodes] == ["LinearOp", "ActivationOp", "LinearOp"]
 
 
-def test_conv1d_under_autocast_runs_as_a_product_in_the_autocast_dtype():
-    import teeny.torch.patching  # noqa: F401  (registers matmul_add)
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv1d_under_autocast_runs_as_a_product_in_the_autocast_dtype(bias):
+    """Conv1D's weight is (in, out): W^T reaches teeny's linear, cast and made contiguous in one
+    copy under autocast; the gradients reach the float32 weight and bias."""
+    from transformers.pytorch_utils import Conv1D
 
-    x, w, b = torch.randn(2, 3, 8), torch.randn(8, 5), torch.randn(5)
-    device_type = "cuda" if x.is_cuda else "cpu"
-    with torch.autocast(device_type, dtype=torch.bfloat16):
-        y = torch.ops.teeny.matmul_add(x, w, b)
+    conv = Conv1D(5, 8)
+    if not bias:
+        conv.bias = None
+    model = nn.Sequential(conv)
+    tt.patch(model)
+    x = torch.randn(2, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
     assert y.dtype == torch.bfloat16  # like torch's addmm under autocast, not float32 products
-    torch.testing.assert_close(y.float(), x @ w + b, atol=0.1, rtol=0.02)
+    ref = x @ conv.weight + (conv.bias if bias else 0)
+    torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.02)
+    y.float().sum().backward()
+    assert conv.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(conv.weight.grad, x.sum(1).sum(0)[:, None].expand(8, 5), atol=0.1, rtol=0.02)
+    if bias:
+        torch.testing.assert_close(conv.bias.grad, torch.full((5,), 6.0))

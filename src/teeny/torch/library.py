@@ -387,8 +387,9 @@ def _flat(values) -> list:
 
 
 def _cast(v: Any, dtype: torch.dtype) -> Any:
+    """``v`` (or the tensors of a list) in ``dtype``, contiguous: one copy for a cast transposed view."""
     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
-        return v.to(dtype)
+        return v.to(dtype, memory_format=torch.contiguous_format)
     if isinstance(v, (list, tuple)):
         return type(v)(_cast(b, dtype) for b in v)
     return v
@@ -434,7 +435,7 @@ def _implementation(reg: Registered) -> Callable:
             tensors = []
             for source, dtype in picks:
                 t = args[source] if type(source) is int else kwargs[source]
-                tensors.append((t if dtype is None else t.to(dtype)).contiguous())
+                tensors.append(t.contiguous() if dtype is None else t.to(dtype, memory_format=torch.contiguous_format))
             return run(key, tensors)
         bound = dict(zip(names, args))
         bound.update(kwargs)

@@ -8,9 +8,12 @@ Two things happen, both in place and both reversible only by rebuilding the mode
 * **Submodules** whose class teeny has a drop-in for change class (``module.__class__``) to it:
   every ``torch.nn`` layer of ``teeny.torch.nn.DROP_INS``, and, recognised by class name so that
   ``transformers`` stays optional, Hugging Face's ``*RMSNorm`` (Llama, Mistral, Qwen2, ...),
-  GPT-2's ``Conv1D`` (x @ W + b as one call, ``torch.ops.teeny.matmul_add``), the tanh-GELU
-  activations (``NewGELUActivation``, ...) and gated MLPs (``gate_proj``/``up_proj``/``down_proj``
-  with a SiLU ``act_fn``: one fused SwiGLU pair).
+  GPT-2's ``Conv1D`` (x @ W + b as teeny's ``linear`` of W^T: the bias in the product's
+  epilogue and its gradient in dW's; W^T is made once a call, in autocast's cast where there is
+  one), the tanh-GELU activations (``NewGELUActivation``, ...), GPT-2's MLP (``c_fc``, a
+  tanh-GELU ``act``, ``c_proj``: one teeny call of three nodes, so one autograd node and one
+  replay, not three) and gated MLPs (``gate_proj``/``up_proj``/``down_proj`` with a SiLU
+  ``act_fn``: one fused SwiGLU pair).
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
@@ -84,22 +87,30 @@ def _rms_norm_forward(self, hidden_states):
     return TF.rms_norm(hidden_states, [self.weight.shape[-1]], self.weight, self.variance_epsilon)
 
 
-def _matmul_add(x, weight, bias):
-    """x @ weight + bias as one teeny call (its two launches recorded and replayed together)."""
-    return ops.matmul(x, weight) + bias
-
-
-library.register(_matmul_add, name="matmul_add", product=True)
-
-
 def _conv1d_forward(self, x):  # transformers' Conv1D: x @ weight + bias, weight (in, out)
-    if self.bias is None:
-        return library.direct.matmul(x, self.weight)
-    return library.direct.matmul_add(x, self.weight, self.bias)
+    return library.direct.linear(x, self.weight.t(), self.bias)
 
 
 def _gelu_tanh_forward(self, input):
     return TF.gelu(input, "tanh")
+
+
+def _gelu_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    """linear, tanh-GELU, linear (weights (out, in)) as one teeny call."""
+    return ops.linear(ops.gelu(ops.linear(x, fc_weight, fc_bias), "tanh"), proj_weight, proj_bias)
+
+
+library.register(
+    _gelu_mlp,
+    name="gelu_mlp",
+    schema="Tensor x, Tensor fc_weight, Tensor? fc_bias, Tensor proj_weight, Tensor? proj_bias",
+    product=True,
+)
+
+
+def _gpt2_mlp_forward(self, hidden_states):  # c_fc, act, c_proj, dropout; Conv1D weights are (in, out)
+    fc, proj = self.c_fc, self.c_proj
+    return self.dropout(library.direct.gelu_mlp(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias))
 
 
 def _swiglu_mlp_forward(self, x):
@@ -132,6 +143,10 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
         return _teeny_subclass(cls, _conv1d_forward, "conv1d")
     if name in _GELU_TANH:
         return _teeny_subclass(cls, _gelu_tanh_forward, "gelu_tanh")
+    if all(hasattr(module, a) for a in ("c_fc", "c_proj", "act", "dropout")) and len(list(module.children())) == 4:
+        conv1d = all(type(getattr(module, a)).__name__ == "Conv1D" for a in ("c_fc", "c_proj"))
+        if conv1d and type(module.act).__name__ in _GELU_TANH:
+            return _teeny_subclass(cls, _gpt2_mlp_forward, "gpt2_mlp")
     if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         if type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") and len(list(module.children())) == 4:
             return _teeny_subclass(cls, _swiglu_mlp_forward, "swiglu_mlp")
