@@ -789,9 +789,13 @@ K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
 
 
+def _macs(p: Product) -> int:
+    return p.work() * p.K * math.prod(d[0] for d in p.reduced)
+
+
 def _small(p: Product) -> bool:
     """Whether ``p`` is small enough to take the heuristic without timing (see TUNE_MIN_MACS)."""
-    return p.work() * p.K * math.prod(d[0] for d in p.reduced) < TUNE_MIN_MACS
+    return _macs(p) < TUNE_MIN_MACS
 
 
 def _precision_class(dtype: torch.dtype, precision: str) -> str:
@@ -895,6 +899,9 @@ def candidates(
 
 
 SMALL_STREAM_K_MIN_K_TILES = 16  # a small product's tiles are shared out stream-K from this many K tiles
+# _small_default's reach: products of up to ~2.6x the MACs of the largest swept (128 x 784 x 256);
+# bigger ones (a 4096-token layer of 256 features: 2^28) are not latency-bound the same way
+SMALL_DEFAULT_MAX_MACS = 2**26
 
 
 def _small_default(p: Product, dtype: torch.dtype, precision: str, epilogue: str | None) -> dict | None:
@@ -934,9 +941,10 @@ def _small_default(p: Product, dtype: torch.dtype, precision: str, epilogue: str
 def default_config(
     p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: str | None = None
 ) -> dict:
-    """The heuristic: for a small product ``_small_default``; else the first candidate, or its
-    first stream-K variant where the output has fewer tiles than the GPU has multiprocessors."""
-    if not INTERPRETER and _small(p):
+    """The heuristic: for a small product (under SMALL_DEFAULT_MAX_MACS) ``_small_default``; else
+    the first candidate, or its first stream-K variant where the output has fewer tiles than the
+    GPU has multiprocessors."""
+    if not INTERPRETER and _macs(p) < SMALL_DEFAULT_MAX_MACS:
         config = _small_default(p, dtype, precision, epilogue)
         if config is not None:
             return {**config, "FUSED_SUMS": True} if row_sums and config["kernel"] == "tma" else config
