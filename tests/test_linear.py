@@ -207,6 +207,69 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k_major", [False, True], ids=["as_they_lie", "k_major"])
+def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, gen, monkeypatch):
+    """Rows that are not 16-byte aligned (a vocabulary of 50,257): each such operand is copied
+    K-major into rows padded to 16 bytes (transposed where it lay MN-major), and Z computed into
+    padded rows and copied into place, so matmul_tma computes every one of linear's products;
+    with ``K_MAJOR`` the aligned MN-major operands are copied too."""
+    from teeny.kernels.shape import strided_copy
+
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    rows, fin, fout = 37, 21, 45  # every row length odd: none of the operands' rows is aligned
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
+    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
+    cases = {
+        "forward": (x, w, x @ w.T + bias, bias, None),
+        "grad_input": (dy, w, dy @ w, None, None),
+        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
+    }
+    copies = {"forward": 3, "grad_input": 3, "grad_weight": 3}  # X, Y, then Z (its copy out)
+    precision = linear_module.dot_precision(dtype, False)
+    for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
+        assert p.tma_layout(dtype) is None and p.paddable(), name
+        a, b, expected, bias_, sums_expected = cases[name]
+        config = dict(linear_module._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=k_major)
+        z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
+        sums = None if sums_expected is None else torch.empty(fout, dtype=dtype, device=teeny.DEVICE)
+        args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
+        launches = linear_module.product_launches(
+            p, args[0], args[1], z, args[2], dtype, precision, config,
+            lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), sums,
+        )  # fmt: skip
+        kernels = [launch.kernel for launch in launches]
+        assert linear_module.matmul_tma in kernels, name
+        assert sum(k in (strided_copy, linear_module.matmul_k_major) for k in kernels) == copies[name], name
+        assert kernels[-1] is strided_copy  # Z's padded rows copied into place last
+        _run(launches, dtype)
+        atol, rtol = tolerance(dtype, max(rows, fin, fout))
+        torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
+        if sums is not None:
+            torch.testing.assert_close(sums.cpu().double(), sums_expected, atol=atol, rtol=rtol, msg=name)
+
+
+def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
+    """A big product with unaligned rows is timed on matmul_tma with padded copies and on the
+    strided kernel; a small one, or one with an activation epilogue (its aux lies like Z), and a
+    batched one take the strided kernel only."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
+    head = linear_module.LinearOp.products([(4096, 768), (50257, 768)])  # GPT-2's LM head, transformers' vocabulary
+    for name, p in head.items():
+        kinds = {c["kernel"] for c in linear_module.candidates(p, torch.bfloat16, "tf32", False, name == "grad_weight")}
+        assert kinds == {"tma", "strided"}, name
+    forward = head["forward"]
+    assert {
+        c["kernel"] for c in linear_module.candidates(forward, torch.bfloat16, "tf32", False, epilogue="activation")
+    } == {"strided"}
+    small = linear_module.LinearOp.products([(64, 24), (45, 24)])["forward"]
+    assert {c["kernel"] for c in linear_module.candidates(small, torch.bfloat16, "tf32", False)} == {"strided"}
+    batched = linear_module.Product(64, 45, 24, (24, 1), (45, 1), (45, 1), [(2, 64 * 24, 0, 64 * 45)], [])
+    assert not batched.paddable()
+
+
 EPILOGUE_KERNELS = {  # (kernel, options, multiprocessors)
     "strided": ("strided", {}, 4),
     "tma": ("tma", {}, 4),

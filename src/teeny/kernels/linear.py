@@ -15,7 +15,9 @@ transposed operand is the same buffer with its strides swapped, read in place:
 Two kernels compute them:
 
 * ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
-  rows): persistent programs (one or two per multiprocessor) walk the output tiles in grouped
+  rows; where rows are not aligned, a big product reads K-major copies with padded rows and
+  writes padded rows copied into Z after, if timing says that beats the strided kernel):
+  persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
   descriptors made on the device, zero-filled past the edges, in either layout (a transposed
   operand is described as it lies and its tile transposed in shared memory); the bias is
@@ -27,8 +29,8 @@ Two kernels compute them:
   sums the dY^T tiles it reads over the rows: the bias gradient without another pass over dY
   (the programs of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major only, so
   an MN-major float32 operand may be copied K-major first (``matmul_k_major``, one pass).
-* ``matmul_product`` (everything else: batched and broadcast products, unaligned strides, the
-  interpreter): the same tiles in grouped order through strided pointer loads; the bias
+* ``matmul_product`` (everything else: batched and broadcast products, small products with
+  unaligned rows, the interpreter): the same tiles in grouped order through strided pointer loads; the bias
   gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
 
 Both kernels can run an element-wise activation in the epilogue (``Epilogue``): Z = f(h) with h
@@ -435,16 +437,17 @@ def matmul_sum_segments(
                 tl.store(row_sums_ptr + offs_m, sums.to(row_sums_ptr.dtype.element_ty), mask=offs_m < M)
 
 
-@kernel
+@kernel(half=True)
 @triton.jit
-def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, BLOCK: tl.constexpr):
-    """dst[c, r] = src[r, c]: a float32 operand that lies MN-major copied K-major (dst is
-    contiguous, (cols, rows); src has rows src_stride apart and contiguous columns)."""
+def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, BLOCK: tl.constexpr):
+    """dst[c, r] = src[r, c]: an operand that lies MN-major copied K-major (dst is (cols, rows)
+    with rows dst_stride apart, 16-byte aligned; src has rows src_stride apart and contiguous
+    columns)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     tile = tl.load(src_ptr + r[:, None] * src_stride + c[None, :], mask=mask)
-    tl.store(dst_ptr + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+    tl.store(dst_ptr + c[:, None] * dst_stride + r[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
 # matmul_product computes every product (the backward ones are products with swapped strides);
@@ -596,30 +599,32 @@ class Product:
     def tma_layout(self, dtype: torch.dtype) -> TmaLayout | None:
         """The layout for ``matmul_tma``, or None where the product is batched, empty, or an
         operand has no unit stride or rows that are not 16-byte aligned."""
-        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0:
+        if not self.paddable():
             return None
         size = torch.empty((), dtype=dtype).element_size()
-
-        def unit(strides, rows_first: bool):
-            """(is the first dim's partner contiguous, the other stride), or None."""
-            first, second = strides
-            if second == 1 and (first * size) % TMA_ALIGN == 0:
-                return rows_first, first
-            if first == 1 and (second * size) % TMA_ALIGN == 0:
-                return not rows_first, second
+        rows = (_row_stride(self.x), _row_stride(self.y), self.z[0])
+        if any((stride * size) % TMA_ALIGN for stride in rows):
             return None
+        return TmaLayout(self.x[1] == 1, self.y[1] != 1, *rows)  # X is (m, k), Y (k, n)
 
-        x = unit(self.x, True)  # (m, k): k contiguous is the usual case
-        y = unit(self.y, False)  # (k, n): n contiguous is the usual case
-        szm, szn = self.z
-        if x is None or y is None or szn != 1 or (szm * size) % TMA_ALIGN:
-            return None
-        return TmaLayout(x[0], y[0], x[1], y[1], szm)
+    def paddable(self) -> bool:
+        """Whether ``matmul_tma`` can compute the product, on copies of the operands (and a
+        result) whose rows are not 16-byte aligned, padded: 2-D, not empty, a unit stride in
+        each operand and a unit column stride in Z (a vocabulary of 50,257: ``product_launches``)."""
+        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0 or self.z[1] != 1:
+            return False
+        return 1 in self.x and 1 in self.y
 
     def key(self) -> dict:
         """What a tuned configuration depends on."""
         return {"M": self.M, "N": self.N, "K": self.K, "x": self.x, "y": self.y, "z": self.z,
                 "kept": self.kept, "reduced": self.reduced}  # fmt: skip
+
+
+def _row_stride(strides: tuple[int, int]) -> int:
+    """The stride of an operand's other dim than its contiguous one (the second dim where both
+    strides are 1): the stride of its rows as TMA reads it."""
+    return strides[0] if strides[1] == 1 else strides[1]
 
 
 def _collapse(dims: list[tuple]) -> list[tuple]:
@@ -787,6 +792,7 @@ SEGMENT_SUM_ELEMENTS = 8192  # partial elements a program of matmul_sum_segments
 SEGMENT_SUM_MAX_SLOTS = 16  # segments it loads at once
 K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
+PADDED_CANDIDATES = 4  # matmul_tma configurations timed on padded copies (each first compile takes seconds)
 
 
 def _macs(p: Product) -> int:
@@ -860,10 +866,8 @@ def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
     """float32 tensor cores (tf32, tf32x3) read both operands K-major only: an MN-major operand
     tile is transposed through shared memory in every program that reads it (H200, 4096^3
     tf32x3: 0.81x cuBLAS with one such operand, 0.72x with two, 1.74x with none), so a K-major
-    copy made once (one pass over the operand) is worth timing. Its rows must be 16-byte aligned."""
-    layout = p.tma_layout(dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    return (not (layout.x_k_contiguous and layout.y_k_contiguous)) and (p.K * size) % TMA_ALIGN == 0
+    copy made once (one pass over the operand, its rows padded to 16 bytes) is worth timing."""
+    return not (p.x[1] == 1 and p.y[1] != 1)
 
 
 def candidates(
@@ -877,8 +881,12 @@ def candidates(
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
     small = _small(p)
-    if p.tma_layout(dtype) is None or not tuning.has_tma():
-        return list(_STRIDED_CANDIDATES[cls]) + (_SMALL_STRIDED_CANDIDATES.get(cls, []) if small else [])
+    strided = list(_STRIDED_CANDIDATES[cls]) + (_SMALL_STRIDED_CANDIDATES.get(cls, []) if small else [])
+    aligned = p.tma_layout(dtype) is not None
+    # rows not 16-byte aligned (a vocabulary of 50,257): matmul_tma on padded copies, for a
+    # product big enough to pay for them, timed against the strided kernel
+    if not tuning.has_tma() or not (aligned or (p.paddable() and not small and epilogue is None)):
+        return strided
     out = []
     options = _TMA_CANDIDATES[cls] + (_SMALL_TMA_CANDIDATES.get(cls, []) if small else [])
     for index, option in enumerate(options):
@@ -895,7 +903,7 @@ def candidates(
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
         fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
-    return out
+    return out if aligned else out[:PADDED_CANDIDATES] + strided
 
 
 SMALL_STREAM_K_MIN_K_TILES = 16  # a small product's tiles are shared out stream-K from this many K tiles
@@ -1026,10 +1034,54 @@ class _ScratchContext:
         return self._scratch(tuple(shape), dtype)
 
 
-def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, stride: int) -> Launch:
-    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=stride, BLOCK=K_MAJOR_BLOCK)
+def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, stride: int, dst_stride: int) -> Launch:
+    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=stride, dst_stride=dst_stride,
+                              BLOCK=K_MAJOR_BLOCK)  # fmt: skip
     grid = (cdiv(rows, K_MAJOR_BLOCK), cdiv(cols, K_MAJOR_BLOCK))
     return Launch(matmul_k_major, grid, args, Block(num_warps=4), work=rows * cols)
+
+
+def _padded(n: int, size: int) -> int:
+    """``n`` elements of ``size`` bytes rounded up to a multiple of 16 bytes (TMA's row alignment)."""
+    per = TMA_ALIGN // math.gcd(TMA_ALIGN, size)
+    return cdiv(n, per) * per
+
+
+def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilogue: bool):
+    """What ``matmul_tma`` reads and writes for ``p``: each operand as it lies, or a K-major copy
+    of it with 16-byte aligned rows, where its rows are not aligned or where ``k_major`` asks for
+    one and it lies MN-major; Z, or a result with aligned rows that is copied into Z after.
+    Returns (launches before, X, Y, Z to use, their TmaLayout, launches after)."""
+    before: list[Launch] = []
+    k_rows = _padded(p.K, size)
+
+    def k_major_copy(t, sizes_strides, k_contiguous: bool, rows: int) -> torch.Tensor:
+        """``t`` viewed as (rows, K) (``sizes_strides`` of X's (m, k) or Y's (n, k)) in a copy with
+        rows k_rows apart."""
+        (n, s_rows), (_, s_k) = sizes_strides
+        dst = scratch((rows, k_rows), t.dtype)
+        if k_contiguous:  # rows not aligned: the same layout, padded
+            before.append(copy_launch(t, torch.as_strided(t, (rows, p.K), (s_rows, s_k)), dst, dst[:, : p.K]))
+        else:
+            before.append(_k_major_launch(t, dst, p.K, rows, s_k, k_rows))
+        return dst
+
+    x_k, y_k = p.x[1] == 1, p.y[1] != 1  # X is (m, k), Y (k, n)
+    x_row, y_row = _row_stride(p.x), _row_stride(p.y)
+    if (x_row * size) % TMA_ALIGN or (k_major and not x_k):
+        x, x_k, x_row = k_major_copy(x, [(p.M, p.x[0]), (p.K, p.x[1])], x_k, p.M), True, k_rows
+    if (y_row * size) % TMA_ALIGN or (k_major and not y_k):
+        y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
+    after: list[Launch] = []
+    z_row = p.z[0]
+    if (z_row * size) % TMA_ALIGN:
+        if epilogue:
+            raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
+        z_row = _padded(p.N, size)
+        padded = scratch((p.M, z_row), z.dtype)
+        after.append(copy_launch(padded, padded[:, : p.N], z, torch.as_strided(z, (p.M, p.N), p.z)))
+        z = padded
+    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row), after
 
 
 def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch, epilogue):
@@ -1101,31 +1153,23 @@ def product_launches(
     as linear's dY is), in the kernel or by ``sum_to_shape``; ``epilogue``: an activation
     applied before the store (see ``Epilogue``)."""
     precision = config.get("PRECISION", precision)
-    layout = p.tma_layout(dtype) if config["kernel"] == "tma" else None
-    fused = row_sums is not None and layout is not None and config.get("FUSED_SUMS", True)
+    tma = config["kernel"] == "tma"
+    if tma and not p.paddable():
+        raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
+    fused = row_sums is not None and tma and config.get("FUSED_SUMS", True)
     epilogue_args = _epilogue_args(epilogue, p, z)
-    if layout is None:
-        if config["kernel"] == "tma":
-            raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
+    if not tma:
         args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config), **epilogue_args)
         grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
         block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
         launches = [Launch(matmul_product, grid, args, block, work=p.work())]
     else:
-        launches, xk, yk = [], x, y
-        if config["K_MAJOR"]:
-            if (p.K * z.element_size()) % TMA_ALIGN:
-                raise ValueError(f"K-major copies of this product ({p}) would not be 16-byte aligned")
-            if not layout.x_k_contiguous:
-                xk = scratch((p.M, p.K), dtype)
-                launches.append(_k_major_launch(x, xk, p.K, p.M, layout.x_stride))
-            if not layout.y_k_contiguous:
-                yk = scratch((p.N, p.K), dtype)
-                launches.append(_k_major_launch(y, yk, p.K, p.N, layout.y_stride))
-            layout = TmaLayout(True, True, p.K if xk is not x else layout.x_stride,
-                               p.K if yk is not y else layout.y_stride, layout.z_stride)  # fmt: skip
-        launches += _tma_launches(p, xk, yk, z, bias, row_sums if fused else None, layout, dtype, precision, config,
+        launches, xk, yk, zk, layout, after = _tma_operands(
+            p, x, y, z, z.element_size(), config["K_MAJOR"], scratch, epilogue is not None
+        )
+        launches += _tma_launches(p, xk, yk, zk, bias, row_sums if fused else None, layout, dtype, precision, config,
                                   scratch, epilogue_args)  # fmt: skip
+        launches += after
     if row_sums is not None and not fused:
         if p.x != (1, p.M):
             raise ValueError(f"the row sums of X need X stored transposed and contiguous, not strides {p.x}")
