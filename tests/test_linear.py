@@ -144,6 +144,38 @@ def _run(launches, dtype):
         run_launch(launch, launch.kernel.instance(dtype), "test", 1)
 
 
+def _linear_cases(rows, fin, fout, gen) -> dict:
+    """linear's three products on float64 data: (A, B, expected Z, bias, expected row sums)."""
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
+    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
+    return {
+        "forward": (x, w, x @ w.T + bias, bias, None),
+        "grad_input": (dy, w, dy @ w, None, None),
+        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
+    }
+
+
+def _product_launches(p, case, dtype, config):
+    """``p``'s launches on ``case``'s operands in ``dtype`` (scratch memory starts as NaN, so a
+    box read before it is written shows), with the Z and row sums they write."""
+    a, b, expected, bias, sums_expected = case
+    z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
+    sums = None if sums_expected is None else torch.empty(len(sums_expected), dtype=dtype, device=teeny.DEVICE)
+    args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias)]
+    scratch = lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE)  # noqa: E731
+    precision = linear_module.dot_precision(dtype, False)
+    launches = linear_module.product_launches(p, args[0], args[1], z, args[2], dtype, precision, config, scratch, sums)
+    return launches, z, sums
+
+
+def _check_product(launches, z, sums, case, dtype, name):
+    _run(launches, dtype)
+    atol, rtol = tolerance(dtype, max(case[2].shape + case[0].shape))
+    torch.testing.assert_close(z.cpu().double(), case[2], atol=atol, rtol=rtol, msg=name)
+    if sums is not None:
+        torch.testing.assert_close(sums.cpu().double(), case[4], atol=atol, rtol=rtol, msg=name)
+
+
 SCHEDULES = {  # matmul_tma configurations (16x32x16 tiles), the multiprocessors they run on
     "whole": (dict(), 4),
     "subtile": (dict(subtile=True), 4),
@@ -170,27 +202,14 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     if schedule == "pairs_stream_k":  # the segment sums take one box at a time: a round per segment
         monkeypatch.setattr(linear_module, "SEGMENT_SUM_MAX_SLOTS", 1)
     rows, fin, fout = 148, 24, 40  # 148 float32 rows: 16-byte aligned K-major copies
-    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
-    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
-    cases = {
-        "forward": (x, w, x @ w.T + bias, bias, None),
-        "grad_input": (dy, w, dy @ w, None, None),
-        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
-    }
+    cases = _linear_cases(rows, fin, fout, gen)
     precision = linear_module.dot_precision(dtype, False)
     shared = []
     for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
-        a, b, expected, bias_, sums_expected = cases[name]
         assert p.tma_layout(dtype) is not None, name
         config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
         shared.append(linear_module.schedule(p, config).slots > 1)
-        z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
-        sums = None if sums_expected is None else torch.empty(fout, dtype=dtype, device=teeny.DEVICE)
-        args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
-        launches = linear_module.product_launches(
-            p, args[0], args[1], z, args[2], dtype, precision, config,
-            lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), sums,
-        )  # fmt: skip
+        launches, z, sums = _product_launches(p, cases[name], dtype, config)
         kernels = [launch.kernel for launch in launches]
         assert linear_module.matmul_tma in kernels and (linear_module.matmul_sum_segments in kernels) == shared[-1]
         products = [launch for launch in launches if launch.kernel is linear_module.matmul_tma]
@@ -199,11 +218,7 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
         if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
             copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
             assert kernels.count(linear_module.matmul_k_major) == copies
-        _run(launches, dtype)
-        atol, rtol = tolerance(dtype, max(rows, fin, fout))
-        torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
-        if sums is not None:
-            torch.testing.assert_close(sums.cpu().double(), sums_expected, atol=atol, rtol=rtol, msg=name)
+        _check_product(launches, z, sums, cases[name], dtype, name)
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
 
@@ -218,35 +233,16 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
 
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
     rows, fin, fout = 37, 21, 45  # every row length odd: none of the operands' rows is aligned
-    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
-    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
-    cases = {
-        "forward": (x, w, x @ w.T + bias, bias, None),
-        "grad_input": (dy, w, dy @ w, None, None),
-        "grad_weight": (dy, x, dy.T @ x, None, dy.sum(0)),
-    }
-    copies = {"forward": 3, "grad_input": 3, "grad_weight": 3}  # X, Y, then Z (its copy out)
-    precision = linear_module.dot_precision(dtype, False)
+    cases = _linear_cases(rows, fin, fout, gen)
     for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
         assert p.tma_layout(dtype) is None and p.paddable(), name
-        a, b, expected, bias_, sums_expected = cases[name]
         config = dict(linear_module._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=k_major)
-        z = torch.empty(expected.shape, dtype=dtype, device=teeny.DEVICE)
-        sums = None if sums_expected is None else torch.empty(fout, dtype=dtype, device=teeny.DEVICE)
-        args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias_)]
-        launches = linear_module.product_launches(
-            p, args[0], args[1], z, args[2], dtype, precision, config,
-            lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), sums,
-        )  # fmt: skip
+        launches, z, sums = _product_launches(p, cases[name], dtype, config)
         kernels = [launch.kernel for launch in launches]
         assert linear_module.matmul_tma in kernels, name
-        assert sum(k in (strided_copy, linear_module.matmul_k_major) for k in kernels) == copies[name], name
-        assert kernels[-1] is strided_copy  # Z's padded rows copied into place last
-        _run(launches, dtype)
-        atol, rtol = tolerance(dtype, max(rows, fin, fout))
-        torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
-        if sums is not None:
-            torch.testing.assert_close(sums.cpu().double(), sums_expected, atol=atol, rtol=rtol, msg=name)
+        copies = [k for k in kernels if k in (strided_copy, linear_module.matmul_k_major)]
+        assert len(copies) == 3 and kernels[-1] is strided_copy, name  # X, Y; Z's padded rows copied into place last
+        _check_product(launches, z, sums, cases[name], dtype, name)
 
 
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
