@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import time
+import traceback
 
 import teeny
 import teeny.torch
@@ -214,6 +215,7 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
                 _profile_step(name, step)
         except Exception as exc:  # report and go on: one failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            traceback.print_exc()
         print(f"patched GPT-2, {name}: {results[name]}", flush=True)  # a slot that times out keeps these
         del model, optimizer, forward
     return results

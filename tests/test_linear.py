@@ -256,6 +256,8 @@ def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
     for name, p in head.items():
         kinds = {c["kernel"] for c in linear_module.candidates(p, torch.bfloat16, "tf32", False, name == "grad_weight")}
         assert kinds == {"tma", "strided"}, name
+        for dtype, precision in ((torch.bfloat16, "tf32"), (torch.float32, "tf32x3")):  # the untimed pick
+            assert linear_module.default_config(p, dtype, precision, False, name == "grad_weight")["kernel"] == "tma"
     forward = head["forward"]
     assert {
         c["kernel"] for c in linear_module.candidates(forward, torch.bfloat16, "tf32", False, epilogue="activation")

@@ -184,3 +184,24 @@ def test_inference_under_no_grad_keeps_nothing_for_a_backward():
         y = apply(ops.exp, x)
     assert not y.requires_grad
     torch.testing.assert_close(y, x.detach().exp())
+
+
+def test_a_training_lowering_that_fails_is_a_loud_error_not_an_inference_program(monkeypatch):
+    """Only "no gradient reaches the output" makes the bridge lower for inference; any other
+    failure of the training lowering (a backward launch that cannot be packed) is raised, not
+    turned into an output without a gradient (which surfaced as "element 0 of tensors does not
+    require grad" at the user's backward)."""
+    real = bridge.lower
+
+    def failing(graph, mode, *args, **kwargs):
+        if mode is LoweringMode.TRAINING:
+            raise TeenyError("op linear (node 'linear_0', backward) failed while packing its launch")
+        return real(graph, mode, *args, **kwargs)
+
+    monkeypatch.setattr(bridge, "lower", failing)
+    bridge.clear_cache()
+    with pytest.raises(TeenyError, match="failed while packing"):
+        apply(ops.tanh, _x(3))
+    with torch.no_grad():  # nothing to differentiate: the inference lowering, as before
+        torch.testing.assert_close(apply(ops.tanh, _x(3)), _x(3).detach().tanh())
+    bridge.clear_cache()

@@ -24,6 +24,7 @@ _EXPORTS = {
     "CustomOp": "runtime",
     "GridError": "runtime",
     "MissingBackwardError": "runtime",
+    "NoGradientError": "runtime",
     "OpContext": "runtime",
     "PackingError": "runtime",
     "RuntimeOp": "runtime",

@@ -18,7 +18,7 @@ from .kernel import ANY_DTYPES, Kernel
 from .kernels.accumulate import accumulate_kernel
 from .lowering import LoweringMode, lower
 from .registry import OPS, OpInfo
-from .runtime import TeenyError
+from .runtime import MissingBackwardError, NoGradientError
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _facts_of(info: OpInfo) -> OpFacts:
         try:
             program = lower(graph, LoweringMode.TRAINING)
             has_backward = has_backward or any(p.needs_backward for p in program.nodes)
-        except TeenyError:  # nothing to differentiate, or an op without a backward on the way
+        except (NoGradientError, MissingBackwardError):  # nothing to differentiate, or an op without a backward
             program = lower(graph, LoweringMode.INFERENCE)
         kernels.update(
             (id(i.kernel), i.kernel) for i in program.instances.values() if i.kernel is not accumulate_kernel

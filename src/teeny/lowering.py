@@ -33,7 +33,7 @@ from .graph import Graph, GraphError, Node, Value
 from .kernel import KernelInstance
 from .kernels.accumulate import accumulate_kernel
 from .rewrites import DEFAULT_REWRITES, RewriteFn, RewriteReport, apply_rewrites, precision_rewrites
-from .runtime import MissingBackwardError, OpContext, RuntimeOp, TeenyError
+from .runtime import MissingBackwardError, NoGradientError, OpContext, RuntimeOp, TeenyError
 
 
 class LoweringMode(enum.Enum):
@@ -244,7 +244,7 @@ def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requir
             requires_grad[node.output.id] = True
             origin[node.output.id] = next(origin[v.id] for i, v in enumerate(node.inputs) if p.grad_mask[i])
     if not requires_grad[loss.id]:
-        raise TeenyError(
+        raise NoGradientError(
             f"the loss '{loss.name}' depends on no trainable parameter or input that requires a gradient: "
             "training it would compute nothing (lower it for INFERENCE instead)"
         )

@@ -56,6 +56,10 @@ class MissingBackwardError(TeenyError):
     """An op that gradients must flow through has no backward."""
 
 
+class NoGradientError(TeenyError):
+    """A training lowering whose loss depends on nothing that requires a gradient."""
+
+
 class KernelLaunchError(TeenyError):
     """A kernel failed to compile or launch (the message names op, node, dtype and shapes)."""
 

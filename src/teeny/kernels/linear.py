@@ -959,7 +959,7 @@ def default_config(
     options = candidates(p, dtype, precision, has_bias, row_sums, epilogue)
     config = options[0]
     if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
-        shared = [c for c in options if c["STREAM_K"] and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
+        shared = [c for c in options if c.get("STREAM_K") and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
         if shared:
             config = shared[0]
     return config

@@ -49,7 +49,7 @@ from ..executor import ActivationCache, Executor
 from ..graph import Graph, Tensor, Value
 from ..kernel import dtype_name
 from ..lowering import LoweringMode, lower
-from ..runtime import MissingBackwardError, TeenyError
+from ..runtime import NoGradientError, TeenyError
 from ..tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
@@ -302,9 +302,7 @@ def _compile(
     if wants_any and floats:
         try:
             program = lower(graph, LoweringMode.TRAINING)
-        except MissingBackwardError:
-            raise
-        except TeenyError:  # no gradient reaches the output (stop_gradient, integer paths)
+        except NoGradientError:  # no gradient reaches the output (stop_gradient, integer paths)
             program = None
     if program is None:
         program = lower(graph, LoweringMode.INFERENCE)
