@@ -245,6 +245,44 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
         _check_product(launches, z, sums, cases[name], dtype, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtype, monkeypatch, gen):
+    """The op as lowered and run: the forward on the strided kernel (as tuning picks for the
+    head of a 50,257-token vocabulary), dX and dW on matmul_tma with padded K-major copies. The
+    backward's copy kernels are declared backward kernels of the op, so lowering builds them
+    even when the forward launched none (on the H200 it refused them: "strided_copy, which is
+    not declared as a backward")."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    rows, fin, fout = 37, 21, 45
+
+    def configs(p, *args, **kwargs):
+        if (p.M, p.N) == (rows, fout):  # the forward
+            return linear_module._cfg(16, 32, 16, 4, 2, kind="strided")
+        return dict(linear_module._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=True)
+
+    monkeypatch.setattr(linear_module, "default_config", configs)
+    args = [torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in ((rows, fin), (fout, fin), (fout,))]
+    g = Graph()
+    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
+    g.output(teeny.ops.linear(xs, ws, bs))
+    program = lower(g, LoweringMode.TRAINING)
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        out, cache = ex.forward_train(dict(zip("xwb", args)))
+        grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
+        grads = ex.backward(cache, grad)
+    kernels = [r.kernel for r in log]
+    assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "strided_copy" in kernels
+    refs = [t.detach().double().requires_grad_(True) for t in args]
+    torch.nn.functional.linear(*refs).backward(grad.double())
+    atol, rtol = tolerance(dtype, rows)
+    torch.testing.assert_close(out.double(), torch.nn.functional.linear(*refs).detach(), atol=atol, rtol=rtol)
+    for name, r in zip("xwb", refs):
+        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+
+
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
     """A big product with unaligned rows is timed on matmul_tma with padded copies and on the
     strided kernel; a small one, or one with an activation epilogue (its aux lies like Z), and a

@@ -73,7 +73,7 @@ from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
 from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
-from .shape import copy_launch
+from .shape import copy_launch, strided_copy
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -451,10 +451,10 @@ def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, BLOCK: 
 
 
 # matmul_product computes every product (the backward ones are products with swapped strides);
-# its backward= lists what a backward launches besides it: the Hopper kernel and the sums of
-# the bias gradient and of split-contraction partials.
+# its backward= lists what a backward launches besides it: the Hopper kernel, its K-major and
+# padded copies, and the sums of the bias gradient and of split-contraction partials.
 @kernel(
-    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, sum_to_shape_kernel),
+    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, strided_copy, sum_to_shape_kernel),
     half=True,
     optional=("bias_ptr", "aux_ptr"),
 )
