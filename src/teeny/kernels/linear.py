@@ -862,7 +862,7 @@ def _stream_k_useful(p: Product, config: dict, waves: int) -> bool:
     return shared != plain and (waves == 1 or shared != schedule(p, {**config, "STREAM_K": waves - 1}))
 
 
-def _k_major_useful(p: Product, dtype: torch.dtype) -> bool:
+def _k_major_useful(p: Product) -> bool:
     """float32 tensor cores (tf32, tf32x3) read both operands K-major only: an MN-major operand
     tile is transposed through shared memory in every program that reads it (H200, 4096^3
     tf32x3: 0.81x cuBLAS with one such operand, 0.72x with two, 1.74x with none), so a K-major
@@ -893,7 +893,7 @@ def candidates(
         variants = [option]
         if index < _VARIANTS_OF[cls] or index >= len(_TMA_CANDIDATES[cls]):
             variants += [{**option, "STREAM_K": w} for w in (1, 2) if _stream_k_useful(p, option, w)]
-            if cls in (TF32X3, TF32) and "PRECISION" not in option and _k_major_useful(p, dtype):
+            if cls in (TF32X3, TF32) and "PRECISION" not in option and _k_major_useful(p):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
         for v in variants:
             if epilogue and not v["SUBTILE"] and not _fits(v, dtype, epilogue=epilogue):
@@ -1058,7 +1058,7 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
     def k_major_copy(t, sizes_strides, k_contiguous: bool, rows: int) -> torch.Tensor:
         """``t`` viewed as (rows, K) (``sizes_strides`` of X's (m, k) or Y's (n, k)) in a copy with
         rows k_rows apart."""
-        (n, s_rows), (_, s_k) = sizes_strides
+        (_, s_rows), (_, s_k) = sizes_strides
         dst = scratch((rows, k_rows), t.dtype)
         if k_contiguous:  # rows not aligned: the same layout, padded
             before.append(copy_launch(t, torch.as_strided(t, (rows, p.K), (s_rows, s_k)), dst, dst[:, : p.K]))
