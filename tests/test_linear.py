@@ -217,7 +217,7 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
         assert launched["PRECISION"] == ("ieee" if schedule == "fma_stream_k" else precision)
         if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
             copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
-            assert kernels.count(linear_module.matmul_k_major) == copies
+            assert kernels.count(linear_module.matmul_copy) == copies
         _check_product(launches, z, sums, cases[name], dtype, name)
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
@@ -229,8 +229,6 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
     K-major into rows padded to 16 bytes (transposed where it lay MN-major), and Z computed into
     padded rows and copied into place, so matmul_tma computes every one of linear's products;
     with ``K_MAJOR`` the aligned MN-major operands are copied too."""
-    from teeny.kernels.shape import strided_copy
-
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
     rows, fin, fout = 37, 21, 45  # every row length odd: none of the operands' rows is aligned
     cases = _linear_cases(rows, fin, fout, gen)
@@ -240,8 +238,8 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
         launches, z, sums = _product_launches(p, cases[name], dtype, config)
         kernels = [launch.kernel for launch in launches]
         assert linear_module.matmul_tma in kernels, name
-        copies = [k for k in kernels if k in (strided_copy, linear_module.matmul_k_major)]
-        assert len(copies) == 3 and kernels[-1] is strided_copy, name  # X, Y; Z's padded rows copied into place last
+        assert kernels.count(linear_module.matmul_copy) == 3, name  # X, Y, and Z's padded rows copied into place
+        assert kernels[-1] is linear_module.matmul_copy, name
         _check_product(launches, z, sums, cases[name], dtype, name)
 
 
@@ -249,9 +247,9 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
 def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtype, monkeypatch, gen):
     """The op as lowered and run: the forward on the strided kernel (as tuning picks for the
     head of a 50,257-token vocabulary), dX and dW on matmul_tma with padded K-major copies. The
-    backward's copy kernels are declared backward kernels of the op, so lowering builds them
-    even when the forward launched none (on the H200 it refused them: "strided_copy, which is
-    not declared as a backward")."""
+    backward's copy kernel is declared a backward kernel of the op, so lowering builds it even
+    when the forward launched none (on the H200 a copy kernel that was not declared was refused:
+    "strided_copy, which is not declared as a backward")."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
     monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
@@ -274,7 +272,7 @@ def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtyp
         grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
         grads = ex.backward(cache, grad)
     kernels = [r.kernel for r in log]
-    assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "strided_copy" in kernels
+    assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "matmul_copy" in kernels
     refs = [t.detach().double().requires_grad_(True) for t in args]
     torch.nn.functional.linear(*refs).backward(grad.double())
     atol, rtol = tolerance(dtype, rows)

@@ -28,7 +28,7 @@ Two kernels compute them:
   programs shared (in a fixed order: bit-reproducible, no atomics). linear's dW = dY^T X also
   sums the dY^T tiles it reads over the rows: the bias gradient without another pass over dY
   (the programs of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major only, so
-  an MN-major float32 operand may be copied K-major first (``matmul_k_major``, one pass).
+  an MN-major float32 operand may be copied K-major first (``matmul_copy``, one pass).
 * ``matmul_product`` (everything else: batched and broadcast products, small products with
   unaligned rows, the interpreter): the same tiles in grouped order through strided pointer loads; the bias
   gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
@@ -73,7 +73,7 @@ from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
 from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
-from .shape import copy_launch, strided_copy
+from .shape import copy_launch
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -439,22 +439,26 @@ def matmul_sum_segments(
 
 @kernel(half=True)
 @triton.jit
-def matmul_k_major(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, BLOCK: tl.constexpr):
-    """dst[c, r] = src[r, c]: an operand that lies MN-major copied K-major (dst is (cols, rows)
-    with rows dst_stride apart, 16-byte aligned; src has rows src_stride apart and contiguous
-    columns)."""
+def matmul_copy(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr):
+    """A product's copy of an operand or result, src (rows, cols) with rows src_stride apart and
+    contiguous columns: TRANSPOSE, dst[c, r] = src[r, c] (an MN-major operand copied K-major);
+    else dst[r, c] = src[r, c] (rows padded to 16 bytes for TMA, or a padded result copied
+    back). dst's rows are dst_stride apart."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     tile = tl.load(src_ptr + r[:, None] * src_stride + c[None, :], mask=mask)
-    tl.store(dst_ptr + c[:, None] * dst_stride + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+    if TRANSPOSE:
+        tl.store(dst_ptr + c[:, None] * dst_stride + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+    else:
+        tl.store(dst_ptr + r[:, None] * dst_stride + c[None, :], tile, mask=mask)
 
 
 # matmul_product computes every product (the backward ones are products with swapped strides);
 # its backward= lists what a backward launches besides it: the Hopper kernel, its K-major and
 # padded copies, and the sums of the bias gradient and of split-contraction partials.
 @kernel(
-    backward=(matmul_tma, matmul_sum_segments, matmul_k_major, strided_copy, sum_to_shape_kernel),
+    backward=(matmul_tma, matmul_sum_segments, matmul_copy, sum_to_shape_kernel),
     half=True,
     optional=("bias_ptr", "aux_ptr"),
 )
@@ -790,7 +794,7 @@ STREAM_K_MAX_WAVES = 4  # beyond this many waves of tiles an idle last wave cost
 STREAM_K_FULL_WAVE = 0.8  # a last wave this full (of the multiprocessors) leaves little to share out
 SEGMENT_SUM_ELEMENTS = 8192  # partial elements a program of matmul_sum_segments loads at once
 SEGMENT_SUM_MAX_SLOTS = 16  # segments it loads at once
-K_MAJOR_BLOCK = 64  # tile edge of matmul_k_major
+COPY_BLOCK = 64  # tile edge of matmul_copy
 TUNE_MIN_MACS = 2**30  # smaller products (a few microseconds) take the heuristic without timing
 PADDED_CANDIDATES = 4  # matmul_tma configurations timed on padded copies (each first compile takes seconds)
 
@@ -1034,11 +1038,12 @@ class _ScratchContext:
         return self._scratch(tuple(shape), dtype)
 
 
-def _k_major_launch(src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, stride: int, dst_stride: int) -> Launch:
-    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=stride, dst_stride=dst_stride,
-                              BLOCK=K_MAJOR_BLOCK)  # fmt: skip
-    grid = (cdiv(rows, K_MAJOR_BLOCK), cdiv(cols, K_MAJOR_BLOCK))
-    return Launch(matmul_k_major, grid, args, Block(num_warps=4), work=rows * cols)
+def _copy_launch(src, dst, rows: int, cols: int, src_stride: int, dst_stride: int, transpose: bool) -> Launch:
+    """``matmul_copy`` of src (rows, cols), rows src_stride apart, into dst (see the kernel)."""
+    args = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, rows=rows, cols=cols, src_stride=src_stride,
+                              dst_stride=dst_stride, TRANSPOSE=transpose, BLOCK=COPY_BLOCK)  # fmt: skip
+    grid = (cdiv(rows, COPY_BLOCK), cdiv(cols, COPY_BLOCK))
+    return Launch(matmul_copy, grid, args, Block(num_warps=4), work=rows * cols)
 
 
 def _padded(n: int, size: int) -> int:
@@ -1061,9 +1066,9 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
         (_, s_rows), (_, s_k) = sizes_strides
         dst = scratch((rows, k_rows), t.dtype)
         if k_contiguous:  # rows not aligned: the same layout, padded
-            before.append(copy_launch(t, torch.as_strided(t, (rows, p.K), (s_rows, s_k)), dst, dst[:, : p.K]))
+            before.append(_copy_launch(t, dst, rows, p.K, s_rows, k_rows, transpose=False))
         else:
-            before.append(_k_major_launch(t, dst, p.K, rows, s_k, k_rows))
+            before.append(_copy_launch(t, dst, p.K, rows, s_k, k_rows, transpose=True))
         return dst
 
     x_k, y_k = p.x[1] == 1, p.y[1] != 1  # X is (m, k), Y (k, n)
@@ -1079,7 +1084,7 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
             raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
         z_row = _padded(p.N, size)
         padded = scratch((p.M, z_row), z.dtype)
-        after.append(copy_launch(padded, padded[:, : p.N], z, torch.as_strided(z, (p.M, p.N), p.z)))
+        after.append(_copy_launch(padded, z, p.M, p.N, z_row, p.z[0], transpose=False))
         z = padded
     return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row), after
 
