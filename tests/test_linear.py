@@ -243,6 +243,31 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
         _check_product(launches, z, sums, cases[name], dtype, name)
 
 
+def _lower_and_train_linear(args, dtype, gen):
+    """linear(x, w, b) of ``args`` lowered for training and run forwards and backwards by the
+    executor: (program, output, gradients, the output's gradient, the kernels launched)."""
+    g = Graph()
+    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
+    g.output(teeny.ops.linear(xs, ws, bs))
+    program = lower(g, LoweringMode.TRAINING)
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        out, cache = ex.forward_train(dict(zip("xwb", args)))
+        grad = torch.randn(*out.shape, generator=gen).to(dtype).to(teeny.DEVICE)
+        grads = ex.backward(cache, grad)
+    return program, out, grads, grad, [r.kernel for r in log]
+
+
+def _check_linear_against_torch(args, out, grads, grad, dtype):
+    refs = [t.detach().double().requires_grad_(True) for t in args]
+    ref = torch.nn.functional.linear(*refs)
+    ref.backward(grad.double())
+    atol, rtol = tolerance(dtype, args[0].shape[0])
+    torch.testing.assert_close(out.double(), ref.detach(), atol=atol, rtol=rtol)
+    for name, r in zip("xwb", refs):
+        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtype, monkeypatch, gen):
     """The op as lowered and run: the forward on the strided kernel (as tuning picks for the
@@ -262,23 +287,9 @@ def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtyp
 
     monkeypatch.setattr(linear_module, "default_config", configs)
     args = [torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in ((rows, fin), (fout, fin), (fout,))]
-    g = Graph()
-    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
-    g.output(teeny.ops.linear(xs, ws, bs))
-    program = lower(g, LoweringMode.TRAINING)
-    ex = teeny.Executor(program)
-    with record_launches() as log:
-        out, cache = ex.forward_train(dict(zip("xwb", args)))
-        grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
-        grads = ex.backward(cache, grad)
-    kernels = [r.kernel for r in log]
+    _, out, grads, grad, kernels = _lower_and_train_linear(args, dtype, gen)
     assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "matmul_copy" in kernels
-    refs = [t.detach().double().requires_grad_(True) for t in args]
-    torch.nn.functional.linear(*refs).backward(grad.double())
-    atol, rtol = tolerance(dtype, rows)
-    torch.testing.assert_close(out.double(), torch.nn.functional.linear(*refs).detach(), atol=atol, rtol=rtol)
-    for name, r in zip("xwb", refs):
-        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+    _check_linear_against_torch(args, out, grads, grad, dtype)
 
 
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
@@ -380,27 +391,12 @@ def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
     w = torch.randn(fout, fin, generator=gen) / fin**0.5
     b = torch.randn(fout, generator=gen)
     args = [t.to(dtype).to(teeny.DEVICE).requires_grad_(True) for t in (x, w, b)]
-    g = Graph()
-    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
-    g.output(teeny.ops.linear(xs, ws, bs))
-    program = lower(g, LoweringMode.TRAINING)
+    program, out, grads, grad, kernels = _lower_and_train_linear(args, dtype, gen)
     op = program.nodes[0].op
     assert all(c["kernel"] == "tma" for c in op.configs.values()), op.configs
-    ex = teeny.Executor(program)
-    with record_launches() as log:
-        out, cache = ex.forward_train(dict(zip("xwb", args)))
-        grad = torch.randn(rows, fout, generator=gen).to(dtype).to(teeny.DEVICE)
-        grads = ex.backward(cache, grad)
-    kernels = [r.kernel for r in log]
     assert kernels.count("matmul_tma") == 3 and "matmul_sum_segments" in kernels
     assert "sum_to_shape_kernel" not in kernels  # the bias gradient came with dW
-    refs = [t.detach().double().requires_grad_(True) for t in args]
-    ref = torch.nn.functional.linear(*refs)
-    ref.backward(grad.double())
-    atol, rtol = tolerance(dtype, rows)
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
-    for name, r in zip("xwb", refs):
-        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+    _check_linear_against_torch(args, out, grads, grad, dtype)
 
 
 def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(monkeypatch):
