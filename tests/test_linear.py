@@ -268,7 +268,7 @@ def _check_linear_against_torch(args, out, grads, grad, dtype):
         torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtype, monkeypatch, gen):
     """The op as lowered and run: the forward on the strided kernel (as tuning picks for the
     head of a 50,257-token vocabulary), dX and dW on matmul_tma with padded K-major copies. The
@@ -290,6 +290,8 @@ def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtyp
     _, out, grads, grad, kernels = _lower_and_train_linear(args, dtype, gen)
     assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "matmul_copy" in kernels
     _check_linear_against_torch(args, out, grads, grad, dtype)
+    if dtype == torch.float64:  # and against central finite differences, through the same launches
+        teeny.gradcheck(teeny.ops.linear, *args)  # the bias element by element, x and W along directions
 
 
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
