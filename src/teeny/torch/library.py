@@ -435,7 +435,7 @@ def _implementation(reg: Registered) -> Callable:
             tensors = []
             for source, dtype in picks:
                 t = args[source] if type(source) is int else kwargs[source]
-                tensors.append(t.contiguous() if dtype is None else t.to(dtype, memory_format=torch.contiguous_format))
+                tensors.append(t.contiguous() if dtype is None else _cast(t, dtype))
             return run(key, tensors)
         bound = dict(zip(names, args))
         bound.update(kwargs)
