@@ -163,3 +163,19 @@ def test_float64_dropout_gets_float64_scale_and_p():
     scale = 1.0 / (1.0 - p)  # a Python float: float64
     torch.testing.assert_close(y, torch.where(keep, x * scale, 0.0), atol=1e-15, rtol=1e-15)
     torch.testing.assert_close(dx, torch.where(keep, dy * scale, 0.0), atol=1e-15, rtol=1e-15)
+
+
+def test_dropout_under_cuda_graph_capture_is_a_loud_error(monkeypatch):
+    """A captured dropout would replay its first mask on every replay: refused, naming the op.
+    (Capture is simulated: the check reads ``capturing()``, as on the GPU.)"""
+    import teeny.executor
+
+    x = _x(9, 33)
+    ex = _executor(lambda t: dropout(t, 0.5, seed=1), x.shape)
+    plain = _executor(lambda t: t * 2.0, x.shape)
+    monkeypatch.setattr(teeny.executor, "capturing", lambda: True)
+    with pytest.raises(teeny.TeenyError, match=r"op dropout \(node .*CUDA graph is being captured.*mask"):
+        ex.forward_train(x)
+    torch.testing.assert_close(plain(x), x * 2.0)  # capturable ops run as before
+    monkeypatch.setattr(teeny.executor, "capturing", lambda: False)
+    assert ex.forward_train(x)[0].count_nonzero() < x.numel()

@@ -33,7 +33,7 @@ from .device import DEVICE
 from .graph import Value
 from .kernels.accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context, row_stride
-from .runtime import TeenyError, raise_failed_checks
+from .runtime import TeenyError, capturing, raise_failed_checks, raise_not_capturable
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -282,6 +282,8 @@ class Executor:
                 out = self._alloc(node.output.shape, node.output.dtype)
                 ctx = make_context(program, p, args, out, saved, dry_run=False)
                 ctx.checks = checks
+                if not node.op.capturable and capturing():
+                    raise_not_capturable(node.op, node.name)
                 ctx.run(node.op.forward_launches(ctx))
             values[node.output.id] = out
             if cache is not None and p.needs_backward:

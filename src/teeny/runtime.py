@@ -445,6 +445,22 @@ class OpContext:
 _CHECK_SINKS: dict[int, list] = {}  # thread -> where its checks go while a run is recorded (teeny.tape)
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def raise_not_capturable(op: RuntimeOp, node_name: str) -> None:
+    """Refuse to launch a non-``capturable`` op into a CUDA graph being captured: every replay
+    would repeat the host values of the capture's run (dropout's mask), a silently wrong result."""
+    raise TeenyError(
+        f"op {op.name} (node '{node_name}') runs while a CUDA graph is being captured, but its launches "
+        "take a host value that changes per run (a dropout seed): every replay would repeat the captured "
+        "run's mask. Run it outside the capture (torch.compile: mode='default' rather than "
+        "'reduce-overhead'; teeny's TrainStep captures only capturable steps), or use p=0"
+    )
+
+
 def raise_failed_checks(checks: list) -> None:
     """Read the flags ops asked to have checked (``OpContext.check_after``) of one run: one
     host synchronisation for all of them. Skipped while a CUDA graph is being captured and for
@@ -454,7 +470,7 @@ def raise_failed_checks(checks: list) -> None:
     if sink is not None:
         sink.extend(checks)
         return
-    if not checks or checks[0][0].is_meta or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not checks or checks[0][0].is_meta or capturing():
         return
     values = torch.stack([flag.reshape(()).to(torch.int64) for flag, _, _ in checks]).cpu().tolist()
     for value, (_, where, describe) in zip(values, checks):
