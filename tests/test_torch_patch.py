@@ -70,6 +70,10 @@ def _lm_loss(model, ids, dtype):
     from the logits, since transformers computes its loss on float32 logits even for a float64 model."""
     if dtype == torch.float32:
         return model(ids, labels=ids).loss
+    return _shifted_loss(model, ids)
+
+
+def _shifted_loss(model, ids):
     logits = model(ids).logits
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
@@ -100,6 +104,35 @@ def test_patched_gpt2_trains_like_the_unpatched_model(dtype):
     assert report.routed["scaled_dot_product_attention"] > 0
     if dtype == torch.float32:
         assert report.routed["cross_entropy"] > 0  # the loss inside the model's forward
+
+
+def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
+    """torch.compile(fullgraph=True) of a patched GPT-2's loss (taken from the logits: the
+    model's own ``labels=`` loss breaks the graph in ``transformers``, patched or not): one
+    graph, no recompile as the steps go on (a run-time count the patch mutated once made every
+    call recompile), and the eager unpatched model's losses and gradients."""
+    ref = _gpt2(torch.float32)
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    compiled = torch.compile(_shifted_loss, fullgraph=True, backend="aot_eager")
+    atol, rtol = _tolerance(torch.float32)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step, ids in enumerate(_batches(3)):
+            opt.zero_grad()
+            opt_ref.zero_grad()
+            loss, expected = compiled(model, ids), _shifted_loss(ref, ids)
+            loss.backward()
+            expected.backward()
+            torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol, msg=lambda m: f"step {step}: {m}")
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(
+                    p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}"
+                )
+            opt.step()
+            opt_ref.step()
+    torch._dynamo.reset()
 
 
 def test_patched_llama_matches_the_unpatched_model():

@@ -31,6 +31,7 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -43,7 +44,8 @@ from .nn import functional as TF
 @dataclass
 class PatchReport:
     """What ``patch`` did: ``swapped`` (path, old class, new class), ``left`` (path, class,
-    why), the functional calls it routes, and at run time ``routed``/``fallbacks`` counts."""
+    why), the functional calls it routes, and at run time ``routed``/``fallbacks`` counts (of
+    eager calls: under ``torch.compile`` a count would be a guard that fails every call)."""
 
     swapped: list[tuple[str, str, str]] = field(default_factory=list)
     left: list[tuple[str, str, str]] = field(default_factory=list)
@@ -182,9 +184,11 @@ class _Router(TorchFunctionMode):
             try:
                 out = route(*args, **kwargs)
             except TF.Unsupported as exc:
-                self.report.fallbacks[(name, str(exc))] += 1
+                if not torch.compiler.is_compiling():
+                    self.report.fallbacks[(name, str(exc))] += 1
             else:
-                self.report.routed[name] += 1
+                if not torch.compiler.is_compiling():
+                    self.report.routed[name] += 1
                 return out
         return func(*args, **kwargs)
 
