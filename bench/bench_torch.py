@@ -216,8 +216,8 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
         try:
             seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
             results[name] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
-            if profile and not mode:
-                _profile_step(name, step)
+            if profile:
+                _profile_step(name, step, host=not mode)
         except Exception as exc:  # report and go on: one failing variant must not hide the others
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             traceback.print_exc()
@@ -226,9 +226,9 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
     return results
 
 
-def _profile_step(name: str, step) -> None:
-    """The device time of three steps by kernel and the host's share (torch.profiler), then the
-    host's Python by function (cProfile)."""
+def _profile_step(name: str, step, host: bool = True) -> None:
+    """The device time of three steps by kernel and the host's share (torch.profiler), then
+    (``host``) the host's Python by function (cProfile)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -238,6 +238,8 @@ def _profile_step(name: str, step) -> None:
         _sync()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"== profile of 3 steps: {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    if not host:
+        return
     import cProfile
     import pstats
 
