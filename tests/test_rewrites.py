@@ -208,15 +208,18 @@ def test_gpt_with_every_default_rewrite(gpt_case):
 # ------------------------------------------------------------------ linear + cross-entropy
 
 
-def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, **loss_options):
-    """x (rows..., d) -> linear -> reshape to (N, classes) -> cross_entropy(target)."""
+def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, upcast=False, **loss_options):
+    """x (rows..., d) -> linear -> (``upcast``: to float32 ->) reshape to (N, classes) ->
+    cross_entropy(target)."""
     g = Graph("head")
     x = g.input("x", (*rows, d), dtype, requires_grad=True)
     n = math.prod(rows)
     y = g.input("y", (n,), torch.int64)
     head = teeny.nn.Linear(d, classes, bias=bias, dtype=dtype)
-    logits = ops.reshape(head(x), (n, classes))
-    g.output(ops.cross_entropy(logits, y, **loss_options))
+    logits = head(x)
+    if upcast:
+        logits = ops.to(logits, torch.float32)
+    g.output(ops.cross_entropy(ops.reshape(logits, (n, classes)), y, **loss_options))
     return g
 
 
@@ -356,6 +359,24 @@ def test_linear_cross_entropy_half_precision_close_to_unfused(small_chunks, gen)
     torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), rtol=2e-2, atol=2e-3)
     for name in plain[2]:
         torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_linear_cross_entropy_takes_in_an_upcast_of_the_logits(small_chunks, gen):
+    """bf16 logits cast to float32 before the loss (Hugging Face's ``logits.float()``): the cast
+    is exact, so the fused op computes the same and writes a float32 loss; a downcast is not."""
+    g = _head_graph(dtype=torch.bfloat16, upcast=True)
+    feed = _head_feed(gen, dtype=torch.bfloat16)
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert len(fused[3].nodes) == 1 and _fused_ops(fused[3])
+    assert fused[0].dtype == plain[0].dtype == torch.float32
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), rtol=2e-2, atol=2e-3)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), rtol=2e-2, atol=2e-3, msg=name)
+    down = Graph()
+    x, y = down.input("x", (6, 4), requires_grad=True), down.input("y", (6,), torch.int64)
+    down.output(ops.cross_entropy(ops.to(teeny.nn.Linear(4, 5)(x), torch.bfloat16), y))
+    assert not _fused_ops(lower(down, LoweringMode.TRAINING))
 
 
 # ------------------------------------------------------------------- attention in place

@@ -102,19 +102,85 @@ def test_patched_gpt2_trains_like_the_unpatched_model(dtype):
     swapped = {new for _, _, new in report.swapped}
     assert {"LayerNorm", "Embedding", "Linear", "TeenyConv1D", "TeenyGPT2MLP"} <= swapped
     assert report.routed["scaled_dot_product_attention"] > 0
-    if dtype == torch.float32:
-        assert report.routed["cross_entropy"] > 0  # the loss inside the model's forward
+    assert "one chunked teeny op" in report.fused_loss
 
 
-def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
-    """torch.compile(fullgraph=True) of a patched GPT-2's loss (taken from the logits: the
-    model's own ``labels=`` loss breaks the graph in ``transformers``, patched or not): one
-    graph, no recompile as the steps go on (a run-time count the patch mutated once made every
-    call recompile), and the eager unpatched model's losses and gradients."""
+def _causal_lm_entry():
+    from teeny.torch import bridge
+
+    (entry,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op causal_lm_loss"]
+    return entry
+
+
+@pytest.mark.parametrize("num_items", [None, 9])
+def test_head_and_loss_are_one_chunked_op_in_training_and_the_logits_stay_in_eval(monkeypatch, num_items):
+    """labels= in training: one teeny call whose program is the chunked head + loss, the loss
+    and every gradient of the unpatched model, and no logits (as Liger's fused linear
+    cross-entropy); ``num_items_in_batch`` (the Trainer's token count) divides the summed loss.
+    In eval mode the logits are computed and the loss is transformers' own."""
+    from teeny import rewrites
+    from teeny.kernels.loss import LinearCrossEntropyOp
+    from teeny.torch import bridge
+
+    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 0)  # the tiny model's logits: chunk them anyway
+    bridge.clear_cache()
     ref = _gpt2(torch.float32)
     model = copy.deepcopy(ref)
     tt.patch(model)
-    compiled = torch.compile(_shifted_loss, fullgraph=True, backend="aot_eager")
+    (ids,) = _batches(1)
+    ids[0, 3] = -100  # an ignored label
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    out, expected = model(ids.clamp(min=0), labels=ids, **extra), ref(ids.clamp(min=0), labels=ids, **extra)
+    assert out.logits is None and "logits" not in out
+    out.loss.backward()
+    expected.loss.backward()
+    atol, rtol = _tolerance(torch.float32)
+    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    assert [type(n.op) for n in _causal_lm_entry().executor.program.nodes][-1] is LinearCrossEntropyOp
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, expected = model(ids.clamp(min=0), labels=ids), ref(ids.clamp(min=0), labels=ids)
+    torch.testing.assert_close(out.logits, expected.logits, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+
+
+def test_fused_loss_false_keeps_the_logits_and_a_model_without_a_plain_head_is_reported():
+    model = _gpt2(torch.float32)
+    report = tt.patch(model, fused_loss=False)
+    (ids,) = _batches(1)
+    assert model(ids, labels=ids).logits.shape == (*ids.shape, VOCAB) and report.fused_loss == ""
+    gemma_like = _gpt2(torch.float32)
+    gemma_like.config.final_logit_softcapping = 30.0
+    report = tt.patch(gemma_like)
+    assert "post-processes its logits: final_logit_softcapping" in report.fused_loss
+    assert gemma_like(ids, labels=ids).logits is not None
+
+
+def test_fused_loss_under_autocast_is_float32():
+    ref = _gpt2(torch.float32)
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    (ids,) = _batches(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, expected = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    assert loss.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, atol=0.05, rtol=0.02)
+    loss.backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+
+
+def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
+    """torch.compile(fullgraph=True) of the patched model, its own ``labels=`` loss included (the
+    fused head + loss skips transformers' ``loss_function``, where the unpatched model breaks the
+    graph): one graph, no recompile as the steps go on (a run-time count the patch mutated once
+    made every call recompile), and the eager unpatched model's losses and gradients."""
+    ref = _gpt2(torch.float32)
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     atol, rtol = _tolerance(torch.float32)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.3)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
@@ -122,7 +188,7 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
         for step, ids in enumerate(_batches(3)):
             opt.zero_grad()
             opt_ref.zero_grad()
-            loss, expected = compiled(model, ids), _shifted_loss(ref, ids)
+            loss, expected = compiled(ids, labels=ids).loss, ref(ids, labels=ids).loss
             loss.backward()
             expected.backward()
             torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol, msg=lambda m: f"step {step}: {m}")
@@ -136,6 +202,9 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
 
 
 def test_patched_llama_matches_the_unpatched_model():
+    from teeny.torch import bridge
+
+    bridge.clear_cache()
     dtype = torch.float32  # LlamaRMSNorm computes in float32 whatever the model's dtype: compare in float32
     ref = _llama(dtype)
     model = copy.deepcopy(ref)
@@ -151,7 +220,7 @@ def test_patched_llama_matches_the_unpatched_model():
     torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
-    assert report.routed["cross_entropy"] == 1
+    assert "one chunked teeny op" in report.fused_loss and _causal_lm_entry()  # head and loss: one call
     assert report.routed["scaled_dot_product_attention"] == 2  # grouped-query attention, no repeat_kv copy
 
 

@@ -20,7 +20,8 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
 * ``chunk_linear_cross_entropy``: cross_entropy(linear(x, W, b)) with class-index targets
   becomes one op that computes the logits chunk by chunk of rows, with the loss and the
   gradients of x, W and b in the forward (``loss.LinearCrossEntropyOp``): the (rows x classes)
-  logits are never stored for the backward. For logits of ``CHUNKED_LOGITS_MIN_BYTES`` and more.
+  logits are never stored for the backward. For logits of ``CHUNKED_LOGITS_MIN_BYTES`` and more;
+  a reshape and an upcast of the logits before the loss (``logits.float()``) are taken in.
 
 ``precision=`` of ``lower`` adds a last rewrite, ``mixed_precision``: see its docstring.
 
@@ -243,18 +244,37 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
 CHUNKED_LOGITS_MIN_BYTES = 16 << 20
 
 
+def _logits_chain(node: Node | None) -> list[Node | None]:
+    """The nodes from the linear that made a loss's logits to the loss: a reshape to (rows,
+    classes) and an exact upcast (``logits.float()`` before the loss, as Hugging Face's loss
+    does) may come between, once each, in either order. First the candidate linear (or None)."""
+    from .kernels.cast import CastOp
+    from .kernels.shape import ViewOp
+
+    chain: list[Node | None] = []
+    seen: set[type] = set()
+    while node is not None and type(node.op) in (ViewOp, CastOp) and type(node.op) not in seen:
+        if type(node.op) is CastOp:
+            source, target = node.inputs[0].dtype, node.op.dtype
+            if not (source.is_floating_point and target.is_floating_point and target.itemsize >= source.itemsize):
+                break
+        seen.add(type(node.op))
+        chain.insert(0, node)
+        node = node.inputs[0].producer
+    return [node, *chain]
+
+
 def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """cross_entropy(linear(x, W, b)) (class indices, mean or sum; the logits possibly reshaped
-    to (rows, classes) in between) becomes one ``LinearCrossEntropyOp`` that computes the
+    to (rows, classes) and upcast in between) becomes one ``LinearCrossEntropyOp`` that computes the
     logits chunk by chunk and never keeps them (see its docstring), when nothing else reads the
     logits, they are not an output and they take at least ``CHUNKED_LOGITS_MIN_BYTES``."""
     from .kernels.linear import LinearOp
     from .kernels.loss import ClassLossOp, LinearCrossEntropyOp
-    from .kernels.shape import ViewOp
 
     needed, read_by = ancestors(outputs), readers(graph)
     kept = {v.id for v in outputs}
-    matches: dict[int, tuple[Node, Node | None]] = {}  # loss node id -> (linear node, reshape node or None)
+    matches: dict[int, tuple[Node, list[Node]]] = {}  # loss node id -> (linear node, the reshape and upcast after it)
     for node in graph.nodes:
         op = node.op
         if not (type(op) is ClassLossOp and op.from_logits and not op.target_probs and op.reduction != "none"):
@@ -262,29 +282,29 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
         logits = node.inputs[0]
         if node.output.id not in needed or len(logits.shape) != 2:
             continue
-        chain = [logits.producer]
-        if chain[0] is not None and type(chain[0].op) is ViewOp:
-            chain.insert(0, chain[0].inputs[0].producer)
+        chain = _logits_chain(logits.producer)
         linear = chain[0]
         if linear is None or type(linear.op) is not LinearOp or linear.output.shape[-1] != logits.shape[-1]:
             continue
-        if _nbytes(logits) < CHUNKED_LOGITS_MIN_BYTES:
+        if _nbytes(linear.output) < CHUNKED_LOGITS_MIN_BYTES:
             continue
         if any(n.output.id in kept or len(read_by[n.output.id]) != 1 for n in chain):
             continue
-        matches[node.id] = (linear, chain[1] if len(chain) == 2 else None)
+        if any(v.dtype.is_floating_point and v.dtype != linear.output.dtype for v in node.inputs[1:]):
+            continue  # class weights in the upcast dtype: the fused op computes in the linear's
+        matches[node.id] = (linear, chain[1:])
     if not matches:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
 
-    def fuse(node: Node, match: tuple[Node, Node | None]) -> None:
+    def fuse(node: Node, match: tuple[Node, list[Node]]) -> None:
         linear = match[0]
         x, params = linear.inputs[0], linear.inputs[1:]
         fused = LinearCrossEntropyOp(linear.op, node.op, node.output.dtype, with_grads=training)
         inputs = [x, *node.inputs[1:], *params]
         rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
 
-    rebuild.replace({n.id for linear, view in matches.values() for n in (linear, view) if n is not None}, matches, fuse)
+    rebuild.replace({n.id for linear, rest in matches.values() for n in (linear, *rest)}, matches, fuse)
     logits_bytes = sum(_nbytes(linear.output) for linear, _ in matches.values())
     graph, outputs = rebuild.finish(outputs)
     return (

@@ -18,6 +18,13 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
   left as it is and reported.
+* **The language-model head and its loss**: a causal LM of ``transformers`` (``GPT2LMHeadModel``,
+  ``*ForCausalLM`` with a plain ``lm_head``) called in training mode with ``labels=`` computes
+  head and loss as one teeny call, which lowers to the chunked head + cross-entropy
+  (``teeny.rewrites.chunk_linear_cross_entropy``): the (tokens x vocabulary) logits are never
+  stored, and the output's ``logits`` is ``None``, as Liger-Kernel's fused linear cross-entropy
+  does. In eval mode, under ``no_grad`` or without labels the logits are computed as before.
+  ``patch(model, fused_loss=False)`` keeps them always.
 * **Functional calls** the model's own code makes (``F.scaled_dot_product_attention`` in the
   attention, ``F.cross_entropy`` in the loss, ``F.gelu``, ``torch.softmax``, ...; the list is
   ``teeny.torch.nn.functional.ROUTED``) are routed to teeny while the model's ``forward`` runs,
@@ -52,12 +59,15 @@ class PatchReport:
     functional: list[str] = field(default_factory=list)
     routed: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
+    fused_loss: str = ""  # the head + loss fused, or why not ("" when the model has no LM head)
 
     def __str__(self) -> str:
         kinds = Counter(new for _, _, new in self.swapped)
         lines = [f"teeny.torch.patch: swapped {len(self.swapped)} modules"]
         lines += [f"  {count:4d} x {name}" for name, count in sorted(kinds.items())]
         lines.append(f"  routes {len(self.functional)} functional calls (F.scaled_dot_product_attention, ...)")
+        if self.fused_loss:
+            lines.append(f"  head + loss: {self.fused_loss}")
         if self.routed:
             lines.append("  routed so far: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.routed.items())))
         if self.fallbacks:
@@ -108,6 +118,109 @@ library.register(
     schema="Tensor x, Tensor fc_weight, Tensor? fc_bias, Tensor proj_weight, Tensor? proj_bias",
     product=True,
 )
+
+
+def _causal_lm_loss(x, weight, bias, target, ignore_index: int = -100, reduction: str = "mean"):
+    """transformers' causal-LM loss of hidden states x (batch, length, d): the logits x W^T + b
+    of positions 0 .. L-2 (upcast to float32 when they are half precision, as transformers does)
+    against the labels at 1 .. L-1; lowered, head and loss become one chunked op."""
+    batch, length, features = x.shape
+    rows = batch * (length - 1)
+    logits = ops.linear(ops.reshape(ops.slice(x, 1, 0, length - 1), (rows, features)), weight, bias)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = ops.to(logits, torch.float32)
+    labels = ops.reshape(ops.slice(target, 1, 1, None), (rows,))
+    return ops.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+
+
+library.register(
+    _causal_lm_loss,
+    name="causal_lm_loss",
+    schema="Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, str reduction='mean'",
+    product=True,
+)
+
+
+def _head_forward(self, input):
+    """The LM head: its logits, or (inside ``_causal_lm_forward``) its input, the hidden states."""
+    if self._teeny_hidden_only:
+        return input
+    return type(self).__mro__[1].forward(self, input)
+
+
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _causal_lm_head(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The LM head whose loss ``patch`` fuses, or None; and what the report says about it."""
+    cls = type(model)
+    if not cls.__module__.startswith("transformers.") or not (
+        cls.__name__.endswith("ForCausalLM") or cls.__name__ == "GPT2LMHeadModel"
+    ):
+        return None, ""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return None, f"left to the model ({cls.__name__}.lm_head is not a linear layer)"
+    config = getattr(model, "config", None)
+    for name in _LOGIT_POSTPROCESSING:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return None, f"left to the model ({cls.__name__} post-processes its logits: {name})"
+    source = _source(cls.forward)
+    if "self.lm_head(" not in source or "self.loss_function(" not in source:
+        return None, f"left to the model ({cls.__name__}.forward computes its loss another way)"
+    return head, "one chunked teeny op in training with labels= (logits not stored, output.logits is None)"
+
+
+def _takes_fused_loss(model: nn.Module, kwargs: dict) -> bool:
+    """A training call with labels= that wants the standard loss and a dict output."""
+    if kwargs.get("labels") is None or not model.training or not torch.is_grad_enabled():
+        return False
+    if kwargs.get("logits_to_keep", 0) != 0 or kwargs.get("shift_labels") is not None:
+        return False
+    return_dict = kwargs.get("return_dict")
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    extra = set(kwargs) - _FORWARD_ARGUMENTS
+    return bool(return_dict) and not extra
+
+
+# keyword arguments a causal LM's forward passes to its base model (the rest go to the loss)
+_FORWARD_ARGUMENTS = {
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "token_type_ids",
+    "inputs_embeds",
+    "labels",
+    "use_cache",
+    "return_dict",
+    "num_items_in_batch",
+    "logits_to_keep",
+    "cache_position",
+    "past_key_values",
+    "output_attentions",
+    "output_hidden_states",
+}
+
+
+def _causal_lm_forward(model: nn.Module, head: nn.Module, forward, args: tuple, kwargs: dict):
+    """The model's own forward up to the head (which passes its input through), then head and
+    loss as one teeny call; the output as the model builds it, with the loss and no logits."""
+    kwargs = dict(kwargs)
+    labels = kwargs.pop("labels")
+    num_items = kwargs.pop("num_items_in_batch", None)
+    head._teeny_hidden_only = True
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        head._teeny_hidden_only = False
+    hidden = out.logits
+    reduction = "mean" if num_items is None else "sum"
+    loss = library.direct.causal_lm_loss(hidden, head.weight, head.bias, labels.to(hidden.device), -100, reduction)
+    if num_items is not None:
+        loss = loss / num_items
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    return type(out)(loss=loss, **fields)
 
 
 def _gpt2_mlp_forward(self, hidden_states):  # c_fc, act, c_proj, dropout; Conv1D weights are (in, out)
@@ -193,9 +306,10 @@ class _Router(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def patch(model: nn.Module) -> PatchReport:
-    """Swap the supported submodules of ``model`` for teeny's and route its functional calls
-    to teeny while it runs (see the module docstring); returns what was done."""
+def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
+    """Swap the supported submodules of ``model`` for teeny's, fuse a causal LM's head and loss
+    (``fused_loss``) and route its functional calls to teeny while it runs (see the module
+    docstring); returns what was done."""
     report = PatchReport(functional=sorted({getattr(f, "__name__", str(f)) for f in TF.ROUTED}))
     for path, module in model.named_modules():
         cls = type(module)
@@ -214,12 +328,19 @@ def patch(model: nn.Module) -> PatchReport:
             report.swapped.append((path, cls.__name__, target.__name__))
         elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
             report.left.append((path, cls.__name__, "no teeny drop-in (its functional calls are still routed)"))
+    head, report.fused_loss = _causal_lm_head(model) if fused_loss else (None, "")
+    if head is not None and not getattr(head, "_teeny_patched", False):
+        head.__class__ = _teeny_subclass(type(head), _head_forward, "lm_head")
+        head._teeny_hidden_only = False
+        head._teeny_patched = True
     if not getattr(model, "_teeny_patched", False):
         original = model.forward
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
             with _Router(report):
+                if head is not None and _takes_fused_loss(model, kwargs):
+                    return _causal_lm_forward(model, head, original, args, kwargs)
                 return original(*args, **kwargs)
 
         model.forward = forward
