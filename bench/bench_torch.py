@@ -185,19 +185,20 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
     base, ids, _ = _gpt2(tiny, device)
     results = {}
     reps = 3 if tiny else 20
-    known = {  # variant: (label, patched, torch.compile mode or None)
-        "eager": ("eager", False, None),
-        "patched": ("patched eager", True, None),
-        "compile": ("torch.compile", False, "default"),
-        "patched-compile": ("patched + torch.compile", True, "default"),
-        "compile-ro": ("torch.compile reduce-overhead", False, "reduce-overhead"),
-        "patched-compile-ro": ("patched + torch.compile reduce-overhead", True, "reduce-overhead"),
+    known = {  # variant: (label, patched (teeny.torch.patch's keywords) or None, torch.compile mode or None)
+        "eager": ("eager", None, None),
+        "patched": ("patched eager", {}, None),
+        "patched-logits": ("patched eager, head and loss unfused", {"fused_loss": False}, None),
+        "compile": ("torch.compile", None, "default"),
+        "patched-compile": ("patched + torch.compile", {}, "default"),
+        "compile-ro": ("torch.compile reduce-overhead", None, "reduce-overhead"),
+        "patched-compile-ro": ("patched + torch.compile reduce-overhead", {}, "reduce-overhead"),
     }
     plan = [(p, known[v]) for v in variants for p in precisions]
     for precision, (label, patch, mode) in plan:
         model = copy.deepcopy(base)
-        if patch:
-            teeny.torch.patch(model)
+        if patch is not None:
+            teeny.torch.patch(model, **patch)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         forward = torch.compile(model, mode=mode) if mode else model
         autocast = precision == "bf16-autocast"
@@ -308,7 +309,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="eager,patched,compile,patched-compile",
-        help="patched GPT-2: which steps, in order (also compile-ro, patched-compile-ro: mode reduce-overhead)",
+        help="patched GPT-2: which steps, in order (also compile-ro, patched-compile-ro: mode reduce-overhead; "
+        "patched-logits: patched with the head and loss left unfused)",
     )
     args = parser.parse_args()
     device = teeny.DEVICE
