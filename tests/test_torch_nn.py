@@ -146,6 +146,36 @@ def test_scaled_dot_product_attention_layer():
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_over_packed_views_reads_them_in_place(causal):
+    """q, k, v split by views out of one (batch, length, 3 * heads * dim) tensor (GPT-2's and
+    nanoGPT's attention): one packed-layout call on that tensor, torch's output and gradient
+    (float64, tight); q, k, v that are not such views go to the plain attention."""
+    import teeny.torch.nn.functional as TF
+    from teeny.torch import bridge
+
+    b, length, heads, d = 2, 5, 3, 4
+    qkv = _randn(b, length, 3 * heads * d).requires_grad_()
+    ref = qkv.detach().clone().requires_grad_()
+
+    def split(t):
+        return [z.view(b, length, heads, d).transpose(1, 2) for z in t.split(heads * d, dim=2)]
+
+    bridge.clear_cache()
+    out = TF.scaled_dot_product_attention(*split(qkv), is_causal=causal, scale=0.3)
+    expected = nn.functional.scaled_dot_product_attention(*split(ref), is_causal=causal, scale=0.3)
+    assert out.shape == expected.shape and out.transpose(1, 2).is_contiguous()  # the merge of the heads is a view
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    grad = _randn(*out.shape, seed=3)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(qkv.grad, ref.grad, atol=1e-12, rtol=1e-12)
+    assert {e.label for e in bridge._ENTRIES.values()} == {"teeny op packed_attention"}
+    q, k, v = split(qkv.detach())
+    TF.scaled_dot_product_attention(q, k.clone(), v)  # k copied out: not packed any more
+    assert "teeny op scaled_dot_product_attention" in {e.label for e in bridge._ENTRIES.values()}
+
+
 def test_an_option_without_a_kernel_is_refused_by_name():
     with pytest.raises(tnn.Unsupported, match="padding_mode='reflect'"):
         tnn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect")(_randn(1, 2, 5, 5))

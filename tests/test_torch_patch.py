@@ -311,6 +311,7 @@ def test_conv1d_is_one_teeny_linear_the_mlp_one_node_and_a_zero_dropout_none():
     labels = {entry.label for entry in bridge._ENTRIES.values()}
     assert "teeny op linear" in labels  # x @ W + b: the bias in the product's epilogue
     assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu"}
+    assert "teeny op packed_attention" in labels and "teeny op scaled_dot_product_attention" not in labels
     (mlp,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gelu_mlp"]  # both layers: one signature
     assert [type(node.op).__name__ for node in mlp.executor.program.nodes] == ["LinearOp", "ActivationOp", "LinearOp"]
 
@@ -337,3 +338,38 @@ def test_conv1d_under_autocast_runs_as_a_product_in_the_autocast_dtype(bias):
     torch.testing.assert_close(conv.weight.grad, x.sum(1).sum(0)[:, None].expand(8, 5), atol=0.1, rtol=0.02)
     if bias:
         torch.testing.assert_close(conv.bias.grad, torch.full((5,), 6.0))
+
+
+def _patch_op_calls():
+    """A small float64 call of each operator that patch and its routing register themselves."""
+    g = torch.Generator().manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    target = torch.randint(0, 7, (2, 4), generator=g)
+    target[0, 2] = -100
+    return [
+        ("gelu_mlp", (randn(2, 3, 4), randn(5, 4), randn(5), randn(4, 5), randn(4))),
+        ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), randn(7), target, -100, "mean")),
+        ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), None, target, -100, "sum")),
+        ("packed_attention", (randn(2, 5, 24), 2, True, 0.3)),
+    ]
+
+
+@pytest.mark.parametrize("name, args", _patch_op_calls(), ids=lambda v: v if isinstance(v, str) else "")
+def test_patch_operators_pass_opcheck_and_float64_gradcheck(name, args):
+    import teeny.torch.nn.functional  # noqa: F401  (registers packed_attention)
+    import teeny.torch.patching  # noqa: F401  (registers gelu_mlp and causal_lm_loss)
+
+    op = getattr(torch.ops.teeny, name)
+    torch.library.opcheck(op, args)
+    leaves = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def fn(*xs):
+        full = list(args)
+        for i, x in zip(leaves, xs):
+            full[i] = x
+        return op(*full)
+
+    assert torch.autograd.gradcheck(fn, [args[i] for i in leaves], eps=1e-6, atol=1e-8)

@@ -244,12 +244,58 @@ def avg_pool2d(
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
+    """As torch's. In eager mode, q, k and v that are the three column blocks of one
+    (batch, length, 3 * heads * dim) tensor, split into heads by views (``qkv.split(d, 2)``,
+    ``view``, ``transpose(1, 2)``: GPT-2's and nanoGPT's attention), are read from that tensor
+    in place and its gradient is written whole: no copy of q, k, v, no concatenation of their
+    gradients, and the output is the (batch, length, heads, dim) tensor the merge of the heads
+    wants, seen as (batch, heads, length, dim)."""
     _refuse(dropout_p != 0.0, f"scaled_dot_product_attention with dropout_p={dropout_p}")
     _refuse(attn_mask is not None and is_causal, "scaled_dot_product_attention with both attn_mask and is_causal")
     _floating(query)
-    return T.scaled_dot_product_attention(
-        query, key, value, attn_mask, 0.0, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa)
-    )
+    scale = None if scale is None else float(scale)
+    if attn_mask is None and not enable_gqa and not torch.compiler.is_compiling():
+        qkv = _packed_source(query, key, value)
+        if qkv is not None:
+            return T.packed_attention(qkv, query.shape[1], bool(is_causal), scale).transpose(1, 2)
+    return T.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, bool(is_causal), scale, bool(enable_gqa))
+
+
+def _packed_source(query, key, value) -> torch.Tensor | None:
+    """The contiguous (batch, length, 3 * heads * dim) tensor whose column blocks q, k and v
+    are, as (batch, heads, length, dim) views; None if they are anything else."""
+    base = query._base
+    if base is None or key._base is not base or value._base is not base or base.dim() != 3 or query.dim() != 4:
+        return None
+    batch, length, width = base.shape
+    heads, d = query.shape[1], query.shape[3]
+    if not base.is_contiguous() or width != 3 * heads * d:
+        return None
+    if not query.shape == key.shape == value.shape == (batch, heads, length, d):
+        return None
+    if not query.stride() == key.stride() == value.stride() == (length * width, d, width, 1):
+        return None
+    start = base.storage_offset()
+    offsets = (query.storage_offset() - start, key.storage_offset() - start, value.storage_offset() - start)
+    return base if offsets == (0, heads * d, 2 * heads * d) else None
+
+
+def _packed_attention(qkv, heads: int, is_causal: bool = False, scale: float | None = None):
+    """softmax(q k^T * scale) v over q, k, v packed in qkv (batch, length, 3 * heads * dim);
+    the output is (batch, length, heads, dim)."""
+    from ...graph import graph_of
+    from ...kernels.attention import AttentionOp
+
+    op = AttentionOp(False, is_causal, scale, False, layout="packed", heads=heads)
+    return graph_of(qkv).apply(op, [qkv])
+
+
+library.register(
+    _packed_attention,
+    name="packed_attention",
+    schema="Tensor qkv, int heads, bool is_causal=False, float? scale=None",
+    product=True,
+)
 
 
 # ---------------------------------------------------------------------------- losses
