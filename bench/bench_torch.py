@@ -113,6 +113,18 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
     def torch_both():
         F.gelu(x).backward(seed)
 
+    class Identity(torch.autograd.Function):  # what torch's autograd costs any custom op, teeny's or not
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def floor_both():
+        Identity.apply(x).backward(seed)
+
     def replay_off(fn):
         def run():
             teeny.config.replay = False
@@ -136,6 +148,7 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
         ("torch.compile(F.gelu) forward+backward", compiled_torch_both),
         ("F.gelu forward (torch eager)", torch_forward),
         ("F.gelu forward+backward (torch eager)", torch_both),
+        ("autograd.Function identity forward+backward (torch's floor)", floor_both),
     ]:
         out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
     if profile:  # where the host time of a registered op's forward+backward goes
@@ -153,6 +166,9 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
     out["op overhead forward (us)"] = out["torch.ops.teeny.gelu forward"] - out["raw kernel forward"]
     out["op overhead forward+backward (us)"] = (
         out["torch.ops.teeny.gelu forward+backward"] - out["raw kernels forward+backward"]
+    )
+    out["op overhead forward+backward over raw + torch's floor (us)"] = (
+        out["op overhead forward+backward (us)"] - out["autograd.Function identity forward+backward (torch's floor)"]
     )
     return out
 

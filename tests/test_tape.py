@@ -8,7 +8,7 @@ import torch
 from tests.test_torch_library import OVERLOADS, REGISTERED, _calls, _flat, _torch_args
 
 import teeny
-from teeny import config
+from teeny import config, tuning
 from teeny.kernel import record_launches
 from teeny.registry import OPS
 from teeny.tape import Replayed
@@ -181,6 +181,34 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
         assert launches and all(step.direct is not None for step in launches)
         # kernels without scratch memory skip Triton's Python launcher as well
         assert all(step.direct.__name__ == "launch_native" for step in launches)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
+def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_cuda_graph():
+    from teeny import kernel as kernel_module
+    from teeny.tape import _LaunchStep
+
+    bridge.clear_cache()
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ w.float().t()
+    results = [torch.ops.teeny.linear(x, w) for _ in range(3)]
+    steps = [s for s in _entry("teeny op linear")._forward_replay.tape.steps if isinstance(s, _LaunchStep)]
+    assert any(step.direct.__name__ == "launch_with_scratch" for step in steps)
+    buffers = dict(kernel_module._SCRATCH)
+    assert buffers  # the replays' TMA descriptors live in the stream's one shared buffer
+    torch.ops.teeny.linear(x, w)
+    assert {k: b.data_ptr() for k, b in kernel_module._SCRATCH.items()} == {k: b.data_ptr() for k, b in buffers.items()}
+    for z in results:
+        torch.testing.assert_close(z.float(), expected, atol=1.0, rtol=2e-2)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        captured = torch.ops.teeny.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    x.copy_(2 * x)
+    graph.replay()
+    torch.testing.assert_close(captured.float(), 2 * expected, atol=2.0, rtol=2e-2)
 
 
 def test_replay_can_be_switched_off(monkeypatch):

@@ -268,13 +268,13 @@ class KernelInstance:
 
 def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
     """``launch(stream, args)``: the Triton-compiled kernel ``compiled`` launched straight
-    through its launcher over ``grid``, skipping ``JITFunction.run`` (argument binding,
-    specialisation key, cache lookup: most of a launch's host time). Valid only for arguments
-    that specialise as the ones it was compiled for (same scalars, pointers with the same
-    16-byte alignment). A kernel that needs no scratch memory goes straight to the C launcher
-    under Triton's Python one (which would look for scratch to allocate on every launch).
-    ``None`` where there is nothing to launch directly (the interpreter) or where Triton's
-    launch hooks are set (a profiler that wants the full path)."""
+    through its C launcher over ``grid``, skipping ``JITFunction.run`` (argument binding,
+    specialisation key, cache lookup) and Triton's Python launcher (which asks an allocator
+    for scratch memory at every launch: most of a launch's host time). Global scratch (the
+    TMA descriptors a ``device_scratch`` kernel makes) comes from ``_scratch``. Valid only for
+    arguments that specialise as the ones it was compiled for (same scalars, pointers with the
+    same 16-byte alignment). ``None`` where there is nothing to launch directly (the
+    interpreter) or where Triton's launch hooks are set (a profiler that wants the full path)."""
     from triton import knobs
 
     if compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -284,27 +284,52 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
         return None
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1, g2 = (*grid, 1, 1)[:3]
-    native = getattr(run, "launch", None)  # the C launcher under Triton's Python one
-    needs = ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    if native is not None and all(hasattr(run, a) for a in needs) and not device_scratch:
-        if not (run.global_scratch_size or run.profile_scratch_size):  # no scratch to allocate per launch
-            cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+    native = getattr(run, "launch", None)
+    needs = ("global_scratch_size", "num_ctas", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if native is None or not all(hasattr(run, a) for a in needs) or run.profile_scratch_size:
 
-            def launch_native(stream: int, args: list) -> None:
-                native(g0, g1, g2, stream, function, cooperative, pdl, None, None, metadata, None, None, None, *args)
+        def launch(stream: int, args: list) -> None:
+            if device_scratch:
+                triton.set_allocator(_device_scratch)
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
 
-            return launch_native
+        return launch
+    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+    scratch_bytes = g0 * g1 * g2 * run.num_ctas * run.global_scratch_size
+    if not scratch_bytes:
 
-    def launch(stream: int, args: list) -> None:
-        if device_scratch:
-            triton.set_allocator(_device_scratch)
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+        def launch_native(stream: int, args: list) -> None:
+            native(g0, g1, g2, stream, function, cooperative, pdl, None, None, metadata, None, None, None, *args)
 
-    return launch
+        return launch_native
+
+    def launch_with_scratch(stream: int, args: list) -> None:
+        scratch = _scratch(scratch_bytes, stream)
+        native(g0, g1, g2, stream, function, cooperative, pdl, scratch, None, metadata, None, None, None, *args)
+
+    return launch_with_scratch
+
+
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream handle) -> the buffer its launches share
+
+
+def _scratch(size: int, stream: int) -> torch.Tensor:
+    """At least ``size`` bytes of global scratch for a launch on ``stream``. Launches on one
+    stream run one after another, so they share one buffer, grown as needed. While a CUDA graph
+    is being captured each launch gets its own allocation instead: the graph's memory pool keeps
+    it for the graph's replays, and a buffer grown later cannot free memory a graph still uses."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)  # the default stream's handle is 0 on every device
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buffer
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch memory for a launch (a torch allocation, so CUDA-graph capture works)."""
+    """Global scratch memory for a launch through Triton's own path (a torch allocation, so
+    CUDA-graph capture works)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
