@@ -185,7 +185,7 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
 def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_cuda_graph(monkeypatch):
-    from teeny import kernel as kernel_module
+    from teeny.kernel import _SCRATCH  # (``teeny.kernel`` is also the decorator's name: import the dict)
     from teeny.tape import _LaunchStep
 
     monkeypatch.setenv("TEENY_TUNING", "0")  # the heuristic's TMA configuration: timing them all takes minutes
@@ -196,10 +196,10 @@ def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_c
     results = [torch.ops.teeny.linear(x, w) for _ in range(3)]
     steps = [s for s in _entry("teeny op linear")._forward_replay.tape.steps if isinstance(s, _LaunchStep)]
     assert any(step.direct.__name__ == "launch_with_scratch" for step in steps)
-    buffers = dict(kernel_module._SCRATCH)
+    buffers = dict(_SCRATCH)
     assert buffers  # the replays' TMA descriptors live in the stream's one shared buffer
     torch.ops.teeny.linear(x, w)
-    assert {k: b.data_ptr() for k, b in kernel_module._SCRATCH.items()} == {k: b.data_ptr() for k, b in buffers.items()}
+    assert {k: b.data_ptr() for k, b in _SCRATCH.items()} == {k: b.data_ptr() for k, b in buffers.items()}
     for z in results:
         torch.testing.assert_close(z.float(), expected, atol=1.0, rtol=2e-2)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()

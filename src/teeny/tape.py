@@ -10,8 +10,9 @@ zeroing, copies) through a ``TorchDispatchMode``, each kernel launch through
 made; a tensor it read but did not make, such as an executor's constant, is kept as it is).
 Later calls on tensors of the same shapes, strides, dtypes, device and 16-byte alignment (what
 every choice the run made can depend on) replay the tape: the ATen calls again, each launch
-straight through Triton's compiled launcher (``kernel.direct_launcher``) on a GPU, and the
-flags ops asked to have checked (``OpContext.check_after``) read as the executor reads them.
+straight through Triton's C launcher (``kernel.direct_launcher``; a TMA kernel's descriptors
+in one scratch buffer per stream) on a GPU, and the flags ops asked to have checked
+(``OpContext.check_after``) read as the executor reads them.
 
 The full path runs instead (``Replayed.not_recorded`` says why) when the run handed a value
 from the device to the host (``.item()``: a branch may depend on it), when ``fn``'s program
