@@ -1,6 +1,7 @@
 """The core runtime: lowering modes, loud failures, executor bookkeeping, CustomOp from source."""
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -174,6 +175,30 @@ def test_cache_entries_are_freed_as_backward_walks():
     ex._node_backward = spy
     ex.backward(cache, torch.ones(4, 3))
     assert sizes == [2, 1, 0]
+
+
+def test_saved_tensors_are_freed_as_backward_walks():
+    """A node's saved tensors are freed once its backward has run (as torch's autograd frees
+    them), so a step's peak is not every saved tensor plus the backward's gradients."""
+    g = Graph()
+    x = g.input("x", (4, 3), requires_grad=True)
+    g.output(ops.gelu(ops.gelu(ops.gelu(x))))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    xs = torch.randn(4, 3)
+    _, cache = ex.forward_train({"x": xs})
+    input_storage = xs.untyped_storage().data_ptr()
+    saved = [weakref.ref(t) for t in cache.tensors() if t.untyped_storage().data_ptr() != input_storage]
+    assert len(saved) == 2  # gelu(x) and gelu(gelu(x)); x is the caller's
+    alive = []
+    original = ex._node_backward
+
+    def spy(p, entry, grad_out, grads):
+        alive.append(sum(ref() is not None for ref in saved))
+        original(p, entry, grad_out, grads)
+
+    ex._node_backward = spy
+    ex.backward(cache, torch.ones(4, 3))
+    assert alive == [2, 1, 0]
 
 
 def test_fan_out_gradients_are_summed():

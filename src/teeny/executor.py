@@ -326,6 +326,7 @@ class Executor:
         if cache.used:
             raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
         _check_versions(cache)
+        cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
         cache.used = True
         program = self.program
         loss = program.loss
