@@ -184,7 +184,7 @@ def test_saved_tensors_are_freed_as_backward_walks():
     x = g.input("x", (4, 3), requires_grad=True)
     g.output(ops.gelu(ops.gelu(ops.gelu(x))))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
-    xs = torch.randn(4, 3)
+    xs = torch.randn(4, 3, device=teeny.DEVICE)  # on the executor's device, the saved x is the caller's
     _, cache = ex.forward_train({"x": xs})
     input_storage = xs.untyped_storage().data_ptr()
     saved = [weakref.ref(t) for t in cache.tensors() if t.untyped_storage().data_ptr() != input_storage]
