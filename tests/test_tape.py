@@ -183,6 +183,72 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
         assert all(step.direct.__name__ == "launch_native" for step in launches)
 
 
+class _FakeLauncher:
+    """Stands for Triton's ``CudaLauncher``: its C launcher records each call."""
+
+    def __init__(self, global_scratch: int, profile_scratch: int = 0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch, profile_scratch
+        self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, False
+        self.calls: list[tuple] = []
+        self.python_calls = 0
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+    def __call__(self, *args):  # Triton's Python launcher: allocates scratch itself
+        self.python_calls += 1
+
+
+def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh_under_capture(monkeypatch):
+    import importlib
+    from types import SimpleNamespace
+
+    kernel_module = importlib.import_module("teeny.kernel")  # (``teeny.kernel`` is also the decorator)
+    allocated, capturing = [], [False]
+
+    def allocate(size, alignment, stream):
+        allocated.append(size)
+        return torch.empty(size, dtype=torch.int8)
+
+    monkeypatch.setattr(kernel_module, "_device_scratch", allocate)
+    monkeypatch.setattr(kernel_module, "_SCRATCH", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    def launcher(grid, global_scratch, profile_scratch=0):
+        run = _FakeLauncher(global_scratch, profile_scratch)
+        compiled = SimpleNamespace(run=run, function="fn", packed_metadata="meta")
+        return kernel_module.direct_launcher(compiled, grid, device_scratch=True), run
+
+    small, run = launcher((4, 2), 128)
+    assert small.__name__ == "launch_with_scratch"
+    small(7, ["a", "b"])
+    small(7, ["c", "d"])
+    assert allocated == [4 * 2 * 128]  # one buffer: a grid's programs each take 128 bytes of it
+    first, second = run.calls
+    assert first[:7] == (4, 2, 1, 7, "fn", False, False) and first[8:] == (None, "meta", None, None, None, "a", "b")
+    assert first[7] is second[7] and first[7].numel() == 1024
+    big, big_run = launcher((8, 2), 128)
+    big(7, [])
+    small(7, [])
+    assert allocated == [1024, 2048]  # grown once for the bigger grid, then shared by both
+    assert big_run.calls[0][7] is run.calls[-1][7]
+    small(9, [])
+    assert allocated[-1] == 1024 and run.calls[-1][7] is not big_run.calls[0][7]  # another stream, its own
+    capturing[0] = True
+    small(7, [])
+    small(7, [])
+    assert allocated[-2:] == [1024, 1024] and run.calls[-1][7] is not run.calls[-2][7]  # kept by each graph
+    assert len(kernel_module._SCRATCH) == 2  # capture left the shared buffers alone
+
+    plain, plain_run = launcher((3,), 0)
+    plain(7, ["x"])
+    assert plain.__name__ == "launch_native" and plain_run.calls[0][7] is None
+    profiled, profiled_run = launcher((3,), 128, profile_scratch=64)  # Triton's own path allocates both
+    profiled(7, [])
+    assert profiled_run.python_calls == 1 and not profiled_run.calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
 def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_cuda_graph(monkeypatch):
     from teeny.kernel import _SCRATCH  # (``teeny.kernel`` is also the decorator's name: import the dict)

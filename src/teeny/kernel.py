@@ -319,17 +319,17 @@ def _scratch(size: int, stream: int) -> torch.Tensor:
     is being captured each launch gets its own allocation instead: the graph's memory pool keeps
     it for the graph's replays, and a buffer grown later cannot free memory a graph still uses."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
+        return _device_scratch(size, 0, stream)
     key = (torch.cuda.current_device(), stream)  # the default stream's handle is 0 on every device
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+        buffer = _SCRATCH[key] = _device_scratch(size, 0, stream)
     return buffer
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch memory for a launch through Triton's own path (a torch allocation, so
-    CUDA-graph capture works)."""
+    """Global scratch memory for a launch (a torch allocation on the current device, so CUDA-graph
+    capture works; torch's blocks are aligned far beyond what descriptors need)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
