@@ -215,8 +215,9 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
-    def launcher(grid, global_scratch, profile_scratch=0):
+    def launcher(grid, global_scratch, profile_scratch=0, pdl=False):
         run = _FakeLauncher(global_scratch, profile_scratch)
+        run.launch_pdl = pdl
         compiled = SimpleNamespace(run=run, function="fn", packed_metadata="meta")
         return kernel_module.direct_launcher(compiled, grid, device_scratch=True), run
 
@@ -247,6 +248,9 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     profiled, profiled_run = launcher((3,), 128, profile_scratch=64)  # Triton's own path allocates both
     profiled(7, [])
     assert profiled_run.python_calls == 1 and not profiled_run.calls
+    overlapping, overlapping_run = launcher((3,), 128, pdl=True)  # may start before the last one ends
+    overlapping(7, [])
+    assert overlapping_run.python_calls == 1 and not overlapping_run.calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")

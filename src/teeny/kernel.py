@@ -286,7 +286,8 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
     g0, g1, g2 = (*grid, 1, 1)[:3]
     native = getattr(run, "launch", None)
     needs = ("global_scratch_size", "num_ctas", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    if native is None or not all(hasattr(run, a) for a in needs) or run.profile_scratch_size:
+    # profile scratch, or a launch that may overlap the one before it (PDL): Triton's own path
+    if native is None or not all(hasattr(run, a) for a in needs) or run.profile_scratch_size or run.launch_pdl:
 
         def launch(stream: int, args: list) -> None:
             if device_scratch:
