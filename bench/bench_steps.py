@@ -15,7 +15,9 @@ a training loop runs them), tokens (samples) per second queued and peak memory p
 ``--precision bf16-mixed`` keeps the models' parameters float32 (teeny: ``lower(...,
 precision="bf16-mixed")``; torch: ``torch.autocast`` to bfloat16 around the forward and loss).
 Each teeny row prints its program's launch count, memory plan and graph rewrites; the
-"teeny, no rewrites" row (``lower(..., rewrites=())``) measures what the rewrites buy.
+"teeny, no rewrites" row (``lower(..., rewrites=())``) measures what the rewrites buy, the
+"teeny, recompute" row (``--recompute``: ``lower(..., recompute=True)``) what recomputing the
+norms' and activations' outputs in the backward costs and saves.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def batch_for(case):
     return x, torch.randint(0, case["sizes"][-1], (case["batch"],), generator=g).to(DEV)
 
 
-def teeny_step(case, precision=None, rewrites=None):
+def teeny_step(case, precision=None, rewrites=None, recompute=False):
     dtype = torch.float32 if precision else case["dtype"]
     g = Graph("step")
     if case["kind"] == "gpt":
@@ -152,8 +154,8 @@ def teeny_step(case, precision=None, rewrites=None):
             y = g.input("y", (case["batch"],), torch.int64)
             g.output(ops.cross_entropy(model(x), y))
     options = {} if rewrites is None else {"rewrites": rewrites}
-    program = lower(g, LoweringMode.TRAINING, precision=precision, **options)
-    for line in program.summary().splitlines()[-(2 + len(program.rewrites)) :]:
+    program = lower(g, LoweringMode.TRAINING, precision=precision, recompute=recompute, **options)
+    for line in program.summary().splitlines()[-(2 + bool(recompute) + len(program.rewrites)) :]:
         print("   ", line.strip())
     ex = teeny.Executor(program)
     opt = AdamW(ex, lr=1e-4) if case["kind"] == "gpt" else SGD(ex, lr=1e-3)
@@ -202,8 +204,10 @@ def timed(step, warmup, steps):
     return statistics.median(times), start.elapsed_time(end) / steps, peak
 
 
-def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites", host=False):
-    ex, opt = teeny_step(case, precision, rewrites)
+def teeny_row(
+    case, x, y, steps, profile, precision=None, rewrites=None, label="teeny, no rewrites", host=False, recompute=False
+):
+    ex, opt = teeny_step(case, precision, rewrites, recompute)
     step = TrainStep(ex, opt, cuda_graph=DEV.type == "cuda")
     t0 = time.perf_counter()
     step({"x": x, "y": y})
@@ -232,7 +236,7 @@ def teeny_row(case, x, y, steps, profile, precision=None, rewrites=None, label="
                 f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
-    return ("teeny (CUDA graph)" if rewrites is None else label, ms, queued, mem, first)
+    return ("teeny (CUDA graph)" if rewrites is None and not recompute else label, ms, queued, mem, first)
 
 
 def print_host(label, step, calls=300):
@@ -336,7 +340,9 @@ def torch_row(case, mode, x, y, steps, precision=None):
     return (f"torch {mode}", ms, queued, mem, first)
 
 
-def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=(), host=False):
+def run_case(
+    name, case, modes, steps, profile, precision=None, no_rewrites_row=False, without=(), host=False, recompute=False
+):
     if precision:  # float32 parameters: float inputs stay float32 as well
         case = {**case, "dtype": torch.float32}
     x, y = batch_for(case)
@@ -346,6 +352,9 @@ def run_case(name, case, modes, steps, profile, precision=None, no_rewrites_row=
     torch.cuda.empty_cache()
     if no_rewrites_row:
         rows.append(teeny_row(case, x, y, steps, False, precision, rewrites=()))
+        torch.cuda.empty_cache()
+    if recompute:  # what writing norms' and activations' outputs again in the backward costs and saves
+        rows.append(teeny_row(case, x, y, steps, profile, precision, label="teeny, recompute", recompute=True))
         torch.cuda.empty_cache()
     for left_out in without:  # what one default rewrite buys: the step without it
         rewrites = tuple(r for r in DEFAULT_REWRITES if r.__name__ != left_out)
@@ -378,6 +387,7 @@ def main():
     parser.add_argument("--host", action="store_true", help="where the host time of teeny's queued step goes")
     parser.add_argument("--precision", choices=["bf16-mixed"], help="float32 parameters, bfloat16 compute")
     parser.add_argument("--no-rewrites-row", action="store_true", help="also time teeny with lower(rewrites=())")
+    parser.add_argument("--recompute", action="store_true", help="also time teeny with lower(recompute=True)")
     parser.add_argument("--without", default="", help="also time teeny without these default rewrites (names, commas)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -396,6 +406,7 @@ def main():
             args.no_rewrites_row,
             without,
             args.host,
+            args.recompute,
         )
         for m in args.models.split(",")
     ]

@@ -259,6 +259,11 @@ def add_train(sub) -> None:
         choices=["bf16-mixed", "fp16-mixed"],
         help="bfloat16 / float16 compute with float32 master weights (fp16: with dynamic loss scaling)",
     )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="keep less for the backward: write the norms' and activations' outputs again there (a few %% slower)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
     p.add_argument("--checkpoint-every", type=_positive_int, metavar="STEPS", help="default: every epoch")
@@ -370,7 +375,13 @@ def _train(args, world) -> int:
         settings["bucket_mb"] = args.bucket_mb
     out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else "runs/latest")
     config = TrainConfig(
-        **settings, seed=args.seed, out=out, max_steps=args.steps, progress=not args.no_progress, zero=args.zero
+        **settings,
+        seed=args.seed,
+        out=out,
+        max_steps=args.steps,
+        progress=not args.no_progress,
+        zero=args.zero,
+        recompute=args.recompute,
     )
     where = device.describe() if world is None else f"{world.size} processes on {device.describe()}"
     say(

@@ -130,6 +130,12 @@ class Executor:
             if v.kind in ("input", "param")
         ]
         self._nodes_by_id = {node.id: node for node in program.graph.nodes}
+        self._first_recompute_reader: dict[
+            int, int
+        ] = {}  # value id -> the first node recomputing it (its last backward)
+        for index, p in enumerate(program.nodes):
+            for i in p.recomputed:
+                self._first_recompute_reader.setdefault(p.node.inputs[i].id, index)
 
     # --- parameters ----------------------------------------------------------------------
     def _build_arenas(self, seed: int) -> None:
@@ -332,7 +338,9 @@ class Executor:
         loss = program.loss
         seed = self._seed(loss, grad_output)
         grads: dict[int, torch.Tensor] = {loss.id: seed}
-        for p in reversed(program.nodes):
+        recomputed: dict[int, torch.Tensor] = {}  # value id -> written again, until its last reader's backward
+        for index in range(len(program.nodes) - 1, -1, -1):
+            p = program.nodes[index]
             if not p.needs_backward:
                 continue
             node = p.node
@@ -340,6 +348,8 @@ class Executor:
             grad_out = grads.pop(node.output.id, None)
             if grad_out is None:
                 continue  # the output does not reach the loss through differentiable ops
+            if p.recomputed:
+                self._recompute(p, entry, cache, recomputed, index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
             self._node_backward(p, entry, grad_out, grads)
@@ -389,6 +399,27 @@ class Executor:
         if grad_output.dtype != loss.dtype:
             raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{loss.name}' is {loss.dtype}")
         return grad_output.to(self.device)
+
+    def _recompute(
+        self, p: PlannedNode, entry: dict, cache: ActivationCache, recomputed: dict[int, torch.Tensor], index: int
+    ) -> None:
+        """Put into ``entry`` the inputs of ``p`` the forward did not keep (``p.recomputed``):
+        each written again by its producer's ``recompute_launches`` from the producer's cache
+        entry, once, and kept in ``recomputed`` until the last node reading it (``index`` is
+        ``p``'s) has had its backward."""
+        for i, producer_index in p.recomputed.items():
+            v = p.node.inputs[i]
+            if v.id not in recomputed:
+                producer = self.program.nodes[producer_index]
+                saved = cache.entries[producer.node.id]
+                out = self._alloc(v.shape, v.dtype)
+                ctx = make_context(self.program, producer, saved["inputs"], out, saved["saved"], dry_run=False)
+                ctx.phase = "recompute"
+                ctx.run(producer.op.recompute_launches(ctx))
+                recomputed[v.id] = out
+            entry["inputs"][i] = recomputed[v.id]
+            if self._first_recompute_reader[v.id] == index:
+                del recomputed[v.id]
 
     def _node_backward(
         self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]

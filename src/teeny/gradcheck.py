@@ -84,16 +84,17 @@ def gradcheck_graph(
     seed: int = 0,
     raise_on_failure: bool = True,
     rewrites: Sequence[Callable] = DEFAULT_REWRITES,
+    recompute: bool = False,
 ) -> GradcheckResult:
     """Check every gradient of ``graph``'s first output: w.r.t. inputs marked ``requires_grad``
     and trainable parameters. ``mode``: "full" (every element), "directional" (one random
     direction per tensor), or "auto" (full up to ``max_elements`` elements, else directional).
-    ``rewrites``: the graph rewrites to lower with, as ``lower`` takes them."""
+    ``rewrites``, ``recompute``: what to lower with, as ``lower`` takes them."""
     from .executor import Executor
 
     if mode not in ("auto", "full", "directional"):
         raise ValueError(f"mode must be auto, full or directional, got {mode!r}")
-    program = lower(graph, LoweringMode.TRAINING, rewrites=rewrites)
+    program = lower(graph, LoweringMode.TRAINING, rewrites=rewrites, recompute=recompute)
     executor = Executor(program, seed=seed)
     if params is not None:
         executor.load_params(params, strict=False)

@@ -47,6 +47,10 @@ class PlannedNode:
     needs_backward: bool = False
     grad_mask: list[bool] = field(default_factory=list)  # per input: does it want a gradient
     saved_inputs: list[bool] = field(default_factory=list)  # per input: kept for the backward
+    # input index -> index (in Program.nodes) of its producer, whose recompute_launches write it
+    # again for this node's backward instead of the forward keeping it (lower(..., recompute=True))
+    recomputed: dict[int, int] = field(default_factory=dict)
+    recompute_launches: list = field(default_factory=list)  # what the dry run launched for them
     forward_launches: list = field(default_factory=list)  # what the dry run launched (runtime.Launch)
     backward_launches: list = field(default_factory=list)
     is_view: bool = False  # the forward answers with a view of an input (no buffer of its own)
@@ -126,11 +130,12 @@ class Program:
         rows = [f"program {self.graph.name} ({self.mode.value}): {len(self.nodes)} nodes"]
         launches = [0, 0]
         for p in self.nodes:
-            fwd, bwd = len(p.forward_launches), len(p.backward_launches)
+            fwd, bwd = len(p.forward_launches), len(p.backward_launches) + len(p.recompute_launches)
             launches[0] += fwd
             launches[1] += bwd
             shape = "x".join(str(s) for s in p.node.output.shape) or "scalar"
-            kernels = ", ".join(sorted({launch.kernel.name for launch in p.forward_launches + p.backward_launches}))
+            launched = p.forward_launches + p.backward_launches + p.recompute_launches
+            kernels = ", ".join(sorted({launch.kernel.name for launch in launched}))
             rows.append(
                 f"  {p.name:28} {p.op.name:22} {shape:>16} {fwd:2d}+{bwd:<2d} launches"
                 f"  saves {_mib(self.saved_bytes(p)):>8}  {kernels or ('(view)' if p.is_view else '(no launch)')}"
@@ -144,6 +149,14 @@ class Program:
             f"{_mib(sum(self.saved_bytes(p) for p in self.nodes))}, peak activations "
             f"{_mib(self.peak_activation_bytes())}"
         )
+        recomputed = {
+            self.nodes[j].node.output.id: self.nodes[j].node.output for p in self.nodes for j in p.recomputed.values()
+        }
+        if recomputed:
+            nbytes = sum(_nbytes(v.shape, v.dtype) for v in recomputed.values())
+            rows.append(
+                f"  recompute: {len(recomputed)} values ({_mib(nbytes)}) written again in the backward, not saved"
+            )
         rows += [f"  rewrite {report}" for report in self.rewrites]
         return "\n".join(rows)
 
@@ -159,11 +172,14 @@ def lower(
     outputs=None,
     rewrites: Sequence[RewriteFn] = DEFAULT_REWRITES,
     precision: str | None = None,
+    recompute: bool = False,
 ) -> Program:
     """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring).
     ``rewrites``: the graph rewrites to run first (``teeny.rewrites``; ``()``: none).
     ``precision``: ``None`` (the graph's dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``
-    (``rewrites.mixed_precision``; float16 training wants a loss scaler: ``optim.GradScaler``)."""
+    (``rewrites.mixed_precision``; float16 training wants a loss scaler: ``optim.GradScaler``).
+    ``recompute``: training keeps no output of a ``recomputable`` op (norms, element-wise
+    activations) for a consumer's backward; the backward writes it again (``_plan_recompute``)."""
     if not isinstance(mode, LoweringMode):
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)
@@ -178,6 +194,8 @@ def lower(
     requires_grad = {v.id: False for v in graph.values}
     if mode is LoweringMode.TRAINING:
         _plan_training(graph, planned, outs[0], requires_grad)
+        if recompute:
+            _plan_recompute(planned, outs)
     last_use = {}
     for index, p in enumerate(planned):
         for v in p.node.inputs:
@@ -268,6 +286,43 @@ def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requir
         p.saved_inputs = [bool(saves) if isinstance(saves, bool) else (i in saves) for i in range(len(node.inputs))]
 
 
+def _plan_recompute(planned: list[PlannedNode], outputs: list[Value]) -> None:
+    """Mark the inputs the backward writes again rather than the forward keeping them: the
+    output y of a node P whose op is ``recomputable`` and keeps y for nothing of its own, read
+    for its backward by a later node. P then keeps what ``recompute_launches`` reads (its saved
+    inputs, or graph inputs and parameters, which are held anyway), and P's cache entry, alive
+    until P's own backward (after every consumer's), is where the backward recomputes y from.
+    A value that is a program output, or a P with an input recomputed itself, keeps y saved."""
+    index_of = {p.node.output.id: i for i, p in enumerate(planned)}
+    keep = {v.id for v in outputs}
+    recomputed_values: set[int] = set()
+
+    def can_recompute(v: Value) -> bool:
+        producer = planned[index_of[v.id]] if v.id in index_of else None
+        if producer is None or v.id in keep or not producer.needs_backward:
+            return False
+        op, inputs = producer.op, producer.node.inputs
+        if op.recomputable is None or op.saves_output:
+            return False
+        reads = [(k, inputs[k]) for k in op.recomputable]
+        if any(u.id in recomputed_values for _, u in reads):
+            return False
+        return all(producer.saved_inputs[k] or u.kind != "node" for k, u in reads)
+
+    for p in planned:
+        if not p.needs_backward:
+            continue
+        for i, v in enumerate(p.node.inputs):
+            if p.saved_inputs[i] and v.kind == "node" and (v.id in recomputed_values or can_recompute(v)):
+                producer_index = index_of[v.id]
+                producer = planned[producer_index]
+                for k in producer.op.recomputable:
+                    producer.saved_inputs[k] = True
+                p.saved_inputs[i] = False
+                p.recomputed[i] = producer_index
+                recomputed_values.add(v.id)
+
+
 def _meta(shape, dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
@@ -312,10 +367,25 @@ def _dry_run(program: Program) -> None:
         _run_checked(node, "forward", forward)
         if p.needs_backward:
             n_act = node.op.n_activation_inputs
+            kept = [t if keep else None for t, keep in zip(inputs, p.saved_inputs)]
+            for i, producer_index in p.recomputed.items():
+                producer = program.nodes[producer_index]
+                kept[i] = _meta(node.inputs[i].shape, node.inputs[i].dtype)
+                rctx = make_context(
+                    program,
+                    producer,
+                    [_meta(v.shape, v.dtype) for v in producer.node.inputs],
+                    kept[i],
+                    extra_buffers(producer, _meta),
+                    dry_run=True,
+                )
+                rctx.phase = "recompute"
+                rctx.launched = p.recompute_launches
+                _run_checked(producer.node, "recompute", lambda c=rctx, op=producer.op: c.run(op.recompute_launches(c)))
             bctx = make_context(
                 program,
                 p,
-                [t if keep else None for t, keep in zip(inputs, p.saved_inputs)],
+                kept,
                 output if node.op.saves_output else None,
                 saved,
                 dry_run=True,

@@ -503,6 +503,9 @@ class RuntimeOp:
         True  # False: its launches depend on host state that changes per run (a CUDA graph would freeze it)
     )
     differentiable_inputs: tuple[int, ...] | None = None  # None: every float input
+    # inputs (indices over inputs+params) from which recompute_launches writes the output again
+    # in the backward; None: it cannot (lower(..., recompute=True) saves the output instead)
+    recomputable: tuple[int, ...] | None = None
     strided_grad_output: bool = False  # True: the backward reads dy by rows through grad_output_row_stride
 
     # --- shapes and dtypes -------------------------------------------------------------
@@ -555,6 +558,13 @@ class RuntimeOp:
         visitor = ArgVisitor()
         self.pack_args(ctx.inputs, ctx.params, ctx.output, ctx.output_shape, visitor, ctx.saved)
         return [Launch(self.kernel, self.grid(ctx.input_shapes, ctx.output_shape), visitor, self.block())]
+
+    def recompute_launches(self, ctx: OpContext) -> list[Launch]:
+        """The output written again, in the backward, from the inputs ``recomputable`` names
+        and the extra outputs the forward saved (``ctx.output`` is a fresh buffer): what lets a
+        consumer that reads the output for its own backward keep nothing. The default runs the
+        forward again (element-wise ops: a cheap pass, no state)."""
+        return self.forward_launches(ctx)
 
     # --- backward ----------------------------------------------------------------------
     def has_backward(self) -> bool:

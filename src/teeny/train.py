@@ -84,6 +84,7 @@ class TrainConfig:
     # None: the graph's dtypes; "bf16-mixed" / "fp16-mixed": half compute, float32 master weights
     # ("fp16-mixed" with dynamic loss scaling: optim.GradScaler)
     precision: str | None = None
+    recompute: bool = False  # write norms' and activations' outputs again in the backward (less memory)
     cuda_graph: bool | None = None  # None: on when the executor runs on a GPU
     log_every: int | None = None  # read the losses back (a synchronisation) every N steps; None: 1 on CPU, 20 on GPU
     diverge_factor: float | None = 1e4  # stop at a loss over this times max(|first loss|, 1); None: non-finite only
@@ -573,7 +574,7 @@ def train(
         return {"step": step, "nothing_to_do": True}
 
     graph = task.train_graph(local_batch, config.dtype)
-    program = lower(graph, LoweringMode.TRAINING, precision=config.precision)
+    program = lower(graph, LoweringMode.TRAINING, precision=config.precision, recompute=config.recompute)
     executor = Executor(program, seed=config.seed, device=world and world.device)
     optimizer = make_optimizer(executor, config)
     if config.precision == "fp16-mixed":

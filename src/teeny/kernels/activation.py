@@ -115,6 +115,7 @@ class ActivationOp(RuntimeOp):
 
     kernel = activation_forward
     saves_inputs = True
+    recomputable = (0,)
 
     def __init__(self, name: str, fn, grad, a: float = 0.0, b: float = 0.0):
         self.name, self.fn, self.grad, self.a, self.b = name, fn, grad, float(a), float(b)
@@ -613,6 +614,7 @@ class GatedOp(RuntimeOp):
     def __init__(self, name: str, act, act_grad, dim: int | None):
         self.name, self.act, self.act_grad, self.dim = name, act, act_grad, dim
         self.n_activation_inputs = 1 if dim is not None else 2
+        self.recomputable = tuple(range(self.n_activation_inputs))
 
     def check_inputs(self, input_shapes, input_dtypes):
         if self.dim is None:
@@ -738,6 +740,7 @@ class PReLUOp(RuntimeOp):
     name = "prelu"
     kernel = prelu_forward
     saves_inputs = True
+    recomputable = (0, 1)
 
     def param_shapes(self, input_shapes):
         return [None]

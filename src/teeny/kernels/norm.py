@@ -71,8 +71,9 @@ PROGRAMS_PER_SM = 2  # programs (= dw/db partial rows) of the fused backward on 
 INTERPRETER_PROGRAMS = 4  # the same under the interpreter
 ROWS_PER_WEIGHT_PROGRAM = 32  # rows reduced by one program of norm_weight_backward
 
-# STATS: where the statistics come from
-BATCH_STATS, RUNNING_STATS = tl.constexpr(0), tl.constexpr(1)
+# STATS: where the statistics come from (SAVED_STATS: those the forward saved, as the backward
+# reads them, when it writes y again: ``NormOp.recompute_launches``)
+BATCH_STATS, RUNNING_STATS, SAVED_STATS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # CHANNEL: the affine channel of column j of statistics row r
 COLUMN_CHANNEL = tl.constexpr(0)  # j (layer_norm, rms_norm)
 ROW_CHANNEL = tl.constexpr(1)  # r (batch_norm)
@@ -373,7 +374,8 @@ def norm_forward(
 ):
     """One tile of ROWS rows per program: mean (centred: mean_ptr given), rstd (saved), y, and the
     running statistics (batch statistics with running_mean_ptr given). With residual_ptr (rows of
-    x only) the rows normalised are x + residual, written to sum_ptr (``AddNormOp``)."""
+    x only) the rows normalised are x + residual, written to sum_ptr (``AddNormOp``). SAVED_STATS:
+    y only, from the mean and rstd at mean_ptr / rstd_ptr."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = rows.to(tl.int64) * row_stride
@@ -381,6 +383,11 @@ def norm_forward(
     if STATS == RUNNING_STATS:  # batch_norm in inference
         mean = tl.load(running_mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
         rstd = 1.0 / tl.sqrt(tl.load(running_var_ptr + rows, mask=row_mask, other=1.0).to(COMPUTE) + eps)
+    elif STATS == SAVED_STATS:
+        mean = tl.zeros([ROWS], dtype=COMPUTE)
+        if mean_ptr is not None:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0).to(COMPUTE)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=1.0).to(COMPUTE)
     else:
         if ROW_LEN <= BLOCK:  # one block: x stays in registers for y
             mask = row_mask[:, None] & (cols < ROW_LEN)[None, :]
@@ -426,9 +433,10 @@ def norm_forward(
             new_var = (1.0 - momentum) * running_var + momentum * (m2 / (ROW_LEN - 1))
             tl.store(running_mean_ptr + rows, new_mean.to(running_mean_ptr.dtype.element_ty), mask=row_mask)
             tl.store(running_var_ptr + rows, new_var.to(running_var_ptr.dtype.element_ty), mask=row_mask)
-    if mean_ptr is not None:
-        tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_mask)
+    if STATS != SAVED_STATS:
+        if mean_ptr is not None:
+            tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_mask)
     for start in range(0, ROW_LEN, BLOCK):
         c = start + cols
         mask = row_mask[:, None] & (c < ROW_LEN)[None, :]
@@ -436,7 +444,7 @@ def norm_forward(
             offs = base[:, None] + c[None, :]
         else:
             offs = base[:, None] + ((c // INNER).to(tl.int64) * outer_stride + c % INNER)[None, :]
-        if STATS == RUNNING_STATS or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
+        if STATS != BATCH_STATS or ROW_LEN > BLOCK:  # else x of the statistics pass is still in registers
             x = _load_x(x_ptr, residual_ptr, None, offs, mask, residual_numel, RESIDUAL_REPEATS, COMPUTE)
         if mean_ptr is not None:
             y = (x - mean[:, None]) * rstd[:, None]
@@ -601,13 +609,25 @@ class NormOp(RuntimeOp):
         return w, b
 
     def forward_launches(self, ctx: OpContext) -> list[Launch]:
+        return self._normalise(ctx, self.sources(ctx), self.stats_source(), self.running_stats(ctx))
+
+    @property
+    def recomputable(self) -> tuple[int, ...]:
+        """y again from x, the affine parameters and the saved mean and rstd."""
+        return tuple(i for i in (0, self.weight_index, self.bias_index) if i is not None)
+
+    def recompute_launches(self, ctx: OpContext) -> list[Launch]:
+        plain = dict(x_ptr=ctx.inputs[0], residual_numel=1, RESIDUAL_REPEATS=False)  # AddNormOp: x is the sum
+        return self._normalise(ctx, plain, SAVED_STATS, (None, None))
+
+    def _normalise(self, ctx: OpContext, sources: dict, stats, running) -> list[Launch]:
         (x,) = ctx.inputs
         w, b = self._affine([x, *ctx.params])
         rows = self.stats_rows(x.shape)
         rows_per_tile, block = _tile(rows.rows, rows.row_len, ctx.dtype)
-        running_mean, running_var = self.running_stats(ctx)
+        running_mean, running_var = running
         args = ArgVisitor().visit(
-            **self.sources(ctx),
+            **sources,
             w_ptr=w,
             b_ptr=b,
             y_ptr=ctx.output,
@@ -617,7 +637,7 @@ class NormOp(RuntimeOp):
             running_var_ptr=running_var,
             eps=self.eps,
             momentum=self.momentum(),
-            STATS=self.stats_source(),
+            STATS=stats,
             COMPUTE=tl_acc_dtype(ctx.dtype),
             ROWS=rows_per_tile,
             **rows.index_args(),

@@ -1,0 +1,231 @@
+"""Recompute (``lower(..., recompute=True)``): the outputs of norms and element-wise ops that a
+later node reads for its backward are written again in the backward instead of kept. Each op
+family that can recompute is checked against the same program keeping its outputs (float64,
+bit for bit where the maths is the same) and by a float64 finite-difference gradcheck; then
+what the plan keeps and recomputes, a value read by two nodes, batch norm's running
+statistics, half precision, and a whole GPT step and training run."""
+
+import json
+
+import pytest
+import torch
+
+import teeny
+from teeny import Graph, LoweringMode, lower, ops
+from teeny.executor import Executor
+from teeny.gradcheck import gradcheck_graph
+from teeny.kernels import activation, norm
+from teeny.models import GPT, make_task
+from teeny.train import TrainConfig, train
+
+
+def _step(program, feed, seed=0):
+    """(loss, input gradients, parameter gradients, bytes the forward kept) of one step."""
+    ex = Executor(program, seed=seed)
+    out, cache = ex.forward_train(feed)
+    kept = cache.nbytes()
+    grads = ex.backward(cache)
+    return out, grads, {k: v.clone() for k, v in ex.grads.items()}, kept
+
+
+def _recomputed(program):
+    """Names of the nodes whose outputs the backward writes again."""
+    return sorted({program.nodes[j].name for p in program.nodes for j in p.recomputed.values()})
+
+
+def _then_linear(apply, shape, dtype=torch.float64, out_features=3):
+    """x -> apply(x) -> linear -> mse against y: the linear keeps apply's output for dW."""
+    g = Graph("recompute")
+    x = g.input("x", shape, dtype, requires_grad=True)
+    y = apply(g, x)
+    w = g.parameter("w", (out_features, y.shape[-1]), teeny.init.normal(0.5), dtype)
+    z = ops.linear(y, w)
+    g.output(ops.mse_loss(z, g.input("target", z.shape, dtype)))
+    return g
+
+
+def _norm_params(g, x, channels, dtype):
+    return (
+        g.parameter("weight", (channels,), teeny.init.normal(0.3, 1.0), dtype),
+        g.parameter("bias", (channels,), teeny.init.normal(0.3), dtype),
+    )
+
+
+def _layer_norm(g, x):
+    return norm.layer_norm(x, (x.shape[-1],), *_norm_params(g, x, x.shape[-1], x.dtype))
+
+
+def _rms_norm(g, x):
+    return norm.rms_norm(x, (x.shape[-1],), _norm_params(g, x, x.shape[-1], x.dtype)[0])
+
+
+def _group_norm(g, x):
+    return norm.group_norm(x, 2, *_norm_params(g, x, x.shape[1], x.dtype))
+
+
+def _batch_norm(g, x):
+    c = x.shape[1]
+    mean = g.input("running_mean", (c,), x.dtype)
+    var = g.input("running_var", (c,), x.dtype)
+    return norm.batch_norm(x, mean, var, *_norm_params(g, x, c, x.dtype), training=True)
+
+
+def _swiglu(g, x):
+    half = x.shape[-1] // 2
+    return activation.swiglu(ops.slice(x, -1, 0, half), ops.slice(x, -1, half, 2 * half))
+
+
+def _prelu(g, x):
+    return activation.prelu(x, g.parameter("slope", (x.shape[1],), teeny.init.normal(0.1, 0.25), x.dtype))
+
+
+FAMILIES = {
+    "layer_norm": (_layer_norm, (2, 3, 7)),
+    "rms_norm": (_rms_norm, (5, 6)),
+    "group_norm": (_group_norm, (3, 4, 5)),
+    "batch_norm": (_batch_norm, (4, 3, 5)),
+    "gelu": (lambda g, x: activation.gelu(x), (3, 5)),
+    "glu": (lambda g, x: activation.glu(x), (3, 8)),
+    "swiglu": (_swiglu, (3, 8)),
+    "prelu": (_prelu, (2, 3, 5)),
+}
+
+
+def _feed(graph, gen):
+    feed = {v.name: torch.randn(v.shape, generator=gen, dtype=v.dtype) for v in graph.inputs}
+    if "running_var" in feed:
+        feed["running_mean"], feed["running_var"] = (
+            torch.zeros_like(feed["running_mean"]),
+            torch.ones_like(feed["running_var"]),
+        )
+    return feed
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_recomputes_its_output_with_the_same_gradients(family, gen):
+    apply, shape = FAMILIES[family]
+    g = _then_linear(apply, shape)
+    feed = _feed(g, gen)
+    kept = lower(g, LoweringMode.TRAINING)
+    recomputing = lower(g, LoweringMode.TRAINING, recompute=True)
+    assert len(_recomputed(recomputing)) == 1 and not _recomputed(kept)
+    plain = _step(kept, {k: v.clone() for k, v in feed.items()})
+    again = _step(recomputing, {k: v.clone() for k, v in feed.items()})
+    assert again[3] < plain[3]  # the forward kept less
+    torch.testing.assert_close(again[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
+    for name in plain[2]:
+        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_recomputing_passes_a_float64_gradcheck(family, gen):
+    apply, shape = FAMILIES[family]
+    g = _then_linear(apply, shape)
+    assert gradcheck_graph(g, _feed(g, gen), recompute=True).ok
+
+
+def test_a_value_read_by_two_nodes_is_recomputed_once(monkeypatch, gen):
+    g = Graph("fan_out")
+    x = g.input("x", (4, 6), torch.float64, requires_grad=True)
+    y = _layer_norm(g, x)
+    a = ops.linear(y, g.parameter("wa", (3, 6), teeny.init.normal(0.5), torch.float64))
+    b = ops.linear(y, g.parameter("wb", (3, 6), teeny.init.normal(0.5), torch.float64))
+    g.output(ops.sum(ops.mul(a, b)))
+    program = lower(g, LoweringMode.TRAINING, recompute=True)
+    assert sum(bool(p.recomputed) for p in program.nodes) == 2
+    calls = []
+    original = norm.NormOp.recompute_launches
+    monkeypatch.setattr(norm.NormOp, "recompute_launches", lambda op, ctx: calls.append(op) or original(op, ctx))
+    feed = {"x": torch.randn(4, 6, generator=gen, dtype=torch.float64)}
+    again = _step(program, feed)
+    plain = _step(lower(g, LoweringMode.TRAINING), feed)
+    assert len(calls) == 1
+    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
+    for name in plain[2]:
+        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_what_the_plan_keeps():
+    """layer_norm -> gelu -> linear: gelu reads the norm's output y for its backward, so y is
+    recomputed for it; the linear reads gelu's output, which is kept (its producer's own input
+    is recomputed: no chains of recomputes). With y an output of the program, y is kept and
+    gelu's output is recomputed instead. Inference plans nothing."""
+
+    def chain(y_is_output):
+        g = Graph("chain")
+        x = g.input("x", (4, 6), torch.float32, requires_grad=True)
+        y = _layer_norm(g, x)
+        out = ops.sum(ops.linear(activation.gelu(y), g.parameter("w", (3, 6), teeny.init.normal(0.5))))
+        g.output(out, y) if y_is_output else g.output(out)
+        return g
+
+    program = lower(chain(False), LoweringMode.TRAINING, recompute=True)
+    assert [p.name for p in program.nodes if p.recomputed] == [program.nodes[1].name]  # gelu's backward
+    assert _recomputed(program) == [program.nodes[0].name]
+    assert "recompute: 1 values (0.00 MiB) written again in the backward, not saved" in program.summary()
+    with_output = lower(chain(True), LoweringMode.TRAINING, recompute=True)
+    assert [p.name for p in with_output.nodes if p.recomputed] == [with_output.nodes[2].name]  # the linear's
+    assert not any(p.recomputed for p in lower(chain(False), LoweringMode.INFERENCE, recompute=True).nodes)
+
+
+def test_batch_norm_updates_its_running_statistics_once(gen):
+    g = _then_linear(_batch_norm, (4, 3, 5))
+    feed = _feed(g, gen)
+    stats = []
+    for recompute in (False, True):
+        run = {k: v.clone() for k, v in feed.items()}
+        _step(lower(g, LoweringMode.TRAINING, recompute=recompute), run)
+        stats.append((run["running_mean"], run["running_var"]))
+    assert not torch.equal(stats[0][0], feed["running_mean"])
+    torch.testing.assert_close(stats[1], stats[0], rtol=0, atol=0)
+
+
+def _gpt(dtype=torch.float32, vocab=11, block=6, batch=2):
+    g = Graph("gpt")
+    model = GPT(vocab, block, d_model=16, n_heads=2, n_layers=2).to(dtype)
+    idx = g.input("x", (batch, block), torch.int64)
+    y = g.input("y", (batch, block), torch.int64)
+    logits = model(idx)
+    g.output(ops.cross_entropy(ops.reshape(logits, (batch * block, vocab)), ops.reshape(y, (batch * block,))))
+    return g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_step_recomputes_every_norm_and_activation_output(dtype, gen):
+    """Per block the two norms' outputs (read by the q/k/v product and the MLP's first linear)
+    and GELU's (read by the second), and the final norm's (the head): 2 * 3 + 1 values. float32:
+    the same step (bit for bit under the interpreter); bfloat16 within rounding (a fused
+    residual norm recomputes from the rounded sum it wrote)."""
+    g = _gpt(dtype)
+    feed = {"x": torch.randint(11, (2, 6), generator=gen), "y": torch.randint(11, (2, 6), generator=gen)}
+    kept, recomputing = lower(g, LoweringMode.TRAINING), lower(g, LoweringMode.TRAINING, recompute=True)
+    assert len(_recomputed(recomputing)) == 7
+    saved = sum(recomputing.saved_bytes(p) for p in recomputing.nodes)
+    assert saved < sum(kept.saved_bytes(p) for p in kept.nodes)
+    plain, again = _step(kept, feed), _step(recomputing, feed)
+    assert again[3] < plain[3]
+    exact = dtype == torch.float32 and teeny.device.INTERPRETER
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(again[0], plain[0], **tol)
+    for name in plain[2]:
+        torch.testing.assert_close(again[2][name].float(), plain[2][name].float(), **tol, msg=name)
+
+
+def test_training_with_recompute_gives_the_same_losses(tmp_path):
+    """``TrainConfig(recompute=True)`` (``teeny train --recompute``): the same run, step for step."""
+    losses = []
+    for recompute in (False, True):
+        config = TrainConfig(
+            epochs=1,
+            batch_size=4,
+            lr=1e-2,
+            max_steps=3,
+            out=str(tmp_path / str(recompute)),
+            progress=False,
+            recompute=recompute,
+        )
+        train(make_task("gpt"), config, log=lambda *a, **k: None)
+        with open(tmp_path / str(recompute) / "metrics.jsonl") as f:
+            losses.append([row["loss"] for row in map(json.loads, f) if "loss" in row])
+    assert losses[0] and losses[0] == losses[1]
