@@ -12,10 +12,10 @@ import torch
 
 import teeny
 from teeny import Graph, LoweringMode, lower, ops
+from teeny.data import CharCorpus
 from teeny.executor import Executor
 from teeny.gradcheck import gradcheck_graph
 from teeny.kernels import activation, norm
-from teeny.data import CharCorpus
 from teeny.models import GPT, CharTask
 from teeny.train import TrainConfig, train
 
