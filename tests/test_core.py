@@ -168,9 +168,9 @@ def test_cache_entries_are_freed_as_backward_walks():
     sizes = []
     original = ex._node_backward
 
-    def spy(p, entry, grad_out, grads):
+    def spy(p, entry, grad_out, grads, reuse=False):
         sizes.append(len(cache))
-        original(p, entry, grad_out, grads)
+        original(p, entry, grad_out, grads, reuse)
 
     ex._node_backward = spy
     ex.backward(cache, torch.ones(4, 3))
@@ -192,13 +192,56 @@ def test_saved_tensors_are_freed_as_backward_walks():
     alive = []
     original = ex._node_backward
 
-    def spy(p, entry, grad_out, grads):
+    def spy(p, entry, grad_out, grads, reuse=False):
         alive.append(sum(ref() is not None for ref in saved))
-        original(p, entry, grad_out, grads)
+        original(p, entry, grad_out, grads, reuse)
 
     ex._node_backward = spy
     ex.backward(cache, torch.ones(4, 3))
     assert alive == [2, 1, 0]
+
+
+def test_an_activation_writes_its_gradient_over_the_gradient_it_reads():
+    """gelu's backward reads dy and writes dx element by element: the executor hands it dy's
+    buffer (when nothing else holds it) rather than a new one; never the caller's seed."""
+    g = Graph()
+    x = g.input("x", (4, 3), requires_grad=True)
+    g.output(ops.gelu(ops.tanh(ops.gelu(x))))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    xs = torch.randn(4, 3, device=teeny.DEVICE)
+    reused = []
+    original = ex._node_backward
+
+    def spy(p, entry, grad_out, grads, reuse=False):
+        reused.append(reuse)
+        original(p, entry, grad_out, grads, reuse)
+
+    ex._node_backward = spy
+    seed = torch.ones(4, 3, device=teeny.DEVICE)
+    grads = ex.backward(ex.forward_train({"x": xs})[1], seed)
+    assert reused == [False, True, True]  # not the first: its dy is the caller's seed
+    assert torch.equal(seed, torch.ones_like(seed))
+    xr = xs.clone().requires_grad_()
+    torch.nn.functional.gelu(torch.tanh(torch.nn.functional.gelu(xr))).backward(seed)
+    torch.testing.assert_close(grads["x"], xr.grad)
+
+
+def test_a_gradient_shared_by_two_inputs_is_not_written_over():
+    """add's backward hands one dy to both of its inputs; each feeds a gelu, whose backward
+    must then not write over it (the other gelu still reads it)."""
+    g = Graph()
+    a = g.input("a", (3, 5), requires_grad=True)
+    b = g.input("b", (3, 5), requires_grad=True)
+    g.output(ops.mul(ops.add(ops.gelu(a), ops.gelu(b)), g.constant(torch.linspace(-2, 2, 15).reshape(3, 5))))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    feed = {"a": torch.randn(3, 5), "b": torch.randn(3, 5)}
+    grads = ex.backward(ex.forward_train(feed)[1], torch.ones(3, 5, device=teeny.DEVICE))
+    ar, br = (feed[k].clone().requires_grad_() for k in "ab")
+    (
+        (torch.nn.functional.gelu(ar) + torch.nn.functional.gelu(br)) * torch.linspace(-2, 2, 15).reshape(3, 5)
+    ).sum().backward()
+    torch.testing.assert_close(grads["a"].cpu(), ar.grad)
+    torch.testing.assert_close(grads["b"].cpu(), br.grad)
 
 
 def test_fan_out_gradients_are_summed():

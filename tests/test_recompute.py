@@ -175,10 +175,10 @@ def test_batch_norm_updates_its_running_statistics_once(gen):
     feed = _feed(g, gen)
     stats = []
     for recompute in (False, True):
-        run = {k: v.clone() for k, v in feed.items()}
+        run = {k: v.to(teeny.DEVICE, copy=True) for k, v in feed.items()}  # updated in place where they are
         _step(lower(g, LoweringMode.TRAINING, recompute=recompute), run)
         stats.append((run["running_mean"], run["running_var"]))
-    assert not torch.equal(stats[0][0], feed["running_mean"])
+    assert not torch.equal(stats[0][0].cpu(), feed["running_mean"])
     torch.testing.assert_close(stats[1], stats[0], rtol=0, atol=0)
 
 
@@ -214,7 +214,8 @@ def test_gpt_step_recomputes_every_norm_and_activation_output(dtype, gen):
 
 
 def test_training_with_recompute_gives_the_same_losses(tmp_path):
-    """``TrainConfig(recompute=True)`` (``teeny train --recompute``): the same run, step for step."""
+    """``TrainConfig(recompute=True)`` (``teeny train --recompute``): the same run, step for step
+    (bit for bit under the interpreter)."""
     corpus = CharCorpus(max_chars=20_000)
     losses = []
     for recompute in (False, True):
@@ -224,4 +225,8 @@ def test_training_with_recompute_gives_the_same_losses(tmp_path):
         train(task, config, log=lambda *a, **k: None)
         with open(out / "metrics.jsonl") as f:
             losses.append([row["loss"] for row in map(json.loads, f) if "loss" in row])
-    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    assert len(losses[0]) == 3
+    if teeny.device.INTERPRETER:
+        assert losses[0] == losses[1]
+    else:  # the GPU's compiler contracts the norm's maths into FMAs differently in the two kernels
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)

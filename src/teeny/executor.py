@@ -352,7 +352,8 @@ class Executor:
                 self._recompute(p, entry, cache, recomputed, index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
-            self._node_backward(p, entry, grad_out, grads)
+            reuse = p.op.grad_in_place and _held_only_here(grad_out, seed, grads)
+            self._node_backward(p, entry, grad_out, grads, reuse)
         result = {}
         for v in self._inputs:
             if v.requires_grad:
@@ -422,8 +423,10 @@ class Executor:
                 del recomputed[v.id]
 
     def _node_backward(
-        self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor]
+        self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor], reuse: bool = False
     ) -> None:
+        """``p``'s backward launches; ``reuse``: input 0's gradient is written over ``grad_out``
+        (an op with ``grad_in_place``, and a ``grad_out`` nothing else holds)."""
         node = p.node
         n_act = node.op.n_activation_inputs
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
@@ -431,9 +434,11 @@ class Executor:
         ctx.grad_output = grad_out
         ctx.grad_output_row_stride = row_stride(grad_out)
         buffers = []
-        for v, wanted in zip(node.inputs, p.grad_mask):
+        for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
+            elif i == 0 and reuse and v.kind != "param" and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
+                buffers.append(grad_out)  # dx over dy: one buffer of the activation's size fewer
             elif v.kind == "param" and v.id in self._zeroed and node.inputs.count(v) == 1:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
             else:
@@ -483,6 +488,21 @@ def _rows_with_one_stride(t: torch.Tensor) -> bool:
         if t.size(dim) > 1 and t.stride(dim) != expected:
             return False
     return True
+
+
+def _held_only_here(grad_out: torch.Tensor, seed: torch.Tensor, grads: dict[int, torch.Tensor]) -> bool:
+    """Whether the backward may write over ``grad_out``: a contiguous buffer of its own, neither
+    the seed (a caller's tensor) nor sharing storage with a gradient still waiting in ``grads``
+    (a backward may hand one ``dy`` to several inputs as views)."""
+    if (
+        not grad_out.is_contiguous()
+        or grad_out.untyped_storage().nbytes() != grad_out.numel() * grad_out.element_size()
+    ):
+        return False
+    storage = grad_out.untyped_storage().data_ptr()
+    return storage != seed.untyped_storage().data_ptr() and all(
+        g.untyped_storage().data_ptr() != storage for g in grads.values()
+    )
 
 
 def _check_versions(cache: ActivationCache) -> None:

@@ -507,6 +507,9 @@ class RuntimeOp:
     # in the backward; None: it cannot (lower(..., recompute=True) saves the output instead)
     recomputable: tuple[int, ...] | None = None
     strided_grad_output: bool = False  # True: the backward reads dy by rows through grad_output_row_stride
+    # True: the backward may write input 0's gradient over dy (each element of dx from the same element
+    # of dy, read before it is written); the executor hands it dy's buffer when nothing else holds it
+    grad_in_place: bool = False
 
     # --- shapes and dtypes -------------------------------------------------------------
     def output_shape(self, input_shapes: list[Shape]) -> Shape:

@@ -116,6 +116,7 @@ class ActivationOp(RuntimeOp):
     kernel = activation_forward
     saves_inputs = True
     recomputable = (0,)
+    grad_in_place = True
 
     def __init__(self, name: str, fn, grad, a: float = 0.0, b: float = 0.0):
         self.name, self.fn, self.grad, self.a, self.b = name, fn, grad, float(a), float(b)
