@@ -262,7 +262,7 @@ def add_train(sub) -> None:
     p.add_argument(
         "--recompute",
         action="store_true",
-        help="keep less for the backward: write the norms' and activations' outputs again there (2-6%% slower on the H200)",
+        help="keep less for the backward: write norms' and activations' outputs again there (2-6%% slower on the H200)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=_positive_int, help="stop after this many steps in total")
