@@ -168,9 +168,9 @@ def test_cache_entries_are_freed_as_backward_walks():
     sizes = []
     original = ex._node_backward
 
-    def spy(p, entry, grad_out, grads, reuse=False):
+    def spy(p, entry, grad_out, grads, buffer=None):
         sizes.append(len(cache))
-        original(p, entry, grad_out, grads, reuse)
+        original(p, entry, grad_out, grads, buffer)
 
     ex._node_backward = spy
     ex.backward(cache, torch.ones(4, 3))
@@ -192,9 +192,9 @@ def test_saved_tensors_are_freed_as_backward_walks():
     alive = []
     original = ex._node_backward
 
-    def spy(p, entry, grad_out, grads, reuse=False):
+    def spy(p, entry, grad_out, grads, buffer=None):
         alive.append(sum(ref() is not None for ref in saved))
-        original(p, entry, grad_out, grads, reuse)
+        original(p, entry, grad_out, grads, buffer)
 
     ex._node_backward = spy
     ex.backward(cache, torch.ones(4, 3))
@@ -212,9 +212,9 @@ def test_an_activation_writes_its_gradient_over_the_gradient_it_reads():
     reused = []
     original = ex._node_backward
 
-    def spy(p, entry, grad_out, grads, reuse=False):
-        reused.append(reuse)
-        original(p, entry, grad_out, grads, reuse)
+    def spy(p, entry, grad_out, grads, buffer=None):
+        reused.append(buffer is grad_out)
+        original(p, entry, grad_out, grads, buffer)
 
     ex._node_backward = spy
     seed = torch.ones(4, 3, device=teeny.DEVICE)

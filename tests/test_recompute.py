@@ -2,8 +2,9 @@
 later node reads for its backward are written again in the backward instead of kept. Each op
 family that can recompute is checked against the same program keeping its outputs (float64,
 bit for bit where the maths is the same) and by a float64 finite-difference gradcheck; then
-what the plan keeps and recomputes, a value read by two nodes, batch norm's running
-statistics, half precision, and a whole GPT step and training run."""
+what the plan keeps and recomputes, a value read by two nodes, products writing their input's
+gradient over the recomputed input, batch norm's running statistics, half precision, and a
+whole GPT step and training run."""
 
 import json
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 
 import teeny
-from teeny import Graph, LoweringMode, lower, ops
+from teeny import Graph, LoweringMode, lower, ops, rewrites
 from teeny.data import CharCorpus
 from teeny.executor import Executor
 from teeny.gradcheck import gradcheck_graph
-from teeny.kernels import activation, norm
+from teeny.kernels import activation, conv, norm
 from teeny.models import GPT, CharTask
 from teeny.train import TrainConfig, train
 
@@ -126,6 +127,61 @@ def test_each_family_recomputing_passes_a_float64_gradcheck(family, gen):
     assert gradcheck_graph(g, _feed(g, gen), recompute=True).ok
 
 
+def _spy_input_grad_buffers(monkeypatch) -> list[tuple[str, bool]]:
+    """(node name, whether its input 0's gradient went into input 0's own buffer) per backward."""
+    seen = []
+    original = Executor._node_backward
+
+    def spy(self, p, entry, grad_out, grads, input_grad_buffer=None):
+        seen.append((p.name, input_grad_buffer is not None and input_grad_buffer is entry["inputs"][0]))
+        original(self, p, entry, grad_out, grads, input_grad_buffer)
+
+    monkeypatch.setattr(Executor, "_node_backward", spy)
+    return seen
+
+
+def _norm_then_mlp(g, x):
+    w1 = g.parameter("w1", (5, x.shape[-1]), teeny.init.normal(0.5), x.dtype)
+    w2 = g.parameter("w2", (3, 5), teeny.init.normal(0.5), x.dtype)
+    return ops.linear(activation.gelu(ops.linear(_layer_norm(g, x), w1)), w2)
+
+
+def _relu_then_conv(g, x):
+    return conv.conv2d(activation.relu(x), g.parameter("w", (4, x.shape[1], 3, 3), teeny.init.normal(0.4), x.dtype))
+
+
+PRODUCTS = {  # a product whose input 0 is recomputed: (build, input shape, rewrites, the product's op name)
+    "linear": (lambda g, x: ops.linear(_layer_norm(g, x), g.parameter("w", (3, 6), teeny.init.normal(0.5), x.dtype)),
+               (4, 6), rewrites.DEFAULT_REWRITES, "linear"),
+    "mlp": (_norm_then_mlp, (4, 6), rewrites.DEFAULT_REWRITES + (rewrites.fuse_mlp,), "mlp"),
+    "conv2d": (_relu_then_conv, (2, 3, 5, 5), rewrites.DEFAULT_REWRITES, "conv2d"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("product", sorted(PRODUCTS))
+def test_a_product_writes_its_input_gradient_over_its_recomputed_input(product, monkeypatch, gen):
+    """dX has x's shape, and the product reads x only for dW, which it launches first: with x
+    recomputed for it (nothing else holds it), dX goes into x's buffer. The same gradients as
+    keeping x, and a float64 gradcheck."""
+    build, shape, passes, op_name = PRODUCTS[product]
+    g = Graph(product)
+    x = g.input("x", shape, torch.float64, requires_grad=True)
+    y = build(g, x)
+    g.output(ops.mse_loss(y, g.input("target", y.shape, torch.float64)))
+    feed = _feed(g, gen)
+    plain = _step(lower(g, LoweringMode.TRAINING, rewrites=passes), feed)
+    recomputing = lower(g, LoweringMode.TRAINING, rewrites=passes, recompute=True)
+    seen = _spy_input_grad_buffers(monkeypatch)
+    again = _step(recomputing, feed)
+    product_nodes = [p.name for p in recomputing.nodes if p.op.name == op_name and p.recomputed]
+    assert product_nodes and all((name, True) in seen for name in product_nodes)
+    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
+    for name in plain[2]:
+        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+    monkeypatch.undo()
+    assert gradcheck_graph(g, feed, rewrites=passes, recompute=True).ok
+
+
 def test_a_value_read_by_two_nodes_is_recomputed_once(monkeypatch, gen):
     g = Graph("fan_out")
     x = g.input("x", (4, 6), torch.float64, requires_grad=True)
@@ -139,7 +195,11 @@ def test_a_value_read_by_two_nodes_is_recomputed_once(monkeypatch, gen):
     original = norm.NormOp.recompute_launches
     monkeypatch.setattr(norm.NormOp, "recompute_launches", lambda op, ctx: calls.append(op) or original(op, ctx))
     feed = {"x": torch.randn(4, 6, generator=gen, dtype=torch.float64)}
+    seen = _spy_input_grad_buffers(monkeypatch)
     again = _step(program, feed)
+    # b's backward runs first and must leave y alone; a's, the last to read y, writes its dy over it
+    linears = [p.name for p in program.nodes if p.recomputed]
+    assert [written for name, written in seen if name in linears] == [False, True]
     plain = _step(lower(g, LoweringMode.TRAINING), feed)
     assert len(calls) == 1
     torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)

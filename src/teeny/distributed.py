@@ -301,8 +301,8 @@ class DataParallel:
             ready.setdefault(b.ready_after, []).append(b)
         node_backward = self.executor._node_backward
 
-        def node_backward_then_reduce(p, entry, grad_out, grads, reuse=False) -> None:
-            node_backward(p, entry, grad_out, grads, reuse)
+        def node_backward_then_reduce(p, entry, grad_out, grads, input_grad_buffer=None) -> None:
+            node_backward(p, entry, grad_out, grads, input_grad_buffer)
             for b in ready.get(index_of[id(p)], ()):
                 self._reduce(b)
 

@@ -352,8 +352,9 @@ class Executor:
                 self._recompute(p, entry, cache, recomputed, index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
-            reuse = p.op.grad_in_place and _held_only_here(grad_out, seed, grads)
-            self._node_backward(p, entry, grad_out, grads, reuse)
+            self._node_backward(
+                p, entry, grad_out, grads, self._input_grad_buffer(p, index, entry, grad_out, seed, grads)
+            )
         result = {}
         for v in self._inputs:
             if v.requires_grad:
@@ -422,11 +423,39 @@ class Executor:
             if self._first_recompute_reader[v.id] == index:
                 del recomputed[v.id]
 
+    def _input_grad_buffer(
+        self,
+        p: PlannedNode,
+        index: int,
+        entry: dict,
+        grad_out: torch.Tensor,
+        seed: torch.Tensor,
+        grads: dict[int, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """A buffer nothing else needs that input 0's gradient may be written into, or None:
+        ``grad_out`` for an op with ``grad_in_place``, when nothing else holds it; input 0 itself
+        for an op with ``grad_over_input``, when it was recomputed for this node (``index``) and this
+        is its last reader's backward."""
+        node = p.node
+        v = node.inputs[0] if node.inputs else None
+        if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
+            return None
+        if p.op.grad_in_place and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
+            return grad_out if _held_only_here(grad_out, seed, grads) else None
+        if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
+            return entry["inputs"][0]
+        return None
+
     def _node_backward(
-        self, p: PlannedNode, entry: dict, grad_out: torch.Tensor, grads: dict[int, torch.Tensor], reuse: bool = False
+        self,
+        p: PlannedNode,
+        entry: dict,
+        grad_out: torch.Tensor,
+        grads: dict[int, torch.Tensor],
+        input_grad_buffer: torch.Tensor | None = None,
     ) -> None:
-        """``p``'s backward launches; ``reuse``: input 0's gradient is written over ``grad_out``
-        (an op with ``grad_in_place``, and a ``grad_out`` nothing else holds)."""
+        """``p``'s backward launches; input 0's gradient is written into ``input_grad_buffer``
+        when one is given (see ``_input_grad_buffer``)."""
         node = p.node
         n_act = node.op.n_activation_inputs
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
@@ -437,8 +466,8 @@ class Executor:
         for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
-            elif i == 0 and reuse and v.kind != "param" and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
-                buffers.append(grad_out)  # dx over dy: one buffer of the activation's size fewer
+            elif i == 0 and input_grad_buffer is not None:
+                buffers.append(input_grad_buffer)  # one buffer of the input's size fewer
             elif v.kind == "param" and v.id in self._zeroed and node.inputs.count(v) == 1:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
             else:

@@ -510,6 +510,10 @@ class RuntimeOp:
     # True: the backward may write input 0's gradient over dy (each element of dx from the same element
     # of dy, read before it is written); the executor hands it dy's buffer when nothing else holds it
     grad_in_place: bool = False
+    # True: the backward may write input 0's gradient over input 0 itself (same shape and dtype; the
+    # launch writing it comes after every launch reading input 0); the executor hands input 0's buffer
+    # over when it owns it alone: a value recomputed for this node, at its last reader's backward
+    grad_over_input: bool = False
 
     # --- shapes and dtypes -------------------------------------------------------------
     def output_shape(self, input_shapes: list[Shape]) -> Shape:

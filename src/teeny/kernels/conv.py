@@ -500,6 +500,7 @@ class Conv2dOp(RuntimeOp):
     kernel = conv2d_forward
     n_activation_inputs = 1
     saves_inputs = (0, 1)  # X for dW, W for dX
+    grad_over_input = True
 
     def __init__(self, has_bias: bool, stride, padding, dilation, groups):
         self.has_bias = has_bias
@@ -610,13 +611,13 @@ class Conv2dOp(RuntimeOp):
         db = ctx.grad_params[1] if self.has_bias else None
         go = ctx.grad_output
         launches = []
-        if dx is not None:
+        if dw is not None or db is not None:
+            launches += self._weight_backward(ctx, g, x, go, dw, db)
+        if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
             pointers = dict(dy_ptr=go, w_ptr=w, dx_ptr=dx)
             launches.append(
                 self._gemm(ctx, conv2d_input_backward, g, pointers, g.N * g.H * g.W, g.CG, g.COG * g.KH * g.KW)
             )
-        if dw is not None or db is not None:
-            launches += self._weight_backward(ctx, g, x, go, dw, db)
         return launches
 
     def _weight_backward(self, ctx, g: ConvGeometry, x, go, dw, db) -> list[Launch]:

@@ -1413,6 +1413,7 @@ class LinearOp(_ProductOp):
     name = "linear"
     n_activation_inputs = 1
     saves_inputs = (0, 1)  # x for dW, W for dX; the bias is not needed
+    grad_over_input = True
 
     def __init__(self, has_bias: bool):
         super().__init__()
@@ -1462,12 +1463,12 @@ class LinearOp(_ProductOp):
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
         launches = []
-        if dx is not None:
-            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         if dw is not None:  # the bias gradient (dY's column sums) with it: dW = dY^T X reads dY's columns
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
+        if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         return launches
 
 
@@ -1482,6 +1483,7 @@ class SharedInputLinearOp(_ProductOp):
     name = "linear"
     n_activation_inputs = 1
     saves_inputs = (0,)  # x for dW; the stacked weight is an extra output
+    grad_over_input = True
 
     def __init__(self, parts: int, has_bias: bool):
         super().__init__()
@@ -1536,8 +1538,6 @@ class SharedInputLinearOp(_ProductOp):
         (dx,) = ctx.grad_inputs
         dws, dbs = self._split(ctx.grad_params)
         launches = []
-        if dx is not None:
-            launches += self.product(ctx, "grad_input", products["grad_input"], go, stacked, dx)
         want_w, want_b = any(g is not None for g in dws), any(g is not None for g in dbs)
         dw = ctx.empty(tuple(stacked.shape), ctx.dtype) if want_w else None
         db = ctx.empty((stacked.shape[0],), ctx.dtype) if want_b else None
@@ -1545,6 +1545,8 @@ class SharedInputLinearOp(_ProductOp):
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=db)
         elif db is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, db)
+        if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, stacked, dx)
         for (a, b), gw, gb in zip(self._row_ranges(ctx), dws, dbs):
             if gw is not None:
                 launches.append(copy_launch(dw, dw[a:b], gw, gw))
@@ -1566,6 +1568,7 @@ class MLPOp(_ProductOp):
 
     name = "mlp"
     n_activation_inputs = 1
+    grad_over_input = True  # x is read by dW_1 only, before dX
 
     def __init__(self, has_bias: Sequence[bool], activations: Sequence[Any], keep_pre_activations: bool = True):
         super().__init__()
