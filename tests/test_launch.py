@@ -9,7 +9,7 @@ import torch
 import triton.language as tl  # noqa: I001  (after teeny: teeny chooses the interpreter first)
 
 import teeny
-from teeny import Graph, LoweringMode, RuntimeOp, lower
+from teeny import Graph, LoweringMode, RuntimeOp, lower, ops
 from teeny.kernel import kernel, record_launches
 from teeny.runtime import ArgVisitor, Block, Launch
 
@@ -284,3 +284,20 @@ def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
     fused = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.fuse_mlp,))
     (mlp,) = [p for p in fused.nodes if p.op.name == "mlp"]
     assert fused.saved_bytes(mlp) == 2 * 5 * 16 * 4
+
+
+def test_saved_totals_count_each_buffer_once():
+    """gelu keeps its input h and a linear keeps a reshape view of h (one buffer): the per-node
+    saves count h twice, the program's total and its peak once."""
+    g = Graph("views")
+    x = g.input("x", (512, 64), requires_grad=True)
+    h = ops.linear(x, g.parameter("w1", (512, 64), teeny.init.normal(0.5)))
+    a = ops.gelu(h)
+    b = ops.linear(ops.reshape(h, (256, 1024)), g.parameter("w2", (3, 1024), teeny.init.normal(0.5)))
+    g.output(ops.add(ops.sum(a), ops.sum(b)))
+    program = lower(g, LoweringMode.TRAINING)
+    mib = 2**20  # h is 512 x 512 float32
+    assert sum(program.saved_bytes(p) for p in program.nodes) == 2 * mib
+    assert program.saved_total_bytes() == mib
+    assert "saved for backward 1.00 MiB" in program.summary()
+    assert 2 * mib <= program.peak_activation_bytes() < 2.1 * mib  # h and gelu's output, h once

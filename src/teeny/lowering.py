@@ -24,7 +24,7 @@ declares with ``@kernel(backward=...)``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -103,20 +103,44 @@ class Program:
         values, extra = self._saves(p)
         return extra + sum(_nbytes(v.shape, v.dtype) for v in values)
 
+    def _buffers(self) -> Callable[[Value], Value]:
+        """value -> the value whose buffer it is: a view's input, followed back to a value of its own."""
+        views = {p.node.id for p in self.nodes if p.is_view}
+
+        def buffer_of(v: Value) -> Value:
+            while v.producer is not None and v.producer.id in views:
+                v = v.producer.inputs[0]
+            return v
+
+        return buffer_of
+
+    def saved_total_bytes(self) -> int:
+        """Bytes the forward keeps for the whole backward: each buffer once, however many nodes
+        keep it or a view of it."""
+        kept: dict[int, int] = {}
+        extra, buffer_of = 0, self._buffers()
+        for p in self.nodes:
+            values, extra_bytes = self._saves(p)
+            extra += extra_bytes
+            for v in map(buffer_of, values):
+                kept[v.id] = _nbytes(v.shape, v.dtype)
+        return extra + sum(kept.values())
+
     def peak_activation_bytes(self) -> int:
         """The most bytes of activations alive at once during the forward: values not yet past
-        their last reader, plus what training keeps for the backward (each value once; views
+        their last reader, plus what training keeps for the backward (each buffer once; views
         are free)."""
         live: dict[int, int] = {}
         kept: dict[int, int] = {}
         extra = peak = 0
+        buffer_of = self._buffers()
         outputs = {v.id for v in self.outputs}
         for index, p in enumerate(self.nodes):
             out = p.node.output
             if not p.is_view or out.id in outputs:
                 live[out.id] = _nbytes(out.shape, out.dtype)
             values, extra_bytes = self._saves(p)
-            kept.update((v.id, _nbytes(v.shape, v.dtype)) for v in values)
+            kept.update((v.id, _nbytes(v.shape, v.dtype)) for v in map(buffer_of, values))
             extra += extra_bytes
             peak = max(peak, extra + sum({**live, **kept}.values()))
             for v in p.node.inputs:
@@ -146,7 +170,7 @@ class Program:
         )
         rows.append(
             f"  memory: parameters {_mib(param_bytes)}, saved for backward "
-            f"{_mib(sum(self.saved_bytes(p) for p in self.nodes))}, peak activations "
+            f"{_mib(self.saved_total_bytes())}, peak activations "
             f"{_mib(self.peak_activation_bytes())}"
         )
         recomputed = {
