@@ -21,6 +21,10 @@ process starts):
   time from the profiler.
 * ``compile``: torch.compile of SDPA forward + backward at the first shape, if time is left.
 
+``BENCH_DTYPE=float32`` times and sweeps float32 instead (tf32x3 products): causal at GPT 4L's
+64x8x128x32 (``teeny train gpt --size large``) and at 4x16x2048x64, with tile candidates for
+float32.
+
 Prints a table per section and writes every row to $OUT/bench_attention.json when $OUT is set.
 FLOPs: forward 4 B H Lq Lk D (halved when causal), backward 2.5x the forward.
 """
@@ -37,8 +41,13 @@ import time
 HERE = os.path.abspath(__file__)
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a slow smoke test of the check and warm logic
 
-SHAPES = [(4, 16, 2048, 64), (8, 12, 1024, 64), (4, 16, 2048, 128)]
-VARIANTS = ["causal", "key-padding mask", "gqa causal"]
+DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # or "float32"
+if DTYPE == "float32":
+    SHAPES = [(64, 8, 128, 32), (4, 16, 2048, 64)]
+    VARIANTS = ["causal"]
+else:
+    SHAPES = [(4, 16, 2048, 64), (8, 12, 1024, 64), (4, 16, 2048, 128)]
+    VARIANTS = ["causal", "key-padding mask", "gqa causal"]
 KV_HEADS_GQA = 4
 
 
@@ -54,6 +63,12 @@ def _setup():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     return torch
+
+
+def bench_dtype():
+    import torch
+
+    return getattr(torch, DTYPE)
 
 
 def sync() -> None:
@@ -302,7 +317,7 @@ def time_case(shape, variant, deadline: float) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dtype = torch.bfloat16
+    dtype = bench_dtype()
     q, k, v, gout, kwargs = make_inputs(shape, variant, dtype)
     total_flops = flops(shape, variant)
     name = f"{'x'.join(map(str, shape))} {variant}"
@@ -386,7 +401,11 @@ def time_case(shape, variant, deadline: float) -> list[dict]:
 def sweep_configs(head_dim: int):
     from teeny.kernels.attention import AttentionTiles, Tiles
 
-    if head_dim <= 64:
+    if DTYPE == "float32":  # (block_m, block_n, warps, stages); the default first
+        fwd = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (32, 32, 4, 2)]
+        dq = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2)]
+        dkdv = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 2)]
+    elif head_dim <= 64:
         fwd = [
             (128, 64, 4, 3),
             (128, 64, 4, 4),
@@ -446,7 +465,7 @@ def sweep_configs(head_dim: int):
 
 
 def section_sweep(deadline: float, start: int = 0) -> list[dict]:
-    torch = _setup()
+    _setup()
     from teeny.kernels import attention
 
     rows = []
@@ -466,7 +485,7 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
         )
         try:
             attention.TILE_OVERRIDE = tiles
-            q, k, v, gout, kwargs = make_inputs(shape, "causal", torch.bfloat16)
+            q, k, v, gout, kwargs = make_inputs(shape, "causal", bench_dtype())
             ex, feed = teeny_executor(q, k, v, kwargs)
 
             def step():
@@ -489,13 +508,14 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
 
 
 def sweep_jobs():
-    return [(shape, i, tiles) for shape in (SHAPES[0], SHAPES[2]) for i, tiles in enumerate(sweep_configs(shape[3]))]
+    shapes = SHAPES if DTYPE == "float32" else (SHAPES[0], SHAPES[2])
+    return [(shape, i, tiles) for shape in shapes for i, tiles in enumerate(sweep_configs(shape[3]))]
 
 
 def warm_one(index: int) -> dict:
     """Compile (into Triton's on-disk cache) the kernels of timing case or sweep job ``index``
     by running one eager step, so that the serial timing sections do not wait for compiles."""
-    torch = _setup()
+    _setup()
     from teeny.kernels import attention
 
     jobs = [(shape, variant, None) for shape, variant in cases()] + [(s, "causal", t) for s, _, t in sweep_jobs()]
@@ -504,7 +524,7 @@ def warm_one(index: int) -> dict:
     t0 = time.time()
     try:
         attention.TILE_OVERRIDE = tiles
-        q, k, v, gout, kwargs = make_inputs(shape, variant, torch.bfloat16)
+        q, k, v, gout, kwargs = make_inputs(shape, variant, bench_dtype())
         ex, feed = teeny_executor(q, k, v, kwargs)
         out, cache = ex.forward_train(feed)
         ex.backward(cache, gout)
@@ -524,7 +544,7 @@ def section_compile(deadline: float) -> list[dict]:
     import torch.nn.functional as F
 
     shape, variant = SHAPES[0], "causal"
-    q, k, v, gout, kwargs = make_inputs(shape, variant, torch.bfloat16)
+    q, k, v, gout, kwargs = make_inputs(shape, variant, bench_dtype())
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, **kwargs))
 
@@ -668,7 +688,7 @@ def report(rows: list) -> None:
             )
     times = [r for r in rows if r.get("section") == "time"]
     if times:
-        print("\n== time (bf16 fwd+bwd, ms; TFLOP/s; errors against float64)")
+        print(f"\n== time ({DTYPE} fwd+bwd, ms; TFLOP/s; errors against float64)")
         print(
             f"  {'case':34} {'impl':22} {'ms':>8} {'TFLOP/s':>8} {'graph':>8} {'fwd':>8} {'k:fwd':>8} {'k:dq':>8}"
             f" {'k:dkdv':>8} {'MiB':>7} {'err out':>8} {'err dq':>8} {'err dk':>8} {'err dv':>8}"
@@ -683,7 +703,7 @@ def report(rows: list) -> None:
             )
     sweeps = [r for r in rows if r.get("section") == "sweep"]
     if sweeps:
-        print("\n== sweep (bf16 causal; tiles block_m x block_n / warps / stages; per-kernel ms)")
+        print(f"\n== sweep ({DTYPE} causal; tiles block_m x block_n / warps / stages; per-kernel ms)")
         for r in sweeps:
             t = " ".join(
                 f"{k} {r[k]['block_m']}x{r[k]['block_n']}/w{r[k]['num_warps']}/s{r[k]['num_stages']}"

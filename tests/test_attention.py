@@ -380,6 +380,8 @@ def _compile_cases(dtype):
             _case("issue 17 (5,9) bool mask", dtype, (1, 1, 5, 4), (1, 1, 9, 4), (1, 1, 9, 4), mask=(5, 9)),
             _case("issue 17 key padding", dtype, (1, 1, 5, 4), (1, 1, 9, 4), (1, 1, 9, 4), mask=(1, 1, 1, 9)),
         ]
+    if dtype == "float32":  # GPT 4L's attention (teeny train gpt --size large)
+        cases.append(_case("causal 64x8x128x32", dtype, *[(64, 8, 128, 32)] * 3, is_causal=True))
     if dtype == "bfloat16":  # the benchmark's shape: the tensor-core path
         cases = [
             _case("causal 4x16x2048x64", dtype, *[(4, 16, 2048, 64)] * 3, is_causal=True),
@@ -393,7 +395,7 @@ def test_kernels_compile_for_the_h200(dtype, tmp_path):
     """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
     interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
     signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
-    pipelined (cp.async) loads in all three kernels. Slow (a few seconds per kernel)."""
+    pipelined (cp.async) loads in all three kernels, float32 (tf32x3) wgmma. Slow (a few seconds per kernel)."""
     import json
     import os
     import subprocess
@@ -422,6 +424,9 @@ def test_kernels_compile_for_the_h200(dtype, tmp_path):
     assert {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"} <= kernels
     if dtype == "bfloat16":  # Hopper tensor cores, loads pipelined through shared memory
         assert all(r["wgmma"] > 0 and r["pipelined"] for r in rows), rows
+    if dtype == "float32":  # tf32x3 on Hopper's tensor cores
+        gpt = [r for r in rows if r["case"] == "causal 64x8x128x32"]
+        assert len(gpt) == 3 and all(r["wgmma"] > 0 for r in gpt), gpt
 
 
 # --------------------------------------------------------------------------- broadcasting

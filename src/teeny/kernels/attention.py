@@ -25,8 +25,9 @@ delta for its rows, then dQ over the key blocks) runs first, then ``attention_ba
 (a program per key block of a key/value head: dK, dV over the query blocks of every query head
 that reads it, split into unchecked and checked loops like the forward). P is recomputed from
 lse2; the dropout mask is regenerated from the seed the forward saved. Products use ``tl.dot``
-with float32 accumulation (float64 for float64): bf16/fp16 tensor cores for half inputs, full
-IEEE precision for float32/float64 ones.
+with float32 accumulation (float64 for float64): bf16/fp16 tensor cores for half inputs,
+float32 ones at the products' precision (tf32x3 on tensor cores: more accurate than cuBLAS's
+SGEMM; tf32 with ``teeny.config.allow_tf32``), float64 ones exact.
 
 Batch dims of q, k, v (and the mask) broadcast as in PyTorch; the kernels index them as two
 levels (outer, head) with a stride per operand (0 along broadcast dims). Key/value heads
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import config as teeny_config
 from ..device import INTERPRETER
 from ..graph import graph_of
 from ..kernel import kernel
@@ -68,6 +70,7 @@ from .common import (
     tl_acc_dtype,
     upcast,
 )
+from .linear import IEEE, dot_precision
 
 __all__ = ["scaled_dot_product_attention"]
 NN_LAYERS: list[str] = []
@@ -86,18 +89,24 @@ def _device_fn(fn):
 
 
 @_device_fn
-def _dot(a, b, acc, UPCAST_BF16: tl.constexpr):
-    """acc + a @ b (acc may be None) in acc's dtype: full IEEE precision for float32/float64
-    operands, tensor cores for half ones (upcast to float32 under the interpreter, whose bf16
-    dot is wrong)."""
+def _dot(a, b, acc, UPCAST_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b (acc may be None) in acc's dtype: float64 operands exact, float32 ones at
+    PRECISION (the products' choice, ``linear.dot_precision``: tf32x3 on the GPU, on tensor cores
+    and more accurate than cuBLAS's SGEMM; ieee under the interpreter), half ones on tensor cores
+    (upcast to float32 under the interpreter, whose bf16 dot is wrong, then at PRECISION: ieee)."""
     if UPCAST_BF16 and (a.dtype == tl.bfloat16 or a.dtype == tl.float16):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if a.dtype == tl.float64 or a.dtype == tl.float32:
+    if a.dtype == tl.float64:
         if acc is None:
             return tl.dot(a, b, input_precision="ieee")
         else:
             return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    elif a.dtype == tl.float32:
+        if acc is None:
+            return tl.dot(a, b, input_precision=PRECISION)
+        else:
+            return tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
     else:
         if acc is None:
             return tl.dot(a, b)
@@ -172,6 +181,7 @@ def _forward_keys(
     K_ROW: tl.constexpr,
     V_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -186,7 +196,7 @@ def _forward_keys(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_tile(k_base, cols, offs_d, k_len, D, K_ROW, CHECK, BLOCK_D != D)
-        qk = _dot(q, tl.trans(k), None, UPCAST_BF16)
+        qk = _dot(q, tl.trans(k), None, UPCAST_BF16, PRECISION)
         if CHECK or mask_ptr is not None:
             s = qk * qk_scale
             if mask_ptr is not None:
@@ -211,7 +221,7 @@ def _forward_keys(
             keep = philox_keep(seed, dropout_base + rows[:, None] * k_len + cols[None, :], keep_threshold)
             p = tl.where(keep, p, 0.0)
         v = _load_tile(v_base, cols, offs_dv, k_len, DV, V_ROW, CHECK, BLOCK_DV != DV)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_BF16)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_BF16, PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
 
@@ -247,6 +257,7 @@ def _dq_keys(
     K_ROW: tl.constexpr,
     V_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -260,7 +271,7 @@ def _dq_keys(
         cols = start_n + offs_n
         k = _load_tile(k_base, cols, offs_d, k_len, D, K_ROW, CHECK, BLOCK_D != D)
         v = _load_tile(v_base, cols, offs_dv, k_len, DV, V_ROW, CHECK, BLOCK_DV != DV)
-        s = _dot(q, tl.trans(k), None, UPCAST_BF16) * qk_scale
+        s = _dot(q, tl.trans(k), None, UPCAST_BF16, PRECISION) * qk_scale
         if mask_ptr is not None:
             offsets = rows[:, None] * mask_stride_q + cols[None, :] * mask_stride_k
             inside = (rows < q_len)[:, None] & (cols < k_len)[None, :]
@@ -271,12 +282,12 @@ def _dq_keys(
                 seen = seen & (cols[None, :] <= rows[:, None])
             s = tl.where(seen, s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), None, UPCAST_BF16)
+        dp = _dot(do, tl.trans(v), None, UPCAST_BF16, PRECISION)
         if DROPOUT:
             keep = philox_keep(seed, dropout_base + rows[:, None] * k_len + cols[None, :], keep_threshold)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(k.dtype), k, dq, UPCAST_BF16)
+        dq = _dot(ds.to(k.dtype), k, dq, UPCAST_BF16, PRECISION)
     return dq
 
 
@@ -314,6 +325,7 @@ def _dkdv_queries(
     Q_ROW: tl.constexpr,
     O_ROW: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -333,7 +345,7 @@ def _dkdv_queries(
             lse = tl.load(lse_base + rows, mask=rows < q_len, other=0.0)
         else:
             lse = tl.load(lse_base + rows)
-        st = _dot(k, tl.trans(q), None, UPCAST_BF16) * qk_scale
+        st = _dot(k, tl.trans(q), None, UPCAST_BF16, PRECISION) * qk_scale
         if mask_ptr is not None:
             lse = tl.where(lse == float("-inf"), 0.0, lse)  # rows that see no key: P = 0 (all scores -inf)
             offsets = rows[None, :] * mask_stride_q + cols[:, None] * mask_stride_k
@@ -349,19 +361,19 @@ def _dkdv_queries(
             keep = philox_keep(seed, dropout_base + rows[None, :] * k_len + cols[:, None], keep_threshold)
         if WANT_DV:
             if DROPOUT:
-                dv = _dot(tl.where(keep, pt, 0.0).to(do.dtype), do, dv, UPCAST_BF16)
+                dv = _dot(tl.where(keep, pt, 0.0).to(do.dtype), do, dv, UPCAST_BF16, PRECISION)
             else:
-                dv = _dot(pt.to(do.dtype), do, dv, UPCAST_BF16)
+                dv = _dot(pt.to(do.dtype), do, dv, UPCAST_BF16, PRECISION)
         if WANT_DK:
             if CHECK:
                 delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
             else:
                 delta = tl.load(delta_base + rows)
-            dpt = _dot(v, tl.trans(do), None, UPCAST_BF16)
+            dpt = _dot(v, tl.trans(do), None, UPCAST_BF16, PRECISION)
             if DROPOUT:
                 dpt = tl.where(keep, dpt * dropout_scale, 0.0)
             dst = pt * (dpt - delta[None, :])
-            dk = _dot(dst.to(q.dtype), q, dk, UPCAST_BF16)
+            dk = _dot(dst.to(q.dtype), q, dk, UPCAST_BF16, PRECISION)
     return dk, dv
 
 
@@ -418,6 +430,7 @@ def attention_backward_dq(
     O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -500,6 +513,7 @@ def attention_backward_dq(
                 K_ROW,
                 V_ROW,
                 UPCAST_BF16,
+                PRECISION,
                 BLOCK_N,
                 BLOCK_D,
                 BLOCK_DV,
@@ -551,6 +565,7 @@ def attention_backward_dkdv(
     O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -649,6 +664,7 @@ def attention_backward_dkdv(
                 Q_ROW,
                 O_ROW,
                 UPCAST_BF16,
+                PRECISION,
                 BLOCK_M,
                 BLOCK_D,
                 BLOCK_DV,
@@ -703,6 +719,7 @@ def attention_forward(
     O_ROW: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -775,6 +792,7 @@ def attention_forward(
             K_ROW,
             V_ROW,
             UPCAST_BF16,
+            PRECISION,
             BLOCK_N,
             BLOCK_D,
             BLOCK_DV,
@@ -824,7 +842,10 @@ HALF_TILES = {
     128: AttentionTiles(Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 3)),
     256: AttentionTiles(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)),
 }
-# float32/float64 products run on FMA units (IEEE precision) / float64 MMA: small tiles.
+# float32 products at tf32x3 run on tensor cores (three tf32 MMAs a product; the hi/lo halves
+# of each operand double its registers): 64-row tiles, one warpgroup, for head dims up to 64.
+FLOAT32_TILES = AttentionTiles(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2))
+# float64 products run on FMA units / float64 MMA, and wider float32 heads: small tiles.
 WIDE_TILES = AttentionTiles(Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))
 
 # Under the interpreter each program costs about a millisecond whatever its size: one wide
@@ -854,6 +875,8 @@ def attention_tiles(dtype: torch.dtype, d: int, dv: int, q_len: int, k_len: int)
     if dtype in (torch.float16, torch.bfloat16):
         head = max(64, pow2(max(d, dv)))
         return HALF_TILES[head] if head in HALF_TILES else HALF_TILES[256]
+    if dtype == torch.float32 and max(d, dv) <= 64:
+        return FLOAT32_TILES
     return WIDE_TILES
 
 
@@ -1120,6 +1143,7 @@ class AttentionOp(RuntimeOp):
         self.n_activation_inputs = self.n_qkv + 1 if has_mask else self.n_qkv
         self.differentiable_inputs = tuple(range(self.n_qkv))
         self.dropout_p, self.seed, self.fixed_mask = float(dropout_p), int(seed), bool(fixed_mask)
+        self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
         self.capturable = self.dropout_p == 0.0  # the per-run seed comes from the host
         self.runs = 0  # forward runs so far: the step of the next dropout mask
 
@@ -1190,6 +1214,7 @@ class AttentionOp(RuntimeOp):
             DV=layout.dv,
             CAUSAL=self.is_causal,
             UPCAST_BF16=DOT_UPCAST_BF16,
+            PRECISION=dot_precision(ctx.dtype, self.allow_tf32) if ctx.dtype == torch.float32 else IEEE,
             ACC=tl_acc_dtype(ctx.dtype),
             BLOCK_D=block_d,
             BLOCK_DV=block_dv,
