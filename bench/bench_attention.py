@@ -22,8 +22,8 @@ process starts):
 * ``compile``: torch.compile of SDPA forward + backward at the first shape, if time is left.
 
 ``BENCH_DTYPE=float32`` times and sweeps float32 instead (tf32x3 products): causal at GPT 4L's
-64x8x128x32 (``teeny train gpt --size large``) and at 4x16x2048x64, with tile candidates for
-float32.
+64x8x128x32 (``teeny train gpt --size large``), GPT-2's 8x12x512x64 (the patched bench) and
+4x16x2048x64, with tile candidates for float32.
 
 Prints a table per section and writes every row to $OUT/bench_attention.json when $OUT is set.
 FLOPs: forward 4 B H Lq Lk D (halved when causal), backward 2.5x the forward.
@@ -43,7 +43,7 @@ DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a slow smoke test of the 
 
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # or "float32"
 if DTYPE == "float32":
-    SHAPES = [(64, 8, 128, 32), (4, 16, 2048, 64)]
+    SHAPES = [(64, 8, 128, 32), (8, 12, 512, 64), (4, 16, 2048, 64)]
     VARIANTS = ["causal"]
 else:
     SHAPES = [(4, 16, 2048, 64), (8, 12, 1024, 64), (4, 16, 2048, 128)]
@@ -402,9 +402,9 @@ def sweep_configs(head_dim: int):
     from teeny.kernels.attention import AttentionTiles, Tiles
 
     if DTYPE == "float32":  # (block_m, block_n, warps, stages); the default first
-        fwd = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (32, 32, 4, 2)]
-        dq = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2)]
-        dkdv = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 2)]
+        fwd = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3)]
+        dq = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 3)]
+        dkdv = [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3)]
     elif head_dim <= 64:
         fwd = [
             (128, 64, 4, 3),

@@ -843,8 +843,13 @@ HALF_TILES = {
     256: AttentionTiles(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)),
 }
 # float32 products at tf32x3 run on tensor cores (three tf32 MMAs a product; the hi/lo halves
-# of each operand double its registers): 64-row tiles, one warpgroup, for head dims up to 64.
+# of each operand double its registers), for head dims up to 64. Swept on the H200 (fwd + bwd,
+# causal, bench/NOTES.md v14): at 64x8x128x32 one warpgroup on 64 x 64 tiles, 0.131 ms (128-row
+# tiles 0.162: half of each causal diagonal block is masked); at 4x16x2048x64 two warpgroups on
+# 128-row tiles (64 x 128 for dK/dV), 3.08 ms (64 x 64: 4.59).
 FLOAT32_TILES = AttentionTiles(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2))
+FLOAT32_LONG_TILES = AttentionTiles(Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2), Tiles(64, 128, 8, 2))
+FLOAT32_LONG = 512  # queries and keys from which the long tiles are used
 # float64 products run on FMA units / float64 MMA, and wider float32 heads: small tiles.
 WIDE_TILES = AttentionTiles(Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))
 
@@ -876,7 +881,7 @@ def attention_tiles(dtype: torch.dtype, d: int, dv: int, q_len: int, k_len: int)
         head = max(64, pow2(max(d, dv)))
         return HALF_TILES[head] if head in HALF_TILES else HALF_TILES[256]
     if dtype == torch.float32 and max(d, dv) <= 64:
-        return FLOAT32_TILES
+        return FLOAT32_LONG_TILES if min(q_len, k_len) >= FLOAT32_LONG else FLOAT32_TILES
     return WIDE_TILES
 
 
