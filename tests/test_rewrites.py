@@ -508,16 +508,19 @@ def _qkv_graph(b, length, heads, dim, dtype=torch.float64, bias=True, mask=None,
 QKV_REWRITES = (rewrites.attention_in_place, rewrites.fuse_qkv_products)
 
 
-@pytest.mark.parametrize("case", ["causal", "no-bias", "bool-mask"])
+@pytest.mark.parametrize("case", ["causal", "no-bias", "bool-mask", "odd-width"])
 def test_qkv_products_fused_match_the_three_products(case, gen):
     """One product for q, k and v and a packed attention: the same loss and every gradient (x,
-    the three weights and biases) as the unfused graph, float64 to 1e-12."""
-    shape = dict(b=2, length=5, heads=3, dim=4)
+    the three weights and biases) as the unfused graph, float64 to 1e-12. The weights (and
+    biases) lie side by side in the executor's arena and are read in place, without a copy;
+    at an odd width (9 float64 biases: 72 bytes, not a multiple of 16) they are copied."""
+    shape = dict(b=2, length=5, heads=3, dim=3 if case == "odd-width" else 4)
+    width = shape["heads"] * shape["dim"]
     mask = torch.rand(2, 1, 5, 5, generator=gen) > 0.3 if case == "bool-mask" else None
     if mask is not None:
         mask[..., 0] = True
     g = _qkv_graph(**shape, bias=case != "no-bias", mask=mask, is_causal=case == "causal")
-    feed = {"x": torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)}
+    feed = {"x": torch.randn(2, 5, width, generator=gen, dtype=torch.float64)}
     if mask is not None:
         feed["mask"] = mask
     fused, plain = _run(g, feed, rewrites=QKV_REWRITES), _run(g, feed, rewrites=())
@@ -530,8 +533,57 @@ def test_qkv_products_fused_match_the_three_products(case, gen):
     for name in plain[2]:
         torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-12, atol=1e-12, msg=name)
     summary = fused[3].summary()
-    assert "q, k, v projections as one product: 1, 2 products fewer per forward" in summary
-    assert ("3 small copies" if case == "no-bias" else "6 small copies") in summary
+    in_place = case != "odd-width"
+    assert f"q, k, v projections as one product: 1 ({int(in_place)} reading their weights side by side" in summary
+    assert ("0" if in_place else "6") + " small copies" in summary
+    (product,) = [p for p in fused[3].nodes if isinstance(p.op, SharedInputLinearOp)]
+    copies = [launch for launch in product.forward_launches + product.backward_launches if "copy" in launch.kernel.name]
+    assert bool(copies) != in_place and product.op.adjacent == in_place
+    if in_place:  # side by side in the arena, in q, k, v order
+        ex = Executor(fused[3], seed=0)
+        for kind in ("weight",) if case == "no-bias" else ("weight", "bias"):
+            q, k, v = (ex.params[f"{n}.{kind}"] for n in "qkv")
+            assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+
+
+def test_qkv_weights_read_in_place_accumulate_gradients(gen):
+    """Two backwards without zero_grad: the second one's q/k/v gradients go into one block of
+    their own (side by side, as the fused product writes them) and are added into the arena."""
+    g = _qkv_graph(b=2, length=5, heads=3, dim=4, is_causal=True)
+    feed = {"x": torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)}
+    ex = Executor(lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES), seed=0)
+    assert any(getattr(p.op, "adjacent", False) for p in ex.program.nodes)
+    ex.backward(ex.forward_train(feed)[1])
+    once = {k: v.clone() for k, v in ex.grads.items()}
+    ex.backward(ex.forward_train(feed)[1])
+    for name in once:
+        torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=1e-13, atol=1e-13, msg=name)
+
+
+def test_qkv_weights_cast_by_mixed_precision_are_copied():
+    """bf16-mixed casts each float32 weight before the product reads it: the casts are not side
+    by side in the arena, so the product stacks them by copies (reading them in place would be
+    an error at the first run)."""
+    g = _qkv_graph(b=2, length=5, heads=3, dim=4, dtype=torch.float32, is_causal=True)
+    program = lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES, precision="bf16-mixed")
+    (product,) = [p.op for p in program.nodes if isinstance(p.op, SharedInputLinearOp)]
+    assert not product.adjacent
+    unmixed = lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES)
+    assert [p.op.adjacent for p in unmixed.nodes if isinstance(p.op, SharedInputLinearOp)] == [True]
+
+
+def test_qkv_weights_frozen_apart_are_copied(gen):
+    """q's weight frozen, k's and v's trained: they cannot share one run of the arena (an
+    optimizer updates the trained prefix), so the fused product copies them; gradients as the
+    unfused graph's, and none for the frozen weight."""
+    g = _qkv_graph(b=2, length=5, heads=3, dim=4, is_causal=True)
+    next(v for v in g.params if v.name == "q.weight").requires_grad = False
+    feed = {"x": torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)}
+    fused, plain = _run(g, feed, rewrites=QKV_REWRITES), _run(g, feed, rewrites=())
+    (product,) = [p.op for p in fused[3].nodes if isinstance(p.op, SharedInputLinearOp)]
+    assert not product.adjacent and not fused[2]["q.weight"].any()
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_qkv_products_fused_gradcheck_float64(gen):

@@ -24,6 +24,7 @@ counter: only PyTorch in-place operations are seen, which is what a user can do.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from .device import DEVICE
 from .graph import Value
 from .kernels.accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, make_context, row_stride
-from .runtime import TeenyError, capturing, raise_failed_checks, raise_not_capturable
+from .runtime import ARENA_ALIGN, TeenyError, capturing, raise_failed_checks, raise_not_capturable
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -56,11 +57,33 @@ def arena_order(program: Program) -> list[Value]:
     final = gradient_final_node(program)
     params = program.params
     written = sorted((v for v in params if v.id in final), key=lambda v: -final[v.id])  # stable: ties keep graph order
-    return [
+    order = [
         *written,
         *(v for v in params if v.id not in final and v.requires_grad),
         *(v for v in params if not v.requires_grad),
     ]
+    groups = {}  # value id -> the parameters an op wants side by side (RuntimeOp.adjacent_params), in order
+    for p in program.nodes:
+        for positions in p.op.adjacent_params:
+            members = [p.node.inputs[i] for i in positions]
+            if any(v.kind != "param" for v in members):
+                raise TeenyError(
+                    f"op {p.op.name} (node '{p.name}') asks for inputs {list(positions)} side by side in the arena, "
+                    f"but {', '.join(repr(v.name) for v in members if v.kind != 'param')} are not parameters"
+                )
+            groups.update((v.id, members) for v in members)
+    if not groups:
+        return order
+    category = {v.id: (v.id in final, v.requires_grad, v.dtype) for v in params}
+    laid, placed = [], set()
+    for v in order:  # a group at its first member's place
+        for member in groups.get(v.id, [v]):
+            if member.id not in placed:
+                if category[member.id] != category[v.id]:
+                    raise TeenyError(f"parameters {member.name!r} and {v.name!r} cannot lie side by side in the arena")
+                laid.append(member)
+                placed.add(member.id)
+    return laid
 
 
 class ActivationCache:
@@ -472,6 +495,14 @@ class Executor:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
             else:
                 buffers.append(self._alloc(v.shape, v.dtype))
+        for positions in node.op.adjacent_params:  # side by side: the arena's views, or one block of their own
+            group = [buffers[i] for i in positions]
+            in_arena = all(g is self._grad_by_id[node.inputs[i].id] for i, g in zip(positions, group))
+            if all(g is not None for g in group) and not in_arena:
+                block = self._alloc((sum(g.numel() for g in group),), group[0].dtype)
+                offsets = itertools.accumulate([0] + [g.numel() for g in group])
+                for i, g, start in zip(positions, group, offsets):
+                    buffers[i] = block[start : start + g.numel()].view(g.shape)
         ctx.grad_inputs, ctx.grad_params = buffers[:n_act], buffers[n_act:]
         ctx.run(node.op.backward_launches(ctx))
         produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
@@ -494,9 +525,6 @@ class Executor:
                 grads[v.id] = total
             else:
                 grads[v.id] = g
-
-
-ARENA_ALIGN = 16  # bytes: every parameter starts aligned (TMA loads need it; vector loads prefer it)
 
 
 def _aligned_numel(n: int, dtype: torch.dtype) -> int:

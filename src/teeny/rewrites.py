@@ -30,8 +30,11 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   whose (batch, length, 3 * heads * dim) output the attention reads as it is
   (``AttentionOp(layout="packed")``), and whose gradient the attention's backward writes whole:
   per layer two products fewer forwards, two products and the two sums of dX's three parts
-  fewer backwards, for six small copies each way (stacking the weights and biases, and their
-  gradients out). (A graph node has one output, so the attention must read the stacked tensor
+  fewer backwards. Where the weights (and biases) are parameters read by these linears only,
+  of one dtype, trainable alike and each a multiple of 16 bytes, the executor lays them out side
+  by side in its arena (``RuntimeOp.adjacent_params``) and the product reads them and writes
+  their gradients in place; otherwise it takes six small copies each way (stacking the weights
+  and biases, and their gradients out). (A graph node has one output, so the attention must read the stacked tensor
   itself: through views, each view's backward would write a stacked-sized gradient to sum.)
 * ``fuse_mlp`` (not a default: ask for it, ``rewrites=DEFAULT_REWRITES + (fuse_mlp,)``):
   linear, element-wise activation, linear (and longer such chains, the MLP of a transformer
@@ -58,7 +61,7 @@ from typing import Any
 import torch
 
 from .graph import Graph, Node, Tensor, Value
-from .runtime import RuntimeOp
+from .runtime import ARENA_ALIGN, RuntimeOp
 
 # The rewrites import the op families they know inside their functions: the families import
 # the registry, which imports lowering, which imports this module.
@@ -423,6 +426,21 @@ def _projection(value: Value, read_by, kept: set[int]) -> Node | None:
     return linear
 
 
+def _params_side_by_side(linears: list[Node], read_by, kept: set[int]) -> bool:
+    """Whether the executor can lay out the linears' weights side by side in its arena, and
+    their biases (``RuntimeOp.adjacent_params``): parameters, each read by its own linear only
+    and no output, of one dtype, trainable alike, each a multiple of 16 bytes (so that no padding
+    comes between them)."""
+    for position in range(1, len(linears[0].inputs)):
+        values = [linear.inputs[position] for linear in linears]
+        if len({v.id for v in values}) != len(values) or len({(v.dtype, v.requires_grad) for v in values}) != 1:
+            return False
+        for v in values:
+            if v.kind != "param" or v.id in kept or len(read_by[v.id]) != 1 or _nbytes(v) % ARENA_ALIGN:
+                return False
+    return True
+
+
 def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """An attention in the (batch, length, heads, dim) layout whose q, k and v are reshaped
     linears of one input (same heads and head dim, all with a bias or none) reads them from one
@@ -450,13 +468,15 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
         return graph, outputs, ""
     skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
     skipped |= {linear.id for linears in matches.values() for linear in linears}
+    adjacent = {node_id: _params_side_by_side(linears, read_by, kept) for node_id, linears in matches.items()}
     rebuild = Rebuild(graph)
 
     def fuse(node: Node, linears: list[Node]) -> None:
         op = node.op
         b, length, heads, dim = node.inputs[0].shape
         inputs = [rebuild[linears[0].inputs[0]]] + [rebuild[v] for linear in linears for v in linear.inputs[1:]]
-        stacked = rebuild.apply(SharedInputLinearOp(3, linears[0].op.has_bias), inputs, node.name + "_qkv")
+        product = SharedInputLinearOp(3, linears[0].op.has_bias, adjacent[node.id])
+        stacked = rebuild.apply(product, inputs, node.name + "_qkv")
         packed = rebuild.apply(ViewOp("reshape", (b, length, 3 * heads * dim)), [stacked], node.name + "_qkv_rows")
         attention = AttentionOp(
             op.has_mask, op.is_causal, op.user_scale, False, op.dropout_p, op.seed, op.fixed_mask, "packed", heads
@@ -467,14 +487,16 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
 
     rebuild.replace(skipped, matches, fuse)
     graph, outputs = rebuild.finish(outputs)
-    n = len(matches)
-    copies = sum(6 if linears[0].op.has_bias else 3 for linears in matches.values())  # the stacking, each way
+    n, in_place = len(matches), sum(adjacent.values())
+    copies = sum(  # the stacking, each way, where the weights are not read in place
+        6 if linears[0].op.has_bias else 3 for node_id, linears in matches.items() if not adjacent[node_id]
+    )
     more = f"; {2 * n} products and {2 * n} gradient sums fewer per backward, {copies} copies out" if training else ""
     return (
         graph,
         outputs,
-        f"q, k, v projections as one product: {n}, {2 * n} products fewer per forward, {copies} small copies "
-        f"to stack the weights{more}",
+        f"q, k, v projections as one product: {n} ({in_place} reading their weights side by side in place), "
+        f"{2 * n} products fewer per forward, {copies} small copies to stack the weights{more}",
     )
 
 
@@ -594,6 +616,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
 
     def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
         from .kernels.cast import CastOp
+        from .kernels.linear import SharedInputLinearOp
         from .kernels.loss import LinearCrossEntropyOp
 
         rebuild = Rebuild(graph)
@@ -623,6 +646,12 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                 inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
             if isinstance(op, LinearCrossEntropyOp):
                 op = LinearCrossEntropyOp(op.linear, op.loss, node.output.dtype, op.with_grads, op.chunk_rows)
+            if (
+                isinstance(op, SharedInputLinearOp)
+                and op.adjacent
+                and any(u is not rebuild[v] for u, v in zip(inputs, node.inputs))
+            ):  # its weights are now casts, not parameters side by side in the arena: stack by copies
+                op = SharedInputLinearOp(op.parts, op.has_bias)
             rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
         for v in outputs:
             rebuild.new[v.id] = cast(rebuild[v], v.dtype)

@@ -67,6 +67,7 @@ class KernelLaunchError(TeenyError):
 # ----------------------------------------------------------------------------- ArgVisitor
 
 AUTO = "auto"  # a named visit whose kind the kernel's signature decides
+ARENA_ALIGN = 16  # bytes: every parameter in an executor's arena starts aligned (TMA loads need it)
 
 
 class Visit(NamedTuple):
@@ -514,6 +515,11 @@ class RuntimeOp:
     # launch writing it comes after every launch reading input 0); the executor hands input 0's buffer
     # over when it owns it alone: a value recomputed for this node, at its last reader's backward
     grad_over_input: bool = False
+    # groups of parameter positions (indices over inputs + params) the executor lays out side by side
+    # in its arena, in this order, and whose gradient buffers it hands out side by side: the op may
+    # read them as one tensor (a view). The rewrite that sets it checks that the executor can: one
+    # dtype, sizes in multiples of 16 bytes (no padding between), trainable alike, read by this node only
+    adjacent_params: tuple[tuple[int, ...], ...] = ()
 
     # --- shapes and dtypes -------------------------------------------------------------
     def output_shape(self, input_shapes: list[Shape]) -> Shape:

@@ -1476,19 +1476,28 @@ class SharedInputLinearOp(_ProductOp):
     """linear(x, W_i, b_i) of one input by several weights as one product,
     y = x [W_1; W_2; ...]^T + [b_1, b_2, ...], the parts side by side in the last dim (the q, k
     and v projections of an attention: ``rewrites.fuse_qkv_products``). Inputs x, W_1[, b_1],
-    W_2[, b_2], ... The forward copies the weights into one matrix, which it keeps for dX, and
-    the biases into one vector; the backward computes dW and db of the stacked ones in one
-    product (db in its epilogue) and copies each part's rows out to that part's gradient."""
+    W_2[, b_2], ... The backward computes dW and db of the stacked ones in one product (db in
+    its epilogue).
+
+    ``adjacent``: the weights are parameters the executor lays out side by side in its arena
+    (and the biases), as ``adjacent_params`` asks, so the stacked weight and bias are views of
+    them and the gradients are written straight into side-by-side gradient buffers: no copies.
+    Otherwise the forward copies the weights into one matrix, which it keeps for dX, and the
+    biases into one vector, and the backward copies each part's rows out to its gradient."""
 
     name = "linear"
     n_activation_inputs = 1
-    saves_inputs = (0,)  # x for dW; the stacked weight is an extra output
+    saves_inputs = (0,)  # x for dW; the stacked weight is read in place or is an extra output
     grad_over_input = True
 
-    def __init__(self, parts: int, has_bias: bool):
+    def __init__(self, parts: int, has_bias: bool, adjacent: bool = False):
         super().__init__()
-        self.parts, self.has_bias = parts, has_bias
+        self.parts, self.has_bias, self.adjacent = parts, has_bias, adjacent
         self.stride = 2 if has_bias else 1  # inputs per part
+        if adjacent:  # input positions: the weights side by side, then the biases
+            weights = tuple(range(1, 1 + parts * self.stride, self.stride))
+            self.adjacent_params = (weights, tuple(i + 1 for i in weights)) if has_bias else (weights,)
+            self.saves_inputs = (0, *weights)  # parameters: held anyway, kept for free
 
     def _split(self, params) -> tuple[list, list]:
         """(weights, biases) of the parts from the op's parameters (or their gradients)."""
@@ -1512,6 +1521,8 @@ class SharedInputLinearOp(_ProductOp):
         return tuple(input_shapes[0][:-1]) + (sum(self._rows(input_shapes)),)
 
     def extra_outputs(self, input_shapes, dtype):
+        if self.adjacent:
+            return {}
         return {"weight": ((sum(self._rows(input_shapes)), input_shapes[0][-1]), dtype)}
 
     def _row_ranges(self, ctx) -> list[tuple[int, int]]:
@@ -1519,39 +1530,75 @@ class SharedInputLinearOp(_ProductOp):
         ends = list(itertools.accumulate(self._rows(ctx.input_shapes)))
         return list(zip([0] + ends[:-1], ends))
 
+    def _side_by_side(self, ctx, parts: list, what: str) -> torch.Tensor:
+        """The parts stacked along dim 0 as a view of the buffer they lie side by side in (an
+        ``adjacent`` op's parameters and gradients; a meta tensor during the dry run)."""
+        shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+        if ctx.dry_run:
+            return ctx.empty(shape, parts[0].dtype)
+        contiguous = all(t.is_contiguous() for t in parts)
+        if not contiguous or any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+            raise TeenyError(
+                f"{ctx.where}: the parts' {what} are not side by side in one buffer, as the op's adjacent_params "
+                "asks the executor to lay them out"
+            )
+        first = parts[0]
+        return first.as_strided(shape, tuple(_contiguous_strides(shape)), first.storage_offset())
+
+    def _stacked_params(self, ctx) -> tuple:
+        """(stacked weight, stacked bias or None) of an ``adjacent`` op: views of the parameters."""
+        weights, biases = self._split(ctx.params)
+        bias = self._side_by_side(ctx, biases, "biases") if self.has_bias else None
+        return self._side_by_side(ctx, weights, "weights"), bias
+
     def forward_launches(self, ctx):
         weights, biases = self._split(ctx.params)
-        stacked = ctx.saved["weight"]
-        rows = self._row_ranges(ctx)
-        launches = [copy_launch(w, w, stacked, stacked[a:b]) for w, (a, b) in zip(weights, rows)]
-        bias = None
-        if self.has_bias:
-            bias = ctx.empty((stacked.shape[0],), ctx.dtype)
-            launches += [copy_launch(b_, b_, bias, bias[a:b]) for b_, (a, b) in zip(biases, rows)]
+        if self.adjacent:
+            stacked, bias = self._stacked_params(ctx)
+            launches = []
+        else:
+            stacked = ctx.saved["weight"]
+            rows = self._row_ranges(ctx)
+            launches = [copy_launch(w, w, stacked, stacked[a:b]) for w, (a, b) in zip(weights, rows)]
+            bias = None
+            if self.has_bias:
+                bias = ctx.empty((stacked.shape[0],), ctx.dtype)
+                launches += [copy_launch(b_, b_, bias, bias[a:b]) for b_, (a, b) in zip(biases, rows)]
         shapes = [ctx.input_shapes[0], tuple(stacked.shape)]
         product = LinearOp.products(shapes)["forward"]
         return launches + self.product(ctx, "forward", product, ctx.inputs[0], stacked, ctx.output, bias)
 
     def backward_launches(self, ctx):
-        x, stacked, go = ctx.inputs[0], ctx.saved["weight"], ctx.grad_output
+        x, go = ctx.inputs[0], ctx.grad_output
+        if self.adjacent:
+            stacked = self._side_by_side(ctx, self._split(ctx.params)[0], "weights")
+        else:
+            stacked = ctx.saved["weight"]
         products = LinearOp.products([ctx.input_shapes[0], tuple(stacked.shape)])
         (dx,) = ctx.grad_inputs
         dws, dbs = self._split(ctx.grad_params)
         launches = []
         want_w, want_b = any(g is not None for g in dws), any(g is not None for g in dbs)
-        dw = ctx.empty(tuple(stacked.shape), ctx.dtype) if want_w else None
-        db = ctx.empty((stacked.shape[0],), ctx.dtype) if want_b else None
+        # an adjacent op's gradient buffers lie side by side (the executor hands them out so): written in place
+        in_place = self.adjacent and all(g is not None for g in ([*dws, *dbs] if self.has_bias else dws))
+        if in_place:
+            dw = self._side_by_side(ctx, dws, "weight gradients")
+            db = self._side_by_side(ctx, dbs, "bias gradients") if self.has_bias else None
+        else:
+            dw = ctx.empty(tuple(stacked.shape), ctx.dtype) if want_w else None
+            db = ctx.empty((stacked.shape[0],), ctx.dtype) if want_b else None
         if dw is not None:  # db (dY's column sums) in dW's epilogue
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=db)
         elif db is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, db)
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
             launches += self.product(ctx, "grad_input", products["grad_input"], go, stacked, dx)
-        for (a, b), gw, gb in zip(self._row_ranges(ctx), dws, dbs):
-            if gw is not None:
-                launches.append(copy_launch(dw, dw[a:b], gw, gw))
-            if gb is not None:
-                launches.append(copy_launch(db, db[a:b], gb, gb))
+        if not in_place:
+            for (a, b), gw, gb in zip(self._row_ranges(ctx), dws, dbs):
+                if gw is not None:
+                    launches.append(copy_launch(dw, dw[a:b], gw, gw))
+                if gb is not None:
+                    launches.append(copy_launch(db, db[a:b], gb, gb))
         return launches
 
 
