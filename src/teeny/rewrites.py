@@ -34,8 +34,9 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   of one dtype, trainable alike and each a multiple of 16 bytes, the executor lays them out side
   by side in its arena (``RuntimeOp.adjacent_params``) and the product reads them and writes
   their gradients in place; otherwise it takes six small copies each way (stacking the weights
-  and biases, and their gradients out). (A graph node has one output, so the attention must read the stacked tensor
-  itself: through views, each view's backward would write a stacked-sized gradient to sum.)
+  and biases, and their gradients out). (A graph node has one output, so the attention must
+  read the stacked tensor itself: through views, each view's backward would write a
+  stacked-sized gradient to sum.)
 * ``fuse_mlp`` (not a default: ask for it, ``rewrites=DEFAULT_REWRITES + (fuse_mlp,)``):
   linear, element-wise activation, linear (and longer such chains, the MLP of a transformer
   block) become one node (``linear.MLPOp``): the activation runs in the
