@@ -1545,16 +1545,11 @@ class SharedInputLinearOp(_ProductOp):
         first = parts[0]
         return first.as_strided(shape, tuple(_contiguous_strides(shape)), first.storage_offset())
 
-    def _stacked_params(self, ctx) -> tuple:
-        """(stacked weight, stacked bias or None) of an ``adjacent`` op: views of the parameters."""
-        weights, biases = self._split(ctx.params)
-        bias = self._side_by_side(ctx, biases, "biases") if self.has_bias else None
-        return self._side_by_side(ctx, weights, "weights"), bias
-
     def forward_launches(self, ctx):
         weights, biases = self._split(ctx.params)
-        if self.adjacent:
-            stacked, bias = self._stacked_params(ctx)
+        if self.adjacent:  # views of the parameters, side by side in the arena
+            stacked = self._side_by_side(ctx, weights, "weights")
+            bias = self._side_by_side(ctx, biases, "biases") if self.has_bias else None
             launches = []
         else:
             stacked = ctx.saved["weight"]
