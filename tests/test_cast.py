@@ -91,3 +91,62 @@ def test_every_float_pair_matches_torch_forward_and_backward(source, target):
     (g,) = torch.autograd.grad(y, x, seed)
     assert g.dtype == source
     torch.testing.assert_close(g.cpu(), seed.to(source), atol=0, rtol=0)
+
+
+# ----------------------------------------------------------- parameters side by side, cast as one
+
+
+def _stacked_cast_graph(rows, cols, source, target):
+    """Parameters of ``rows`` x ``cols`` (side by side in the arena) cast as one stacked tensor,
+    then loss = sum(y.float() * c) with a fixed c."""
+    from teeny.kernels.cast import StackedCastOp
+
+    g = Graph()
+    parts = [g.parameter(f"p{i}", (r, cols), teeny.init.normal(1.0), dtype=source) for i, r in enumerate(rows)]
+    y = g.apply(StackedCastOp(target, len(parts)), parts)
+    c = torch.linspace(-2, 3, sum(rows) * cols, dtype=torch.float64).reshape(sum(rows), cols)
+    g.output(ops.sum(ops.mul(ops.to(y, source), g.constant(c.to(source)))))
+    return g, c
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
+def test_stacked_cast_matches_torch_forward_and_backward(target):
+    """float32 parameters of 3, 1 and 5 rows cast as one: one launch each way, the values and
+    gradients exactly torch's cat-then-cast, the parts one after the other in the arena."""
+    from teeny.kernels.cast import StackedCastOp
+
+    g, c = _stacked_cast_graph((3, 1, 5), 4, torch.float32, target)
+    program = lower(g, LoweringMode.TRAINING)
+    (node,) = [p for p in program.nodes if isinstance(p.op, StackedCastOp)]
+    assert len(node.forward_launches) == len(node.backward_launches) == 1
+    ex = teeny.Executor(program, seed=0)
+    parts = [ex.params[f"p{i}"] for i in range(3)]
+    for a, b in zip(parts, parts[1:]):
+        assert b.data_ptr() == a.data_ptr() + a.nbytes
+    loss, cache = ex.forward_train({})
+    ex.backward(cache)
+    ref = [t.detach().cpu().clone().requires_grad_() for t in parts]
+    ref_loss = (torch.cat(ref).to(target).float() * c.float()).sum()
+    ref_loss.backward()
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-6, atol=1e-5)
+    for i, r in enumerate(ref):
+        torch.testing.assert_close(ex.grads[f"p{i}"].cpu(), r.grad, atol=0, rtol=0)
+
+
+def test_stacked_cast_gradcheck_float64():
+    """float64 parts cast to float64 (the narrowing casts round finite differences away): each
+    part's gradient comes from its own rows of dy."""
+    g, _ = _stacked_cast_graph((2, 1, 3), 2, torch.float64, torch.float64)
+    teeny.gradcheck_graph(g, {})
+
+
+def test_stacked_cast_of_non_parameters_is_a_clear_error():
+    from teeny.kernels.cast import StackedCastOp
+
+    g = Graph()
+    a, b = g.input("a", (2, 4), requires_grad=True), g.parameter("b", (2, 4))
+    g.output(ops.sum(g.apply(StackedCastOp(torch.bfloat16, 2), [a, b])))
+    with pytest.raises(teeny.TeenyError, match=r"side by side in the arena, but 'a' are not parameters"):
+        teeny.Executor(lower(g, LoweringMode.TRAINING))
+    with pytest.raises(teeny.GraphError, match=r"the parts must agree in every dim but the first"):
+        g.apply(StackedCastOp(torch.bfloat16, 2), [b, g.parameter("c", (2, 3))])

@@ -560,16 +560,43 @@ def test_qkv_weights_read_in_place_accumulate_gradients(gen):
         torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=1e-13, atol=1e-13, msg=name)
 
 
-def test_qkv_weights_cast_by_mixed_precision_are_copied():
-    """bf16-mixed casts each float32 weight before the product reads it: the casts are not side
-    by side in the arena, so the product stacks them by copies (reading them in place would be
-    an error at the first run)."""
+def test_qkv_weights_cast_by_mixed_precision_as_one(gen):
+    """bf16-mixed with the float32 q/k/v weights side by side in the arena: one stacked cast of
+    the weights and one of the biases (``StackedCastOp``), read by one plain product; no cast
+    or copy per part either way. The loss and every gradient agree with the unfused bf16-mixed
+    graph (bf16 rounding), and a second backward without zero_grad adds the same gradients."""
+    from teeny.kernels.cast import CastOp, StackedCastOp
+    from teeny.kernels.linear import LinearOp
+
     g = _qkv_graph(b=2, length=5, heads=3, dim=4, dtype=torch.float32, is_causal=True)
-    program = lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES, precision="bf16-mixed")
-    (product,) = [p.op for p in program.nodes if isinstance(p.op, SharedInputLinearOp)]
-    assert not product.adjacent
-    unmixed = lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES)
-    assert [p.op.adjacent for p in unmixed.nodes if isinstance(p.op, SharedInputLinearOp)] == [True]
+    feed = {"x": torch.randn(2, 5, 12, generator=gen)}
+    fused, plain = (
+        _run(g, feed, rewrites=r, precision="bf16-mixed") for r in (QKV_REWRITES, (rewrites.attention_in_place,))
+    )
+    nodes = fused[3].nodes
+    stacked = [p for p in nodes if isinstance(p.op, StackedCastOp)]
+    assert [p.node.output.shape for p in stacked] == [(36, 12), (36,)]
+    assert "6 of the parameters side by side in 2 stacked casts" in fused[3].summary()
+    assert not any(isinstance(p.op, SharedInputLinearOp) for p in nodes)
+    assert not any(isinstance(p.op, CastOp) and p.node.inputs[0].kind == "param" for p in nodes)
+    (product,) = [p for p in nodes if isinstance(p.op, LinearOp) and p.node.inputs[1] is stacked[0].node.output]
+    assert len(product.forward_launches) == 1 and len(stacked[0].forward_launches) == 1
+    assert all(len(p.backward_launches) == 1 for p in stacked)
+    torch.testing.assert_close(fused[0], plain[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=2e-2, atol=2e-2)
+    assert set(fused[2]) == set(plain[2])
+    for name in plain[2]:
+        assert fused[2][name].dtype == torch.float32
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=2e-2, atol=2e-2, msg=name)
+    ex = Executor(fused[3], seed=0)
+    for kind in ("weight", "bias"):
+        q, k, v = (ex.params[f"{n}.{kind}"] for n in "qkv")
+        assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+    ex.backward(ex.forward_train(feed)[1])
+    once = {k: v.clone() for k, v in ex.grads.items()}
+    ex.backward(ex.forward_train(feed)[1])
+    for name in once:
+        torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_qkv_weights_frozen_apart_are_copied(gen):

@@ -607,8 +607,10 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     optimizer and its state update float32, one launch per arena as before).
 
     Each float32 parameter is cast to ``dtype`` once, just before its first reader (the cast's
-    backward brings its gradient back to the float32 gradient arena); float32 inputs are cast
-    the same way and float32 constants converted. Every op is re-applied to the cast values,
+    backward brings its gradient back to the float32 gradient arena); the fused q/k/v product's
+    parameters, side by side in the arena, are cast as one stacked weight and one stacked bias
+    (``StackedCastOp``) that a plain linear reads. float32 inputs are cast the same way and
+    float32 constants converted. Every op is re-applied to the cast values,
     so its output dtype follows. Losses and in-place updaters (``_keeps_float32``) get float32
     inputs instead; the chunked head + loss (``LinearCrossEntropyOp``) computes its products in
     ``dtype`` and writes the loss in float32. Outputs keep the dtypes the graph gave them (a
@@ -616,8 +618,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     from .kernel import dtype_name
 
     def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
-        from .kernels.cast import CastOp
-        from .kernels.linear import SharedInputLinearOp
+        from .kernels.cast import CastOp, StackedCastOp
+        from .kernels.linear import LinearOp, SharedInputLinearOp
         from .kernels.loss import LinearCrossEntropyOp
 
         rebuild = Rebuild(graph)
@@ -638,7 +640,20 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
 
         for node in graph.nodes:
             op = node.op
-            if _keeps_float32(op):
+            if isinstance(op, SharedInputLinearOp) and op.adjacent and node.inputs[1].dtype == torch.float32:
+                # float32 parameters side by side in the arena: each group cast as one stacked tensor,
+                # then one product of the stacked casts (no cast or copy per part)
+                stacked = [
+                    rebuild.apply(
+                        StackedCastOp(dtype, op.parts), [rebuild[node.inputs[i]] for i in group], f"{node.name}.{what}"
+                    )
+                    for group, what in zip(op.adjacent_params, ("weight", "bias"))
+                ]
+                counts["param"] += sum(len(group) for group in op.adjacent_params)
+                counts["stacked"] += sum(len(group) for group in op.adjacent_params)
+                counts["stacks"] += len(stacked)
+                inputs, op = [cast(rebuild[node.inputs[0]], dtype), *stacked], LinearOp(op.has_bias)
+            elif _keeps_float32(op):
                 inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
                 counts["float32 op"] += 1
             elif isinstance(op, CastOp):  # an explicit cast in the model stays what it says
@@ -647,12 +662,6 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                 inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
             if isinstance(op, LinearCrossEntropyOp):
                 op = LinearCrossEntropyOp(op.linear, op.loss, node.output.dtype, op.with_grads, op.chunk_rows)
-            if (
-                isinstance(op, SharedInputLinearOp)
-                and op.adjacent
-                and any(u is not rebuild[v] for u, v in zip(inputs, node.inputs))
-            ):  # its weights are now casts, not parameters side by side in the arena: stack by copies
-                op = SharedInputLinearOp(op.parts, op.has_bias)
             rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
         for v in outputs:
             rebuild.new[v.id] = cast(rebuild[v], v.dtype)
@@ -662,6 +671,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
         parts = [f"{dtype_name(dtype)} compute, float32 master weights"]
         parts += [f"{n} {names[kind]}{'s' if n != 1 else ''} cast" for kind, n in counts.items() if kind in names]
+        if counts["stacks"]:
+            parts.append(f"{counts['stacked']} of the parameters side by side in {counts['stacks']} stacked casts")
         if counts["float32 op"]:
             parts.append(f"{counts['float32 op']} loss or in-place ops on float32")
         return graph, outputs, ", ".join(parts)

@@ -7,7 +7,8 @@ float, integer and bool dtype (float to integer truncates towards zero and float
 for non-zero, as PyTorch does). The gradient flows between float dtypes only; a cast to an
 integer or bool dtype ends the gradient like PyTorch's. A cast to the input's own dtype is a
 view (no launch). Mixed precision uses this op: parameters kept in float32, cast to bfloat16
-where they are read, gradients cast back.
+where they are read, gradients cast back; parameters that lie side by side in the arena (the
+fused q/k/v weights) are cast as one stacked tensor, ``StackedCastOp``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import triton.language as tl
 from ..graph import graph_of
 from ..kernel import ANY_DTYPES, dtype_name, kernel
 from ..registry import OpInfo, Sample, make, register
-from ..runtime import RuntimeOp
-from .common import ELEMENTWISE_BLOCK
+from ..runtime import ArgVisitor, Launch, RuntimeOp, TeenyError
+from .common import ELEMENTWISE_BLOCK, elementwise_grid, side_by_side
 
 __all__ = ["to"]
 NN_LAYERS: list[str] = []
@@ -90,6 +91,57 @@ class CastOp(RuntimeOp):
 
     def backward_grid(self, input_shapes, output_shape):
         return self.grid(input_shapes, output_shape)
+
+
+def _cast_launch(kernel, src: torch.Tensor, dst: torch.Tensor) -> Launch:
+    n = src.numel()
+    visitor = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, n=n, TO_BOOL=False)
+    return Launch(kernel, elementwise_grid(n, BLOCK), visitor, BLOCK, work=n)
+
+
+class StackedCastOp(RuntimeOp):
+    """to(cat([p_1, ..., p_n]), dtype) of parameters that lie side by side in the arena
+    (``adjacent_params``), in one launch each way: mixed precision's cast of the fused q/k/v
+    weights (and of their biases), read by the product as one stacked matrix.
+
+        y = [p_1; ...; p_n].to(dtype)        dp_i = dy[rows of p_i].to(p_i.dtype)
+
+    The backward casts dy into the parameters' gradient buffers, which the executor hands out
+    side by side too."""
+
+    kernel = cast_forward
+    n_activation_inputs = 0  # every input is a parameter
+    saves_inputs = False
+
+    def __init__(self, dtype: torch.dtype, parts: int):
+        self.dtype, self.parts = dtype, parts
+        self.name = f"to_{dtype_name(dtype)}_stacked"
+        self.adjacent_params = (tuple(range(parts)),)
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        if len(input_shapes) != self.parts:
+            raise ValueError(f"{self.name}: expected {self.parts} parameters, got {len(input_shapes)}")
+        if len(set(input_dtypes)) != 1 or not input_dtypes[0].is_floating_point or not self.dtype.is_floating_point:
+            raise TypeError(f"{self.name}: one float dtype for all parts and a float target, got {set(input_dtypes)}")
+        if len({tuple(s[1:]) for s in input_shapes}) != 1 or not input_shapes[0]:
+            raise ValueError(f"{self.name}: the parts must agree in every dim but the first, got {input_shapes}")
+
+    def output_shape(self, input_shapes):
+        return (sum(s[0] for s in input_shapes), *input_shapes[0][1:])
+
+    def output_dtype(self, input_dtypes):
+        return self.dtype
+
+    def has_backward(self):
+        return True
+
+    def forward_launches(self, ctx):
+        return [_cast_launch(cast_forward, side_by_side(ctx, ctx.params, "parameters"), ctx.output)]
+
+    def backward_launches(self, ctx):
+        if any(g is None for g in ctx.grad_params):  # adjacent_params keeps them trainable alike
+            raise TeenyError(f"{ctx.where}: {self.name} needs the gradient of every part or of none")
+        return [_cast_launch(cast_backward, ctx.grad_output, side_by_side(ctx, ctx.grad_params, "parameter gradients"))]
 
 
 def to(x, dtype: torch.dtype):

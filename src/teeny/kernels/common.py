@@ -8,6 +8,8 @@
   looping over the broadcast elements; a long broadcast range is split across programs into
   float32 partials [splits, targets] that a second launch of the same kernel sums
   (``sum_partials``). No atomics, so every result is bit-reproducible.
+* ``side_by_side``: tensors that lie one after the other in one buffer (the parameters an op
+  asks for with ``RuntimeOp.adjacent_params``, and their gradients) read as one, a view.
 * Launch sizes for the interpreter and the GPU, and ``strided_offsets`` (a flat index
   unravelled over up to ``MAX_DIMS`` dims, innermost first, into an element offset).
 """
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from ..device import INTERPRETER
 from ..kernel import kernel
-from ..runtime import ArgVisitor, Launch
+from ..runtime import ArgVisitor, Launch, TeenyError
 
 if TYPE_CHECKING:
     from ..runtime import OpContext
@@ -62,6 +64,24 @@ def pow2(n: int) -> int:
 
 def elementwise_grid(n: int, block: int) -> tuple[int, int, int]:
     return (cdiv(n, block), 1, 1)
+
+
+def side_by_side(ctx: OpContext, parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """``parts`` stacked along dim 0, as a view of the buffer they lie one after the other in
+    (an op's ``adjacent_params`` and their gradient buffers, which the executor lays out so; a
+    meta tensor in lowering's dry run). A TeenyError naming ``what`` if they do not."""
+    shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+    if ctx.dry_run:
+        return ctx.empty(shape, parts[0].dtype)
+    if not all(t.is_contiguous() for t in parts) or any(
+        b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])
+    ):
+        raise TeenyError(
+            f"{ctx.where}: the {what} are not side by side in one buffer, as the op's adjacent_params "
+            "asks the executor to lay them out"
+        )
+    first = parts[0]
+    return first.as_strided((math.prod(shape),), (1,), first.storage_offset()).view(shape)
 
 
 # tl.dot on bfloat16 operands gives garbage under the 3.6 interpreter: upcast there only.

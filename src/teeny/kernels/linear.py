@@ -72,7 +72,16 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
-from .common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, sum_to_shape_kernel, tl_acc_dtype
+from .common import (
+    DOT_UPCAST_BF16,
+    acc_dtype,
+    cdiv,
+    pow2,
+    side_by_side,
+    sum_to_shape,
+    sum_to_shape_kernel,
+    tl_acc_dtype,
+)
 from .shape import copy_launch
 
 __all__ = ["matmul", "linear"]
@@ -1530,26 +1539,11 @@ class SharedInputLinearOp(_ProductOp):
         ends = list(itertools.accumulate(self._rows(ctx.input_shapes)))
         return list(zip([0] + ends[:-1], ends))
 
-    def _side_by_side(self, ctx, parts: list, what: str) -> torch.Tensor:
-        """The parts stacked along dim 0 as a view of the buffer they lie side by side in (an
-        ``adjacent`` op's parameters and gradients; a meta tensor during the dry run)."""
-        shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
-        if ctx.dry_run:
-            return ctx.empty(shape, parts[0].dtype)
-        contiguous = all(t.is_contiguous() for t in parts)
-        if not contiguous or any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
-            raise TeenyError(
-                f"{ctx.where}: the parts' {what} are not side by side in one buffer, as the op's adjacent_params "
-                "asks the executor to lay them out"
-            )
-        first = parts[0]
-        return first.as_strided(shape, tuple(_contiguous_strides(shape)), first.storage_offset())
-
     def forward_launches(self, ctx):
         weights, biases = self._split(ctx.params)
         if self.adjacent:  # views of the parameters, side by side in the arena
-            stacked = self._side_by_side(ctx, weights, "weights")
-            bias = self._side_by_side(ctx, biases, "biases") if self.has_bias else None
+            stacked = side_by_side(ctx, weights, "parts' weights")
+            bias = side_by_side(ctx, biases, "parts' biases") if self.has_bias else None
             launches = []
         else:
             stacked = ctx.saved["weight"]
@@ -1566,7 +1560,7 @@ class SharedInputLinearOp(_ProductOp):
     def backward_launches(self, ctx):
         x, go = ctx.inputs[0], ctx.grad_output
         if self.adjacent:
-            stacked = self._side_by_side(ctx, self._split(ctx.params)[0], "weights")
+            stacked = side_by_side(ctx, self._split(ctx.params)[0], "parts' weights")
         else:
             stacked = ctx.saved["weight"]
         products = LinearOp.products([ctx.input_shapes[0], tuple(stacked.shape)])
@@ -1577,8 +1571,8 @@ class SharedInputLinearOp(_ProductOp):
         # an adjacent op's gradient buffers lie side by side (the executor hands them out so): written in place
         in_place = self.adjacent and all(g is not None for g in ([*dws, *dbs] if self.has_bias else dws))
         if in_place:
-            dw = self._side_by_side(ctx, dws, "weight gradients")
-            db = self._side_by_side(ctx, dbs, "bias gradients") if self.has_bias else None
+            dw = side_by_side(ctx, dws, "parts' weight gradients")
+            db = side_by_side(ctx, dbs, "parts' bias gradients") if self.has_bias else None
         else:
             dw = ctx.empty(tuple(stacked.shape), ctx.dtype) if want_w else None
             db = ctx.empty((stacked.shape[0],), ctx.dtype) if want_b else None
