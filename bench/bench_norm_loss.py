@@ -1,11 +1,14 @@
 """GPU time of the norm and loss kernels (forward + backward), teeny against PyTorch eager.
 
     PYTHONPATH=src python3 bench/bench_norm_loss.py [--only NAME ...]     (about 2 minutes on an H200)
+    PYTHONPATH=src python3 bench/bench_norm_loss.py --only 8192x768 --sweep   (the fused backward's programs)
 
 teeny runs through its ``Executor`` (zero_grad, forward_train, backward) captured once as a CUDA
 graph and replayed, so the numbers time the kernels, not the Python host path (bench/NOTES.md:
 host time made sub-millisecond cases swing 2x between runs). PyTorch eager is timed as it runs.
-Each case first checks teeny's output and input gradient against eager (relative error). The
+Each case first checks teeny's output and input gradient against eager (relative error).
+``--sweep`` times the selected cases again for each number of programs of the fused norm
+backward (``norm.PROGRAMS_PER_SM``) and row tile (``norm.GPU_TILE``). The
 same script runs on any commit of teeny (it uses only the public API): run it before and after a
 kernel change in one session. Results go to stdout and, when ``$OUT`` is set, to
 ``$OUT/bench_norm_loss.json``.
@@ -82,7 +85,18 @@ def make_cases() -> list[dict]:
     big = torch.randn(2**26, device=DEV)
     big_t = torch.randn(2**26, device=DEV)
     n_norm = rows * cols
+    short = dict(x=torch.randn(8192, 768, device=DEV, dtype=bf16), dy=torch.randn(8192, 768, device=DEV, dtype=bf16))
+    short_w, short_b = torch.rand(768, device=DEV, dtype=bf16) + 0.5, torch.randn(768, device=DEV, dtype=bf16)
     return [
+        dict(
+            name="layer_norm bf16 8192x768 (GPT-2's rows)",
+            inputs={"x": short["x"]},
+            params={"w": short_w, "b": short_b},
+            grad=short["dy"],
+            teeny=lambda x, w, b: ops.layer_norm(x, (768,), w, b),
+            torch=lambda x, w, b: F.layer_norm(x, (768,), w, b),
+            bytes=5 * 2 * 8192 * 768,
+        ),
         dict(
             name="layer_norm bf16 16384x4096",
             inputs={"x": h},
@@ -197,9 +211,29 @@ def run(case) -> dict:
     )
 
 
+def sweep(cases: list[dict]) -> None:
+    """Each case again for every (programs per SM, row tile) of the fused norm backward."""
+    from teeny.kernels import norm
+
+    default = (norm.PROGRAMS_PER_SM, norm.GPU_TILE)
+    print("| case | programs per SM | tile | teeny ms (graph) | TB/s |")
+    print("|---|---|---|---|---|")
+    try:
+        for case in cases:
+            for programs in (1, 2, 4, 8, 16):
+                for tile in (2048, 4096, 8192, 16384):
+                    norm.PROGRAMS_PER_SM, norm.GPU_TILE = programs, tile
+                    r = run(case)
+                    mark = " (default)" if (programs, tile) == default else ""
+                    print(f"| {r['name']} | {programs} | {tile}{mark} | {r['teeny_ms']:.4f} | {r['teeny_tb_s']:.2f} |")
+    finally:
+        norm.PROGRAMS_PER_SM, norm.GPU_TILE = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run the cases whose name contains one of these")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the fused norm backward's programs and tile")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     print(f"teeny {teeny.__file__}; {device}; torch {torch.__version__}, triton {triton.__version__}")
@@ -216,6 +250,8 @@ def main() -> None:
             f"{r['rel_err_out']:.1e} / {r['rel_err_grad']:.1e} |",
             flush=True,
         )
+    if args.sweep:
+        sweep([c for c in make_cases() if not args.only or any(s in c["name"] for s in args.only)])
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_norm_loss.json"), "w") as f:
