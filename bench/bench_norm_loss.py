@@ -2,13 +2,15 @@
 
     PYTHONPATH=src python3 bench/bench_norm_loss.py [--only NAME ...]     (about 2 minutes on an H200)
     PYTHONPATH=src python3 bench/bench_norm_loss.py --only 8192x768 --sweep   (the fused backward's programs)
+    PYTHONPATH=src python3 bench/bench_norm_loss.py --only sums --sum-sweep   (sum_to_shape's tiles)
 
 teeny runs through its ``Executor`` (zero_grad, forward_train, backward) captured once as a CUDA
 graph and replayed, so the numbers time the kernels, not the Python host path (bench/NOTES.md:
 host time made sub-millisecond cases swing 2x between runs). PyTorch eager is timed as it runs.
 Each case first checks teeny's output and input gradient against eager (relative error).
 ``--sweep`` times the selected cases again for each number of programs of the fused norm
-backward (``norm.PROGRAMS_PER_SM``) and row tile (``norm.GPU_TILE``). The
+backward (``norm.PROGRAMS_PER_SM``) and row tile (``norm.GPU_TILE``); ``--sum-sweep`` those
+of the column and scalar sums (``common._SUM_TILE``, ``_SUM_WIDTH``, ``_PARTIAL_STEPS``). The
 same script runs on any commit of teeny (it uses only the public API): run it before and after a
 kernel change in one session. Results go to stdout and, when ``$OUT`` is set, to
 ``$OUT/bench_norm_loss.json``.
@@ -86,6 +88,7 @@ def make_cases() -> list[dict]:
     big_t = torch.randn(2**26, device=DEV)
     n_norm = rows * cols
     short = dict(x=torch.randn(8192, 768, device=DEV, dtype=bf16), dy=torch.randn(8192, 768, device=DEV, dtype=bf16))
+    wide8192 = torch.randn(8192, 4096, device=DEV, dtype=bf16)
     short_w, short_b = torch.rand(768, device=DEV, dtype=bf16) + 0.5, torch.randn(768, device=DEV, dtype=bf16)
     return [
         dict(
@@ -161,6 +164,24 @@ def make_cases() -> list[dict]:
             bytes=3 * 2 * logits.numel(),
         ),
         dict(
+            name="sums: bias add bf16 8192x4096 (db: column sums)",
+            inputs={"x": wide8192},
+            params={"b": torch.randn(4096, device=DEV, dtype=bf16)},
+            grad=torch.randn_like(wide8192),
+            teeny=lambda x, b: ops.add(x, b),
+            torch=lambda x, b: x + b,
+            bytes=5 * 2 * wide8192.numel(),
+        ),
+        dict(
+            name="sums: mse_loss bf16 8192x4096 mean (one scalar from many partials)",
+            inputs={"x": wide8192, "t": torch.randn_like(wide8192)},
+            params={},
+            grad=None,
+            teeny=lambda x, t: ops.mse_loss(x, t),
+            torch=lambda x, t: F.mse_loss(x, t),
+            bytes=5 * 2 * wide8192.numel(),
+        ),
+        dict(
             name="mse_loss fp32 2^26 mean",
             inputs={"x": big, "t": big_t},
             params={},
@@ -219,7 +240,7 @@ def sweep(cases: list[dict]) -> None:
     print("| case | programs per SM | tile | teeny ms (graph) | TB/s |")
     print("|---|---|---|---|---|")
     try:
-        for case in cases:
+        for case in (c for c in cases if "norm" in c["name"] and "sums" not in c["name"]):
             for programs in (1, 2, 4, 8, 16):
                 for tile in (2048, 4096, 8192, 16384):
                     norm.PROGRAMS_PER_SM, norm.GPU_TILE = programs, tile
@@ -230,10 +251,31 @@ def sweep(cases: list[dict]) -> None:
         norm.PROGRAMS_PER_SM, norm.GPU_TILE = default
 
 
+def sum_sweep(cases: list[dict]) -> None:
+    """Each case again for every (tile, widest contiguous tile, partial steps) of the sums."""
+    from teeny.kernels import common
+
+    default = (common._SUM_TILE, common._SUM_WIDTH, common._PARTIAL_STEPS)
+    print("| case | tile | width | partial steps | teeny ms (graph) | TB/s |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for case in (c for c in cases if c["name"].startswith("sums:")):
+            for tile, width, steps in ((2048, 64, 10**9), (2048, 64, 4), (4096, 128, 4), (8192, 64, 4),
+                                       (8192, 128, 4), (8192, 256, 4), (16384, 256, 4)):  # fmt: skip
+                common._SUM_TILE, common._SUM_WIDTH, common._PARTIAL_STEPS = tile, width, steps
+                r = run(case)
+                mark = " (default)" if (tile, width, steps) == default else ""
+                row = f"| {r['name']} | {tile} | {width} | {steps}{mark} | {r['teeny_ms']:.4f}"
+                print(f"{row} | {r['teeny_tb_s']:.2f} |")
+    finally:
+        common._SUM_TILE, common._SUM_WIDTH, common._PARTIAL_STEPS = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run the cases whose name contains one of these")
     parser.add_argument("--sweep", action="store_true", help="also sweep the fused norm backward's programs and tile")
+    parser.add_argument("--sum-sweep", action="store_true", help="also sweep sum_to_shape's tiles and partial steps")
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     print(f"teeny {teeny.__file__}; {device}; torch {torch.__version__}, triton {triton.__version__}")
@@ -250,8 +292,11 @@ def main() -> None:
             f"{r['rel_err_out']:.1e} / {r['rel_err_grad']:.1e} |",
             flush=True,
         )
+    chosen = [c for c in make_cases() if not args.only or any(s in c["name"] for s in args.only)]
     if args.sweep:
-        sweep([c for c in make_cases() if not args.only or any(s in c["name"] for s in args.only)])
+        sweep(chosen)
+    if args.sum_sweep:
+        sum_sweep(chosen)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_norm_loss.json"), "w") as f:

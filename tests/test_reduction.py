@@ -420,3 +420,29 @@ def test_layers():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(out, torch.nn.Softmax()(x))
+
+
+# ------------------------------------------------------------- sums of partials (kernels.common)
+
+
+@pytest.mark.parametrize("splits,m", [(1, 1), (7, 3), (40, 1), (97, 5), (300, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sum_of_partials_in_one_or_two_steps(monkeypatch, splits, m, dtype):
+    """``sum_partials``: out[t] = sum over s of partials[s, t]. With a small tile the many-row
+    cases take two steps (ranges summed into their first rows, then those rows): the same sums
+    as torch, and as the one-step pass at the default tile, to float rounding."""
+    from teeny.kernels import common
+    from teeny.runtime import launch_kernel
+
+    gen = torch.Generator().manual_seed(splits * 31 + m)
+    partials = torch.randn(splits, m, generator=gen, dtype=dtype)
+    expected = partials.sum(0)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for tile, steps in ((common._SUM_TILE, 1), (8, 2 if splits > 4 * 8 // common.pow2(m) else 1)):
+        monkeypatch.setattr(common, "_SUM_TILE", tile)
+        work, out = partials.clone(), torch.full((m,), float("nan"), dtype=dtype)
+        launches = common.sum_partials(work, out)
+        assert len(launches) == steps, (tile, [launch.grid for launch in launches])
+        for launch in launches:
+            launch_kernel(launch, dtype, "test")
+        torch.testing.assert_close(out, expected, **tol)

@@ -129,8 +129,13 @@ def visit_layout(visitor: ArgVisitor, prefix: str, sizes: Sequence[int], strides
 
 # ----------------------------------------------------------------------- sum_to_shape
 
-# elements per tile and programs to aim for (the interpreter: few, wide programs)
-_SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (2048, 512)
+# elements per tile and programs to aim for (the interpreter: few, wide programs), the widest
+# tile along contiguous targets, and the most steps one program of the partials' pass loops
+# before that pass splits in two (bench/NOTES.md v15: a lone program reducing 32,768 partials
+# took 36 us)
+_SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (8192, 512)
+_SUM_WIDTH = 64 if INTERPRETER else 128
+_PARTIAL_STEPS = 4
 
 
 @kernel(half=True)
@@ -140,6 +145,7 @@ def sum_to_shape_kernel(
     m,
     r,
     r_per_split,
+    out_split_stride,
     kd0,
     kd1,
     kd2,
@@ -167,8 +173,9 @@ def sum_to_shape_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """out[s, t] = sum over j in split s of g[kept(t) + reduced(j)], summed in float32 (float64
-    for float64). Program (i, s): targets i*BLOCK_M ..., reduced range split s."""
+    """out[s * out_split_stride + t] = sum over j in split s of g[kept(t) + reduced(j)], summed
+    in float32 (float64 for float64). Program (i, s): targets i*BLOCK_M ..., reduced range
+    split s."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     targets = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,7 +190,8 @@ def sum_to_shape_kernel(
         tile_mask = target_mask[:, None] & (j < end)[None, :]
         acc += upcast(tl.load(g_ptr + base[:, None] + reduced[None, :], mask=tile_mask, other=0))
     total = tl.sum(acc, axis=1)
-    tl.store(out_ptr + pid_s.to(tl.int64) * m + targets, total.to(out_ptr.dtype.element_ty), mask=target_mask)
+    out = out_ptr + pid_s.to(tl.int64) * out_split_stride + targets
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=target_mask)
 
 
 def _split_dims(shape: Shape, out_shape: Shape, strides: Sequence[int]) -> tuple[list, list, list, list]:
@@ -227,7 +235,7 @@ def sum_to_shape(ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: t
         raise ValueError(f"sum_to_shape: {shape} -> {out_shape} has too many dimensions")
     inner_kept = bool(out_shape) and out_shape[-1] != 1 and broadcast_strides(shape, out_shape)[-1] != 0
     if inner_kept:  # targets contiguous: wide along them
-        block_m = min(pow2(m), 64)
+        block_m = min(pow2(m), _SUM_WIDTH)
         block_r = min(pow2(r), max(1, _SUM_TILE // block_m))
     else:
         block_r = min(pow2(r), 256)
@@ -260,19 +268,37 @@ def sum_to_shape(ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: t
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
     """The second pass of a split sum: ``out[t] = sum_s partials[s, t]`` for a contiguous
-    (splits, targets) buffer of float32 (float64) partials."""
+    (splits, targets) buffer of float32 (float64) partials, which it may overwrite. Many
+    partials for few targets are summed in two steps, so that no lone program loops over all of
+    them: each program of the first sums a range of rows into that range's first row, and
+    the second sums those rows."""
     splits, m = partials.shape
-    block_m = min(pow2(m), 64)
+    block_m = min(pow2(m), _SUM_WIDTH)
     block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
-    return [
-        _sum_launch(
-            partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r, (cdiv(m, block_m), 1, 1)
-        )
-    ]
+    programs_m = cdiv(m, block_m)
+    ranges = min(cdiv(splits, _PARTIAL_STEPS * block_r), max(1, _SUM_TARGET_PROGRAMS // programs_m))
+    if ranges < 2:
+        return [
+            _sum_launch(partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r, (programs_m, 1, 1))
+        ]
+    rows = cdiv(cdiv(splits, ranges), block_r) * block_r  # rows per range
+    ranges = cdiv(splits, rows)
+    first = _sum_launch(
+        partials, partials, m, splits, rows, [m], [1], [splits], [m], block_m, block_r, (programs_m, ranges, 1),
+        out_split_stride=rows * m,
+    )  # fmt: skip
+    block_r = min(pow2(ranges), max(1, _SUM_TILE // block_m))
+    second = _sum_launch(
+        partials, out, m, ranges, ranges, [m], [1], [ranges], [rows * m], block_m, block_r, (programs_m, 1, 1)
+    )
+    return [first, second]
 
 
-def _sum_launch(grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid) -> Launch:
+def _sum_launch(
+    grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid, out_split_stride=None
+) -> Launch:
     visitor = ArgVisitor().visit(g_ptr=grad, out_ptr=out, m=m, r=r, r_per_split=r_per_split)
+    visitor.visit(out_split_stride=m if out_split_stride is None else out_split_stride)
     visit_layout(visitor, "k", kept, kept_strides)
     visit_layout(visitor, "r", red, red_strides)
     visitor.visit(KEPT_NDIM=len(kept), RED_NDIM=len(red), BLOCK_M=block_m, BLOCK_R=block_r)
