@@ -435,12 +435,12 @@ def test_sum_of_partials_in_one_or_two_steps(monkeypatch, splits, m, dtype):
     from teeny.runtime import launch_kernel
 
     gen = torch.Generator().manual_seed(splits * 31 + m)
-    partials = torch.randn(splits, m, generator=gen, dtype=dtype)
+    partials = torch.randn(splits, m, generator=gen, dtype=dtype).to(teeny.DEVICE)
     expected = partials.sum(0)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     for tile, steps in ((common._SUM_TILE, 1), (8, 2 if splits > 4 * 8 // common.pow2(m) else 1)):
         monkeypatch.setattr(common, "_SUM_TILE", tile)
-        work, out = partials.clone(), torch.full((m,), float("nan"), dtype=dtype)
+        work, out = partials.clone(), torch.full((m,), float("nan"), dtype=dtype, device=teeny.DEVICE)
         launches = common.sum_partials(work, out)
         assert len(launches) == steps, (tile, [launch.grid for launch in launches])
         for launch in launches:

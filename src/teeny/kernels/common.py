@@ -132,8 +132,8 @@ def visit_layout(visitor: ArgVisitor, prefix: str, sizes: Sequence[int], strides
 # elements per tile and programs to aim for (the interpreter: few, wide programs), the widest
 # tile along contiguous targets, and the most steps one program of the partials' pass loops
 # before that pass splits in two (bench/NOTES.md v15: a lone program reducing 32,768 partials
-# took 36 us)
-_SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (8192, 512)
+# took 36 us; 4096 x 128 was the fastest tile for a bias gradient's column sums)
+_SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (4096, 512)
 _SUM_WIDTH = 64 if INTERPRETER else 128
 _PARTIAL_STEPS = 4
 
