@@ -7,7 +7,8 @@
   column sums). One kernel, ``sum_to_shape_kernel``: a tile of target elements per program,
   looping over the broadcast elements; a long broadcast range is split across programs into
   float32 partials [splits, targets] that a second launch of the same kernel sums
-  (``sum_partials``). No atomics, so every result is bit-reproducible.
+  (``sum_partials``; many partials for few targets in two steps, so that no lone program
+  loops over them all). No atomics, so every result is bit-reproducible.
 * ``side_by_side``: tensors that lie one after the other in one buffer (the parameters an op
   asks for with ``RuntimeOp.adjacent_params``, and their gradients) read as one, a view.
 * Launch sizes for the interpreter and the GPU, and ``strided_offsets`` (a flat index
