@@ -508,6 +508,22 @@ def _qkv_graph(b, length, heads, dim, dtype=torch.float64, bias=True, mask=None,
 QKV_REWRITES = (rewrites.attention_in_place, rewrites.fuse_qkv_products)
 
 
+def _assert_qkv_side_by_side(ex, kinds):
+    """The q, k and v parameters of each kind lie one after the other in the executor's arena."""
+    for kind in kinds:
+        q, k, v = (ex.params[f"{n}.{kind}"] for n in "qkv")
+        assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+
+
+def _assert_second_backward_adds(ex, feed, tol):
+    """Two backwards without zero_grad: every parameter gradient is twice the first one's."""
+    ex.backward(ex.forward_train(feed)[1])
+    once = {k: v.clone() for k, v in ex.grads.items()}
+    ex.backward(ex.forward_train(feed)[1])
+    for name in once:
+        torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=tol, atol=tol, msg=name)
+
+
 @pytest.mark.parametrize("case", ["causal", "no-bias", "bool-mask", "odd-width"])
 def test_qkv_products_fused_match_the_three_products(case, gen):
     """One product for q, k and v and a packed attention: the same loss and every gradient (x,
@@ -540,10 +556,7 @@ def test_qkv_products_fused_match_the_three_products(case, gen):
     copies = [launch for launch in product.forward_launches + product.backward_launches if "copy" in launch.kernel.name]
     assert bool(copies) != in_place and product.op.adjacent == in_place
     if in_place:  # side by side in the arena, in q, k, v order
-        ex = Executor(fused[3], seed=0)
-        for kind in ("weight",) if case == "no-bias" else ("weight", "bias"):
-            q, k, v = (ex.params[f"{n}.{kind}"] for n in "qkv")
-            assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+        _assert_qkv_side_by_side(Executor(fused[3], seed=0), ("weight",) if case == "no-bias" else ("weight", "bias"))
 
 
 def test_qkv_weights_read_in_place_accumulate_gradients(gen):
@@ -553,11 +566,7 @@ def test_qkv_weights_read_in_place_accumulate_gradients(gen):
     feed = {"x": torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)}
     ex = Executor(lower(g, LoweringMode.TRAINING, rewrites=QKV_REWRITES), seed=0)
     assert any(getattr(p.op, "adjacent", False) for p in ex.program.nodes)
-    ex.backward(ex.forward_train(feed)[1])
-    once = {k: v.clone() for k, v in ex.grads.items()}
-    ex.backward(ex.forward_train(feed)[1])
-    for name in once:
-        torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=1e-13, atol=1e-13, msg=name)
+    _assert_second_backward_adds(ex, feed, tol=1e-13)
 
 
 def test_qkv_weights_cast_by_mixed_precision_as_one(gen):
@@ -589,14 +598,8 @@ def test_qkv_weights_cast_by_mixed_precision_as_one(gen):
         assert fused[2][name].dtype == torch.float32
         torch.testing.assert_close(fused[2][name], plain[2][name], rtol=2e-2, atol=2e-2, msg=name)
     ex = Executor(fused[3], seed=0)
-    for kind in ("weight", "bias"):
-        q, k, v = (ex.params[f"{n}.{kind}"] for n in "qkv")
-        assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
-    ex.backward(ex.forward_train(feed)[1])
-    once = {k: v.clone() for k, v in ex.grads.items()}
-    ex.backward(ex.forward_train(feed)[1])
-    for name in once:
-        torch.testing.assert_close(ex.grads[name], 2 * once[name], rtol=1e-6, atol=1e-6, msg=name)
+    _assert_qkv_side_by_side(ex, ("weight", "bias"))
+    _assert_second_backward_adds(ex, feed, tol=1e-6)
 
 
 def test_qkv_weights_frozen_apart_are_copied(gen):
