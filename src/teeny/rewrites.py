@@ -649,8 +649,9 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                     )
                     for group, what in zip(op.adjacent_params, ("weight", "bias"))
                 ]
-                counts["param"] += sum(len(group) for group in op.adjacent_params)
-                counts["stacked"] += sum(len(group) for group in op.adjacent_params)
+                n_stacked = sum(len(group) for group in op.adjacent_params)
+                counts["param"] += n_stacked
+                counts["stacked"] += n_stacked
                 counts["stacks"] += len(stacked)
                 inputs, op = [cast(rebuild[node.inputs[0]], dtype), *stacked], LinearOp(op.has_bias)
             elif _keeps_float32(op):
@@ -665,7 +666,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
             rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
         for v in outputs:
             rebuild.new[v.id] = cast(rebuild[v], v.dtype)
-        if not casts:
+        if not casts and not counts["stacks"]:
             return graph, outputs, ""
         graph, outputs = rebuild.finish(outputs)
         names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
