@@ -3,6 +3,8 @@ and gradients replayed as through the full host path; what cannot be replayed is
 why; a call that does not fit the recording (alignment, strides) takes the full path; checks,
 in-place updates, launch records and repeated backwards behave as without replay."""
 
+import threading
+
 import pytest
 import torch
 from tests.test_torch_library import OVERLOADS, REGISTERED, _calls, _flat, _torch_args
@@ -204,15 +206,18 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     from types import SimpleNamespace
 
     kernel_module = importlib.import_module("teeny.kernel")  # (``teeny.kernel`` is also the decorator)
-    allocated, capturing = [], [False]
+    allocated, threads, capturing, synced = [], [], [False], []
 
     def allocate(size, alignment, stream):
         allocated.append(size)
+        threads.append(threading.get_ident())
         return torch.empty(size, dtype=torch.int8)
 
     monkeypatch.setattr(kernel_module, "_device_scratch", allocate)
     monkeypatch.setattr(kernel_module, "_SCRATCH", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
     def launcher(grid, global_scratch, profile_scratch=0, pdl=False):
@@ -233,6 +238,7 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     big(7, [])
     small(7, [])
     assert allocated == [1024, 2048]  # grown once for the bigger grid, then shared by both
+    assert synced == [0]  # after the launches that may still read the smaller one
     assert big_run.calls[0][7] is run.calls[-1][7]
     small(9, [])
     assert allocated[-1] == 1024 and run.calls[-1][7] is not big_run.calls[0][7]  # another stream, its own
@@ -241,6 +247,10 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     small(7, [])
     assert allocated[-2:] == [1024, 1024] and run.calls[-1][7] is not run.calls[-2][7]  # kept by each graph
     assert len(kernel_module._SCRATCH) == 2  # capture left the shared buffers alone
+    # the shared buffers come from threads of their own (outside any CUDA graph pool this thread
+    # is routed to), the captured launches' from this thread (the graph's pool)
+    here = threading.get_ident()
+    assert all(t != here for t in threads[:3]) and threads[-2:] == [here, here]
 
     plain, plain_run = launcher((3,), 0)
     plain(7, ["x"])
@@ -280,6 +290,38 @@ def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_c
     x.copy_(2 * x)
     graph.replay()
     torch.testing.assert_close(captured.float(), 2 * expected, atol=2.0, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
+def test_tma_products_under_torch_compile_cuda_graphs(monkeypatch):
+    """torch.compile(mode="reduce-overhead") warms its CUDA graphs up and records them with this
+    thread's allocations routed into the graphs' pool, and then refuses a pool holding a live
+    tensor it did not hand out: the stream's shared scratch buffer, first made inside the
+    warm-up, must stay out of it (bench/NOTES.md, version 16)."""
+    import importlib
+
+    kernel_module = importlib.import_module("teeny.kernel")
+    monkeypatch.setenv("TEENY_TUNING", "0")
+    monkeypatch.setattr(kernel_module, "_SCRATCH", {})  # the graphs' stream has no buffer yet
+    bridge.clear_cache()
+    torch._dynamo.reset()
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def loss(x, w):
+        return torch.ops.teeny.linear(x, w).float().square().mean()
+
+    expected = loss(x, w)
+    (expected_grad,) = torch.autograd.grad(expected, w)
+    compiled = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        value = compiled(x, w)
+        (grad,) = torch.autograd.grad(value, w)
+        torch.testing.assert_close(value, expected, rtol=1e-3, atol=0)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-2, atol=1e-4)
+    assert kernel_module._SCRATCH  # the replays outside the graphs shared a buffer
+    torch._dynamo.reset()
 
 
 def test_replay_can_be_switched_off(monkeypatch):

@@ -31,6 +31,7 @@ import contextlib
 import inspect
 import linecache
 import textwrap
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -316,16 +317,43 @@ _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream handle) ->
 
 def _scratch(size: int, stream: int) -> torch.Tensor:
     """At least ``size`` bytes of global scratch for a launch on ``stream``. Launches on one
-    stream run one after another, so they share one buffer, grown as needed. While a CUDA graph
-    is being captured each launch gets its own allocation instead: the graph's memory pool keeps
-    it for the graph's replays, and a buffer grown later cannot free memory a graph still uses."""
+    stream run one after another, so they share one buffer, grown as needed (made by
+    ``_outside_graph_pools``). While a CUDA graph is being captured each launch gets its own
+    allocation instead: the graph's memory pool keeps it for the graph's replays, and a buffer
+    grown later cannot free memory a graph still uses."""
     if torch.cuda.is_current_stream_capturing():
         return _device_scratch(size, 0, stream)
-    key = (torch.cuda.current_device(), stream)  # the default stream's handle is 0 on every device
+    device = torch.cuda.current_device()
+    key = (device, stream)  # the default stream's handle is 0 on every device
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH[key] = _device_scratch(size, 0, stream)
+        if buffer is not None:
+            torch.cuda.synchronize(device)  # launches queued on the stream may still read the old buffer
+        buffer = _SCRATCH[key] = _outside_graph_pools(lambda: _device_scratch(size, 0, stream), device)
     return buffer
+
+
+def _outside_graph_pools(allocate: Callable[[], torch.Tensor], device: int) -> torch.Tensor:
+    """``allocate()`` on a thread of its own. While torch.compile's CUDA graphs warm up or record
+    (mode="reduce-overhead"), torch routes every allocation of the calling thread into the graphs'
+    private pool, and refuses a pool that holds a live tensor it did not hand out: a buffer kept
+    across calls must come from torch's ordinary pool, which another thread's allocations do."""
+    made: list[torch.Tensor] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            made.append(allocate())
+        except BaseException as exc:  # handed to the caller (out of memory, say)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="teeny-scratch")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
