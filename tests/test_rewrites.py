@@ -259,6 +259,7 @@ CE_CASES = [
     dict(reduction="sum"),
     dict(label_smoothing=0.1),
     dict(weight=torch.linspace(0.5, 1.5, 11)),
+    dict(weight=torch.linspace(0.5, 1.5, 11), label_smoothing=0.2),
     dict(bias=False),
 ]
 

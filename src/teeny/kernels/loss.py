@@ -436,6 +436,16 @@ def _class_weights(weight_ptr, cols, col_mask, like):
         return tl.where(col_mask, 1.0, 0.0).to(like.dtype)
 
 
+@triton.jit
+def _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING: tl.constexpr):
+    """d loss / d x of rows with class-index targets t (weights w_t) for dy = 1, from the
+    softmax p of a block of columns cols (class weights w, summing to w_total)."""
+    g = (1.0 - label_smoothing) * w_t[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+    if SMOOTHING:
+        g += smoothing_per_class * (w_total[:, None] * p - w)
+    return g
+
+
 @kernel(half=True, optional=("weight_ptr", "lse_ptr", "mass_ptr", "den_ptr", "dx_ptr", "dtarget_ptr"))
 def class_loss_backward(
     x_ptr,
@@ -512,15 +522,15 @@ def class_loss_backward(
                 dq = scale[:, None] * (1.0 - label_smoothing) * w * (lse[:, None] - x)
                 tl.store(dtarget_ptr + offsets, dq.to(dtarget_ptr.dtype.element_ty), mask=mask)
         else:
-            g = (1.0 - label_smoothing) * w_t[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
-            if SMOOTHING:
-                g += smoothing_per_class * (w_total[:, None] * p - w)
+            g = _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING)
             dx = tl.where(ok[:, None], scale[:, None] * g, row_value[:, None])
         if dx_ptr is not None:
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@kernel(backward=class_loss_backward, half=True, optional=("weight_ptr", "lse_ptr", "mass_ptr", "bad_index_ptr"))
+@kernel(
+    backward=class_loss_backward, half=True, optional=("weight_ptr", "lse_ptr", "mass_ptr", "bad_index_ptr", "grad_ptr")
+)
 def class_loss_forward(
     x_ptr,
     target_ptr,
@@ -529,6 +539,7 @@ def class_loss_forward(
     lse_ptr,
     mass_ptr,
     bad_index_ptr,
+    grad_ptr,
     n_rows,
     n_classes,
     inner,
@@ -543,7 +554,10 @@ def class_loss_forward(
 ):
     """The loss of ROWS rows per program (per row, or partial sums: see REDUCTION), lse (cross-
     entropy: lse_ptr given), the target mass (probability targets: mass_ptr given). With
-    bad_index_ptr, a class index out of range (not ignore_index) is written there."""
+    bad_index_ptr, a class index out of range (not ignore_index) is written there. With grad_ptr
+    (cross-entropy on class indices), also the gradient of the rows' loss sum (dy = 1), in a
+    second pass over the rows just read (from L2), which may write over x: one read of the
+    logits from memory for the loss and its gradient (``LinearCrossEntropyOp``'s chunks)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -592,7 +606,19 @@ def class_loss_forward(
         loss = (1.0 - label_smoothing) * w_t * (lse - x_t)
         if SMOOTHING:
             loss += smoothing_per_class * (w_total * lse - sum_wx)
-        loss = tl.where(ok, loss, tl.where(active, float("nan"), 0.0))
+        row_value = tl.where(active, float("nan"), 0.0)  # ignored rows: 0; class index out of range: NaN
+        loss = tl.where(ok, loss, row_value)
+        if grad_ptr is not None:
+            for c0 in range(0, n_classes, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                col_mask = cols < n_classes
+                mask = row_mask[:, None] & col_mask[None, :]
+                offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
+                p = tl.exp(upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0)) - lse[:, None])
+                w = _class_weights(weight_ptr, cols, col_mask, zero)[None, :]
+                g = _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING)
+                g = tl.where(ok[:, None], g, row_value[:, None])
+                tl.store(grad_ptr + offsets, g.to(grad_ptr.dtype.element_ty), mask=mask)
     if REDUCTION == REDUCE_NONE:
         tl.store(out_ptr + rows, loss.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:  # out_ptr: per-program partial sums [programs, 1] or, with the target weights, [programs, 2]
@@ -829,8 +855,8 @@ class LinearCrossEntropyOp(RuntimeOp):
     W (C, d) and b (C,) when given.
 
     Forward, per chunk of rows: logits = x_c W^T + b (the linear's launches, into one chunk-sized
-    buffer), the chunk's loss partials and lse (``class_loss_forward``), the logits' gradient for
-    dy = 1 in place (``class_loss_backward``), then dX_c = dlogits W (into the saved dX) and
+    buffer), the chunk's loss partials, lse and the logits' gradient for dy = 1 written over
+    them (``class_loss_forward``, one read of the logits), then dX_c = dlogits W (into the saved dX) and
     dW_c = dlogits^T x_c, db_c (the linear's backward), added into float32 sums. The (rows, C)
     logits are never stored: the forward keeps dX, dW, db (for training) instead. Backward: the
     saved gradients times dy (/ the mean's denominator), one launch each."""
@@ -936,7 +962,6 @@ class LinearCrossEntropyOp(RuntimeOp):
             bad_index = ctx.zeros((1,), torch.int64)
             ctx.check_after(bad_index, lambda index: self.loss._describe_bad_index(index, classes))
         if self.with_grads:
-            one = ctx.zeros((1,), acc).fill_(1.0)  # dy of the chunks' loss sums
             dx = ctx.saved["grad_input"].view(rows, features)
             dw_chunk = ctx.empty((classes, features))
             db_chunk = ctx.empty((classes,)) if b is not None else None
@@ -946,14 +971,12 @@ class LinearCrossEntropyOp(RuntimeOp):
             launches += self._linear(ctx, x_c, w, b, logits_c)
             args = self.loss.kernel_args(logits_c, target_c, weight, lse_c, None, (n, classes))
             out = partials[first_program : first_program + count]
-            visitor = ArgVisitor().visit(out_ptr=out, bad_index_ptr=bad_index, **args)
+            grad = logits_c if self.with_grads else None  # the loss sum's gradient, over the logits
+            visitor = ArgVisitor().visit(out_ptr=out, bad_index_ptr=bad_index, grad_ptr=grad, **args)
             launches.append(Launch(class_loss_forward, (count,), visitor, work=n))
             first_program += count
             if not self.with_grads:
                 continue
-            args["REDUCTION"] = REDUCE_SUM  # scale 1: the gradient of the loss sum
-            visitor = ArgVisitor().visit(dy_ptr=one, dx_ptr=logits_c, **args)
-            launches.append(Launch(class_loss_backward, (cdiv(n, args["ROWS"]),), visitor, work=n * classes))
             launches += self._linear(ctx, x_c, w, b, logits_c, logits_c, dx[start : start + n], dw_chunk, db_chunk)
             for part, total in ((dw_chunk, ctx.saved["grad_weight"]), (db_chunk, ctx.saved.get("grad_bias"))):
                 if part is not None:
