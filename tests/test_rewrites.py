@@ -280,6 +280,22 @@ def test_linear_cross_entropy_chunked_matches_unfused(case, small_chunks, gen):
         torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _visits(launch) -> dict:
+    return {v.name: v.value for v in launch.args.visits}
+
+
+@pytest.mark.parametrize("dtype, padded", [(torch.float32, 12), (torch.bfloat16, 16), (torch.float64, 12)])
+def test_linear_cross_entropy_pads_the_logits_rows_to_16_bytes(dtype, padded):
+    """11 classes: each chunk's logits rows start 16-byte aligned, so the products read and
+    write them in place (through TMA on the GPU, where a vocabulary of 50,257 took padded copies
+    each way), and the loss kernel reads and overwrites them through the same stride."""
+    (node,) = lower(_head_graph(dtype=dtype), LoweringMode.TRAINING).nodes
+    (loss_launch,) = [launch for launch in node.forward_launches if launch.kernel.name == "class_loss_forward"]
+    args = _visits(loss_launch)
+    assert args["sample_stride"] == padded and args["n_classes"] == 11
+    assert args["x_ptr"].stride() == (padded, 1) and args["grad_ptr"] is args["x_ptr"]
+
+
 def test_linear_cross_entropy_gradcheck_float64(small_chunks, gen):
     shapes = dict(rows=(5,), d=2, classes=3)  # 5 rows: two chunks, the second short
     g = _head_graph(dtype=torch.float64, label_smoothing=0.2, **shapes)

@@ -195,23 +195,23 @@ def sum_to_shape_kernel(
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=target_mask)
 
 
-def _split_dims(shape: Shape, out_shape: Shape, strides: Sequence[int]) -> tuple[list, list, list, list]:
-    """Kept and reduced dims of ``out_shape`` (sizes and element strides into the gradient,
-    innermost first, same-kind neighbours merged); ``strides`` is 0 along broadcast dims."""
+def _split_dims(out_shape: Shape, kept_mask: Sequence[int], strides: Sequence[int]) -> tuple[list, list, list, list]:
+    """Kept and reduced dims of ``out_shape`` (sizes and the gradient's element ``strides``,
+    innermost first; a dim merged into its inner neighbour where both are of one kind and their
+    strides nest); ``kept_mask`` is 0 along the dims summed over."""
     kept, kept_strides, red, red_strides = [], [], [], []
-    step, last_kind = 1, None
+    last_kind = None
     for k in reversed(range(len(out_shape))):
         size = out_shape[k]
         if size != 1:
-            kind = strides[k] != 0
+            kind = kept_mask[k] != 0
             sizes, st = (kept, kept_strides) if kind else (red, red_strides)
-            if kind == last_kind:
+            if kind == last_kind and strides[k] == st[-1] * sizes[-1]:
                 sizes[-1] *= size
             else:
                 sizes.append(size)
-                st.append(step)
+                st.append(strides[k])
             last_kind = kind
-        step *= size
     return kept or [1], kept_strides or [0], red or [1], red_strides or [0]
 
 
@@ -225,11 +225,16 @@ def broadcast_strides(shape: Shape, out_shape: Shape) -> list[int]:
     return strides
 
 
-def sum_to_shape(ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: torch.Tensor) -> list[Launch]:
-    """Launches writing into ``target`` the sum of the ``out_shape``-shaped, contiguous ``grad``
-    over the dims along which ``target``'s shape broadcasts to ``out_shape``."""
+def sum_to_shape(
+    ctx: OpContext, grad: torch.Tensor, out_shape: Shape, target: torch.Tensor, strides: Sequence[int] | None = None
+) -> list[Launch]:
+    """Launches writing into ``target`` the sum of the ``out_shape``-shaped ``grad`` over the dims
+    along which ``target``'s shape broadcasts to ``out_shape``; ``grad`` is contiguous, or its
+    elements are ``strides`` apart (a view of padded rows)."""
     shape = tuple(target.shape)
-    kept, kept_strides, red, red_strides = _split_dims(shape, out_shape, broadcast_strides(shape, out_shape))
+    if strides is None:
+        strides = broadcast_strides(out_shape, out_shape)
+    kept, kept_strides, red, red_strides = _split_dims(out_shape, broadcast_strides(shape, out_shape), strides)
     m, r = math.prod(shape), math.prod(out_shape)
     r = r // m if m else 0
     if len(kept) > MAX_DIMS or len(red) > MAX_DIMS:

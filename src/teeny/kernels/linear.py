@@ -1185,9 +1185,9 @@ def product_launches(
                                   scratch, epilogue_args)  # fmt: skip
         launches += after
     if row_sums is not None and not fused:
-        if p.x != (1, p.M):
-            raise ValueError(f"the row sums of X need X stored transposed and contiguous, not strides {p.x}")
-        launches += sum_to_shape(_ScratchContext(scratch), x.reshape(p.K, p.M), (p.K, p.M), row_sums)
+        if p.x[0] != 1:
+            raise ValueError(f"the row sums of X need X stored transposed, (K, M) with unit column stride, not {p.x}")
+        launches += sum_to_shape(_ScratchContext(scratch), x, (p.K, p.M), row_sums, strides=(p.x[1], 1))
     return launches
 
 
@@ -1416,6 +1416,11 @@ def matmul(input, other):
 # ------------------------------------------------------------------------------- linear
 
 
+def _row_stride_of(y: torch.Tensor) -> int | None:
+    """The row stride of a 2-D product result given as a view (None: contiguous rows)."""
+    return y.stride(0) if y.dim() == 2 else None
+
+
 class LinearOp(_ProductOp):
     """y = x W^T + b over the flattened leading dims of x."""
 
@@ -1450,32 +1455,37 @@ class LinearOp(_ProductOp):
         return tuple(input_shapes[0][:-1]) + (input_shapes[1][0],)
 
     @staticmethod
-    def products(input_shapes) -> dict[str, Product]:
-        """Y = X W^T, dX = dY W and dW = dY^T X over the rows of the flattened x."""
+    def products(input_shapes, y_row_stride: int | None = None) -> dict[str, Product]:
+        """Y = X W^T, dX = dY W and dW = dY^T X over the rows of the flattened x; the rows of Y
+        (and dY) ``y_row_stride`` apart (default: contiguous; a chunk of logits whose rows are
+        padded to 16 bytes, ``loss.LinearCrossEntropyOp``)."""
         x, w = input_shapes[0], input_shapes[1]
         rows, fin, fout = math.prod(x[:-1]), w[1], w[0]
+        ys = y_row_stride or fout
         return {
-            "forward": Product(rows, fout, fin, (fin, 1), (1, fin), (fout, 1), [], []),
-            "grad_input": Product(rows, fin, fout, (fout, 1), (fin, 1), (fin, 1), [], []),
-            "grad_weight": Product(fout, fin, rows, (1, fout), (fin, 1), (fin, 1), [], []),
+            "forward": Product(rows, fout, fin, (fin, 1), (1, fin), (ys, 1), [], []),
+            "grad_input": Product(rows, fin, fout, (ys, 1), (fin, 1), (fin, 1), [], []),
+            "grad_weight": Product(fout, fin, rows, (1, ys), (fin, 1), (fin, 1), [], []),
         }
 
     def forward_launches(self, ctx):
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        return self.product(ctx, "forward", self.products(ctx.input_shapes)["forward"], x, w, ctx.output, bias)
+        p = self.products(ctx.input_shapes, _row_stride_of(ctx.output))["forward"]
+        return self.product(ctx, "forward", p, x, w, ctx.output, bias)
 
     def backward_launches(self, ctx):
-        products = self.products(ctx.input_shapes)
+        go = ctx.grad_output
+        products = self.products(ctx.input_shapes, _row_stride_of(go))
         (x,), w = ctx.inputs, ctx.params[0]
-        (dx,), go = ctx.grad_inputs, ctx.grad_output
+        (dx,) = ctx.grad_inputs
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
         launches = []
         if dw is not None:  # the bias gradient (dY's column sums) with it: dW = dY^T X reads dY's columns
             launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
         elif dbias is not None:
-            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias)
+            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
             launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         return launches

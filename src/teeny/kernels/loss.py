@@ -408,9 +408,10 @@ def _refuse_weight_grads(ctx, indices) -> None:
 
 
 @triton.jit
-def _row_offsets(rows, n_classes, inner):
-    """Offset of class 0 of each row (row r = n * inner + s of an (N, C, inner) input)."""
-    return (rows // inner) * n_classes * inner + rows % inner
+def _row_offsets(rows, sample_stride, inner):
+    """Offset of class 0 of each row (row r = n * inner + s of an (N, C, inner) input whose
+    samples n are sample_stride apart: C * inner, or more for padded rows)."""
+    return (rows // inner) * sample_stride + rows % inner
 
 
 @triton.jit
@@ -460,6 +461,7 @@ def class_loss_backward(
     n_rows,
     n_classes,
     inner,
+    sample_stride,
     ignore_index,
     label_smoothing,
     smoothing_per_class,
@@ -473,7 +475,7 @@ def class_loss_backward(
     (None: NLL on log-probabilities); mass_ptr: probability targets (None: class indices)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
-    base = _row_offsets(rows, n_classes, inner)
+    base = _row_offsets(rows, sample_stride, inner)
     zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
     if REDUCTION == REDUCE_NONE:
         scale = upcast(tl.load(dy_ptr + rows, mask=row_mask, other=0.0))
@@ -543,6 +545,7 @@ def class_loss_forward(
     n_rows,
     n_classes,
     inner,
+    sample_stride,
     ignore_index,
     label_smoothing,
     smoothing_per_class,
@@ -561,7 +564,7 @@ def class_loss_forward(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
-    base = _row_offsets(rows, n_classes, inner)
+    base = _row_offsets(rows, sample_stride, inner)
     zero = upcast(tl.zeros([ROWS], dtype=x_ptr.dtype.element_ty))
     m = zero - float("inf")  # running max and sum of exp(x - max): the online log-sum-exp
     s = zero
@@ -728,9 +731,9 @@ class ClassLossOp(RuntimeOp):
             ctx.input_shapes[0],
         )
 
-    def kernel_args(self, x, target, weight, lse, mass, shape) -> dict:
+    def kernel_args(self, x, target, weight, lse, mass, shape, sample_stride=None) -> dict:
         """The arguments both kernels take, for input ``x`` of ``shape`` (also a chunk of rows of
-        the logits: ``LinearCrossEntropyOp``)."""
+        the logits, ``sample_stride`` apart: ``LinearCrossEntropyOp``)."""
         n_rows, n_classes, inner = self._dims(shape)
         rows, block_c = self._blocks(n_rows, n_classes)
         return dict(
@@ -742,6 +745,7 @@ class ClassLossOp(RuntimeOp):
             n_rows=n_rows,
             n_classes=n_classes,
             inner=inner,
+            sample_stride=sample_stride or n_classes * inner,
             ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing,
             # eps / C on the host: under the interpreter a float argument divided by an int one is float32
@@ -846,6 +850,7 @@ def linear_cross_entropy_forward(chunk_ptr, total_ptr, n, FIRST: tl.constexpr, B
 # a chunk keeps (the matmul tiles' BLOCK_M on the GPU)
 LOGITS_CHUNK_BYTES = 1 << 22 if INTERPRETER else 256 << 20
 CHUNK_ROW_MULTIPLE = 16 if INTERPRETER else 128
+ROW_ALIGN = 16  # bytes: a chunk's logits rows start this far apart (TMA's alignment)
 
 
 class LinearCrossEntropyOp(RuntimeOp):
@@ -956,7 +961,10 @@ class LinearCrossEntropyOp(RuntimeOp):
         sizes = [min(chunk, rows - start) for start in starts]
         programs = [max(1, cdiv(n, self.loss._blocks(n, classes)[0])) for n in sizes]
         partials = ctx.empty((sum(programs), 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc)
-        logits, lse = ctx.empty((chunk, classes)), ctx.empty((chunk,), acc)
+        # rows padded to 16 bytes, so that the products read and write the logits in place
+        # through TMA (a vocabulary of 50,257 would otherwise take padded copies each way)
+        padded = cdiv(classes * ctx.dtype.itemsize, ROW_ALIGN) * ROW_ALIGN // ctx.dtype.itemsize
+        logits, lse = ctx.empty((chunk, padded))[:, :classes], ctx.empty((chunk,), acc)
         bad_index = None
         if self.loss.check_indices:
             bad_index = ctx.zeros((1,), torch.int64)
@@ -969,7 +977,7 @@ class LinearCrossEntropyOp(RuntimeOp):
         for start, n, count in zip(starts, sizes, programs):
             x_c, target_c, logits_c, lse_c = x[start : start + n], target[start : start + n], logits[:n], lse[:n]
             launches += self._linear(ctx, x_c, w, b, logits_c)
-            args = self.loss.kernel_args(logits_c, target_c, weight, lse_c, None, (n, classes))
+            args = self.loss.kernel_args(logits_c, target_c, weight, lse_c, None, (n, classes), padded)
             out = partials[first_program : first_program + count]
             grad = logits_c if self.with_grads else None  # the loss sum's gradient, over the logits
             visitor = ArgVisitor().visit(out_ptr=out, bad_index_ptr=bad_index, grad_ptr=grad, **args)
