@@ -13,7 +13,7 @@ from teeny import Graph, LoweringMode, lower, ops, rewrites
 from teeny.executor import Executor
 from teeny.graph import Tensor
 from teeny.kernels import loss, norm
-from teeny.kernels.linear import MLPOp, SharedInputLinearOp
+from teeny.kernels.linear import MLPOp, SharedInputLinearOp, TransposedWeightLinearOp
 from teeny.kernels.loss import LinearCrossEntropyOp
 from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
 from teeny.models import GPT
@@ -88,6 +88,67 @@ def test_residual_norm_fused_is_bit_identical_to_unfused(gen):
     assert "residual add + rms_norm in one launch: 1" in summary
     assert "(no launch)" in summary
     assert "rewrite" not in plain[3].summary()
+
+
+# ----------------------------------------------------------------------------- transposed weights
+
+
+def _conv1d_graph(dtype=torch.float32, rows=(3, 5), fin=7, fout=9, bias=True, w_read_again=False):
+    """x (rows..., fin) @ W + b with W (fin, fout), written linear(x, W.t(), b) as transformers'
+    Conv1D computes it; ``w_read_again``: the transpose is also summed into the loss."""
+    g = Graph("conv1d")
+    x = g.input("x", (*rows, fin), dtype, requires_grad=True)
+    w = g.parameter("w", (fin, fout), init=teeny.init.normal(0.3), dtype=dtype)
+    b = g.parameter("b", (fout,), init=teeny.init.normal(1.0), dtype=dtype) if bias else None
+    wt = ops.transpose(w, 0, 1)
+    y = ops.linear(x, wt, b)
+    loss = ops.sum(ops.mul(y, y))
+    if w_read_again:
+        loss = ops.add(loss, ops.sum(wt))
+    g.output(loss)
+    return g
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_transposed_weight_read_in_place_matches_unfused(bias, gen):
+    g = _conv1d_graph(bias=bias)
+    feed = {"x": torch.randn(3, 5, 7, generator=gen)}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert [type(op).__name__ for op in _ops(fused[3])][:1] == ["TransposedWeightLinearOp"]
+    assert not any(type(op).__name__ == "PermuteOp" for op in _ops(fused[3]))
+    assert "linear of a transposed weight read in place: 1, 1 transposes" in fused[3].summary()
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-5, atol=1e-5)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_transposed_weight_read_in_place_gradcheck_float64(gen):
+    g = _conv1d_graph(torch.float64, rows=(2, 3), fin=4, fout=5)
+    assert any(isinstance(op, TransposedWeightLinearOp) for op in _ops(lower(g, LoweringMode.TRAINING)))
+    teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_weight_read_in_place_matches_pytorch(dtype, gen):
+    g = _conv1d_graph(dtype, rows=(3, 11), fin=24, fout=40)
+    x = torch.randn(3, 11, 24, generator=gen).to(dtype)
+    loss_value, grads, pgrads, program = _run(g, {"x": x})
+    params = {k: v.detach().clone().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
+    xr = x.to(teeny.DEVICE).requires_grad_()
+    y = torch.addmm(params["b"], xr.reshape(-1, 24), params["w"])  # transformers' Conv1D
+    ref = (y.float() * y.float()).sum() if dtype != torch.float32 else (y * y).sum()
+    ref.backward()
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=3e-2, atol=0.5)
+    torch.testing.assert_close(loss_value.float(), ref.detach().float(), **tol)
+    torch.testing.assert_close(grads["x"].float(), xr.grad.float(), **tol)
+    for name, t in params.items():
+        torch.testing.assert_close(pgrads[name].float(), t.grad.float(), **tol, msg=name)
+
+
+def test_transposed_weight_read_elsewhere_keeps_its_transpose(gen):
+    program = lower(_conv1d_graph(w_read_again=True), LoweringMode.TRAINING)
+    assert not any(isinstance(op, TransposedWeightLinearOp) for op in _ops(program))
 
 
 def test_residual_norm_matches_pytorch(gen):

@@ -309,17 +309,20 @@ def test_conv1d_is_one_teeny_linear_the_mlp_one_node_and_a_zero_dropout_none():
     (ids,) = _batches(1)
     _lm_loss(model, ids, torch.float32).backward()
     labels = {entry.label for entry in bridge._ENTRIES.values()}
-    assert "teeny op linear" in labels  # x @ W + b: the bias in the product's epilogue
-    assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu"}
+    assert "teeny op conv1d_linear" in labels  # x @ W + b: the bias in the product's epilogue
+    assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu", "teeny op linear"}
+    (conv,) = {e.label: e for e in bridge._ENTRIES.values() if e.label == "teeny op conv1d_linear"}.values()
+    assert [type(node.op).__name__ for node in conv.executor.program.nodes] == ["TransposedWeightLinearOp"]
     assert "teeny op packed_attention" in labels and "teeny op scaled_dot_product_attention" not in labels
     (mlp,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gelu_mlp"]  # both layers: one signature
-    assert [type(node.op).__name__ for node in mlp.executor.program.nodes] == ["LinearOp", "ActivationOp", "LinearOp"]
+    names = [type(node.op).__name__ for node in mlp.executor.program.nodes]
+    assert names == ["TransposedWeightLinearOp", "ActivationOp", "TransposedWeightLinearOp"]  # W read in place
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_conv1d_under_autocast_runs_as_a_product_in_the_autocast_dtype(bias):
-    """Conv1D's weight is (in, out): W^T reaches teeny's linear, cast and made contiguous in one
-    copy under autocast; the gradients reach the float32 weight and bias."""
+    """Conv1D's weight is (in, out): teeny's product reads it so, cast to the autocast dtype
+    (no transposed copy); the gradients reach the float32 weight and bias."""
     from transformers.pytorch_utils import Conv1D
 
     conv = Conv1D(5, 8)
@@ -350,7 +353,9 @@ def _patch_op_calls():
     target = torch.randint(0, 7, (2, 4), generator=g)
     target[0, 2] = -100
     return [
-        ("gelu_mlp", (randn(2, 3, 4), randn(5, 4), randn(5), randn(4, 5), randn(4))),
+        ("gelu_mlp", (randn(2, 3, 4), randn(4, 5), randn(5), randn(5, 4), randn(4))),  # Conv1D weights (in, out)
+        ("conv1d_linear", (randn(2, 3, 4), randn(4, 5), randn(5))),
+        ("conv1d_linear", (randn(3, 4), randn(4, 5), None)),
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), randn(7), target, -100, "mean")),
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), None, target, -100, "sum")),
         ("packed_attention", (randn(1, 5, 24), 2, True, 0.3)),  # batches > 1: test_torch_nn

@@ -7,6 +7,9 @@ it was given). The rewritten graph is a copy made node by node (``Rebuild``); th
 stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in order,
 ``rewrites=()`` runs none, and ``Program.summary()`` lists what each one did.
 
+* ``read_transposed_weights``: linear(x, W.t(), b) of a 2-D W (transformers' Conv1D keeps W as
+  (in, out)) reads W through strides (``linear.TransposedWeightLinearOp``) instead of copying
+  its transpose each way.
 * ``fuse_residual_norm``: y = layer_norm(a + b) or rms_norm(a + b) where the sum is also read
   downstream (the residual stream of a pre-norm transformer) becomes one norm launch that reads
   a and b, writes the sum and y (``norm.AddNormOp``); the add keeps its node, and its backward,
@@ -401,6 +404,51 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
     )
 
 
+# ------------------------------------------------------------------------- transposed weights
+
+
+def read_transposed_weights(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """linear(x, W.t(), b) of a 2-D W whose transpose nothing else reads becomes one product
+    that reads W as it is stored, (in, out), through strides (``linear.TransposedWeightLinearOp``;
+    transformers' Conv1D, x @ W + b): per linear the transpose's copy fewer forwards, and the
+    copy of dW^T back into W's layout fewer backwards."""
+    from .kernels.linear import LinearOp, TransposedWeightLinearOp
+    from .kernels.shape import PermuteOp
+
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, Value] = {}  # linear node id -> the untransposed W
+    for node in graph.nodes:
+        if type(node.op) is not LinearOp or node.output.id not in needed:
+            continue
+        weight = node.inputs[1]
+        transpose = weight.producer
+        if transpose is None or type(transpose.op) is not PermuteOp or transpose.op.dims != (1, 0):
+            continue
+        if weight.id in kept or len(read_by[weight.id]) != 1:
+            continue
+        matches[node.id] = transpose.inputs[0]
+    if not matches:
+        return graph, outputs, ""
+    skipped = {graph.nodes[node_id].inputs[1].producer.id for node_id in matches}
+    rebuild = Rebuild(graph)
+
+    def fuse(node: Node, weight: Value) -> None:
+        inputs = [rebuild[node.inputs[0]], rebuild[weight], *(rebuild[v] for v in node.inputs[2:])]
+        rebuild.new[node.output.id] = rebuild.apply(TransposedWeightLinearOp(node.op.has_bias), inputs, node.name)
+
+    rebuild.replace(skipped, matches, fuse)
+    copies = sum(_nbytes(w) for w in matches.values())
+    graph, outputs = rebuild.finish(outputs)
+    more = ", as many backwards" if training else ""
+    return (
+        graph,
+        outputs,
+        f"linear of a transposed weight read in place: {len(matches)}, {len(matches)} transposes "
+        f"({_mib(copies)} of copies) fewer per forward{more}",
+    )
+
+
 # ------------------------------------------------------------------------- q, k, v as one product
 
 
@@ -578,6 +626,7 @@ def fuse_mlp(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph,
 
 
 DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
+    read_transposed_weights,
     fuse_residual_norm,
     chunk_linear_cross_entropy,
     attention_in_place,

@@ -1491,6 +1491,49 @@ class LinearOp(_ProductOp):
         return launches
 
 
+class TransposedWeightLinearOp(LinearOp):
+    """y = x W + b with W stored (in_features, out_features), as transformers' Conv1D and
+    torch.addmm keep it (made by ``rewrites.read_transposed_weights`` from linear(x, W.t())):
+    the products read W through strides and write dW in W's layout, dW = X^T dY, so no transpose
+    is copied either way. db, dY's column sums, takes a launch of its own (the fused row sums of
+    dW's product would sum x). Shapes are checked as those of linear(x, W.t())."""
+
+    def check_inputs(self, input_shapes, input_dtypes):
+        w = tuple(input_shapes[1])
+        super().check_inputs([input_shapes[0], w[::-1], *input_shapes[2:]], input_dtypes)
+
+    def output_shape(self, input_shapes):
+        return tuple(input_shapes[0][:-1]) + (input_shapes[1][1],)
+
+    @staticmethod
+    def products(input_shapes, y_row_stride: int | None = None) -> dict[str, Product]:
+        """Y = X W, dX = dY W^T and dW = X^T dY over the rows of the flattened x (W is (in, out))."""
+        x, w = input_shapes[0], input_shapes[1]
+        rows, fin, fout = math.prod(x[:-1]), w[0], w[1]
+        ys = y_row_stride or fout
+        return {
+            "forward": Product(rows, fout, fin, (fin, 1), (fout, 1), (ys, 1), [], []),
+            "grad_input": Product(rows, fin, fout, (ys, 1), (1, fout), (fin, 1), [], []),
+            "grad_weight": Product(fin, fout, rows, (1, fin), (ys, 1), (fout, 1), [], []),
+        }
+
+    def backward_launches(self, ctx):
+        go = ctx.grad_output
+        products = self.products(ctx.input_shapes, _row_stride_of(go))
+        (x,), w = ctx.inputs, ctx.params[0]
+        (dx,) = ctx.grad_inputs
+        dw = ctx.grad_params[0]
+        dbias = ctx.grad_params[1] if self.has_bias else None
+        launches = []
+        if dw is not None:
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], x, go, dw)
+        if dbias is not None:
+            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
+        if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
+            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
+        return launches
+
+
 class SharedInputLinearOp(_ProductOp):
     """linear(x, W_i, b_i) of one input by several weights as one product,
     y = x [W_1; W_2; ...]^T + [b_1, b_2, ...], the parts side by side in the last dim (the q, k

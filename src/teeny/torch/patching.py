@@ -8,12 +8,11 @@ Two things happen, both in place and both reversible only by rebuilding the mode
 * **Submodules** whose class teeny has a drop-in for change class (``module.__class__``) to it:
   every ``torch.nn`` layer of ``teeny.torch.nn.DROP_INS``, and, recognised by class name so that
   ``transformers`` stays optional, Hugging Face's ``*RMSNorm`` (Llama, Mistral, Qwen2, ...),
-  GPT-2's ``Conv1D`` (x @ W + b as teeny's ``linear`` of W^T: the bias in the product's
-  epilogue and its gradient in dW's; W^T is made once a call, in autocast's cast where there is
-  one), the tanh-GELU activations (``NewGELUActivation``, ...), GPT-2's MLP (``c_fc``, a
-  tanh-GELU ``act``, ``c_proj``: one teeny call of three nodes, so one autograd node and one
-  replay, not three) and gated MLPs (``gate_proj``/``up_proj``/``down_proj`` with a SiLU
-  ``act_fn``: one fused SwiGLU pair).
+  GPT-2's ``Conv1D`` (x @ W + b as teeny's ``linear`` of W^T, which reads W (in, out) in
+  place: the bias in the product's epilogue), the tanh-GELU activations
+  (``NewGELUActivation``, ...), GPT-2's MLP (``c_fc``, a tanh-GELU ``act``, ``c_proj``: one
+  teeny call of three nodes, so one autograd node and one replay, not three) and gated MLPs
+  (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``: one fused SwiGLU pair).
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
@@ -99,8 +98,17 @@ def _rms_norm_forward(self, hidden_states):
     return TF.rms_norm(hidden_states, [self.weight.shape[-1]], self.weight, self.variance_epsilon)
 
 
-def _conv1d_forward(self, x):  # transformers' Conv1D: x @ weight + bias, weight (in, out)
-    return library.direct.linear(x, self.weight.t(), self.bias)
+def _conv1d_linear(x, weight, bias):
+    """transformers' Conv1D, x @ W + b with W (in, out): a linear of W^T, which lowering reads
+    in place (``rewrites.read_transposed_weights``): no transposed copy of W, nor of dW."""
+    return ops.linear(x, ops.transpose(weight, 0, 1), bias)
+
+
+library.register(_conv1d_linear, name="conv1d_linear", schema="Tensor x, Tensor weight, Tensor? bias", product=True)
+
+
+def _conv1d_forward(self, x):
+    return library.direct.conv1d_linear(x, self.weight, self.bias)
 
 
 def _gelu_tanh_forward(self, input):
@@ -108,8 +116,9 @@ def _gelu_tanh_forward(self, input):
 
 
 def _gelu_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias):
-    """linear, tanh-GELU, linear (weights (out, in)) as one teeny call."""
-    return ops.linear(ops.gelu(ops.linear(x, fc_weight, fc_bias), "tanh"), proj_weight, proj_bias)
+    """GPT-2's MLP as one teeny call: Conv1D, tanh-GELU, Conv1D (weights (in, out), read in place)."""
+    hidden = ops.gelu(_conv1d_linear(x, fc_weight, fc_bias), "tanh")
+    return _conv1d_linear(hidden, proj_weight, proj_bias)
 
 
 library.register(
@@ -225,7 +234,7 @@ def _causal_lm_forward(model: nn.Module, head: nn.Module, forward, args: tuple, 
 
 def _gpt2_mlp_forward(self, hidden_states):  # c_fc, act, c_proj, dropout; Conv1D weights are (in, out)
     fc, proj = self.c_fc, self.c_proj
-    return self.dropout(library.direct.gelu_mlp(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias))
+    return self.dropout(library.direct.gelu_mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias))
 
 
 def _swiglu_mlp_forward(self, x):
