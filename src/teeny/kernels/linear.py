@@ -1482,13 +1482,17 @@ class LinearOp(_ProductOp):
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
         launches = []
-        if dw is not None:  # the bias gradient (dY's column sums) with it: dW = dY^T X reads dY's columns
-            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
+        if dw is not None:
+            launches += self.weight_gradient(ctx, products["grad_weight"], go, x, dw, dbias)
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
             launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         return launches
+
+    def weight_gradient(self, ctx, product: Product, go, x, dw, dbias) -> list[Launch]:
+        """dW = dY^T X, and the bias gradient (dY's column sums) with it: the product reads dY's columns."""
+        return self.product(ctx, "grad_weight", product, go, x, dw, row_sums=dbias)
 
 
 class TransposedWeightLinearOp(LinearOp):
@@ -1517,20 +1521,11 @@ class TransposedWeightLinearOp(LinearOp):
             "grad_weight": Product(fin, fout, rows, (1, fin), (ys, 1), (fout, 1), [], []),
         }
 
-    def backward_launches(self, ctx):
-        go = ctx.grad_output
-        products = self.products(ctx.input_shapes, _row_stride_of(go))
-        (x,), w = ctx.inputs, ctx.params[0]
-        (dx,) = ctx.grad_inputs
-        dw = ctx.grad_params[0]
-        dbias = ctx.grad_params[1] if self.has_bias else None
-        launches = []
-        if dw is not None:
-            launches += self.product(ctx, "grad_weight", products["grad_weight"], x, go, dw)
+    def weight_gradient(self, ctx, product: Product, go, x, dw, dbias) -> list[Launch]:
+        """dW = X^T dY in W's (in, out) layout, then db."""
+        launches = self.product(ctx, "grad_weight", product, x, go, dw)
         if dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
-        if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
-            launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         return launches
 
 
