@@ -1,0 +1,56 @@
+"""The chunked head + cross-entropy's loss kernel against the row stride of its logits (v16).
+
+    PYTHONPATH=src python bench/loss_row_stride.py
+
+GPT-2's head (4,096 rows, d 768, vocabulary 50,257, bf16) lowered with the logits rows padded to
+a multiple of 8 elements (50,264: 16 bytes, enough for TMA) and of 16 (50,272: a row offset
+Triton knows is divisible by 16), forward_train timed with tuning off, and the class-loss
+kernel's own time from torch.profiler.
+"""
+
+import os
+import time
+
+os.environ.setdefault("TEENY_TUNING", "0")  # the heuristic's configurations: the same for both strides
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import teeny  # noqa: E402
+from teeny import Graph, LoweringMode, lower, ops  # noqa: E402
+from teeny.executor import Executor  # noqa: E402
+from teeny.kernels import loss  # noqa: E402
+
+
+def run(align: int, rows: int = 4096, d: int = 768, classes: int = 50257) -> None:
+    loss.ROW_ALIGN = align
+    g = Graph("head")
+    x = g.input("x", (rows, d), torch.bfloat16, requires_grad=True)
+    y = g.input("y", (rows,), torch.int64)
+    g.output(ops.cross_entropy(teeny.nn.Linear(d, classes, bias=False, dtype=torch.bfloat16)(x), y))
+    ex = Executor(lower(g, LoweringMode.TRAINING))
+    feed = {"x": torch.randn(rows, d, device=teeny.DEVICE, dtype=torch.bfloat16),
+            "y": torch.randint(0, classes, (rows,), device=teeny.DEVICE)}  # fmt: skip
+    for _ in range(3):
+        ex.forward_train(feed)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        ex.forward_train(feed)
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - start) / 10 * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            ex.forward_train(feed)
+        torch.cuda.synchronize()
+    kernel = [e for e in prof.key_averages() if e.key == "class_loss_forward"]
+    per_call = kernel[0].device_time_total / kernel[0].count if kernel else float("nan")
+    print(
+        f"rows {-(-classes // align) * align} apart: forward {step:.3f} ms, "
+        f"class_loss_forward {per_call:.1f} us a chunk"
+    )
+
+
+if __name__ == "__main__":
+    for align in (8, 16, 8, 16):
+        run(align)
