@@ -5,7 +5,9 @@
 GPT-2's head (4,096 rows, d 768, vocabulary 50,257, bf16) lowered with the logits rows padded to
 a multiple of 8 elements (50,264: 16 bytes, enough for TMA) and of 16 (50,272: a row offset
 Triton knows is divisible by 16), forward_train timed with tuning off, and the class-loss
-kernel's own time from torch.profiler.
+kernel's own time from torch.profiler. H200 (v16): 436 us a chunk at 50,264, 546 at 50,272,
+against 87 us for GPT-2's own vocabulary of 50,304 in the bench_steps step; the padding kept is
+16 bytes.
 """
 
 import os

@@ -850,7 +850,7 @@ def linear_cross_entropy_forward(chunk_ptr, total_ptr, n, FIRST: tl.constexpr, B
 # a chunk keeps (the matmul tiles' BLOCK_M on the GPU)
 LOGITS_CHUNK_BYTES = 1 << 22 if INTERPRETER else 256 << 20
 CHUNK_ROW_MULTIPLE = 16 if INTERPRETER else 128
-ROW_ALIGN = 16  # elements: a chunk's logits rows start a multiple of this apart
+ROW_ALIGN = 16  # bytes: a chunk's logits rows start this far apart (TMA's alignment)
 
 
 class LinearCrossEntropyOp(RuntimeOp):
@@ -961,12 +961,11 @@ class LinearCrossEntropyOp(RuntimeOp):
         sizes = [min(chunk, rows - start) for start in starts]
         programs = [max(1, cdiv(n, self.loss._blocks(n, classes)[0])) for n in sizes]
         partials = ctx.empty((sum(programs), 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc)
-        # rows padded to a multiple of 16 elements: the products read and write the logits in
-        # place through TMA (16 bytes would do; a vocabulary of 50,257 took padded copies each
-        # way), and the loss kernel's row offsets are multiples of 16, which Triton specialises
-        # on and so loads the rows in wide vectors (v16: 425 us a chunk with rows 50,264 apart,
-        # 87 us with 50,304)
-        padded = cdiv(classes, ROW_ALIGN) * ROW_ALIGN
+        # rows padded to 16 bytes, so that the products read and write the logits in place
+        # through TMA (a vocabulary of 50,257 took padded copies each way). The loss kernel is
+        # slower on such rows than on GPT-2's own 50,304 (v16: 436 against 87 us a chunk; 546 with
+        # rows padded to 16 elements instead, bench/loss_row_stride.py): not understood yet
+        padded = cdiv(classes * ctx.dtype.itemsize, ROW_ALIGN) * ROW_ALIGN // ctx.dtype.itemsize
         logits, lse = ctx.empty((chunk, padded))[:, :classes], ctx.empty((chunk,), acc)
         bad_index = None
         if self.loss.check_indices:
