@@ -1,13 +1,14 @@
-"""The chunked head + cross-entropy's loss kernel against the row stride of its logits (v16).
+"""The chunked head + cross-entropy's loss kernel against the padding of its logits rows (v16).
 
     PYTHONPATH=src python bench/loss_row_stride.py
 
 GPT-2's head (4,096 rows, d 768, vocabulary 50,257, bf16) lowered with the logits rows padded to
-a multiple of 8 elements (50,264: 16 bytes, enough for TMA) and of 16 (50,272: a row offset
-Triton knows is divisible by 16), forward_train timed with tuning off, and the class-loss
-kernel's own time from torch.profiler. H200 (v16): 436 us a chunk at 50,264, 546 at 50,272,
-against 87 us for GPT-2's own vocabulary of 50,304 in the bench_steps step; the padding kept is
-16 bytes.
+a multiple of 8 elements (50,264: 16 bytes, enough for TMA) and of 16 (50,272, the default:
+a row length and offsets Triton knows are divisible by 16, so the loss kernel moves the rows
+in 16-byte vectors), forward_train timed with tuning off, and the class-loss kernel's own time
+from torch.profiler. H200, v16, before the loss kernel read whole padded rows (its masks at
+50,257 columns allowed only one bf16 a load): 436 us a chunk at 50,264, 546 at 50,272, against
+87 us for GPT-2 small's vocabulary of 50,304 in the bench_steps step.
 """
 
 import os

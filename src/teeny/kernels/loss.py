@@ -430,6 +430,16 @@ def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes
 
 
 @triton.jit
+def _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, other):
+    """x at offsets (a block of columns cols of the rows), upcast, ``other`` outside ``mask``.
+    The load itself is masked by ``row_len`` (n_classes, or the padded length of rows whose
+    padding may be read): a bound divisible by 16 lets Triton load the rows in wide vectors,
+    which a vocabulary of 50,257 does not allow."""
+    x = upcast(tl.load(x_ptr + offsets, mask=row_mask[:, None] & (cols < row_len)[None, :], other=other))
+    return tl.where(mask, x, other)
+
+
+@triton.jit
 def _class_weights(weight_ptr, cols, col_mask, like):
     if weight_ptr is not None:
         return upcast(tl.load(weight_ptr + cols, mask=col_mask, other=0.0))
@@ -462,6 +472,7 @@ def class_loss_backward(
     n_classes,
     inner,
     sample_stride,
+    row_len,
     ignore_index,
     label_smoothing,
     smoothing_per_class,
@@ -509,7 +520,7 @@ def class_loss_backward(
         col_mask = cols < n_classes
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-        x = upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0))
+        x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0)
         if lse_ptr is not None:
             p = tl.exp(x - lse[:, None])
         else:
@@ -546,6 +557,7 @@ def class_loss_forward(
     n_classes,
     inner,
     sample_stride,
+    row_len,
     ignore_index,
     label_smoothing,
     smoothing_per_class,
@@ -576,7 +588,7 @@ def class_loss_forward(
             col_mask = cols < n_classes
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-            x = upcast(tl.load(x_ptr + offsets, mask=mask, other=float("-inf")))
+            x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, float("-inf"))
             if lse_ptr is not None:
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -617,11 +629,11 @@ def class_loss_forward(
                 col_mask = cols < n_classes
                 mask = row_mask[:, None] & col_mask[None, :]
                 offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-                p = tl.exp(upcast(tl.load(x_ptr + offsets, mask=mask, other=0.0)) - lse[:, None])
+                p = tl.exp(_load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0) - lse[:, None])
                 w = _class_weights(weight_ptr, cols, col_mask, zero)[None, :]
                 g = _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING)
-                g = tl.where(ok[:, None], g, row_value[:, None])
-                tl.store(grad_ptr + offsets, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                g = tl.where(mask, tl.where(ok[:, None], g, row_value[:, None]), 0.0)  # padding: 0
+                tl.store(grad_ptr + offsets, g.to(grad_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < row_len))
     if REDUCTION == REDUCE_NONE:
         tl.store(out_ptr + rows, loss.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:  # out_ptr: per-program partial sums [programs, 1] or, with the target weights, [programs, 2]
@@ -731,9 +743,9 @@ class ClassLossOp(RuntimeOp):
             ctx.input_shapes[0],
         )
 
-    def kernel_args(self, x, target, weight, lse, mass, shape, sample_stride=None) -> dict:
+    def kernel_args(self, x, target, weight, lse, mass, shape, padded_rows=None) -> dict:
         """The arguments both kernels take, for input ``x`` of ``shape`` (also a chunk of rows of
-        the logits, ``sample_stride`` apart: ``LinearCrossEntropyOp``)."""
+        the logits ``padded_rows`` elements apart, padding included: ``LinearCrossEntropyOp``)."""
         n_rows, n_classes, inner = self._dims(shape)
         rows, block_c = self._blocks(n_rows, n_classes)
         return dict(
@@ -745,7 +757,8 @@ class ClassLossOp(RuntimeOp):
             n_rows=n_rows,
             n_classes=n_classes,
             inner=inner,
-            sample_stride=sample_stride or n_classes * inner,
+            sample_stride=padded_rows or n_classes * inner,
+            row_len=padded_rows or n_classes,
             ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing,
             # eps / C on the host: under the interpreter a float argument divided by an int one is float32
@@ -850,7 +863,7 @@ def linear_cross_entropy_forward(chunk_ptr, total_ptr, n, FIRST: tl.constexpr, B
 # a chunk keeps (the matmul tiles' BLOCK_M on the GPU)
 LOGITS_CHUNK_BYTES = 1 << 22 if INTERPRETER else 256 << 20
 CHUNK_ROW_MULTIPLE = 16 if INTERPRETER else 128
-ROW_ALIGN = 16  # bytes: a chunk's logits rows start this far apart (TMA's alignment)
+ROW_ALIGN = 16  # elements: a chunk's logits rows are a multiple of this long, padding included
 
 
 class LinearCrossEntropyOp(RuntimeOp):
@@ -961,11 +974,11 @@ class LinearCrossEntropyOp(RuntimeOp):
         sizes = [min(chunk, rows - start) for start in starts]
         programs = [max(1, cdiv(n, self.loss._blocks(n, classes)[0])) for n in sizes]
         partials = ctx.empty((sum(programs), 2 if mode == REDUCE_WEIGHTED_MEAN else 1), acc)
-        # rows padded to 16 bytes, so that the products read and write the logits in place
-        # through TMA (a vocabulary of 50,257 took padded copies each way). The loss kernel is
-        # slower on such rows than on GPT-2's own 50,304 (v16: 436 against 87 us a chunk; 546 with
-        # rows padded to 16 elements instead, bench/loss_row_stride.py): not understood yet
-        padded = cdiv(classes * ctx.dtype.itemsize, ROW_ALIGN) * ROW_ALIGN // ctx.dtype.itemsize
+        # rows padded to a multiple of 16 elements: the products read and write the logits in
+        # place through TMA (16 bytes would do for it; a vocabulary of 50,257 took padded copies
+        # each way), and the loss kernel reads and writes whole padded rows in wide vectors (its
+        # row length and offsets divisible by 16, as Triton specialises integers)
+        padded = cdiv(classes, ROW_ALIGN) * ROW_ALIGN
         logits, lse = ctx.empty((chunk, padded))[:, :classes], ctx.empty((chunk,), acc)
         bad_index = None
         if self.loss.check_indices:
