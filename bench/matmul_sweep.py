@@ -18,7 +18,9 @@ Cases, most wanted first (the budget may stop the run): the GPT-2-small linear l
 M = 8192 tokens (768->768, 768->3072, 3072->768, 768->50304) in bf16; float32 (tf32x3, teeny's
 default) for linear 8192x4096->4096 and at 4096^3; bf16 at 4096^3; then the small MLP's layers
 (128 rows; ``--only mlp``), timed although teeny does not time products that small when it
-lowers (the heuristic's pick, ``default``, is printed beside the winner). The run stops starting
+lowers (the heuristic's pick, ``default``, is printed beside the winner). ``--tokens 4096
+--conv1d`` sweeps the layers of the patched transformers GPT-2 instead (8 x 512 tokens, weights
+stored (in, out), c_attn 768->2304 among them). The run stops starting
 new products after ``--budget`` seconds and says which it skipped. Results also go to
 $OUT/matmul_sweep.json.
 """
@@ -45,23 +47,31 @@ from teeny.runtime import run_launch  # noqa: E402
 
 DEV = teeny.DEVICE
 GPT2 = [(768, 768), (768, 3072), (3072, 768), (768, 50304)]
+GPT2_CONV1D = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # transformers' GPT-2: c_attn, c_proj, c_fc, c_proj
 TOKENS = 8192
 MLP, MLP_ROWS = [(784, 256), (256, 256), (256, 10)], 128  # bench_steps.py's small MLP, batch 128
 CHECK_ROWS = 256  # rows from each end of Z compared with float64
 
 
-def cases(selected, smoke: bool = False):
+def cases(selected, smoke: bool = False, tokens: int = TOKENS, conv1d: bool = False):
     """(case name, dtype, precision, {product name: (Product, has_bias, row_sums)}, tag);
-    ``smoke``: tiny sizes (a check of this script under the interpreter)."""
-    m, gpt2, tokens, big = (40, [(24, 40)], 37, 24) if smoke else (4096, GPT2, TOKENS, 4096)
+    ``smoke``: tiny sizes (a check of this script under the interpreter); ``tokens``: the rows
+    of the GPT-2 layers; ``conv1d``: their weights stored (in, out), as transformers' Conv1D
+    keeps them (``linear.TransposedWeightLinearOp``: the bias gradient is a sum of its own)."""
+    m, gpt2, big = (40, [(24, 40)], 24) if smoke else (4096, GPT2_CONV1D if conv1d else GPT2, 4096)
+    tokens = 37 if smoke else tokens
     mlp_rows, mlp = (24, [(40, 10)]) if smoke else (MLP_ROWS, MLP)
     mm = {name: (plan(), False, False) for name, plan in linear.MatmulOp()._plans((m, m), (m, m)).items()}
 
-    def linear_products(rows, fin, fout):
-        products = linear.LinearOp.products([(rows, fin), (fout, fin)])
-        return {name: (p, name == "forward", name == "grad_weight") for name, p in products.items()}
+    def linear_products(rows, fin, fout, transposed=False):
+        if transposed:
+            products = linear.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])
+        else:
+            products = linear.LinearOp.products([(rows, fin), (fout, fin)])
+        return {name: (p, name == "forward", name == "grad_weight" and not transposed) for name, p in products.items()}
 
-    out = [(f"linear {tokens}x{fin}->{fout}", torch.bfloat16, "tf32", linear_products(tokens, fin, fout))
+    kind = "conv1d" if conv1d else "linear"
+    out = [(f"{kind} {tokens}x{fin}->{fout}", torch.bfloat16, "tf32", linear_products(tokens, fin, fout, conv1d))
            for fin, fout in gpt2]  # fmt: skip
     out.append((f"linear {tokens}x{big}->{big}", torch.float32, "tf32x3", linear_products(tokens, big, big)))
     out.append((f"matmul {m}^3", torch.float32, "tf32x3", mm))
@@ -193,6 +203,8 @@ def main():
     parser.add_argument("--budget", type=float, default=120.0, help="seconds after which no new product starts")
     parser.add_argument("--only", nargs="*", default=[], help="case or dtype tags (bf16, fp32-tf32x3, 768->3072, ...)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script on the CPU")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="rows of the GPT-2 layers' products")
+    parser.add_argument("--conv1d", action="store_true", help="the GPT-2 layers with (in, out) weights, as Conv1D")
     args = parser.parse_args()
     assert args.smoke or torch.cuda.is_available(), "this benchmark needs the GPU"
     start = time.time()
@@ -205,7 +217,7 @@ def main():
     rows, skipped = [], []
     print(f"{'case':24} {'product':11} {'dtype':12} {'teeny ms':>9} {'TF/s':>6} {'err':>8} | {'cuBLAS':>8} "
           f"{'TF/s':>6} {'err':>8} | {'x':>5}  config")  # fmt: skip
-    for case, dtype, precision, products, tag in cases(args.only, args.smoke):
+    for case, dtype, precision, products, tag in cases(args.only, args.smoke, args.tokens, args.conv1d):
         for name, (p, has_bias, with_sums) in products.items():
             if time.time() - start > args.budget:
                 skipped.append(f"{case} {name} {tag}")
