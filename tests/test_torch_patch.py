@@ -100,8 +100,7 @@ def test_patched_gpt2_trains_like_the_unpatched_model(dtype):
         opt.step()
         opt_ref.step()
     swapped = {new for _, _, new in report.swapped}
-    assert {"LayerNorm", "Embedding", "Linear", "TeenyConv1D", "TeenyGPT2MLP"} <= swapped
-    assert report.routed["scaled_dot_product_attention"] > 0
+    assert {"LayerNorm", "Embedding", "Linear", "TeenyConv1D", "TeenyGPT2MLP", "TeenyGPT2Attention"} <= swapped
     assert "one chunked teeny op" in report.fused_loss
 
 
@@ -199,6 +198,46 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
             opt.step()
             opt_ref.step()
     torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # transformers >= 5.24 (the GPU has 5.17)
+def test_gpt2_attention_with_a_padding_mask_a_cache_or_dropout_runs_transformers_code(monkeypatch):
+    """The one-call attention is taken only for plain causal self-attention; a padding mask, a
+    generation cache and attention dropout in training run transformers' own attention (and
+    give its numbers), and eval mode with dropout configured takes the fast path again."""
+    from teeny.torch import patching
+
+    decisions = []
+    plain = patching._plain_causal_self_attention
+    monkeypatch.setattr(
+        patching, "_plain_causal_self_attention", lambda *a: decisions.append(plain(*a)) or decisions[-1]
+    )
+    ref = _gpt2(torch.float32).eval()
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    (ids,) = _batches(1)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    atol, rtol = _tolerance(torch.float32)
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}, {"use_cache": True}):
+            decisions.clear()
+            out, expected = model(ids, **kwargs), ref(ids, **kwargs)
+            torch.testing.assert_close(
+                out.logits, expected.logits, atol=atol, rtol=rtol, msg=lambda m: f"{kwargs}: {m}"
+            )
+            assert decisions == [not kwargs] * 2, kwargs  # both layers
+        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        torch.testing.assert_close(step, ref(ids[:, -1:], past_key_values=expected.past_key_values).logits)
+    for layer in model.transformer.h:
+        layer.attn.attn_dropout.p = 0.5
+    decisions.clear()
+    model(ids)
+    assert decisions == [True] * 2  # eval mode: no dropout
+    model.train()
+    decisions.clear()
+    model(ids)
+    assert decisions == [False] * 2
 
 
 def test_patched_llama_matches_the_unpatched_model():
@@ -300,7 +339,12 @@ def test_layers_with_options_teeny_lacks_are_left_and_reported():
     assert len(report.swapped) == 2
 
 
-def test_conv1d_is_one_teeny_linear_the_mlp_one_node_and_a_zero_dropout_none():
+def test_gpt2_layers_are_one_teeny_call_each_and_a_zero_dropout_none():
+    """GPT-2's attention and MLP are one teeny call each (both layers: one signature), the
+    attention's q, k, v and heads read in place (no copies); a lone Conv1D is one product with
+    the bias in its epilogue; a zero dropout launches nothing."""
+    from transformers.pytorch_utils import Conv1D
+
     from teeny.torch import bridge
 
     model = _gpt2(torch.float32)
@@ -309,14 +353,24 @@ def test_conv1d_is_one_teeny_linear_the_mlp_one_node_and_a_zero_dropout_none():
     (ids,) = _batches(1)
     _lm_loss(model, ids, torch.float32).backward()
     labels = {entry.label for entry in bridge._ENTRIES.values()}
-    assert "teeny op conv1d_linear" in labels  # x @ W + b: the bias in the product's epilogue
-    assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu", "teeny op linear"}
-    (conv,) = {e.label: e for e in bridge._ENTRIES.values() if e.label == "teeny op conv1d_linear"}.values()
-    assert [type(node.op).__name__ for node in conv.executor.program.nodes] == ["TransposedWeightLinearOp"]
-    assert "teeny op packed_attention" in labels and "teeny op scaled_dot_product_attention" not in labels
-    (mlp,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gelu_mlp"]  # both layers: one signature
+    assert {"teeny op gpt2_attention", "teeny op gelu_mlp"} <= labels
+    assert not labels & {"teeny op add", "teeny op matmul", "teeny op dropout", "teeny op gelu", "teeny op linear",
+                         "teeny op packed_attention", "teeny op scaled_dot_product_attention"}  # fmt: skip
+    (attention,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gpt2_attention"]
+    names = [type(node.op).__name__ for node in attention.executor.program.nodes]
+    assert names == ["TransposedWeightLinearOp", "AttentionOp", "ViewOp", "TransposedWeightLinearOp"]
+    kernels = [launch.kernel.name for node in attention.executor.program.nodes for launch in node.forward_launches]
+    assert kernels == ["matmul_product", "attention_forward", "matmul_product"]  # no head copies
+    (mlp,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op gelu_mlp"]
     names = [type(node.op).__name__ for node in mlp.executor.program.nodes]
     assert names == ["TransposedWeightLinearOp", "ActivationOp", "TransposedWeightLinearOp"]  # W read in place
+    conv = nn.Sequential(Conv1D(5, 4))
+    tt.patch(conv)
+    bridge.clear_cache()
+    conv(torch.randn(2, 3, 4, requires_grad=True)).sum().backward()
+    (entry,) = bridge._ENTRIES.values()
+    assert entry.label == "teeny op conv1d_linear"
+    assert [type(node.op).__name__ for node in entry.executor.program.nodes] == ["TransposedWeightLinearOp"]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -359,6 +413,8 @@ def _patch_op_calls():
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), randn(7), target, -100, "mean")),
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), None, target, -100, "sum")),
         ("packed_attention", (randn(1, 5, 24), 2, True, 0.3)),  # batches > 1: test_torch_nn
+        ("gpt2_attention", (randn(2, 5, 8), randn(8, 24), randn(24), randn(8, 8), randn(8), 2, 0.4)),
+        ("gpt2_attention", (randn(1, 3, 4), randn(4, 12), None, randn(4, 4), None, 1, None)),
     ]
 
 

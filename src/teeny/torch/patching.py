@@ -11,7 +11,10 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   GPT-2's ``Conv1D`` (x @ W + b as teeny's ``linear`` of W^T, which reads W (in, out) in
   place: the bias in the product's epilogue), the tanh-GELU activations
   (``NewGELUActivation``, ...), GPT-2's MLP (``c_fc``, a tanh-GELU ``act``, ``c_proj``: one
-  teeny call of three nodes, so one autograd node and one replay, not three) and gated MLPs
+  teeny call of three nodes, so one autograd node and one replay, not three), GPT-2's
+  attention (``c_attn``, causal attention reading the heads' q, k, v in place from its output,
+  ``c_proj``: one teeny call, no head-split copies; a cache, a padding mask, cross-attention or
+  attention dropout runs transformers' own code) and gated MLPs
   (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``: one fused SwiGLU pair).
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
@@ -129,6 +132,24 @@ library.register(
 )
 
 
+def _gpt2_attention(x, attn_weight, attn_bias, proj_weight, proj_bias, heads: int, scale: float | None = None):
+    """GPT-2's causal self-attention as one teeny call: c_attn (a Conv1D, W (in, 3 d)), the heads'
+    attention read from its output in place (q, k, v its three column blocks), the heads merged
+    by a view, c_proj; its gradient is written whole into c_attn's output gradient."""
+    qkv = _conv1d_linear(x, attn_weight, attn_bias)
+    heads_out = TF._packed_attention(qkv, heads, True, scale)  # (batch, length, heads, dim)
+    return _conv1d_linear(ops.reshape(heads_out, tuple(x.shape[:-1]) + (proj_weight.shape[0],)), proj_weight, proj_bias)
+
+
+library.register(
+    _gpt2_attention,
+    name="gpt2_attention",
+    schema="Tensor x, Tensor attn_weight, Tensor? attn_bias, Tensor proj_weight, Tensor? proj_bias, int heads, "
+    "float? scale=None",
+    product=True,
+)
+
+
 def _causal_lm_loss(x, weight, bias, target, ignore_index: int = -100, reduction: str = "mean"):
     """transformers' causal-LM loss of hidden states x (batch, length, d): the logits x W^T + b
     of positions 0 .. L-2 (upcast to float32 when they are half precision, as transformers does)
@@ -237,6 +258,38 @@ def _gpt2_mlp_forward(self, hidden_states):  # c_fc, act, c_proj, dropout; Conv1
     return self.dropout(library.direct.gelu_mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias))
 
 
+# GPT2Attention.forward's arguments that must be None for plain causal self-attention, and
+# those that then change nothing
+_ABSENT_IN_SELF_ATTENTION = ("cache", "past_key_values", "layer_past", "attention_mask", "head_mask",
+                             "encoder_hidden_states", "encoder_attention_mask")  # fmt: skip
+_IGNORED_IN_SELF_ATTENTION = {"use_cache", "cache_position", "position_ids", "output_attentions", "is_causal"}
+
+
+def _plain_causal_self_attention(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a GPT2Attention call is what ``gpt2_attention`` computes: self-attention through
+    SDPA with its causal mask only (no cache, padding mask or cross-attention), no attention
+    dropout in training, no attention weights returned."""
+    if args or module.is_cross_attention or getattr(module.config, "_attn_implementation", None) != "sdpa":
+        return False
+    if (module.training and module.attn_dropout.p > 0) or kwargs.get("output_attentions"):
+        return False
+    if kwargs.get("is_causal", True) is not True or any(kwargs.get(n) is not None for n in _ABSENT_IN_SELF_ATTENTION):
+        return False
+    return set(kwargs) <= set(_ABSENT_IN_SELF_ATTENTION) | _IGNORED_IN_SELF_ATTENTION
+
+
+def _gpt2_attention_forward(self, hidden_states, *args, **kwargs):
+    """c_attn, causal attention over its output read in place, c_proj: one teeny call; any other
+    use (a cache, a padding mask, cross-attention, attention dropout) runs transformers' code."""
+    if not _plain_causal_self_attention(self, args, kwargs):
+        return type(self).__mro__[1].forward(self, hidden_states, *args, **kwargs)
+    attn, proj = self.c_attn, self.c_proj
+    scale = float(self.scaling)
+    out = library.direct.gpt2_attention(hidden_states, attn.weight, attn.bias, proj.weight, proj.bias,
+                                        self.num_heads, scale)  # fmt: skip
+    return self.resid_dropout(out), None
+
+
 def _swiglu_mlp_forward(self, x):
     return self.down_proj(TF.swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -271,6 +324,11 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
         conv1d = all(type(getattr(module, a)).__name__ == "Conv1D" for a in ("c_fc", "c_proj"))
         if conv1d and type(module.act).__name__ in _GELU_TANH:
             return _teeny_subclass(cls, _gpt2_mlp_forward, "gpt2_mlp")
+    if name == "GPT2Attention" and all(
+        type(getattr(module, a, None)).__name__ == "Conv1D" for a in ("c_attn", "c_proj")
+    ):
+        if hasattr(module, "scaling") and hasattr(module, "is_cross_attention"):
+            return _teeny_subclass(cls, _gpt2_attention_forward, "gpt2_attention")
     if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         if type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") and len(list(module.children())) == 4:
             return _teeny_subclass(cls, _swiglu_mlp_forward, "swiglu_mlp")
