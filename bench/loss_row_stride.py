@@ -9,6 +9,8 @@ in 16-byte vectors), forward_train timed with tuning off, and the class-loss ker
 from torch.profiler. H200, v16, before the loss kernel read whole padded rows (its masks at
 50,257 columns allowed only one bf16 a load): 436 us a chunk at 50,264, 546 at 50,272, against
 87 us for GPT-2 small's vocabulary of 50,304 in the bench_steps step.
+
+    PYTHONPATH=src python bench/loss_row_stride.py 50304:16 50272:16 50257:48   # classes:align pairs
 """
 
 import os
@@ -49,11 +51,15 @@ def run(align: int, rows: int = 4096, d: int = 768, classes: int = 50257) -> Non
     kernel = [e for e in prof.key_averages() if e.key == "class_loss_forward"]
     per_call = kernel[0].device_time_total / kernel[0].count if kernel else float("nan")
     print(
-        f"rows {-(-classes // align) * align} apart: forward {step:.3f} ms, "
+        f"{classes} classes, rows {-(-classes // align) * align} apart: forward {step:.3f} ms, "
         f"class_loss_forward {per_call:.1f} us a chunk"
     )
 
 
 if __name__ == "__main__":
-    for align in (8, 16, 8, 16):
-        run(align)
+    import sys
+
+    # "classes:align" pairs (v17 run 2: which of the row length and the class count is slow)
+    for case in sys.argv[1:] or ["50257:8", "50257:16", "50257:8", "50257:16"]:
+        classes, align = map(int, case.split(":"))
+        run(align, classes=classes)

@@ -138,15 +138,20 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
     torch.testing.assert_close(out.cpu(), (xs @ w.T + b).sum(), atol=1e-4, rtol=1e-5)
 
 
-def test_heuristic_shares_out_long_contractions_with_few_output_tiles(monkeypatch):
+def test_heuristic_splits_few_output_tiles_stream_k_or_into_smaller_tiles(monkeypatch):
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]  # 18 tiles of 128 x 256
-    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    # untimed (under TUNE_MIN_MACS): 8 tiles of 128 x 256 over 2,048 rows, shared out stream-K
+    dw_small = linear_module.LinearOp.products([(2048, 512), (512, 512)])["grad_weight"]
+    config = linear_module.default_config(dw_small, torch.bfloat16, "tf32", False, row_sums=True)
     assert config["kernel"] == "tma" and config["STREAM_K"] and config["FUSED_SUMS"]
-    plan = linear_module.schedule(dw, config)
-    assert plan.programs == 132 and plan.dp_tiles == 0 and plan.sk_tiles == 18 and plan.slots > 1
+    plan = linear_module.schedule(dw_small, config)
+    assert plan.programs == 64 and plan.dp_tiles == 0 and plan.sk_tiles == 8 and plan.slots > 1  # 4 K tiles each
+    # one the tuning pass would time: 18 tiles of 128 x 256, so whole 128 x 128 tiles (v17's sweep)
+    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]
+    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["STREAM_K"], config["FUSED_SUMS"]) == (128, 128, 0, True)
     fwd = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: all whole
     assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["STREAM_K"] == 0
     options = linear_module.candidates(dw, torch.bfloat16, "tf32", False, row_sums=True)

@@ -963,8 +963,11 @@ def default_config(
     p: Product, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool = False, epilogue: str | None = None
 ) -> dict:
     """The heuristic: for a small product (under SMALL_DEFAULT_MAX_MACS) ``_small_default``; else
-    the first candidate, or its first stream-K variant where the output has fewer tiles than the
-    GPU has multiprocessors."""
+    the first candidate, unless the output has fewer of its tiles than the GPU has
+    multiprocessors: then, for a product the tuning pass would time (TUNE_MIN_MACS), the first
+    half-size whole-tile candidate (its tiles twice as many), or below that size the first
+    stream-K variant. (H200, v17: at 4,096 rows of GPT-2's layers stream-K took 1.5-3.5x the
+    best whole tiles and 128x128x64 w4s4 was within 20% of the best everywhere.)"""
     if not INTERPRETER and _macs(p) < SMALL_DEFAULT_MAX_MACS:
         config = _small_default(p, dtype, precision, epilogue)
         if config is not None:
@@ -972,9 +975,14 @@ def default_config(
     options = candidates(p, dtype, precision, has_bias, row_sums, epilogue)
     config = options[0]
     if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
-        shared = [c for c in options if c.get("STREAM_K") and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
-        if shared:
-            config = shared[0]
+        area = config["BLOCK_M"] * config["BLOCK_N"] // 2
+        tma = [c for c in options if c["kernel"] == "tma" and c["OCCUPANCY"] == 1 and c.get("FUSED_SUMS", True)]
+        if _small(p):
+            picks = [c for c in tma if c["STREAM_K"]]
+        else:
+            picks = [c for c in tma if c["BLOCK_M"] * c["BLOCK_N"] == area and not c["STREAM_K"]]
+        if picks:
+            config = picks[0]
     return config
 
 
