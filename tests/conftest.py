@@ -48,3 +48,30 @@ def _on_one_device(fn):
 if on_gpu:
     torch.testing.assert_close = _assert_close_any_device
     torch.equal, torch.allclose = _on_one_device(_equal), _on_one_device(_allclose)
+
+
+@pytest.fixture
+def compile_check(tmp_path):
+    """Run ``source`` (a script that compiles kernels for the H200 without the interpreter and
+    prints ``RESULTS <json>``, or ``SKIP <json reason>``) on ``cases`` in a fresh process: the
+    parsed results, or a skip. Triton reads kernel source from a file, so the script is one."""
+    import json
+    import subprocess
+    import sys
+
+    def run(name: str, source: str, cases, timeout: int):
+        script = tmp_path / f"{name}.py"
+        script.write_text(source)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run(
+            [sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=timeout
+        )
+        lines = done.stdout.splitlines()
+        skip = [line for line in lines if line.startswith("SKIP ")]
+        if skip:
+            pytest.skip(json.loads(skip[0][5:]))
+        results = [line for line in lines if line.startswith("RESULTS ")]
+        assert results, f"{name} crashed:\n{done.stderr[-3000:]}"
+        return json.loads(results[0][8:])
+
+    return run

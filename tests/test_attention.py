@@ -392,33 +392,12 @@ def _compile_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-def test_kernels_compile_for_the_h200(dtype, tmp_path):
+def test_kernels_compile_for_the_h200(dtype, compile_check):
     """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
     interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
     signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
     pipelined (cp.async) loads in all three kernels, float32 (tf32x3) wgmma. Slow (a few seconds per kernel)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = tmp_path / "compile_check.py"  # Triton reads kernel source from a file
-    script.write_text(_COMPILE_CHECK)
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(_compile_cases(dtype))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
-    lines = done.stdout.splitlines()
-    skip = [line for line in lines if line.startswith("SKIP ")]
-    if skip:
-        pytest.skip(json.loads(skip[0][5:]))
-    results = [line for line in lines if line.startswith("RESULTS ")]
-    assert results, f"compile check crashed:\n{done.stderr[-3000:]}"
-    rows = json.loads(results[0][8:])
+    rows = compile_check("compile_check", _COMPILE_CHECK, _compile_cases(dtype), timeout=1800)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['kernel']}: {r['error']}" for r in failed)
     kernels = {r["kernel"] for r in rows}

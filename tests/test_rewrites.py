@@ -425,28 +425,11 @@ print("RESULTS " + json.dumps(out))
 """
 
 
-def test_linear_cross_entropy_loss_kernel_moves_padded_rows_in_wide_vectors(tmp_path):
+def test_linear_cross_entropy_loss_kernel_moves_padded_rows_in_wide_vectors(compile_check):
     """GPT-2's vocabulary of 50,257: the chunk's loss kernel, compiled for the H200, loads and
     stores the padded logits rows 16 bytes at a time, as it does GPT-2 small's 50,304 (v16: with
     masks at 50,257 it moved one bf16 a load, 436 against 87 us a chunk)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "loss_ptx_check.py"  # Triton reads kernel source from a file
-    script.write_text(_LOSS_PTX_CHECK)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps([50257, 50304])], capture_output=True, text=True, env=env, timeout=600
-    )
-    lines = done.stdout.splitlines()
-    skip = [line for line in lines if line.startswith("SKIP ")]
-    if skip:
-        pytest.skip(json.loads(skip[0][5:]))
-    results = [line for line in lines if line.startswith("RESULTS ")]
-    assert results, f"ptx check crashed:\n{done.stderr[-3000:]}"
-    widths = json.loads(results[0][8:])
+    widths = compile_check("loss_ptx_check", _LOSS_PTX_CHECK, [50257, 50304], timeout=600)
     for classes in ("50257", "50304"):
         assert "ld.global.v4.b32" in widths[classes]["ld"] and "st.global.v4.b32" in widths[classes]["st"], widths
         assert "st.global.b16" not in widths[classes]["st"], widths  # no element-by-element stores of the rows
