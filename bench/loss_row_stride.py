@@ -14,6 +14,7 @@ from torch.profiler. H200, v16, before the loss kernel read whole padded rows (i
 """
 
 import os
+import sys
 import time
 
 os.environ.setdefault("TEENY_TUNING", "0")  # the heuristic's configurations: the same for both strides
@@ -57,8 +58,6 @@ def run(align: int, rows: int = 4096, d: int = 768, classes: int = 50257) -> Non
 
 
 if __name__ == "__main__":
-    import sys
-
     # "classes:align" pairs (v17 run 2: which of the row length and the class count is slow)
     for case in sys.argv[1:] or ["50257:8", "50257:16", "50257:8", "50257:16"]:
         classes, align = map(int, case.split(":"))

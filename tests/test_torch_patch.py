@@ -209,9 +209,12 @@ def test_gpt2_attention_with_a_padding_mask_a_cache_or_dropout_runs_transformers
 
     decisions = []
     plain = patching._plain_causal_self_attention
-    monkeypatch.setattr(
-        patching, "_plain_causal_self_attention", lambda *a: decisions.append(plain(*a)) or decisions[-1]
-    )
+
+    def recorded(*args):
+        decisions.append(plain(*args))
+        return decisions[-1]
+
+    monkeypatch.setattr(patching, "_plain_causal_self_attention", recorded)
     ref = _gpt2(torch.float32).eval()
     model = copy.deepcopy(ref)
     tt.patch(model)
