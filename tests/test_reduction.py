@@ -446,3 +446,22 @@ def test_sum_of_partials_in_one_or_two_steps(monkeypatch, splits, m, dtype):
         for launch in launches:
             launch_kernel(launch, dtype, "test")
         torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("splits,steps,width", [(40, 1, 16), (300, 2, 64)])
+def test_few_partials_take_one_pass_of_narrower_columns(monkeypatch, splits, steps, width):
+    """With a 256-element tile and 64-wide column blocks, 40 partial rows of 64 targets would take
+    two steps (10 tiles for one program to loop over); 16-wide blocks take them in one pass of 4
+    programs, 3 tiles each. 300 rows are too many even for 16 columns: two steps, 64 wide."""
+    from teeny.kernels import common
+    from teeny.runtime import launch_kernel
+
+    for name, value in (("_SUM_TILE", 256), ("_SUM_WIDTH", 64), ("_SUM_MIN_WIDTH", 16)):
+        monkeypatch.setattr(common, name, value)
+    partials = torch.randn(splits, 64, generator=torch.Generator().manual_seed(splits)).to(teeny.DEVICE)
+    out = torch.full((64,), float("nan"), device=teeny.DEVICE)
+    launches = common.sum_partials(partials.clone(), out)
+    assert len(launches) == steps and {launch.grid[0] for launch in launches} == {64 // width}
+    for launch in launches:
+        launch_kernel(launch, torch.float32, "test")
+    torch.testing.assert_close(out, partials.sum(0), rtol=1e-5, atol=1e-5)

@@ -136,6 +136,7 @@ def visit_layout(visitor: ArgVisitor, prefix: str, sizes: Sequence[int], strides
 # took 36 us; 4096 x 128 was the fastest tile for a bias gradient's column sums)
 _SUM_TILE, _SUM_TARGET_PROGRAMS = (16384, 4) if INTERPRETER else (4096, 512)
 _SUM_WIDTH = 64 if INTERPRETER else 128
+_SUM_MIN_WIDTH = 64 if INTERPRETER else 32  # the narrowest column block sum_partials takes to stay one pass
 _PARTIAL_STEPS = 4
 
 
@@ -277,9 +278,16 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
     (splits, targets) buffer of float32 (float64) partials, which it may overwrite. Many
     partials for few targets are summed in two steps, so that no lone program loops over all of
     them: each program of the first sums a range of rows into that range's first row, and
-    the second sums those rows."""
+    the second sums those rows. Fewer partials (a norm's 264 weight-gradient rows of 768) are
+    summed in one pass of narrower column blocks (down to _SUM_MIN_WIDTH), if that leaves no
+    program more than _PARTIAL_STEPS tiles to loop over: one launch instead of two."""
     splits, m = partials.shape
     block_m = min(pow2(m), _SUM_WIDTH)
+    narrow = block_m
+    while narrow > _SUM_MIN_WIDTH and splits > _PARTIAL_STEPS * (_SUM_TILE // narrow):
+        narrow //= 2
+    if splits <= _PARTIAL_STEPS * (_SUM_TILE // narrow):
+        block_m = narrow
     block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
     programs_m = cdiv(m, block_m)
     ranges = min(cdiv(splits, _PARTIAL_STEPS * block_r), max(1, _SUM_TARGET_PROGRAMS // programs_m))
