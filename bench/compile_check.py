@@ -124,6 +124,8 @@ def matmul_cases(quick: bool):
                 if fout == 768 and name != "grad_weight":
                     continue
                 yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight", None
+    conv1d_dw = linear.TransposedWeightLinearOp.products([(8192, 768), (768, 3072)])["grad_weight"]
+    yield "conv1d dW (Z^T) + db ", torch.bfloat16, "tf32", conv1d_dw, False, True, None
     gelu = activation.ActivationOp("gelu_tanh", activation._gelu_tanh, activation._gelu_tanh_grad)
     forward = linear.LinearOp.products([(8192, 768), (3072, 768)])["forward"]
     grad_input = linear.LinearOp.products([(8192, 3072), (768, 3072)])["grad_input"]

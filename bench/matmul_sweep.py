@@ -57,7 +57,7 @@ def cases(selected, smoke: bool = False, tokens: int = TOKENS, conv1d: bool = Fa
     """(case name, dtype, precision, {product name: (Product, has_bias, row_sums)}, tag);
     ``smoke``: tiny sizes (a check of this script under the interpreter); ``tokens``: the rows
     of the GPT-2 layers; ``conv1d``: their weights stored (in, out), as transformers' Conv1D
-    keeps them (``linear.TransposedWeightLinearOp``: the bias gradient is a sum of its own)."""
+    keeps them (``linear.TransposedWeightLinearOp``: dW written transposed, db fused as in linear)."""
     m, gpt2, big = (40, [(24, 40)], 24) if smoke else (4096, GPT2_CONV1D if conv1d else GPT2, 4096)
     tokens = 37 if smoke else tokens
     mlp_rows, mlp = (24, [(40, 10)]) if smoke else (MLP_ROWS, MLP)
@@ -68,7 +68,7 @@ def cases(selected, smoke: bool = False, tokens: int = TOKENS, conv1d: bool = Fa
             products = linear.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])
         else:
             products = linear.LinearOp.products([(rows, fin), (fout, fin)])
-        return {name: (p, name == "forward", name == "grad_weight" and not transposed) for name, p in products.items()}
+        return {name: (p, name == "forward", name == "grad_weight") for name, p in products.items()}
 
     kind = "conv1d" if conv1d else "linear"
     out = [(f"{kind} {tokens}x{fin}->{fout}", torch.bfloat16, "tf32", linear_products(tokens, fin, fout, conv1d))
@@ -123,7 +123,7 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
     xs, xv = operand((p.M, p.K), p.x, dtype, gen)
     ys, yv = operand((p.K, p.N), p.y, dtype, gen)
     bias = torch.randn(p.N, generator=gen, device=DEV).to(dtype) if has_bias else None
-    z = torch.empty(p.M, p.N, device=DEV, dtype=dtype)
+    zs, z = operand((p.M, p.N), p.z, dtype, gen)  # Z as the product writes it (Conv1D's dW: transposed)
     sums = torch.empty(p.M, device=DEV, dtype=dtype) if with_sums else None
     ends = [torch.arange(CHECK_ROWS), torch.arange(p.M - CHECK_ROWS, p.M)]
     check = (torch.cat(ends) if p.M > 2 * CHECK_ROWS else torch.arange(p.M)).to(DEV)
@@ -134,7 +134,7 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
     scratch = lambda s, d: torch.empty(s, device=DEV, dtype=d)  # noqa: E731
 
     def teeny_run(config, sums=sums):
-        launches = linear.product_launches(p, xs, ys, z, bias, dtype, precision, config, scratch, sums)
+        launches = linear.product_launches(p, xs, ys, zs, bias, dtype, precision, config, scratch, sums)
 
         def run():
             for launch in launches:
@@ -143,7 +143,7 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
         return run
 
     def error(config) -> float:
-        z.fill_(float("nan"))
+        zs.fill_(float("nan"))
         if sums is not None:
             sums.fill_(float("nan"))
         teeny_run(config)()
@@ -151,7 +151,7 @@ def sweep_product(case, name, tag, p, dtype, precision, has_bias, with_sums, gen
         return max(err, rel_err(sums, ref_sums)) if sums is not None else err
 
     flops = 2 * p.M * p.N * p.K
-    zc = torch.empty_like(z)
+    zc = torch.empty(p.M, p.N, device=DEV, dtype=dtype)
     if bias is not None:
         c_ms = graph_ms(lambda: torch.addmm(bias, xv, yv, out=zc))
     else:

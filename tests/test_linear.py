@@ -222,6 +222,26 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_tma_kernel_writes_a_transposed_weight_gradient(dtype, schedule, gen, monkeypatch):
+    """Conv1D's dW (W stored (in, out)): linear's dY^T X, (out, in), written transposed into dW's
+    (in, out) by the Hopper kernel (whole tiles, half-tile stores, stream-K segment sums), and
+    db, the row sums of dY^T, fused into it."""
+    if schedule in ("k_major", "fma_stream_k") and dtype != torch.float32:
+        pytest.skip("K-major copies and FMA products are float32 configurations")
+    options, sms = SCHEDULES[schedule]
+    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    rows, fin, fout = 148, 24, 40
+    x, dy = (torch.randn(rows, n, generator=gen, dtype=torch.float64) for n in (fin, fout))
+    p = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])["grad_weight"]
+    assert p.tma_layout(dtype).z_transposed
+    config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
+    launches, z, sums = _product_launches(p, (dy, x, x.T @ dy, None, dy.sum(0)), dtype, config)
+    assert linear_module.matmul_tma in [launch.kernel for launch in launches]
+    _check_product(launches, z, sums, (dy, x, x.T @ dy, None, dy.sum(0)), dtype, schedule)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("k_major", [False, True], ids=["as_they_lie", "k_major"])
 def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, gen, monkeypatch):

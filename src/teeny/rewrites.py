@@ -411,7 +411,8 @@ def read_transposed_weights(graph: Graph, outputs: list[Value], training: bool) 
     """linear(x, W.t(), b) of a 2-D W whose transpose nothing else reads becomes one product
     that reads W as it is stored, (in, out), through strides (``linear.TransposedWeightLinearOp``;
     transformers' Conv1D, x @ W + b): per linear the transpose's copy fewer forwards, and the
-    copy of dW^T back into W's layout fewer backwards."""
+    copy of dW^T back into W's layout fewer backwards (dW^T is written transposed, its bias
+    gradient fused as in linear)."""
     from .kernels.linear import LinearOp, TransposedWeightLinearOp
     from .kernels.shape import PermuteOp
 

@@ -20,15 +20,16 @@ Two kernels compute them:
   persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
   descriptors made on the device, zero-filled past the edges, in either layout (a transposed
-  operand is described as it lies and its tile transposed in shared memory); the bias is
-  added in the epilogue. Where whole tiles would leave the last wave of programs part idle
-  (few output tiles and a long contraction: dW of a layer over many tokens), the last waves'
-  tiles are shared out stream-K: their K tiles, laid end to end, are split evenly over the
-  programs, and ``matmul_sum_segments`` adds up the fp32 segments of the tiles that several
-  programs shared (in a fixed order: bit-reproducible, no atomics). linear's dW = dY^T X also
-  sums the dY^T tiles it reads over the rows: the bias gradient without another pass over dY
-  (the programs of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major only, so
-  an MN-major float32 operand may be copied K-major first (``matmul_copy``, one pass).
+  operand is described as it lies and its tile transposed in shared memory; so is a transposed
+  Z, Conv1D's dW^T written into W's (in, out)); the bias is added in the epilogue. Where
+  whole tiles would leave the last wave of programs part idle (few output tiles and a long
+  contraction: dW of a layer over many tokens), the last waves' tiles are shared out stream-K:
+  their K tiles, laid end to end, are split evenly over the programs, and
+  ``matmul_sum_segments`` adds up the fp32 segments of the tiles that several programs shared
+  (in a fixed order: bit-reproducible, no atomics). linear's dW = dY^T X also sums the dY^T
+  tiles it reads over the rows: the bias gradient without another pass over dY (the programs
+  of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major
+  only, so an MN-major float32 operand may be copied K-major first (``matmul_copy``, one pass).
 * ``matmul_product`` (everything else: batched and broadcast products, small products with
   unaligned rows, the interpreter): the same tiles in grouped order through strided pointer loads; the bias
   gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
@@ -219,12 +220,13 @@ def _load_tile(desc, row, col, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 def _finish_tile(
     z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, sum_rows, act_a, act_b,
     ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr,
+    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, Z_TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
     """The epilogue of a tile whose whole contraction one program summed: bias, activation,
     store, row sums. The activation's aux tile (h, as ``_activation_epilogue`` describes it)
     moves through ``aux_desc`` as Z does, in TMA boxes (a little faster than pointers from the
-    accumulator's registers; what an activation here costs is its maths: ``rewrites.fuse_mlp``)."""
+    accumulator's registers; what an activation here costs is its maths: ``rewrites.fuse_mlp``).
+    Z_TRANSPOSED: ``z_desc`` describes Z^T, (N, M), and the tile is stored transposed."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
@@ -237,7 +239,10 @@ def _finish_tile(
         else:
             h = _load_tile(aux_desc, m0, n0, SUBTILE, BLOCK_M, BLOCK_N).to(acc.dtype)
             acc = DERIVATIVE(h, acc, act_a, act_b)
-    _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+    if Z_TRANSPOSED:
+        _store_tile(z_desc, n0, m0, acc.T, z_ptr, SUBTILE, BLOCK_N, BLOCK_M)
+    else:
+        _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
     if row_sums_ptr is not None:
         if sum_rows:
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -290,10 +295,12 @@ def matmul_tma(
     SUBTILE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     DERIVATIVE: tl.constexpr,
+    Z_TRANSPOSED: tl.constexpr,
 ):
     """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs. X is (M, K)
     with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed, (K, M) with rows x_stride
-    apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart.
+    apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart, or
+    (Z_TRANSPOSED, no activation) stored transposed, (N, M) with rows z_stride apart.
     row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
     by the programs of the first column tile. ACTIVATION / DERIVATIVE (with aux_ptr, act_a,
     act_b): an activation in the epilogue (``_activation_epilogue``).
@@ -313,7 +320,12 @@ def matmul_tma(
     else:
         y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
     store_n: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
-    z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
+    if Z_TRANSPOSED:
+        tl.static_assert(aux_ptr is None, "an activation epilogue needs Z stored as (M, N)")
+        store_m: tl.constexpr = BLOCK_M // 2 if SUBTILE else BLOCK_M
+        z_desc = tl.make_tensor_descriptor(z_ptr, [N, M], [z_stride, 1], [BLOCK_N, store_m])
+    else:
+        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
     if aux_ptr is not None:  # laid out as Z
         aux_desc = tl.make_tensor_descriptor(aux_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
     else:
@@ -356,14 +368,14 @@ def matmul_tma(
         if partial_ptr is None:
             _finish_tile(
                 z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
-                act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
+                act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
             )  # fmt: skip
         else:
             first, last = _segment_owners(i, k_tiles, total, programs)
             if whole | (first == last):
                 _finish_tile(
                     z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
-                    act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE,
+                    act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
                 )  # fmt: skip
             else:
                 # a segment of a shared tile: its box of fp32 partials, stored from registers
@@ -402,6 +414,7 @@ def matmul_sum_segments(
     CHUNK_M: tl.constexpr,
     ACTIVATION: tl.constexpr,
     DERIVATIVE: tl.constexpr,
+    Z_TRANSPOSED: tl.constexpr,
 ):
     """The second pass of ``matmul_tma``'s stream-K tiles: program (i, c) adds up the segments
     of stream-K tile i that several programs shared (rows c * CHUNK_M ... of it), SLOTS boxes
@@ -439,7 +452,10 @@ def matmul_sum_segments(
         acc = _activation_epilogue(
             acc, z_ptr, aux_ptr, offs_m, offs_n, M, N, z_stride, 1, act_a, act_b, ACTIVATION, DERIVATIVE
         )
-        z = z_ptr + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
+        if Z_TRANSPOSED:
+            z = z_ptr + offs_m[:, None] + offs_n.to(tl.int64)[None, :] * z_stride
+        else:
+            z = z_ptr + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
         tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
         if row_sums_ptr is not None:
             if pid_n == 0:
@@ -586,6 +602,7 @@ class TmaLayout:
     x_stride: int
     y_stride: int
     z_stride: int
+    z_transposed: bool = False  # Z stored (N, M), its rows z_stride apart
 
 
 @dataclass
@@ -611,14 +628,17 @@ class Product:
 
     def tma_layout(self, dtype: torch.dtype) -> TmaLayout | None:
         """The layout for ``matmul_tma``, or None where the product is batched, empty, or an
-        operand has no unit stride or rows that are not 16-byte aligned."""
-        if not self.paddable():
+        operand (Z too: it may be stored transposed) has no unit stride or rows that are not
+        16-byte aligned."""
+        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0:
+            return None
+        if 1 not in self.x or 1 not in self.y or 1 not in self.z:
             return None
         size = torch.empty((), dtype=dtype).element_size()
-        rows = (_row_stride(self.x), _row_stride(self.y), self.z[0])
+        rows = (_row_stride(self.x), _row_stride(self.y), _row_stride(self.z))
         if any((stride * size) % TMA_ALIGN for stride in rows):
             return None
-        return TmaLayout(self.x[1] == 1, self.y[1] != 1, *rows)  # X is (m, k), Y (k, n)
+        return TmaLayout(self.x[1] == 1, self.y[1] != 1, *rows, self.z[1] != 1)  # X is (m, k), Y (k, n)
 
     def paddable(self) -> bool:
         """Whether ``matmul_tma`` can compute the product, on copies of the operands (and a
@@ -635,8 +655,8 @@ class Product:
 
 
 def _row_stride(strides: tuple[int, int]) -> int:
-    """The stride of an operand's other dim than its contiguous one (the second dim where both
-    strides are 1): the stride of its rows as TMA reads it."""
+    """The stride of an operand's (or Z's) other dim than its contiguous one (the second dim
+    where both strides are 1): the stride of its rows as TMA reads or writes them."""
     return strides[0] if strides[1] == 1 else strides[1]
 
 
@@ -911,6 +931,10 @@ def candidates(
         for v in variants:
             if epilogue and not v["SUBTILE"] and not _fits(v, dtype, epilogue=epilogue):
                 v = {**v, "SUBTILE": True}
+            # half tiles stored transposed go through a layout conversion in shared memory
+            # (sm_90, 128x256x64 in 4 stages: 288 KiB): a transposed Z takes whole-tile stores
+            if v["SUBTILE"] and p.z[1] != 1:
+                continue
             if _fits(v, dtype, epilogue=epilogue) and v not in out:
                 out.append(v)
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
@@ -1023,8 +1047,10 @@ NO_EPILOGUE_ARGS = dict(aux_ptr=None, act_a=0.0, act_b=0.0, ACTIVATION=None, DER
 def _epilogue_args(epilogue: Epilogue | None, p: Product, z: torch.Tensor) -> dict:
     if epilogue is None:
         return NO_EPILOGUE_ARGS
-    if p.kept or p.reduced or (epilogue.aux is not None and epilogue.aux.stride() != z.stride()):
-        raise ValueError(f"an activation epilogue needs a 2-D product and an aux tensor laid out like Z ({p})")
+    if p.kept or p.reduced or p.z[1] != 1 or (epilogue.aux is not None and epilogue.aux.stride() != z.stride()):
+        raise ValueError(
+            f"an activation epilogue needs a 2-D product, Z's rows contiguous and an aux tensor laid out like Z ({p})"
+        )
     return epilogue.args()
 
 
@@ -1095,15 +1121,17 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
     if (y_row * size) % TMA_ALIGN or (k_major and not y_k):
         y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
     after: list[Launch] = []
-    z_row = p.z[0]
+    z_row, z_transposed = _row_stride(p.z), p.z[1] != 1
     if (z_row * size) % TMA_ALIGN:
+        if z_transposed:  # tma_layout refused it: the strided kernel computes it
+            raise ValueError(f"matmul_tma cannot write a transposed Z with unaligned rows ({p})")
         if epilogue:
             raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
         z_row = _padded(p.N, size)
         padded = scratch((p.M, z_row), z.dtype)
         after.append(_copy_launch(padded, z, p.M, p.N, z_row, p.z[0], transpose=False))
         z = padded
-    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row), after
+    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, z_transposed), after
 
 
 def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch, epilogue):
@@ -1140,6 +1168,7 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
         SUBTILE=config["SUBTILE"],
         **_tiles(config),
         **epilogue,
+        Z_TRANSPOSED=layout.z_transposed,
     )
     block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
@@ -1150,6 +1179,7 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
             partial_ptr=partials, partial_sums_ptr=partial_sums, z_ptr=z, bias_ptr=bias, row_sums_ptr=row_sums,
             M=p.M, N=p.N, K=p.K, z_stride=layout.z_stride, programs=sched.programs, dp_tiles=sched.dp_tiles,
             ACC=tl_acc_dtype(dtype), SLOTS=slots, CHUNK_M=chunk, **_tiles(config), **epilogue,
+            Z_TRANSPOSED=layout.z_transposed,
         )  # fmt: skip
         grid = (sched.sk_tiles, config["BLOCK_M"] // chunk)
         launches.append(Launch(matmul_sum_segments, grid, sums, Block(num_warps=4), work=p.work()))
@@ -1176,7 +1206,7 @@ def product_launches(
     applied before the store (see ``Epilogue``)."""
     precision = config.get("PRECISION", precision)
     tma = config["kernel"] == "tma"
-    if tma and not p.paddable():
+    if tma and not p.paddable() and p.tma_layout(dtype) is None:
         raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
     fused = row_sums is not None and tma and config.get("FUSED_SUMS", True)
     epilogue_args = _epilogue_args(epilogue, p, z)
@@ -1490,25 +1520,21 @@ class LinearOp(_ProductOp):
         dw = ctx.grad_params[0]
         dbias = ctx.grad_params[1] if self.has_bias else None
         launches = []
-        if dw is not None:
-            launches += self.weight_gradient(ctx, products["grad_weight"], go, x, dw, dbias)
+        if dw is not None:  # dW = dY^T X, and db (dY's column sums) fused: the product reads dY's columns
+            launches += self.product(ctx, "grad_weight", products["grad_weight"], go, x, dw, row_sums=dbias)
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
             launches += self.product(ctx, "grad_input", products["grad_input"], go, w, dx)
         return launches
 
-    def weight_gradient(self, ctx, product: Product, go, x, dw, dbias) -> list[Launch]:
-        """dW = dY^T X, and the bias gradient (dY's column sums) with it: the product reads dY's columns."""
-        return self.product(ctx, "grad_weight", product, go, x, dw, row_sums=dbias)
-
 
 class TransposedWeightLinearOp(LinearOp):
     """y = x W + b with W stored (in_features, out_features), as transformers' Conv1D and
     torch.addmm keep it (made by ``rewrites.read_transposed_weights`` from linear(x, W.t())):
-    the products read W through strides and write dW in W's layout, dW = X^T dY, so no transpose
-    is copied either way. db, dY's column sums, takes a launch of its own (the fused row sums of
-    dW's product would sum x). Shapes are checked as those of linear(x, W.t())."""
+    the products read W through strides and write dW in W's layout, so no transpose is copied
+    either way. dW is linear's product dY^T X, (out, in), written transposed: its fused row sums
+    are db, as in linear. Shapes are checked as those of linear(x, W.t())."""
 
     def check_inputs(self, input_shapes, input_dtypes):
         w = tuple(input_shapes[1])
@@ -1519,22 +1545,16 @@ class TransposedWeightLinearOp(LinearOp):
 
     @staticmethod
     def products(input_shapes, y_row_stride: int | None = None) -> dict[str, Product]:
-        """Y = X W, dX = dY W^T and dW = X^T dY over the rows of the flattened x (W is (in, out))."""
+        """Y = X W and dX = dY W^T over the rows of the flattened x (W is (in, out)), and dW^T =
+        dY^T X, (out, in), stored transposed into dW's (in, out)."""
         x, w = input_shapes[0], input_shapes[1]
         rows, fin, fout = math.prod(x[:-1]), w[0], w[1]
         ys = y_row_stride or fout
         return {
             "forward": Product(rows, fout, fin, (fin, 1), (fout, 1), (ys, 1), [], []),
             "grad_input": Product(rows, fin, fout, (ys, 1), (1, fout), (fin, 1), [], []),
-            "grad_weight": Product(fin, fout, rows, (1, fin), (ys, 1), (fout, 1), [], []),
+            "grad_weight": Product(fout, fin, rows, (1, ys), (fin, 1), (1, fout), [], []),
         }
-
-    def weight_gradient(self, ctx, product: Product, go, x, dw, dbias) -> list[Launch]:
-        """dW = X^T dY in W's (in, out) layout, then db."""
-        launches = self.product(ctx, "grad_weight", product, x, go, dw)
-        if dbias is not None:
-            launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
-        return launches
 
 
 class SharedInputLinearOp(_ProductOp):
