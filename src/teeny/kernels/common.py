@@ -8,7 +8,8 @@
   looping over the broadcast elements; a long broadcast range is split across programs into
   float32 partials [splits, targets] that a second launch of the same kernel sums
   (``sum_partials``; many partials for few targets in two steps, so that no lone program
-  loops over them all). No atomics, so every result is bit-reproducible.
+  loops over them all; a few hundred in one pass of narrower column blocks). No atomics, so
+  every result is bit-reproducible.
 * ``side_by_side``: tensors that lie one after the other in one buffer (the parameters an op
   asks for with ``RuntimeOp.adjacent_params``, and their gradients) read as one, a view.
 * Launch sizes for the interpreter and the GPU, and ``strided_offsets`` (a flat index
