@@ -237,9 +237,10 @@ def test_tma_kernel_writes_a_transposed_weight_gradient(dtype, schedule, gen, mo
     p = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])["grad_weight"]
     assert p.tma_layout(dtype).z_transposed
     config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
-    launches, z, sums = _product_launches(p, (dy, x, x.T @ dy, None, dy.sum(0)), dtype, config)
+    case = (dy, x, x.T @ dy, None, dy.sum(0))  # Z is dW as it lies, (in, out); the row sums are db
+    launches, z, sums = _product_launches(p, case, dtype, config)
     assert linear_module.matmul_tma in [launch.kernel for launch in launches]
-    _check_product(launches, z, sums, (dy, x, x.T @ dy, None, dy.sum(0)), dtype, schedule)
+    _check_product(launches, z, sums, case, dtype, schedule)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

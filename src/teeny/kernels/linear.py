@@ -626,6 +626,11 @@ class Product:
     def work(self) -> int:
         return self.batch * self.M * self.N
 
+    @property
+    def z_transposed(self) -> bool:
+        """Whether Z is stored transposed, (N, M) (Conv1D's dW written into W's (in, out))."""
+        return self.z[1] != 1
+
     def tma_layout(self, dtype: torch.dtype) -> TmaLayout | None:
         """The layout for ``matmul_tma``, or None where the product is batched, empty, or an
         operand (Z too: it may be stored transposed) has no unit stride or rows that are not
@@ -638,13 +643,13 @@ class Product:
         rows = (_row_stride(self.x), _row_stride(self.y), _row_stride(self.z))
         if any((stride * size) % TMA_ALIGN for stride in rows):
             return None
-        return TmaLayout(self.x[1] == 1, self.y[1] != 1, *rows, self.z[1] != 1)  # X is (m, k), Y (k, n)
+        return TmaLayout(self.x[1] == 1, self.y[1] != 1, *rows, self.z_transposed)  # X is (m, k), Y (k, n)
 
     def paddable(self) -> bool:
         """Whether ``matmul_tma`` can compute the product, on copies of the operands (and a
         result) whose rows are not 16-byte aligned, padded: 2-D, not empty, a unit stride in
         each operand and a unit column stride in Z (a vocabulary of 50,257: ``product_launches``)."""
-        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0 or self.z[1] != 1:
+        if self.kept or self.reduced or min(self.M, self.N, self.K) == 0 or self.z_transposed:
             return False
         return 1 in self.x and 1 in self.y
 
@@ -933,7 +938,7 @@ def candidates(
                 v = {**v, "SUBTILE": True}
             # half tiles stored transposed go through a layout conversion in shared memory
             # (sm_90, 128x256x64 in 4 stages: 288 KiB): a transposed Z takes whole-tile stores
-            if v["SUBTILE"] and p.z[1] != 1:
+            if v["SUBTILE"] and p.z_transposed:
                 continue
             if _fits(v, dtype, epilogue=epilogue) and v not in out:
                 out.append(v)
@@ -1047,7 +1052,7 @@ NO_EPILOGUE_ARGS = dict(aux_ptr=None, act_a=0.0, act_b=0.0, ACTIVATION=None, DER
 def _epilogue_args(epilogue: Epilogue | None, p: Product, z: torch.Tensor) -> dict:
     if epilogue is None:
         return NO_EPILOGUE_ARGS
-    if p.kept or p.reduced or p.z[1] != 1 or (epilogue.aux is not None and epilogue.aux.stride() != z.stride()):
+    if p.kept or p.reduced or p.z_transposed or (epilogue.aux is not None and epilogue.aux.stride() != z.stride()):
         raise ValueError(
             f"an activation epilogue needs a 2-D product, Z's rows contiguous and an aux tensor laid out like Z ({p})"
         )
@@ -1121,17 +1126,15 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
     if (y_row * size) % TMA_ALIGN or (k_major and not y_k):
         y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
     after: list[Launch] = []
-    z_row, z_transposed = _row_stride(p.z), p.z[1] != 1
-    if (z_row * size) % TMA_ALIGN:
-        if z_transposed:  # tma_layout refused it: the strided kernel computes it
-            raise ValueError(f"matmul_tma cannot write a transposed Z with unaligned rows ({p})")
+    z_row = _row_stride(p.z)
+    if (z_row * size) % TMA_ALIGN:  # (a transposed Z is aligned: product_launches refuses it otherwise)
         if epilogue:
             raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
         z_row = _padded(p.N, size)
         padded = scratch((p.M, z_row), z.dtype)
         after.append(_copy_launch(padded, z, p.M, p.N, z_row, p.z[0], transpose=False))
         z = padded
-    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, z_transposed), after
+    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, p.z_transposed), after
 
 
 def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch, epilogue):
