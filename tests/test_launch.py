@@ -6,12 +6,13 @@ import math
 
 import pytest
 import torch
-import triton.language as tl  # noqa: I001  (after teeny: teeny chooses the interpreter first)
+import triton  # noqa: I001  (after teeny: teeny chooses the interpreter first)
+import triton.language as tl
 
 import teeny
 from teeny import Graph, LoweringMode, RuntimeOp, lower, ops
-from teeny.kernel import kernel, record_launches
-from teeny.runtime import ArgVisitor, Block, Launch
+from teeny.kernel import Kernel, kernel, record_launches
+from teeny.runtime import ArgVisitor, Block, Launch, PackingError, run_launch
 
 
 @kernel
@@ -86,6 +87,35 @@ def test_named_packing_with_an_optional_pointer_and_block_size():
         out = ex.forward(feed)
     torch.testing.assert_close(out.cpu(), 0.3 * x, rtol=0, atol=0)
     assert [r.grid for r in log] == [(math.ceil(37 / 16), 1, 1)]  # the default grid follows block().size
+
+
+@triton.jit
+def _scaled_copy(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, scale * tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
+def _halve_arguments(src_ptr, dst_ptr, BLOCK: tl.constexpr) -> list:
+    """What teeny packs (two tensors) -> what the Triton function takes."""
+    return [src_ptr, dst_ptr, src_ptr.numel(), 0.5, BLOCK]
+
+
+_halve = Kernel(_scaled_copy, arguments=_halve_arguments, name="_halve", register=False)
+
+
+def test_a_kernel_with_arguments_packs_its_own_signature_and_launches_tritons():
+    """``Kernel(arguments=...)`` (matmul_ws: TMA descriptors made on the host): teeny checks and
+    packs the arguments function's signature, the launch passes what it returns to Triton."""
+    assert [p.name for p in _halve.params] == ["src_ptr", "dst_ptr", "BLOCK"]
+    x = torch.randn(37, dtype=torch.float64, device=teeny.DEVICE)
+    y = torch.zeros_like(x)
+    launch = Launch(_halve, (3,), ArgVisitor().visit(src_ptr=x, dst_ptr=y), Block(size=16))
+    run_launch(launch, _halve.instance(torch.float64), "test", 37)
+    torch.testing.assert_close(y.cpu(), 0.5 * x.cpu(), rtol=0, atol=0)
+    with pytest.raises(PackingError, match="n"):  # the Triton function's own parameters are not teeny's
+        run_launch(Launch(_halve, (3,), ArgVisitor().visit(x_ptr=x, y_ptr=y, n=37), Block(size=16)),
+                   _halve.instance(torch.float64), "test", 37)  # fmt: skip
 
 
 def test_float_scalars_reach_float64_kernels_as_float64_and_others_as_float32():

@@ -12,7 +12,10 @@ Parameter kinds come from the signature: a name ending in ``_ptr`` is a pointer,
 or a float in the kernel's compute precision). Pointers named in ``optional=`` may be passed
 ``None``; the kernel tests ``if bias_ptr is not None:`` (Triton specialises on it). A kernel that
 makes TMA descriptors on the device declares ``device_scratch=True``. The packed
-arguments of every launch are checked against these kinds (``runtime.check_packing``).
+arguments of every launch are checked against these kinds (``runtime.check_packing``). A kernel
+whose Triton function takes other arguments than teeny packs (``linear_gluon.matmul_ws``: TMA
+descriptors made on the host) names ``arguments=``, a function of the packed arguments giving
+Triton's; its signature is then the one teeny checks and packs.
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
 bfloat16; ``dtypes=`` names any other set (integer and bool tensors for shape ops).
@@ -99,6 +102,7 @@ class Kernel:
         dtypes: Iterable[torch.dtype] | None = None,
         optional: Iterable[str] = (),
         device_scratch: bool = False,
+        arguments: Callable[..., list] | None = None,
         source: str | None = None,
         name: str | None = None,
         register: bool = True,
@@ -107,7 +111,7 @@ class Kernel:
         self.name = name or python_fn.__name__
         self.source = source if source is not None else textwrap.dedent(inspect.getsource(python_fn))
         self.python_fn = python_fn
-        signature = inspect.signature(python_fn)
+        signature = inspect.signature(arguments or python_fn)
         optional = set(optional)
         self.params = tuple(
             KernelParam(p.name, _param_kind(p), p.name in optional) for p in signature.parameters.values()
@@ -118,6 +122,7 @@ class Kernel:
             raise TypeError(f"kernel {self.name}: optional= names {sorted(unknown)}, which are not pointer parameters")
         self.jit = fn if hasattr(fn, "fn") else triton.jit(fn)
         self.device_scratch = device_scratch  # makes TMA descriptors on the device (tl.make_tensor_descriptor)
+        self.arguments = arguments  # packed arguments -> the Triton function's (None: the same)
         if backward is None:
             self.backward: tuple[Kernel, ...] = ()
         elif isinstance(backward, Kernel):
@@ -264,10 +269,14 @@ class KernelInstance:
             # Triton asks a context-local allocator for the descriptors' global scratch memory; a
             # backward runs on torch's autograd thread, so set it at each launch, not once at import
             triton.set_allocator(_device_scratch)
+        if self.kernel.arguments is not None:
+            args = self.kernel.arguments(*args)
         return jit[grid](*args, **options)
 
 
-def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
+def direct_launcher(
+    compiled: Any, grid: tuple[int, ...], device_scratch: bool, arguments: Callable[..., list] | None = None
+) -> Callable[[int, list], None] | None:
     """``launch(stream, args)``: the Triton-compiled kernel ``compiled`` launched straight
     through its C launcher over ``grid``, skipping ``JITFunction.run`` (argument binding,
     specialisation key, cache lookup) and Triton's Python launcher (which asks an allocator
@@ -275,7 +284,19 @@ def direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) 
     TMA descriptors a ``device_scratch`` kernel makes) comes from ``_scratch``. Valid only for
     arguments that specialise as the ones it was compiled for (same scalars, pointers with the
     same 16-byte alignment). ``None`` where there is nothing to launch directly (the
-    interpreter) or where Triton's launch hooks are set (a profiler that wants the full path)."""
+    interpreter) or where Triton's launch hooks are set (a profiler that wants the full path).
+    ``arguments``: the kernel's (``Kernel.arguments``), applied to the packed arguments first."""
+    launch = _direct_launcher(compiled, grid, device_scratch)
+    if launch is None or arguments is None:
+        return launch
+
+    def launch_arguments(stream: int, args: list) -> None:
+        launch(stream, arguments(*args))
+
+    return launch_arguments
+
+
+def _direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
     from triton import knobs
 
     if compiled is None or not hasattr(compiled, "packed_metadata"):

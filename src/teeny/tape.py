@@ -183,7 +183,7 @@ class _LaunchStep:
         self.instance, self.jit, self.grid, self.options = instance, jit, grid, options
         self.template = args
         self.args = _filler(args)
-        self.direct = direct_launcher(compiled, grid, instance.kernel.device_scratch)
+        self.direct = direct_launcher(compiled, grid, instance.kernel.device_scratch, instance.kernel.arguments)
 
     def reads(self) -> set[int]:
         return _slots_in(self.template)
