@@ -101,6 +101,8 @@ def describe(config):
     tiles = f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} w{config['num_warps']}s{config['num_stages']}"
     if config["kernel"] == "strided":
         return f"strided {tiles}" + (" fma" if config.get("PRECISION") == "ieee" else "")
+    if config["kernel"] == "ws":  # matmul_ws (Gluon): two warpgroups on 128 x 192 tiles
+        return f"ws {tiles}" + ("" if config.get("FUSED_SUMS", True) else " unfused")
     flags = [(f"sk{config['STREAM_K']}", config["STREAM_K"]), ("sub", config["SUBTILE"]),
              ("x2", config["OCCUPANCY"] == 2), ("kmajor", config["K_MAJOR"]),
              ("unfused", not config.get("FUSED_SUMS", True)), ("fma", config.get("PRECISION") == "ieee")]  # fmt: skip

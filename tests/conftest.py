@@ -50,18 +50,54 @@ if on_gpu:
     torch.equal, torch.allclose = _on_one_device(_equal), _on_one_device(_allclose)
 
 
+# What every compile check's script starts with: the interpreter off (teeny then builds real
+# @triton.jit kernels), torch told that a GPU exists, and a skip where Triton cannot compile
+# for sm_90 on this machine.
+SM90_PREAMBLE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+@triton.jit
+def probe(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+try:
+    triton.compile(ASTSource(probe, {"x_ptr": "*fp32"}, {}), target=TARGET)
+except Exception as exc:
+    print("SKIP " + json.dumps(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:300]))
+    sys.exit(0)
+
+
+def root_cause(exc):
+    # what a failed compile says, from the innermost exception
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc)[-500:]}"
+"""
+
+
 @pytest.fixture
 def compile_check(tmp_path):
     """Run ``source`` (a script that compiles kernels for the H200 without the interpreter and
-    prints ``RESULTS <json>``, or ``SKIP <json reason>``) on ``cases`` in a fresh process: the
-    parsed results, or a skip. Triton reads kernel source from a file, so the script is one."""
+    prints ``RESULTS <json>``, or ``SKIP <json reason>``), after ``SM90_PREAMBLE``, on ``cases``
+    in a fresh process: the parsed results, or a skip. Triton reads kernel source from a file,
+    so the script is one."""
     import json
     import subprocess
     import sys
 
     def run(name: str, source: str, cases, timeout: int):
         script = tmp_path / f"{name}.py"
-        script.write_text(source)
+        script.write_text(SM90_PREAMBLE + source)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         done = subprocess.run(
             [sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=timeout

@@ -65,6 +65,24 @@ def test_cached_choice_outside_the_candidates_is_timed_again(cache):
     assert calls == [64, 256]
 
 
+def test_cached_choice_is_timed_again_against_a_candidate_added_since(cache):
+    tuning.choose("k", {"M": 3}, CANDIDATES[:2], DEFAULT, _bench({64: 2.0, 128: 1.0}, []))
+    tuning.forget_memory()
+    calls = []  # a new kernel joined the candidates (matmul_ws did): the cached winner is not enough
+    assert (
+        tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 2.0, 128: 1.0, 256: 0.5}, calls))
+        == (CANDIDATES[2])
+    )
+    assert calls == [64, 128, 256]
+    tuning.forget_memory()
+    again = []  # and now it is cached with all three timed
+    assert (
+        tuning.choose("k", {"M": 3}, CANDIDATES, DEFAULT, _bench({64: 0.1, 128: 0.1, 256: 9.0}, again))
+        == (CANDIDATES[2])
+    )
+    assert again == []
+
+
 def test_failing_candidates_are_skipped_and_all_failing_gives_the_default(cache):
     def bench(config):
         if config["BLOCK"] != 128:
@@ -195,7 +213,7 @@ def test_a_derivative_epilogue_leaves_room_for_the_box_it_loads(monkeypatch):
     """A derivative epilogue loads h through a TMA box of its own (the H200 refuses 128x256x64
     in 3 stages with it: 272 KiB of 227): the candidates leave room for it, taking half-tile
     stores where that makes a configuration fit, and so does the heuristic's pick; an activation
-    epilogue stores h through Z's staging tile and keeps every plain candidate."""
+    epilogue stores h through Z's staging tile and keeps every plain candidate of matmul_tma."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
@@ -210,8 +228,8 @@ def test_a_derivative_epilogue_leaves_room_for_the_box_it_loads(monkeypatch):
     big = [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], c["SUBTILE"]) for c in loads]
     assert (128, 256, 3, True) in big and (128, 256, 3, False) not in big
     forward = products["forward"]
-    assert linear_module.candidates(forward, torch.bfloat16, "tf32", True, epilogue="activation") == (
-        linear_module.candidates(forward, torch.bfloat16, "tf32", True)
-    )
+    plain_forward = linear_module.candidates(forward, torch.bfloat16, "tf32", True)
+    assert plain_forward[-1]["kernel"] == "ws"  # matmul_ws has no activation epilogue
+    assert linear_module.candidates(forward, torch.bfloat16, "tf32", True, epilogue="activation") == plain_forward[:-1]
     pick = linear_module.default_config(products["grad_input"], torch.bfloat16, "tf32", False, epilogue="derivative")
     assert pick == loads[0]

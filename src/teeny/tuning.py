@@ -157,9 +157,9 @@ def choose(
     default: Config,
     bench: Callable[[Config], float] | None,
 ) -> Config:
-    """The configuration to launch ``kernel`` with for ``key``: the cached winner, else the
-    fastest of ``candidates`` by ``bench`` (then cached), else ``default`` (tuning off, no
-    bench, or every candidate failed)."""
+    """The configuration to launch ``kernel`` with for ``key``: the cached winner (if it was timed
+    against every one of ``candidates``), else the fastest of ``candidates`` by ``bench`` (then
+    cached), else ``default`` (tuning off, no bench, or every candidate failed)."""
     if not enabled() or bench is None or not candidates:
         return default
     full = entry_key(kernel, key)
@@ -168,8 +168,10 @@ def choose(
         return hit
     entry = _read(cache_path()).get(full)
     if isinstance(entry, dict) and entry.get("config") in list(candidates):
-        _MEMORY[full] = dict(entry["config"])
-        return _MEMORY[full]
+        timed = [t[1] for t in entry.get("timed", []) if isinstance(t, list) and len(t) == 2]
+        if all(c in timed for c in candidates):  # a candidate added since (a new kernel) is timed
+            _MEMORY[full] = dict(entry["config"])
+            return _MEMORY[full]
     timings = []
     for config in candidates:
         try:

@@ -39,6 +39,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITCallable, compute_cache_key, create_function_from_signature
 
 from ..executor import Executor
@@ -153,8 +154,8 @@ class Compiler:
         options, signature, constexprs, attrs = jit._pack_args(
             self.backend, spec.kwargs, spec.bound, spec.specialization, spec.options
         )
-        compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=self.gpu_target,
-                                  options=options.__dict__)  # fmt: skip
+        source = (GluonASTSource if jit.is_gluon() else ASTSource)(jit, signature, constexprs, attrs)  # (matmul_ws)
+        compiled = triton.compile(source, target=self.gpu_target, options=options.__dict__)
         files = {}
         for name, path in compiled.metadata_group.items():
             ext = name.rsplit(".", 1)[-1]
@@ -265,7 +266,8 @@ def plan_target(target: Target, program: Program, train: dict | None, seed: int 
     started = time.perf_counter()
     for c in captured:
         kernel = c.instance.kernel
-        spec = compiler.specialise(c.jit, c.args, c.options)
+        triton_args = kernel.arguments(*c.args) if kernel.arguments is not None else c.args
+        spec = compiler.specialise(c.jit, triton_args, c.options)
         entry = binaries.get((id(c.jit), spec.key))
         if entry is None:
             entry, kernel_files = compiler.compile(c.jit, spec)
@@ -293,7 +295,9 @@ def plan_target(target: Target, program: Program, train: dict | None, seed: int 
         if phase not in entry["phases"]:
             entry["phases"].append(phase)
         args = []
-        for param, value, (kind, attr) in zip(kernel.params, c.args, spec.specialization):
+        # (a kernel with ``arguments=`` is specialised on Triton's arguments, not on the packed ones)
+        kinds = spec.specialization if kernel.arguments is None else [(None, None)] * len(c.args)
+        for param, value, (kind, attr) in zip(kernel.params, c.args, kinds):
             arg: dict[str, Any] = {"name": param.name, "type": _jsonable(kind), "spec": _jsonable(attr)}
             if isinstance(value, torch.Tensor):
                 sid = _storage(value)

@@ -29,6 +29,7 @@ from .. import device as _device  # noqa: F401  (first: chooses interpreter or G
 # isort: split
 import triton
 from triton.compiler import ASTSource, CompiledKernel
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime import driver as triton_driver
 
 from .. import __version__
@@ -127,7 +128,8 @@ def install_kernels(bundle: Bundle, plan: dict, program, where: str) -> list[Com
                 group[path.name] = str(path)
             signature = dict(entry["signature"])
             constexprs = {name: entry["constexprs"].get(name) for name, ty in signature.items() if ty == "constexpr"}
-            compiled = CompiledKernel(ASTSource(jit, signature, constexprs), group, entry["hash"])
+            source = (GluonASTSource if jit.is_gluon() else ASTSource)(jit, signature, constexprs)
+            compiled = CompiledKernel(source, group, entry["hash"])
             cache, _, cache_target, _, _ = jit.device_caches[device]
             if cache_target.arch != plan["arch"]:
                 raise BundleError(f"{where}: Triton targets sm_{cache_target.arch} here, the plan sm_{plan['arch']}")

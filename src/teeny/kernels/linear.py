@@ -12,7 +12,7 @@ transposed operand is the same buffer with its strides swapped, read in place:
     Y = A @ B        dA = sum_broadcast dY @ B^T        dB = sum_broadcast A^T @ dY
     linear: Y = X W^T + b,   dX = dY W,   dW = dY^T X,   db = column sums of dY
 
-Two kernels compute them:
+Three kernels compute them:
 
 * ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
   rows; where rows are not aligned, a big product reads K-major copies with padded rows and
@@ -30,6 +30,11 @@ Two kernels compute them:
   tiles it reads over the rows: the bias gradient without another pass over dY (the programs
   of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major
   only, so an MN-major float32 operand may be copied K-major first (``matmul_copy``, one pass).
+* ``matmul_ws`` (``linear_gluon``: Hopper, half precision, aligned 2-D products without an
+  activation epilogue or a transposed Z): a Gluon kernel whose programs hold 128 x 192 tiles as
+  two warpgroups side by side, fed by a TMA loader warp; a tuning candidate (an output 768 wide
+  is 4 of its tiles across, where ``tl.dot``'s powers of two leave a wave part idle). A dW that
+  also wants the bias gradient takes it from ``common.sum_to_shape`` there.
 * ``matmul_product`` (everything else: batched and broadcast products, small products with
   unaligned rows, the interpreter): the same tiles in grouped order through strided pointer loads; the bias
   gradient is ``common.sum_to_shape`` of dY there (one pass reading dY once).
@@ -83,6 +88,7 @@ from .common import (
     sum_to_shape_kernel,
     tl_acc_dtype,
 )
+from .linear_gluon import matmul_ws
 from .shape import copy_launch
 
 __all__ = ["matmul", "linear"]
@@ -708,7 +714,7 @@ def _plan_product(M, N, K, x, y, z, batch: list[tuple[int, int, int, int]], wher
 def _cfg(bm, bn, bk, warps, stages, subtile=False, stream_k=0, occupancy=1, kind="tma", fma=False) -> dict:
     config = {"kernel": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
               "num_warps": warps, "num_stages": stages}  # fmt: skip
-    if kind == "tma":
+    if kind in ("tma", "ws"):
         config.update(SUBTILE=subtile, STREAM_K=stream_k, OCCUPANCY=occupancy, K_MAJOR=False)
     if fma:  # float32 on the FMA units, exact: a small product's latency without tf32x3's splits
         config["PRECISION"] = IEEE
@@ -760,6 +766,10 @@ _TMA_CANDIDATES = {
 }
 # how many of each list (the first) also get stream-K and K_MAJOR variants
 _VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
+# matmul_ws (linear_gluon): 128 x 192 tiles of two warpgroups, half precision, no activation
+# epilogue, no fused row sums, Z not transposed. H200, 4,096-row GPT-2 layers (v19): 0.97-1.08x
+# cuBLAS on forwards and dX where matmul_tma's tuned best was 0.69-0.95x.
+_WS_CONFIG = _cfg(128, 192, 64, 4, 4, kind="ws")
 
 # Small products (under TUNE_MIN_MACS: the small MLP's 128-row layers) are latency-bound: a
 # few programs of big tiles leave the GPU idle. These small tiles (all with stream-K variants)
@@ -945,6 +955,8 @@ def candidates(
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
         fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
+    if cls == "half" and aligned and epilogue is None and not p.z_transposed:
+        out.append({**_WS_CONFIG, "FUSED_SUMS": False} if row_sums else dict(_WS_CONFIG))
     return out if aligned else out[:PADDED_CANDIDATES] + strided
 
 
@@ -1189,6 +1201,24 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
     return launches
 
 
+def _ws_launch(p: Product, x, y, z, bias, dtype: torch.dtype, config: dict) -> Launch:
+    """matmul_ws's launch: one persistent program per multiprocessor (or per tile, if fewer)."""
+    layout = p.tma_layout(dtype)
+    if dtype not in (torch.float16, torch.bfloat16) or z.dtype != dtype or layout is None or layout.z_transposed:
+        raise ValueError(
+            f"matmul_ws computes half-precision 2-D products into Z of their dtype with 16-byte aligned rows, "
+            f"Z not transposed: not {dtype} into {z.dtype} ({p})"
+        )
+    args = ArgVisitor().visit(
+        x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, M=p.M, N=p.N, K=p.K, x_stride=layout.x_stride,
+        y_stride=layout.y_stride, z_stride=layout.z_stride, X_K_CONTIGUOUS=layout.x_k_contiguous,
+        Y_K_CONTIGUOUS=layout.y_k_contiguous, STAGES=config["num_stages"],
+    )  # fmt: skip
+    tiles = cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"])
+    grid = (min(tiles, tuning.multiprocessors()),)
+    return Launch(matmul_ws, grid, args, Block(num_warps=config["num_warps"]), work=p.work())
+
+
 def product_launches(
     p: Product,
     x: torch.Tensor,
@@ -1213,7 +1243,11 @@ def product_launches(
         raise ValueError(f"matmul_tma cannot read this product ({p}): use a strided configuration")
     fused = row_sums is not None and tma and config.get("FUSED_SUMS", True)
     epilogue_args = _epilogue_args(epilogue, p, z)
-    if not tma:
+    if config["kernel"] == "ws":
+        if epilogue is not None:
+            raise ValueError(f"matmul_ws has no activation epilogue ({p})")
+        launches = [_ws_launch(p, x, y, z, bias, dtype, config)]
+    elif not tma:
         args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config), **epilogue_args)
         grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)
         block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -1339,7 +1373,7 @@ class _ProductOp(RuntimeOp):
             config = self.configs[name] = choose_config(
                 p, ctx.dtype, precision, bias is not None, row_sums is not None, epilogue=epilogue
             )
-        if config["kernel"] == "tma" and not ctx.dry_run and not _aligned(x, y, z):
+        if config["kernel"] in ("tma", "ws") and not ctx.dry_run and not _aligned(x, y, z):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
             raise TeenyError(f"{ctx.where}: a TMA product's operand is not 16-byte aligned ({p})")
         return product_launches(

@@ -1,0 +1,217 @@
+"""matmul_ws (kernels/linear_gluon.py): linear's Gluon product with 128 x 192 tiles on Hopper.
+
+The interpreter has no Gluon: on the CPU the kernel is compiled for sm_90 in every operand layout
+(a fresh process, interpreter off) and the tuning candidates are checked; on the H200 its numbers
+are checked against float64 and a layer trained through it against torch autograd."""
+
+import pytest
+import torch
+
+import teeny
+import teeny.kernels.linear as linear_module
+from teeny import Graph, LoweringMode, lower, tuning
+from teeny.kernel import record_launches
+from teeny.kernels.linear_gluon import matmul_ws
+from teeny.registry import tolerance
+from teeny.runtime import run_launch
+
+on_gpu = teeny.DEVICE.type == "cuda"
+
+gpu_only = pytest.mark.skipif(not on_gpu, reason="Gluon runs on the GPU only (the interpreter has none)")
+
+
+def _products(rows: int, fin: int, fout: int) -> dict:
+    """linear's three products (X K-major or M-major, Y K-major or N-major) and the fourth layout,
+    a matmul of X^T stored by Y^T stored: X M-major, Y K-major."""
+    products = dict(linear_module.LinearOp.products([(rows, fin), (fout, fin)]))
+    products["xt_by_yt"] = linear_module.Product(rows, fout, fin, (1, rows), (1, fin), (fout, 1), [], [])
+    return products
+
+
+def _operands(name: str, rows: int, fin: int, fout: int, gen) -> tuple:
+    """float64 (A as it lies, B as it lies, expected Z, bias or None) of one of ``_products``."""
+    x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
+    bias = torch.randn(fout, generator=gen, dtype=torch.float64)
+    return {
+        "forward": (x, w, x @ w.T + bias, bias),
+        "grad_input": (dy, w, dy @ w, None),
+        "grad_weight": (dy, x, dy.T @ x, None),
+        "xt_by_yt": (x.T.contiguous(), w, x @ w.T, None),  # X stored (K, M), Y stored (N, K)
+    }[name]
+
+
+# ------------------------------------------------------------------------------------ CPU
+
+_COMPILE = r"""
+from teeny import runtime, tuning
+from teeny.aot.bundle import Target
+from teeny.aot.capture import Compiler
+import teeny.kernels.linear as linear
+
+tuning.multiprocessors = lambda: 132
+compiler = Compiler(Target(90, 132))  # as an ahead-of-time bundle compiles a launch
+results = []
+for case in json.loads(sys.argv[1]):
+    dtype = getattr(torch, case["dtype"])
+    M, N, K = case["M"], case["N"], case["K"]
+    p = linear.Product(M, N, K, tuple(case["x"]), tuple(case["y"]), (N, 1), [], [])
+    x, y, z = (torch.empty(n, dtype=dtype) for n in (M * K, K * N, M * N))
+    bias = torch.empty(N, dtype=dtype) if case["bias"] else None
+    launch = linear._ws_launch(p, x, y, z, bias, dtype, linear._WS_CONFIG)
+    block = runtime.as_block(launch.block)
+    values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
+    row = dict(case=case["name"], grid=list(launch.grid))
+    try:
+        # Triton's arguments: the descriptors matmul_ws makes on the host from what teeny packs
+        spec = compiler.specialise(launch.kernel.jit, launch.kernel.arguments(*values), {"num_warps": block.num_warps})
+        entry, files = compiler.compile(launch.kernel.jit, spec)
+        ptx = files["ptx"].decode()
+        row.update(ok=True, wgmma=ptx.count("wgmma.mma_async"), shared=entry["shared"],
+                   setmaxnreg=sorted({l.split()[-1].strip(";") for l in ptx.splitlines() if "setmaxnreg" in l}),
+                   tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
+                   tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))
+    except Exception as exc:
+        row.update(ok=False, error=root_cause(exc))
+    results.append(row)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
+    """Every operand layout (linear's forward, dX and dW, and X^T by Y^T), with and without the
+    bias, bf16 and fp16, compiles for sm_90 as an ahead-of-time bundle would (Triton's arguments
+    specialised: host TMA descriptors) into a warp-specialised kernel: 16 wgmma (two
+    warpgroups, 4 K16 steps of a 64-wide K step, 2 x 64 rows each), TMA loads and stores,
+    registers moved between the partitions, under 227 KiB of shared memory."""
+    cases = []
+    for dtype in ("bfloat16", "float16"):
+        for name, p in _products(328, 136, 200).items():
+            tiles = -(-p.M // 128) * -(-p.N // 192)
+            cases.append(dict(name=f"{dtype} {name}", dtype=dtype, M=p.M, N=p.N, K=p.K, x=list(p.x), y=list(p.y),
+                              bias=name == "forward", tiles=tiles))  # fmt: skip
+    rows = compile_check("gluon_compile", _COMPILE, cases, timeout=900)
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)
+    assert len(rows) == 8
+    for r in rows:
+        # three loads a step (a 128-element-wide MN-major box goes as two 128-byte swizzled halves)
+        assert r["wgmma"] == 16 and r["tma_loads"] >= 3 and r["tma_stores"] >= 2, r
+        assert r["shared"] <= 227 * 1024 and len(r["setmaxnreg"]) >= 2, r
+    for r, case in zip(rows, cases):
+        assert r["grid"] == [case["tiles"]], r  # fewer tiles than multiprocessors: a program each
+
+
+def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
+    """Half-precision, 16-byte aligned 2-D products without an activation epilogue get matmul_ws
+    as a tuning candidate (a dW with the bias gradient: summed apart); float32, a transposed Z
+    (Conv1D's dW), an activation epilogue and unaligned rows do not. Its launch refuses what it
+    cannot compute with a clear error."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
+    products = linear_module.LinearOp.products([(4096, 768), (768, 768)])
+
+    def ws(p, dtype=torch.bfloat16, row_sums=False, epilogue=None):
+        found = [c for c in linear_module.candidates(p, dtype, "tf32", True, row_sums, epilogue) if c["kernel"] == "ws"]
+        return found[0] if found else None
+
+    assert ws(products["forward"]) == linear_module._WS_CONFIG
+    assert ws(products["grad_input"], torch.float16) == linear_module._WS_CONFIG
+    assert ws(products["grad_weight"], row_sums=True) == {**linear_module._WS_CONFIG, "FUSED_SUMS": False}
+    assert ws(products["forward"], torch.float32) is None
+    assert ws(products["forward"], epilogue="activation") is None
+    conv1d_dw = linear_module.TransposedWeightLinearOp.products([(4096, 768), (768, 2304)])["grad_weight"]
+    assert conv1d_dw.z_transposed and ws(conv1d_dw) is None
+    unaligned = linear_module.LinearOp.products([(4096, 768), (50257, 768)])["forward"]
+    assert ws(unaligned) is None
+    p = products["forward"]
+    x, y, z = (torch.empty(n, dtype=torch.bfloat16) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
+    with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
+        linear_module._ws_launch(p, x, y, z.float(), None, torch.bfloat16, linear_module._WS_CONFIG)
+    with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
+        linear_module._ws_launch(conv1d_dw, x, y, z, None, torch.bfloat16, linear_module._WS_CONFIG)
+    unfused = {**linear_module._WS_CONFIG, "FUSED_SUMS": False}
+    launches = linear_module.product_launches(
+        products["grad_weight"], x, y, z, None, torch.bfloat16, "tf32", unfused,
+        lambda s, d: torch.empty(s, dtype=d), row_sums=torch.empty(768, dtype=torch.bfloat16),
+    )  # fmt: skip
+    assert launches[0].kernel is matmul_ws and len(launches) > 1  # then the column sums of dY
+    assert launches[0].grid == (24,)  # dW 768 x 768: 6 x 4 tiles, a program each
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+def _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False):
+    a, b, expected, bias = _operands(name, rows, fin, fout, gen)
+    dev = [t if t is None else t.to(dtype).to(teeny.DEVICE) for t in (a, b, bias)]
+    z = torch.full(expected.shape, float("nan"), dtype=dtype, device=teeny.DEVICE)
+    sums = torch.empty(a.shape[1], dtype=dtype, device=teeny.DEVICE) if row_sums else None
+    config = {**linear_module._WS_CONFIG, "FUSED_SUMS": False} if row_sums else linear_module._WS_CONFIG
+    scratch = lambda s, d: torch.empty(s, dtype=d, device=teeny.DEVICE)  # noqa: E731
+    launches = linear_module.product_launches(p, dev[0], dev[1], z, dev[2], dtype, "tf32", config, scratch, sums)
+    assert launches[0].kernel is matmul_ws
+    for launch in launches:
+        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+    atol, rtol = tolerance(dtype, max(expected.shape + a.shape))
+    torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
+    if row_sums:
+        # X = dY^T: its rows' sums are dY's column sums, db
+        torch.testing.assert_close(sums.cpu().double(), a.sum(0), atol=atol, rtol=rtol, msg=f"{name} row sums")
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [328, 4104], ids=["a_tile_each", "several_tiles_each"])
+def test_kernel_computes_every_layout(dtype, rows, gen):
+    """The four operand layouts, the bias, edges of every tile and of K (not multiples of
+    128 x 192 x 64), Z filled with NaN first (every element must be written); 4,104 rows: 33 x 5
+    tiles on 132 programs, so programs take a second tile (the stage ring and its phases carry on
+    across tiles). dW with its row sums summed apart, as the tuning candidate does."""
+    fin, fout = 136, 904
+    for name, p in _products(rows, fin, fout).items():
+        _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False)
+    p = _products(rows, fin, fout)["grad_weight"]
+    _run_product("grad_weight", p, rows, fin, fout, dtype, gen, row_sums=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_linear_trains_through_matmul_ws_like_torch(dtype, gen, monkeypatch):
+    """A linear layer lowered for training with tuning made to pick matmul_ws for all three of
+    its products: output and the gradients of x, W and b against torch autograd in float64."""
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    tuning.forget_memory()
+    picked = []
+
+    def choose(kernel, key, candidates, default, bench):
+        ws = [c for c in candidates if c["kernel"] == "ws"]
+        picked.append(bool(ws))
+        return ws[0] if ws else default
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    monkeypatch.setattr(linear_module, "TUNE_MIN_MACS", 1)
+    rows, fin, fout = 1000, 264, 520
+    args = [
+        torch.randn(rows, fin, generator=gen).to(dtype).to(teeny.DEVICE),
+        (torch.randn(fout, fin, generator=gen) / fin**0.5).to(dtype).to(teeny.DEVICE),
+        torch.randn(fout, generator=gen).to(dtype).to(teeny.DEVICE),
+    ]
+    g = Graph()
+    xs, ws, bs = (g.input(n, t.shape, dtype, requires_grad=True) for n, t in zip("xwb", args))
+    g.output(teeny.ops.linear(xs, ws, bs))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
+    with record_launches() as log:
+        out, cache = ex.forward_train(dict(zip("xwb", args)))
+        grad = torch.randn(*out.shape, generator=gen).to(dtype).to(teeny.DEVICE)
+        grads = ex.backward(cache, grad)
+    assert picked == [True, True, True]
+    assert [r.kernel for r in log].count("matmul_ws") == 3
+    refs = [t.detach().double().requires_grad_(True) for t in args]
+    ref = torch.nn.functional.linear(*refs)
+    ref.backward(grad.double())
+    atol, rtol = tolerance(dtype, rows)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=atol, rtol=rtol)
+    for name, r in zip("xwb", refs):
+        torch.testing.assert_close(grads[name].double(), r.grad, atol=atol, rtol=rtol, msg=name)
+    tuning.forget_memory()
