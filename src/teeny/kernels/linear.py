@@ -78,6 +78,7 @@ from ..kernel import kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
+from . import linear_gluon
 from .common import (
     DOT_UPCAST_BF16,
     acc_dtype,
@@ -769,7 +770,8 @@ _VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
 # matmul_ws (linear_gluon): 128 x 192 tiles of two warpgroups, half precision, no activation
 # epilogue, no fused row sums, Z not transposed. H200, 4,096-row GPT-2 layers (v19): 0.97-1.08x
 # cuBLAS on forwards and dX where matmul_tma's tuned best was 0.69-0.95x.
-_WS_CONFIG = _cfg(128, 192, 64, 4, 4, kind="ws")
+_WS_CONFIG = _cfg(linear_gluon.BLOCK_M, linear_gluon.BLOCK_N, linear_gluon.BLOCK_K, 4, linear_gluon.PIPELINE_STAGES,
+                  kind="ws")  # fmt: skip
 
 # Small products (under TUNE_MIN_MACS: the small MLP's 128-row layers) are latency-bound: a
 # few programs of big tiles leave the GPU idle. These small tiles (all with stream-K variants)

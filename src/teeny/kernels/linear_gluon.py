@@ -52,7 +52,7 @@ GROUP_M = gl.constexpr(8)  # row tiles walking the column tiles together (operan
 # and 120 / 24 ran alike on the H200 (bench/NOTES.md, version 19)
 RIGHT_REGISTERS = gl.constexpr(152)
 LOADER_REGISTERS = gl.constexpr(40)
-STAGES = 4  # 4 x 40 KiB of operand stages and 48 KiB of staging for Z: 213 KiB (3 stages: 5-15% slower)
+PIPELINE_STAGES = 4  # 4 x 40 KiB of operand stages and 48 KiB of staging for Z: 213 KiB (3: 5-15% slower)
 
 
 @gluon.jit
