@@ -385,6 +385,80 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
     torch.testing.assert_close(dh.cpu().double(), h_in64.grad.cpu(), atol=atol, rtol=rtol)
 
 
+_TMA_COMPILE = r"""
+from teeny import runtime, tuning
+from teeny.aot.bundle import Target
+from teeny.aot.capture import Compiler
+import teeny.kernels.linear as linear
+from teeny.kernels.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
+
+tuning.multiprocessors = lambda: 132
+gelu = ActivationOp("gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
+compiler = Compiler(Target(90, 132))  # as an ahead-of-time bundle compiles a launch
+results = []
+for case in json.loads(sys.argv[1]):
+    dtype = getattr(torch, case["dtype"])
+    p = linear.Product(*case["product"])
+    x, y, z = (torch.empty(n, dtype=dtype) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
+    bias = torch.empty(p.N, dtype=dtype) if case["bias"] else None
+    sums = torch.empty(p.M, dtype=dtype) if case["row_sums"] else None
+    epilogue = linear.Epilogue(gelu, torch.empty(p.M * p.N, dtype=dtype)) if case["epilogue"] else None
+    scratch = lambda shape, d: torch.empty(shape, dtype=d)
+    config = linear._cfg(*case["config"])
+    launches = linear.product_launches(p, x, y, z, bias, dtype, "tf32x3" if dtype == torch.float32 else "tf32",
+                                       config, scratch, sums, epilogue)
+    launch = next(l for l in launches if l.kernel is linear.matmul_tma)
+    block = runtime.as_block(launch.block)
+    values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
+    row = dict(case=case["name"])
+    try:
+        options = {"num_warps": block.num_warps, "num_stages": block.num_stages}
+        spec = compiler.specialise(launch.kernel.jit, launch.kernel.arguments(*values), options)
+        entry, files = compiler.compile(launch.kernel.jit, spec)
+        ptx = files["ptx"].decode()
+        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"),
+                   tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
+                   tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))
+    except Exception as exc:
+        row.update(ok=False, error=root_cause(exc))
+    results.append(row)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(compile_check):
+    """matmul_tma's launches (forward with bias, dX, dW with the bias gradient shared out
+    stream-K, Conv1D's transposed dW, an activation epilogue; bf16 and float32) compile for sm_90
+    as an ahead-of-time bundle would, with X, Y, Z (and the epilogue's h) as TMA descriptors made
+    on the host: the kernel loads and stores by TMA and writes no descriptor of its own (device-made
+    ones cost 3.5-6.5 us a launch: bench/NOTES.md, version 19)."""
+    rows, fin, fout = 328, 136, 200
+    products = dict(linear_module.LinearOp.products([(rows, fin), (fout, fin)]))
+    products["transposed_grad_weight"] = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])[
+        "grad_weight"
+    ]
+    cases = []
+    for dtype in ("bfloat16", "float32"):
+        for name, p in products.items():
+            dw = "grad_weight" in name
+            config = (128, 128, 64, 8, 3, name == "forward", 1 if dw else 0)  # subtile forwards, stream-K dW
+            fields = (p.M, p.N, p.K, list(p.x), list(p.y), list(p.z), [], [])
+            cases.append(dict(name=f"{dtype} {name}", dtype=dtype, product=fields, bias=name == "forward",
+                              row_sums=dw, epilogue=False, config=config))  # fmt: skip
+        p = products["forward"]
+        fields = (p.M, p.N, p.K, list(p.x), list(p.y), list(p.z), [], [])
+        cases.append(dict(name=f"{dtype} gelu epilogue", dtype=dtype, product=fields, bias=True, row_sums=False,
+                          epilogue=True, config=(128, 128, 64, 8, 3)))  # fmt: skip
+    results = compile_check("tma_compile", _TMA_COMPILE, cases, timeout=900)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)
+    assert len(results) == len(cases) == 10
+    for r in results:
+        descriptors = [v for v in r["signature"].values() if str(v).startswith("tensordesc")]
+        assert len(descriptors) == (4 if "epilogue" in r["case"] else 3), r
+        assert r["tensormap_writes"] == 0 and r["tma_loads"] >= 2 and r["tma_stores"] >= 1, r
+
+
 def test_tma_layout_refuses_what_tma_cannot_read():
     P = linear_module.Product
     assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is not None

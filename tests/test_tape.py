@@ -7,11 +7,13 @@ import threading
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from tests.test_torch_library import OVERLOADS, REGISTERED, _calls, _flat, _torch_args
 
 import teeny
 from teeny import config, tuning
-from teeny.kernel import record_launches
+from teeny.kernel import kernel, record_launches
 from teeny.registry import OPS
 from teeny.tape import Replayed
 from teeny.torch import bridge, library
@@ -263,9 +265,56 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     assert overlapping_run.python_calls == 1 and not overlapping_run.calls
 
 
+@kernel(device_scratch=True, register=False)
+def _copy_through_a_device_descriptor(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """y = x, through a TMA descriptor each program makes on the device (global scratch memory)."""
+    desc = tl.make_tensor_descriptor(x_ptr, [n], [1], [BLOCK])
+    start = tl.program_id(0) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, desc.load([start]), mask=offsets < n)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
-def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_cuda_graph(monkeypatch):
-    from teeny.kernel import _SCRATCH  # (``teeny.kernel`` is also the decorator's name: import the dict)
+def test_device_descriptor_kernels_replay_with_one_shared_scratch_buffer_and_capture_into_a_cuda_graph():
+    """A kernel that makes TMA descriptors on the device (``device_scratch=True``), launched
+    directly: its programs' descriptors live in the stream's one shared scratch buffer, kept
+    across launches; a CUDA graph captured over it replays right after its input changed."""
+    from teeny.kernel import _SCRATCH, direct_launcher
+
+    n, block = 1000, 128
+    x = torch.randn(n, device="cuda")
+    y = torch.empty_like(x)
+    instance = _copy_through_a_device_descriptor.instance(torch.float32)
+    grid = (triton.cdiv(n, block),)
+    compiled = instance.run_jit(instance.kernel.jit, grid, [x, y, n, block], {})
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+    launch = direct_launcher(compiled, grid, device_scratch=True)
+    assert launch.__name__ == "launch_with_scratch"
+    stream = torch.cuda.current_stream().cuda_stream
+    y.zero_()
+    launch(stream, [x, y, n])
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+    buffers = {k: b.data_ptr() for k, b in _SCRATCH.items()}
+    assert buffers  # the descriptors live in the stream's one shared buffer
+    launch(stream, [x, y, n])
+    assert {k: b.data_ptr() for k, b in _SCRATCH.items()} == buffers
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        launch(side.cuda_stream, [x, y, n])
+    torch.cuda.current_stream().wait_stream(side)
+    x.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
+def test_tma_products_replay_directly_and_capture_into_a_cuda_graph(monkeypatch):
+    """matmul_tma's descriptors are made on the host at each launch (``Kernel(arguments=...)``):
+    replayed products launch straight through Triton's C launcher with no scratch memory, give
+    right results, and a CUDA graph captured over one replays right after its input changed."""
+    from teeny.kernels.linear import matmul_tma
     from teeny.tape import _LaunchStep
 
     monkeypatch.setenv("TEENY_TUNING", "0")  # the heuristic's TMA configuration: timing them all takes minutes
@@ -275,11 +324,8 @@ def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_c
     expected = x.float() @ w.float().t()
     results = [torch.ops.teeny.linear(x, w) for _ in range(3)]
     steps = [s for s in _entry("teeny op linear")._forward_replay.tape.steps if isinstance(s, _LaunchStep)]
-    assert any(step.direct.__name__ == "launch_with_scratch" for step in steps)
-    buffers = dict(_SCRATCH)
-    assert buffers  # the replays' TMA descriptors live in the stream's one shared buffer
-    torch.ops.teeny.linear(x, w)
-    assert {k: b.data_ptr() for k, b in _SCRATCH.items()} == {k: b.data_ptr() for k, b in buffers.items()}
+    products = [s for s in steps if s.instance.kernel is matmul_tma]
+    assert products and all(s.direct.__name__ == "launch_arguments" for s in products)
     for z in results:
         torch.testing.assert_close(z.float(), expected, atol=1.0, rtol=2e-2)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -296,13 +342,9 @@ def test_tma_products_replay_with_one_shared_scratch_buffer_and_capture_into_a_c
 def test_tma_products_under_torch_compile_cuda_graphs(monkeypatch):
     """torch.compile(mode="reduce-overhead") warms its CUDA graphs up and records them with this
     thread's allocations routed into the graphs' pool, and then refuses a pool holding a live
-    tensor it did not hand out: the stream's shared scratch buffer, first made inside the
-    warm-up, must stay out of it (bench/NOTES.md, version 16)."""
-    import importlib
-
-    kernel_module = importlib.import_module("teeny.kernel")
+    tensor it did not hand out (bench/NOTES.md, version 16); the products' TMA descriptors,
+    made on the host at recording, hold the graphs' addresses."""
     monkeypatch.setenv("TEENY_TUNING", "0")
-    monkeypatch.setattr(kernel_module, "_SCRATCH", {})  # the graphs' stream has no buffer yet
     bridge.clear_cache()
     torch._dynamo.reset()
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
@@ -320,7 +362,6 @@ def test_tma_products_under_torch_compile_cuda_graphs(monkeypatch):
         (grad,) = torch.autograd.grad(value, w)
         torch.testing.assert_close(value, expected, rtol=1e-3, atol=0)
         torch.testing.assert_close(grad, expected_grad, rtol=1e-2, atol=1e-4)
-    assert kernel_module._SCRATCH  # the replays outside the graphs shared a buffer
     torch._dynamo.reset()
 
 

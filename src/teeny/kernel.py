@@ -13,8 +13,8 @@ or a float in the kernel's compute precision). Pointers named in ``optional=`` m
 ``None``; the kernel tests ``if bias_ptr is not None:`` (Triton specialises on it). A kernel that
 makes TMA descriptors on the device declares ``device_scratch=True``. The packed
 arguments of every launch are checked against these kinds (``runtime.check_packing``). A kernel
-whose Triton function takes other arguments than teeny packs (``linear_gluon.matmul_ws``: TMA
-descriptors made on the host) names ``arguments=``, a function of the packed arguments giving
+whose Triton function takes other arguments than teeny packs (``linear.matmul_tma``,
+``linear_gluon.matmul_ws``: TMA descriptors made on the host) names ``arguments=``, a function of the packed arguments giving
 Triton's; its signature is then the one teeny checks and packs.
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and

@@ -19,7 +19,7 @@ Three kernels compute them:
   writes padded rows copied into Z after, if timing says that beats the strided kernel):
   persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
-  descriptors made on the device, zero-filled past the edges, in either layout (a transposed
+  descriptors made on the host at each launch, zero-filled past the edges, in either layout (a transposed
   operand is described as it lies and its tile transposed in shared memory; so is a transposed
   Z, Conv1D's dW^T written into W's (in, out)); the bias is added in the epilogue. Where
   whole tiles would leave the last wave of programs part idle (few output tiles and a long
@@ -69,12 +69,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import config as teeny_config
 from .. import init, tuning
 from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
-from ..kernel import kernel
+from ..kernel import Kernel, kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp, TeenyError, run_launch
@@ -176,16 +177,16 @@ def _tile_product(
 
 
 @triton.jit
-def _store_tile(desc, row, col, acc, out_ptr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc into the (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), in out_ptr's dtype; SUBTILE
+def _store_tile(desc, row, col, acc, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc into the (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), in desc's dtype; SUBTILE
     stores each half of the columns on its own (half the shared memory for the epilogue)."""
     if SUBTILE:
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
         left, right = tl.split(halves)
-        desc.store([row, col], left.to(out_ptr.dtype.element_ty))
-        desc.store([row, col + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+        desc.store([row, col], left.to(desc.dtype))
+        desc.store([row, col + BLOCK_N // 2], right.to(desc.dtype))
     else:
-        desc.store([row, col], acc.to(out_ptr.dtype.element_ty))
+        desc.store([row, col], acc.to(desc.dtype))
 
 
 @triton.jit
@@ -225,7 +226,7 @@ def _load_tile(desc, row, col, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _finish_tile(
-    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, sum_rows, act_a, act_b,
+    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, sum_rows, act_a, act_b,
     ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, Z_TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
@@ -238,18 +239,18 @@ def _finish_tile(
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
     if ACTIVATION is not None or DERIVATIVE is not None:
-        acc = acc.to(z_ptr.dtype.element_ty).to(acc.dtype)
+        acc = acc.to(z_desc.dtype).to(acc.dtype)
         if ACTIVATION is not None:
-            if aux_ptr is not None:
-                _store_tile(aux_desc, m0, n0, acc, aux_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+            if aux_desc is not None:
+                _store_tile(aux_desc, m0, n0, acc, SUBTILE, BLOCK_M, BLOCK_N)
             acc = ACTIVATION(acc, act_a, act_b)
         else:
             h = _load_tile(aux_desc, m0, n0, SUBTILE, BLOCK_M, BLOCK_N).to(acc.dtype)
             acc = DERIVATIVE(h, acc, act_a, act_b)
     if Z_TRANSPOSED:
-        _store_tile(z_desc, n0, m0, acc.T, z_ptr, SUBTILE, BLOCK_N, BLOCK_M)
+        _store_tile(z_desc, n0, m0, acc.T, SUBTILE, BLOCK_N, BLOCK_M)
     else:
-        _store_tile(z_desc, m0, n0, acc, z_ptr, SUBTILE, BLOCK_M, BLOCK_N)
+        _store_tile(z_desc, m0, n0, acc, SUBTILE, BLOCK_M, BLOCK_N)
     if row_sums_ptr is not None:
         if sum_rows:
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -265,28 +266,21 @@ def _segment_owners(i, k_tiles, total, programs):
     return first, last
 
 
-@kernel(
-    half=True, optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr", "aux_ptr"), device_scratch=True
-)
-@triton.jit(do_not_specialize=["programs", "dp_tiles", "partial_rows"])
-def matmul_tma(
-    x_ptr,
-    y_ptr,
-    z_ptr,
+@triton.jit(do_not_specialize=["programs", "dp_tiles"])
+def _matmul_tma(
+    x_desc,
+    y_desc,
+    z_desc,
     bias_ptr,
     row_sums_ptr,
     partial_ptr,
     partial_sums_ptr,
-    aux_ptr,
+    aux_desc,
     M,
     N,
     K,
-    x_stride,
-    y_stride,
-    z_stride,
     programs,
     dp_tiles,
-    partial_rows,
     act_a,
     act_b,
     X_K_CONTIGUOUS: tl.constexpr,
@@ -304,39 +298,22 @@ def matmul_tma(
     DERIVATIVE: tl.constexpr,
     Z_TRANSPOSED: tl.constexpr,
 ):
-    """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs. X is (M, K)
-    with rows x_stride apart (X_K_CONTIGUOUS) or stored transposed, (K, M) with rows x_stride
-    apart; Y is (K, N) or stored transposed (N, K); Z is (M, N) with rows z_stride apart, or
-    (Z_TRANSPOSED, no activation) stored transposed, (N, M) with rows z_stride apart.
+    """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs, through the TMA
+    descriptors ``_matmul_tma_descriptors`` makes on the host: X (M, K) if X_K_CONTIGUOUS, else
+    described as it lies, (K, M); Y (K, N), or (Y_K_CONTIGUOUS) (N, K); Z (M, N), or
+    (Z_TRANSPOSED, no activation) (N, M); aux_desc laid out as Z.
     row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
-    by the programs of the first column tile. ACTIVATION / DERIVATIVE (with aux_ptr, act_a,
+    by the programs of the first column tile. ACTIVATION / DERIVATIVE (with aux_desc, act_a,
     act_b): an activation in the epilogue (``_activation_epilogue``).
 
     Tiles 0 .. dp_tiles - 1 (grouped order) go round the programs whole. The rest are stream-K
     (with partial_ptr): their K tiles, laid end to end, are shared out evenly, so the last wave
     leaves no multiprocessor idle; a tile that one program sums whole is stored as above, the
-    segments of a shared one go to the fp32 (ACC) partials, (partial_rows, BLOCK_N), in boxes
-    of BLOCK_M rows, (slot, tile) with slot = program - the tile's first, which
+    segments of a shared one go to the fp32 (ACC) partials, rows of BLOCK_N, in boxes of
+    BLOCK_M rows, (slot, tile) with slot = program - the tile's first, which
     ``matmul_sum_segments`` adds up."""
-    if X_K_CONTIGUOUS:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [x_stride, 1], [BLOCK_M, BLOCK_K])
-    else:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [K, M], [x_stride, 1], [BLOCK_K, BLOCK_M])
-    if Y_K_CONTIGUOUS:
-        y_desc = tl.make_tensor_descriptor(y_ptr, [N, K], [y_stride, 1], [BLOCK_N, BLOCK_K])
-    else:
-        y_desc = tl.make_tensor_descriptor(y_ptr, [K, N], [y_stride, 1], [BLOCK_K, BLOCK_N])
-    store_n: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
     if Z_TRANSPOSED:
-        tl.static_assert(aux_ptr is None, "an activation epilogue needs Z stored as (M, N)")
-        store_m: tl.constexpr = BLOCK_M // 2 if SUBTILE else BLOCK_M
-        z_desc = tl.make_tensor_descriptor(z_ptr, [N, M], [z_stride, 1], [BLOCK_N, store_m])
-    else:
-        z_desc = tl.make_tensor_descriptor(z_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
-    if aux_ptr is not None:  # laid out as Z
-        aux_desc = tl.make_tensor_descriptor(aux_ptr, [M, N], [z_stride, 1], [BLOCK_M, store_n])
-    else:
-        aux_desc = None
+        tl.static_assert(aux_desc is None, "an activation epilogue needs Z stored as (M, N)")
     row_sums_wanted: tl.constexpr = row_sums_ptr is not None
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -374,14 +351,14 @@ def matmul_tma(
         )  # fmt: skip
         if partial_ptr is None:
             _finish_tile(
-                z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
+                z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, pid_n == 0,
                 act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
             )  # fmt: skip
         else:
             first, last = _segment_owners(i, k_tiles, total, programs)
             if whole | (first == last):
                 _finish_tile(
-                    z_desc, z_ptr, bias_ptr, row_sums_ptr, aux_desc, aux_ptr, acc, row_sums, m0, n0, M, N, pid_n == 0,
+                    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, pid_n == 0,
                     act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
                 )  # fmt: skip
             else:
@@ -393,6 +370,77 @@ def matmul_tma(
                 if row_sums_wanted:
                     if pid_n == 0:
                         tl.store(partial_sums_ptr + row + tl.arange(0, BLOCK_M), row_sums)
+
+
+def _matmul_tma_descriptors(
+    x_ptr,
+    y_ptr,
+    z_ptr,
+    bias_ptr,
+    row_sums_ptr,
+    partial_ptr,
+    partial_sums_ptr,
+    aux_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    y_stride,
+    z_stride,
+    programs,
+    dp_tiles,
+    act_a,
+    act_b,
+    X_K_CONTIGUOUS: tl.constexpr,
+    Y_K_CONTIGUOUS: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROW_SUM_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DERIVATIVE: tl.constexpr,
+    Z_TRANSPOSED: tl.constexpr,
+) -> list:
+    """matmul_tma as teeny packs it: X (M, K) with rows x_stride apart (X_K_CONTIGUOUS) or stored
+    transposed, (K, M); Y (K, N) with rows y_stride apart or stored transposed, (N, K); Z (M, N)
+    with rows z_stride apart or (Z_TRANSPOSED) stored (N, M); aux_ptr (an activation's h) laid out
+    as Z. Returns ``_matmul_tma``'s arguments: X, Y, Z and aux as TMA descriptors, made here on
+    the host (made on the device by each program they cost 3.5-6.5 us a launch on the H200:
+    bench/NOTES.md, version 19)."""
+    x_desc = _descriptor(x_ptr, (M, K) if X_K_CONTIGUOUS else (K, M), x_stride,
+                         (BLOCK_M, BLOCK_K) if X_K_CONTIGUOUS else (BLOCK_K, BLOCK_M))  # fmt: skip
+    y_desc = _descriptor(y_ptr, (N, K) if Y_K_CONTIGUOUS else (K, N), y_stride,
+                         (BLOCK_N, BLOCK_K) if Y_K_CONTIGUOUS else (BLOCK_K, BLOCK_N))  # fmt: skip
+    store_m, store_n = (BLOCK_M // 2, BLOCK_N // 2) if SUBTILE else (BLOCK_M, BLOCK_N)
+    if Z_TRANSPOSED:
+        z_desc = _descriptor(z_ptr, (N, M), z_stride, (BLOCK_N, store_m))
+    else:
+        z_desc = _descriptor(z_ptr, (M, N), z_stride, (BLOCK_M, store_n))
+    aux_desc = None if aux_ptr is None else _descriptor(aux_ptr, (M, N), z_stride, (BLOCK_M, store_n))
+    return [
+        x_desc, y_desc, z_desc, bias_ptr, row_sums_ptr, partial_ptr, partial_sums_ptr, aux_desc, M, N, K, programs,
+        dp_tiles, act_a, act_b, X_K_CONTIGUOUS, Y_K_CONTIGUOUS, ACC, PRECISION, ROW_SUM_PRECISION, UPCAST, BLOCK_M,
+        BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
+    ]  # fmt: skip
+
+
+def _descriptor(t: torch.Tensor, shape: tuple[int, int], row_stride: int, block: tuple[int, int]) -> TensorDescriptor:
+    """The TMA descriptor of the 2-D ``shape`` at ``t``'s start, rows ``row_stride`` apart, in boxes of ``block``."""
+    return TensorDescriptor(t, list(shape), [row_stride, 1], list(block))
+
+
+matmul_tma = Kernel(
+    _matmul_tma,
+    half=True,
+    optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr", "aux_ptr"),
+    arguments=_matmul_tma_descriptors,
+    name="matmul_tma",
+)
 
 
 @kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr", "aux_ptr"))
@@ -1174,7 +1222,6 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
         z_stride=layout.z_stride,
         programs=sched.programs,
         dp_tiles=sched.dp_tiles,
-        partial_rows=box_rows,
         X_K_CONTIGUOUS=layout.x_k_contiguous,
         Y_K_CONTIGUOUS=layout.y_k_contiguous,
         ACC=tl_acc_dtype(dtype),
