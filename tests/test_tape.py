@@ -292,16 +292,16 @@ def test_device_descriptor_kernels_replay_with_one_shared_scratch_buffer_and_cap
     assert launch.__name__ == "launch_with_scratch"
     stream = torch.cuda.current_stream().cuda_stream
     y.zero_()
-    launch(stream, [x, y, n])
+    launch(stream, [x, y, n, block])
     torch.testing.assert_close(y, x, rtol=0, atol=0)
     buffers = {k: b.data_ptr() for k, b in _SCRATCH.items()}
     assert buffers  # the descriptors live in the stream's one shared buffer
-    launch(stream, [x, y, n])
+    launch(stream, [x, y, n, block])
     assert {k: b.data_ptr() for k, b in _SCRATCH.items()} == buffers
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        launch(side.cuda_stream, [x, y, n])
+        launch(side.cuda_stream, [x, y, n, block])
     torch.cuda.current_stream().wait_stream(side)
     x.mul_(2)
     graph.replay()
