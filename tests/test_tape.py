@@ -301,7 +301,7 @@ def test_device_descriptor_kernels_replay_with_one_shared_scratch_buffer_and_cap
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        launch(side.cuda_stream, [x, y, n, block])
+        launch(torch.cuda.current_stream().cuda_stream, [x, y, n, block])  # (the graph's capture stream)
     torch.cuda.current_stream().wait_stream(side)
     x.mul_(2)
     graph.replay()
