@@ -101,6 +101,34 @@ def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
         assert r["grid"] == [case["tiles"]], r  # fewer tiles than multiprocessors: a program each
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_every_candidate_of_a_backward_product_launches_kernels_the_pair_declares(dtype, monkeypatch):
+    """Whatever configuration tuning picks for linear's backward products (matmul_ws, matmul_tma
+    with its copies and segment sums), its launches use only kernels that
+    linear's forward kernel declares as its backward: a backward's dry run refuses any other
+    (the patched GPT-2 under torch.compile met matmul_ws there: bench/NOTES.md, version 20)."""
+    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
+    declared = set(linear_module.LinearOp.kernel.backward) | {linear_module.LinearOp.kernel}
+    products = {
+        **linear_module.LinearOp.products([(4096, 768), (768, 768)]),
+        "conv1d grad_weight": linear_module.TransposedWeightLinearOp.products([(4096, 768), (768, 768)])["grad_weight"],
+    }
+    kinds = set()
+    for name, p in products.items():
+        row_sums = "grad_weight" in name
+        for config in linear_module.candidates(p, dtype, linear_module.dot_precision(dtype, False), True, row_sums):
+            x, y = torch.empty(p.M * p.K * 2, dtype=dtype), torch.empty(p.K * p.N * 2, dtype=dtype)
+            z, sums = torch.empty(p.M * p.N, dtype=dtype), torch.empty(p.M, dtype=dtype) if row_sums else None
+            scratch = lambda shape, d: torch.empty(shape, dtype=d)  # noqa: E731
+            launches = linear_module.product_launches(p, x, y, z, None, dtype, "tf32", config, scratch, sums)
+            kinds.add(config["kernel"])
+            undeclared = {launch.kernel.name for launch in launches} - {k.name for k in declared}
+            assert not undeclared, (name, config, undeclared)
+    assert kinds == ({"ws", "tma"} if dtype == torch.bfloat16 else {"tma"})  # (big aligned products: no strided)
+
+
 def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     """Half-precision, 16-byte aligned 2-D products without an activation epilogue get matmul_ws
     as a tuning candidate (a dW with the bias gradient: summed apart); float32, a transposed Z

@@ -14,8 +14,8 @@ or a float in the kernel's compute precision). Pointers named in ``optional=`` m
 makes TMA descriptors on the device declares ``device_scratch=True``. The packed
 arguments of every launch are checked against these kinds (``runtime.check_packing``). A kernel
 whose Triton function takes other arguments than teeny packs (``linear.matmul_tma``,
-``linear_gluon.matmul_ws``: TMA descriptors made on the host) names ``arguments=``, a function of the packed arguments giving
-Triton's; its signature is then the one teeny checks and packs.
+``linear_gluon.matmul_ws``: TMA descriptors made on the host) names ``arguments=``, a function
+of the packed arguments giving Triton's; its signature is then the one teeny checks and packs.
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
 bfloat16; ``dtypes=`` names any other set (integer and bool tensors for shape ops).

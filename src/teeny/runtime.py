@@ -407,7 +407,14 @@ class OpContext:
 
     def instance(self, kernel: Kernel) -> KernelInstance:
         """The built instance of ``kernel`` for this node's dtype. Lowering's dry run builds it
-        (so a program builds exactly the kernels its launches use); a real run finds it."""
+        (so a program builds exactly the kernels its launches use); a real run finds it. A
+        backward's dry run refuses a kernel its op's pair does not declare, whether or not
+        another node's forward built it."""
+        if self.allowed_kernels is not None and id(kernel) not in self.allowed_kernels:
+            raise TeenyError(
+                f"{self.where}: launches kernel {kernel.name}, which is not declared as a backward of "
+                f"the op's forward kernel (list it in @kernel(backward=...))"
+            )
         key = (id(kernel), self.dtype)
         instance = self.instances.get(key)
         if instance is not None:
@@ -416,11 +423,6 @@ class OpContext:
             raise TeenyError(
                 f"{self.where}: kernel {kernel.name} for {dtype_name(self.dtype)} was not built for this "
                 "program (a launch that lowering's dry run did not see)"
-            )
-        if self.allowed_kernels is not None and id(kernel) not in self.allowed_kernels:
-            raise TeenyError(
-                f"{self.where}: launches kernel {kernel.name}, which is not declared as a backward of "
-                f"the op's forward kernel (list it in @kernel(backward=...))"
             )
         try:
             instance = kernel.instance(self.dtype)

@@ -91,7 +91,7 @@ from .common import (
     tl_acc_dtype,
 )
 from .linear_gluon import matmul_ws
-from .shape import copy_launch
+from .shape import copy_launch, strided_copy
 
 __all__ = ["matmul", "linear"]
 NN_LAYERS = ["Linear"]
@@ -535,10 +535,11 @@ def matmul_copy(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, TRANSPOSE:
 
 
 # matmul_product computes every product (the backward ones are products with swapped strides);
-# its backward= lists what a backward launches besides it: the Hopper kernel, its K-major and
-# padded copies, and the sums of the bias gradient and of split-contraction partials.
+# its backward= lists what a backward launches besides it: the Hopper kernels, matmul_tma's K-major
+# and padded copies, the sums of the bias gradient and of split-contraction partials, and the
+# copies of the fused q/k/v product's weight gradients out of one matrix (SharedInputLinearOp).
 @kernel(
-    backward=(matmul_tma, matmul_sum_segments, matmul_copy, sum_to_shape_kernel),
+    backward=(matmul_tma, matmul_ws, matmul_sum_segments, matmul_copy, strided_copy, sum_to_shape_kernel),
     half=True,
     optional=("bias_ptr", "aux_ptr"),
 )
