@@ -91,3 +91,46 @@ def test_the_reader_sees_real_edges(edge):
     modules = _modules()
     src, dst = edge
     assert (dst in _imports(src, modules[src], modules)) == (src != "teeny.graph")
+
+
+_IMPORT_EACH_FIRST = r"""
+import importlib, multiprocessing, os, sys
+os.environ.pop("TRITON_INTERPRET", None)  # as a fresh Python starts: teeny.device decides
+import torch  # noqa: F401  (imports no triton; each child starts from here)
+
+def child(name, results):
+    try:
+        importlib.import_module(name)
+        results.put((name, None))
+    except Exception as exc:
+        results.put((name, f"{type(exc).__name__}: {exc}"))
+
+fork = multiprocessing.get_context("fork")
+results, failed = fork.Queue(), []
+for name in sys.argv[1:]:
+    process = fork.Process(target=child, args=(name, results))
+    process.start()
+    process.join()
+    found = results.get(timeout=60)
+    if found[1] is not None:
+        failed.append(found)
+print(failed)
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_process():
+    """Each module, imported first in a fresh Python process, imports: the static graph above
+    misses cycles through the package's lazily exported names (``from . import kernel`` reads
+    the decorator ``teeny.kernel``, which loads the whole package) and modules that import
+    triton before ``teeny.device`` has chosen interpreter or GPU."""
+    import os
+    import subprocess
+    import sys
+
+    names = sorted(name for name in _modules() if not name.endswith("__main__"))
+    assert len(names) > 40
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", _IMPORT_EACH_FIRST, *names]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout

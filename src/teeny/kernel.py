@@ -28,7 +28,7 @@ float64 instance of a kernel launches a copy of the function whose float scalar 
 annotated ``tl.float64`` (``KernelInstance.scalar_types`` says what each launch passes).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
 import contextlib
 import inspect
@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import device as _device  # noqa: F401  (before triton: it chooses interpreter or GPU)
+
 import torch
 import triton
 import triton.language as tl
-
-from . import device as _device  # noqa: F401,I001  (first: chooses interpreter or GPU before triton loads)
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)

@@ -34,8 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import config
-from . import kernel as _kernel
-from .kernel import KernelInstance, direct_launcher
+from .kernel import _INTERCEPTORS, _RECORDERS, KernelInstance, direct_launcher, intercept_launches
 from .runtime import _CHECK_SINKS, raise_failed_checks
 
 ALIGN = 16  # bytes: the alignment Triton specialises pointers on and TMA needs
@@ -245,7 +244,7 @@ class Tape:
 
     def replay(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots: list = [*tensors, *([None] * (self.n_slots - len(tensors)))]
-        if _kernel._RECORDERS or _kernel._INTERCEPTORS:
+        if _RECORDERS or _INTERCEPTORS:
             stream = None
         elif self.device.type == "cuda":
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
@@ -327,7 +326,7 @@ def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Ten
     checks: list = []
     _CHECK_SINKS[recording.thread] = checks
     try:
-        with _kernel.intercept_launches(recording.launch), recording:
+        with intercept_launches(recording.launch), recording:
             result = fn(list(tensors))
     finally:
         del _CHECK_SINKS[recording.thread]
@@ -386,7 +385,7 @@ class Replayed:
 
 def _recordable_now() -> bool:
     """No dispatch mode, no other launch interceptor (their view of the run must be the full one)."""
-    return torch._C._len_torch_dispatch_stack() == 0 and not _kernel._INTERCEPTORS
+    return torch._C._len_torch_dispatch_stack() == 0 and not _INTERCEPTORS
 
 
 def check_replayable(program) -> str | None:

@@ -26,7 +26,7 @@ Also here, because configuration choices need them: the facts of the GPU (``gpu_
 descriptors need is given at their launch: ``@kernel(device_scratch=True)``.)
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
 import functools
 import json
@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .device import DEVICE, INTERPRETER  # (before triton: it chooses interpreter or GPU)
+
 import torch
 import triton
-
-from .device import DEVICE, INTERPRETER
 
 Config = dict[str, Any]
 
