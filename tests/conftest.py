@@ -82,6 +82,33 @@ def root_cause(exc):
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return f"{type(exc).__name__}: {str(exc)[-500:]}"
+
+
+_COMPILERS = {}
+
+
+def compile_launch(launch):
+    # a teeny Launch compiled for sm_90 (132 multiprocessors) as an ahead-of-time bundle would:
+    # Triton's arguments specialised (a kernel's arguments= applied); (the plan's entry, the PTX)
+    from teeny import runtime
+    from teeny.aot.bundle import Target
+    from teeny.aot.capture import Compiler
+
+    compiler = _COMPILERS.get("sm90") or _COMPILERS.setdefault("sm90", Compiler(Target(90, 132)))
+    block = runtime.as_block(launch.block)
+    values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
+    if launch.kernel.arguments is not None:
+        values = launch.kernel.arguments(*values)
+    options = {k: v for k, v in (("num_warps", block.num_warps), ("num_stages", block.num_stages)) if v is not None}
+    spec = compiler.specialise(launch.kernel.jit, values, options)
+    entry, files = compiler.compile(launch.kernel.jit, spec)
+    return entry, files["ptx"].decode()
+
+
+def tma_counts(ptx):
+    # how many TMA loads and stores a kernel's PTX issues
+    return dict(tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
+                tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))
 """
 
 

@@ -386,15 +386,12 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
 
 
 _TMA_COMPILE = r"""
-from teeny import runtime, tuning
-from teeny.aot.bundle import Target
-from teeny.aot.capture import Compiler
+from teeny import tuning
 import teeny.kernels.linear as linear
 from teeny.kernels.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
 
 tuning.multiprocessors = lambda: 132
 gelu = ActivationOp("gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
-compiler = Compiler(Target(90, 132))  # as an ahead-of-time bundle compiles a launch
 results = []
 for case in json.loads(sys.argv[1]):
     dtype = getattr(torch, case["dtype"])
@@ -407,18 +404,10 @@ for case in json.loads(sys.argv[1]):
     config = linear._cfg(*case["config"])
     launches = linear.product_launches(p, x, y, z, bias, dtype, "tf32x3" if dtype == torch.float32 else "tf32",
                                        config, scratch, sums, epilogue)
-    launch = next(l for l in launches if l.kernel is linear.matmul_tma)
-    block = runtime.as_block(launch.block)
-    values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
     row = dict(case=case["name"])
     try:
-        options = {"num_warps": block.num_warps, "num_stages": block.num_stages}
-        spec = compiler.specialise(launch.kernel.jit, launch.kernel.arguments(*values), options)
-        entry, files = compiler.compile(launch.kernel.jit, spec)
-        ptx = files["ptx"].decode()
-        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"),
-                   tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
-                   tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))
+        entry, ptx = compile_launch(next(l for l in launches if l.kernel is linear.matmul_tma))
+        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"), **tma_counts(ptx))
     except Exception as exc:
         row.update(ok=False, error=root_cause(exc))
     results.append(row)

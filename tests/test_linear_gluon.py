@@ -43,13 +43,10 @@ def _operands(name: str, rows: int, fin: int, fout: int, gen) -> tuple:
 # ------------------------------------------------------------------------------------ CPU
 
 _COMPILE = r"""
-from teeny import runtime, tuning
-from teeny.aot.bundle import Target
-from teeny.aot.capture import Compiler
+from teeny import tuning
 import teeny.kernels.linear as linear
 
 tuning.multiprocessors = lambda: 132
-compiler = Compiler(Target(90, 132))  # as an ahead-of-time bundle compiles a launch
 results = []
 for case in json.loads(sys.argv[1]):
     dtype = getattr(torch, case["dtype"])
@@ -58,18 +55,12 @@ for case in json.loads(sys.argv[1]):
     x, y, z = (torch.empty(n, dtype=dtype) for n in (M * K, K * N, M * N))
     bias = torch.empty(N, dtype=dtype) if case["bias"] else None
     launch = linear._ws_launch(p, x, y, z, bias, dtype, linear._WS_CONFIG)
-    block = runtime.as_block(launch.block)
-    values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
     row = dict(case=case["name"], grid=list(launch.grid))
     try:
-        # Triton's arguments: the descriptors matmul_ws makes on the host from what teeny packs
-        spec = compiler.specialise(launch.kernel.jit, launch.kernel.arguments(*values), {"num_warps": block.num_warps})
-        entry, files = compiler.compile(launch.kernel.jit, spec)
-        ptx = files["ptx"].decode()
+        entry, ptx = compile_launch(launch)  # Triton's arguments: the descriptors matmul_ws makes on the host
         row.update(ok=True, wgmma=ptx.count("wgmma.mma_async"), shared=entry["shared"],
                    setmaxnreg=sorted({l.split()[-1].strip(";") for l in ptx.splitlines() if "setmaxnreg" in l}),
-                   tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
-                   tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))
+                   **tma_counts(ptx))
     except Exception as exc:
         row.update(ok=False, error=root_cause(exc))
     results.append(row)
