@@ -419,8 +419,8 @@ def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(comp
     """matmul_tma's launches (forward with bias, dX, dW with the bias gradient shared out
     stream-K, Conv1D's transposed dW, an activation epilogue; bf16 and float32) compile for sm_90
     as an ahead-of-time bundle would, with X, Y, Z (and the epilogue's h) as TMA descriptors made
-    on the host: the kernel loads and stores by TMA and writes no descriptor of its own (device-made
-    ones cost 3.5-6.5 us a launch: bench/NOTES.md, version 19)."""
+    on the host: the kernel loads and stores by TMA and writes no descriptor of its own (its PTX
+    had 64 ``tensormap`` instructions when each program made them: bench/NOTES.md, version 20)."""
     rows, fin, fout = 328, 136, 200
     products = dict(linear_module.LinearOp.products([(rows, fin), (fout, fin)]))
     products["transposed_grad_weight"] = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])[

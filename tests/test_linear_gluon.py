@@ -95,9 +95,9 @@ def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_every_candidate_of_a_backward_product_launches_kernels_the_pair_declares(dtype, monkeypatch):
     """Whatever configuration tuning picks for linear's backward products (matmul_ws, matmul_tma
-    with its copies and segment sums), its launches use only kernels that
-    linear's forward kernel declares as its backward: a backward's dry run refuses any other
-    (the patched GPT-2 under torch.compile met matmul_ws there: bench/NOTES.md, version 20)."""
+    with its copies and segment sums), its launches use only kernels that linear's forward
+    kernel declares as its backward: a backward's dry run refuses any other (the patched GPT-2
+    under torch.compile met matmul_ws there: bench/NOTES.md, version 20)."""
     monkeypatch.setattr(linear_module, "INTERPRETER", False)
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)

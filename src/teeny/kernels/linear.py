@@ -19,9 +19,10 @@ Three kernels compute them:
   writes padded rows copied into Z after, if timing says that beats the strided kernel):
   persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
-  descriptors made on the host at each launch, zero-filled past the edges, in either layout (a transposed
-  operand is described as it lies and its tile transposed in shared memory; so is a transposed
-  Z, Conv1D's dW^T written into W's (in, out)); the bias is added in the epilogue. Where
+  descriptors made on the host at each launch, zero-filled past the edges, in either layout
+  (a transposed operand is described as it lies and its tile transposed in shared memory; so
+  is a transposed Z, Conv1D's dW^T written into W's (in, out)); the bias is added in the
+  epilogue. Where
   whole tiles would leave the last wave of programs part idle (few output tiles and a long
   contraction: dW of a layer over many tokens), the last waves' tiles are shared out stream-K:
   their K tiles, laid end to end, are split evenly over the programs, and
@@ -410,8 +411,8 @@ def _matmul_tma_descriptors(
     transposed, (K, M); Y (K, N) with rows y_stride apart or stored transposed, (N, K); Z (M, N)
     with rows z_stride apart or (Z_TRANSPOSED) stored (N, M); aux_ptr (an activation's h) laid out
     as Z. Returns ``_matmul_tma``'s arguments: X, Y, Z and aux as TMA descriptors, made here on
-    the host (made on the device by each program they cost 3.5-6.5 us a launch on the H200:
-    bench/NOTES.md, version 19)."""
+    the host, as ``matmul_ws``'s are (made on the device, its five cost 3.5-6.5 us a launch on
+    the H200: bench/NOTES.md, versions 19-20)."""
     x_desc = _descriptor(x_ptr, (M, K) if X_K_CONTIGUOUS else (K, M), x_stride,
                          (BLOCK_M, BLOCK_K) if X_K_CONTIGUOUS else (BLOCK_K, BLOCK_M))  # fmt: skip
     y_desc = _descriptor(y_ptr, (N, K) if Y_K_CONTIGUOUS else (K, N), y_stride,
