@@ -471,4 +471,4 @@ def test_importing_triton_first_on_the_interpreter_is_a_clear_error():
     env["TEENY_DEVICE"] = "cpu"
     code = "import triton.language, teeny; teeny.ops"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "Import teeny first" in result.stderr
+    assert result.returncode != 0 and "Import a teeny module first" in result.stderr

@@ -200,6 +200,49 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
     torch._dynamo.reset()
 
 
+def test_compiled_gpt2_takes_the_one_call_attention_when_its_mask_is_the_causal_one(monkeypatch):
+    """Under torch.compile transformers builds the causal mask as a tensor (in eager mode it
+    passes None): with nothing given that changes the mask, each layer is still one
+    ``gpt2_attention`` call; with a padding mask or positions given, transformers' attention runs.
+    Both give the unpatched model's loss and gradients."""
+    from teeny.torch import patching
+
+    decisions = []
+    plain = patching._plain_causal_self_attention
+
+    def recorded(module, args, kwargs):
+        decisions.append((kwargs.get("attention_mask") is not None, plain(module, args, kwargs)))
+        return decisions[-1][1]
+
+    monkeypatch.setattr(patching, "_plain_causal_self_attention", recorded)
+    ref = _gpt2(torch.float32)
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    (ids,) = _batches(1)
+    padding = torch.ones_like(ids)
+    padding[0, :2] = 0
+    atol, rtol = _tolerance(torch.float32)
+    for kwargs, one_call in [
+        ({}, True),
+        ({"attention_mask": padding}, False),
+        ({"position_ids": torch.arange(8).repeat(2, 1)}, False),
+    ]:
+        torch._dynamo.reset()
+        decisions.clear()
+        model.zero_grad()
+        ref.zero_grad()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        loss, expected = compiled(ids, labels=ids, **kwargs).loss, ref(ids, labels=ids, **kwargs).loss
+        assert decisions == [(True, one_call)] * 2, kwargs  # both layers, a mask tensor each
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{kwargs} {name}: {m}")
+    assert not any(getattr(m, "_teeny_mask_is_causal", False) for m in model.modules())  # reset after each call
+    torch._dynamo.reset()
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # transformers >= 5.24 (the GPU has 5.17)
 def test_gpt2_attention_with_a_padding_mask_a_cache_or_dropout_runs_transformers_code(monkeypatch):
     """The one-call attention is taken only for plain causal self-attention; a padding mask, a

@@ -32,8 +32,9 @@ def _decide() -> torch.device:
         if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise ImportError(
                 "triton was imported before teeny on a machine where teeny runs kernels through the Triton "
-                "interpreter; Triton decides interpreter or compiler when it is imported. Import teeny first, "
-                "or set TRITON_INTERPRET=1 in the environment before starting Python."
+                "interpreter; Triton decides interpreter or compiler when it is imported. Import a teeny module "
+                "first (`import teeny.ops`, `import teeny.torch`: a bare `import teeny` chooses no device yet, so "
+                "that TEENY_DEVICE may still be set), or set TRITON_INTERPRET=1 before starting Python."
             )
         os.environ["TRITON_INTERPRET"] = "1"
     else:

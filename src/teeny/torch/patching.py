@@ -268,14 +268,30 @@ _IGNORED_IN_SELF_ATTENTION = {"use_cache", "cache_position", "position_ids", "ou
 def _plain_causal_self_attention(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a GPT2Attention call is what ``gpt2_attention`` computes: self-attention through
     SDPA with its causal mask only (no cache, padding mask or cross-attention), no attention
-    dropout in training, no attention weights returned."""
+    dropout in training, no attention weights returned. The mask is None in eager mode;
+    under torch.compile transformers always builds it, and it is known to be the causal mask
+    alone when the patched model's call gave nothing that changes it (``_builds_causal_mask_only``)."""
     if args or module.is_cross_attention or getattr(module.config, "_attn_implementation", None) != "sdpa":
         return False
     if (module.training and module.attn_dropout.p > 0) or kwargs.get("output_attentions"):
         return False
-    if kwargs.get("is_causal", True) is not True or any(kwargs.get(n) is not None for n in _ABSENT_IN_SELF_ATTENTION):
+    absent = _ABSENT_IN_SELF_ATTENTION
+    if getattr(module, "_teeny_mask_is_causal", False):
+        absent = tuple(n for n in absent if n != "attention_mask")
+    if kwargs.get("is_causal", True) is not True or any(kwargs.get(n) is not None for n in absent):
         return False
     return set(kwargs) <= set(_ABSENT_IN_SELF_ATTENTION) | _IGNORED_IN_SELF_ATTENTION
+
+
+# a transformers model's own call: what, given, makes the mask it builds more than the causal one
+_MASK_CHANGING_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache_position")
+
+
+def _builds_causal_mask_only(args: tuple, kwargs: dict) -> bool:
+    """Whether the attention mask a transformers model builds for this call of its forward is
+    its causal mask alone: no padding mask, no positions (which may mark packed sequences), no
+    cache, and the token ids the only positional argument."""
+    return len(args) <= 1 and all(kwargs.get(n) is None for n in _MASK_CHANGING_ARGUMENTS)
 
 
 def _gpt2_attention_forward(self, hidden_states, *args, **kwargs):
@@ -403,12 +419,21 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     if not getattr(model, "_teeny_patched", False):
         original = model.forward
 
+        attentions = [m for m in model.modules() if type(m).forward is _gpt2_attention_forward]
+
         @functools.wraps(original)
         def forward(*args, **kwargs):
-            with _Router(report):
-                if head is not None and _takes_fused_loss(model, kwargs):
-                    return _causal_lm_forward(model, head, original, args, kwargs)
-                return original(*args, **kwargs)
+            causal_only = _builds_causal_mask_only(args, kwargs)
+            for module in attentions:  # the model's mask under torch.compile: the causal one or not
+                module._teeny_mask_is_causal = causal_only
+            try:
+                with _Router(report):
+                    if head is not None and _takes_fused_loss(model, kwargs):
+                        return _causal_lm_forward(model, head, original, args, kwargs)
+                    return original(*args, **kwargs)
+            finally:
+                for module in attentions:
+                    module._teeny_mask_is_causal = False
 
         model.forward = forward
         model._teeny_patched = True
