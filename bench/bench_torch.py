@@ -267,6 +267,10 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
         try:
             seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
             results[name] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
+            if graphed:  # a graph inductor would not capture runs every kernel from the host
+                from torch._dynamo.utils import counters
+
+                results[name]["CUDA graph skips so far"] = counters["inductor"]["cudagraph_skips"]
             if profile:
                 _profile_step(name, step, host=not mode)
         except Exception as exc:  # report and go on: one failing variant must not hide the others
