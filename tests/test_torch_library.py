@@ -159,6 +159,51 @@ def test_compile_with_inductor():
     assert a.grad is not None and torch.isfinite(a.grad).all()
 
 
+_COMPILE_IN_A_FRESH_PROCESS = """
+import sys
+import torch
+from teeny.torch import bridge, library
+if sys.argv[1] != "same":  # another teeny: its op keys carry another digest
+    bridge._BUILDERS[:] = [(p, b) for p, b in bridge._BUILDERS if p != library._PREFIX]
+    library._PREFIX = "op1-000000000000:"
+    bridge.add_builder(library._PREFIX, library._build)
+    if sys.argv[1] == "other":  # its import tags the caches with its digest
+        torch.compiler.config.cache_key_tag = ""
+        library._tag_compile_caches("000000000000")
+f = torch.compile(lambda a: torch.ops.teeny.softmax(a * 2.0, -1).sum(0), fullgraph=True)
+a = torch.randn(3, 7, requires_grad=True)
+out = f(a)
+out.backward(torch.ones(7))
+torch.testing.assert_close(out, torch.softmax(a.detach() * 2.0, -1).sum(0))
+print("ran")
+"""
+
+
+def test_a_graph_compiled_against_other_teeny_code_is_compiled_again(tmp_path):
+    """torch.compile's on-disk caches know a graph by its code, where teeny's operators appear
+    by name only: teeny's source digest in ``torch.compiler.config.cache_key_tag`` keeps a
+    process with other teeny code from loading a cached graph whose op keys it cannot run. The
+    last run shows what happens without the tag: the cached graph is loaded and its keys refused."""
+    import os
+    import subprocess
+    import sys
+
+    assert f"teeny-{library._DIGEST}" in torch.compiler.config.cache_key_tag.split("+")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TEENY_DEVICE": "cpu"}
+
+    def run(version):
+        return subprocess.run(
+            [sys.executable, "-c", _COMPILE_IN_A_FRESH_PROCESS, version],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+
+    for version in ("same", "other"):
+        result = run(version)
+        assert result.returncode == 0 and "ran" in result.stdout, (version, result.stderr[-2000:])
+    untagged = run("untagged")  # other op keys, the first run's cache tag
+    assert untagged.returncode != 0 and "is from another version of teeny" in untagged.stderr
+
+
 # ------------------------------------------------------------------- autograd semantics
 
 

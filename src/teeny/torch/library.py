@@ -56,7 +56,22 @@ def _source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-_PREFIX = f"op1-{_source_digest()}:"  # the key format's version and the code's digest
+_DIGEST = _source_digest()
+_PREFIX = f"op1-{_DIGEST}:"  # the key format's version and the code's digest
+
+
+def _tag_compile_caches(digest: str) -> None:
+    """Put teeny's source digest into torch.compile's cache keys (``cache_key_tag``, kept with
+    any tag already set). Its on-disk caches know a graph by its code, where teeny's operators
+    appear by name only; without the tag, a graph compiled against other teeny code would be
+    loaded and fail on its op keys (``bridge.lookup`` says so) instead of being compiled again."""
+    config = torch.compiler.config
+    tag = f"teeny-{digest}"
+    if tag not in config.cache_key_tag.split("+"):
+        config.cache_key_tag = f"{config.cache_key_tag}+{tag}" if config.cache_key_tag else tag
+
+
+_tag_compile_caches(_DIGEST)
 _TENSOR = "<tensor>"  # marks a tensor's (shape, dtype, requires_grad) in a key; no schema value is this string
 _DTYPE = "__dtype__"  # (marker, name): a torch.dtype argument in a key
 _KEYS: dict[tuple, str] = {}
