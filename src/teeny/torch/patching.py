@@ -268,15 +268,17 @@ _IGNORED_IN_SELF_ATTENTION = {"use_cache", "cache_position", "position_ids", "ou
 def _plain_causal_self_attention(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a GPT2Attention call is what ``gpt2_attention`` computes: self-attention through
     SDPA with its causal mask only (no cache, padding mask or cross-attention), no attention
-    dropout in training, no attention weights returned. The mask is None in eager mode;
-    under torch.compile transformers always builds it, and it is known to be the causal mask
-    alone when the patched model's call gave nothing that changes it (``_builds_causal_mask_only``)."""
+    dropout in training, no attention weights returned. The causal mask alone is None in eager
+    mode; under torch.compile transformers always builds it, and it is known to be the causal
+    one when the patched model's call gave nothing that changes it (``_builds_causal_mask_only``).
+    The mark is read only while compiling, where the decision is traced from the call's own
+    arguments: in eager mode another thread's call may have set it on the shared layers."""
     if args or module.is_cross_attention or getattr(module.config, "_attn_implementation", None) != "sdpa":
         return False
     if (module.training and module.attn_dropout.p > 0) or kwargs.get("output_attentions"):
         return False
     absent = _ABSENT_IN_SELF_ATTENTION
-    if getattr(module, "_teeny_mask_is_causal", False):
+    if getattr(module, "_teeny_mask_is_causal", False) and torch.compiler.is_compiling():
         absent = tuple(n for n in absent if n != "attention_mask")
     if kwargs.get("is_causal", True) is not True or any(kwargs.get(n) is not None for n in absent):
         return False
