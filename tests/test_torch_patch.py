@@ -200,11 +200,25 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
     torch._dynamo.reset()
 
 
+class _PaddedLM(nn.Module):
+    """A user's module around a GPT-2 that makes the padding mask itself."""
+
+    def __init__(self, lm, padding):
+        super().__init__()
+        self.lm, self.padding = lm, padding
+
+    def forward(self, ids, labels):
+        logits = self.lm(ids, attention_mask=self.padding).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss)
+
+
 def test_compiled_gpt2_takes_the_one_call_attention_when_its_mask_is_the_causal_one(monkeypatch):
     """Under torch.compile transformers builds the causal mask as a tensor (in eager mode it
-    passes None): with nothing given that changes the mask, each layer is still one
-    ``gpt2_attention`` call; with a padding mask or positions given, transformers' attention runs.
-    Both give the unpatched model's loss and gradients."""
+    passes None): when GPT2Model's call gives nothing that changes the mask, each layer is
+    still one ``gpt2_attention`` call; with a padding mask or positions given, to the model or
+    by a user's module around it, transformers' attention runs. Every case gives the unpatched
+    model's loss and gradients."""
     from teeny.torch import patching
 
     decisions = []
@@ -215,31 +229,32 @@ def test_compiled_gpt2_takes_the_one_call_attention_when_its_mask_is_the_causal_
         return decisions[-1][1]
 
     monkeypatch.setattr(patching, "_plain_causal_self_attention", recorded)
-    ref = _gpt2(torch.float32)
-    model = copy.deepcopy(ref)
-    tt.patch(model)
     (ids,) = _batches(1)
     padding = torch.ones_like(ids)
     padding[0, :2] = 0
     atol, rtol = _tolerance(torch.float32)
-    for kwargs, one_call in [
-        ({}, True),
-        ({"attention_mask": padding}, False),
-        ({"position_ids": torch.arange(8).repeat(2, 1)}, False),
+    for kwargs, wrapped, one_call in [
+        ({}, False, True),
+        ({"attention_mask": padding}, False, False),
+        ({"position_ids": torch.arange(8).repeat(2, 1)}, False, False),
+        ({}, True, False),
     ]:
+        ref = _gpt2(torch.float32)
+        if wrapped:
+            ref = _PaddedLM(ref, padding)
+        model = copy.deepcopy(ref)
+        tt.patch(model)
         torch._dynamo.reset()
         decisions.clear()
-        model.zero_grad()
-        ref.zero_grad()
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         loss, expected = compiled(ids, labels=ids, **kwargs).loss, ref(ids, labels=ids, **kwargs).loss
-        assert decisions == [(True, one_call)] * 2, kwargs  # both layers, a mask tensor each
+        assert decisions == [(True, one_call)] * 2, (kwargs, wrapped)  # both layers, a mask tensor each
         loss.backward()
         expected.backward()
         torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{kwargs} {name}: {m}")
-    assert not any(getattr(m, "_teeny_mask_is_causal", False) for m in model.modules())  # reset after each call
+        assert not any(getattr(m, "_teeny_mask_is_causal", False) for m in model.modules())  # reset after the call
     torch._dynamo.reset()
 
 
@@ -258,12 +273,11 @@ def test_gpt2_attention_with_a_padding_mask_a_cache_or_dropout_runs_transformers
         return decisions[-1]
 
     monkeypatch.setattr(patching, "_plain_causal_self_attention", recorded)
-    # as if another thread's call without a mask had just marked the shared layers: in eager
-    # mode the mark is not read, so this call's padding mask still sends it to transformers
-    monkeypatch.setattr(patching, "_builds_causal_mask_only", lambda args, kwargs: True)
     ref = _gpt2(torch.float32).eval()
     model = copy.deepcopy(ref)
     tt.patch(model)
+    for layer in model.transformer.h:  # as a compiled call of another thread leaves them for a moment:
+        layer.attn._teeny_mask_is_causal = True  # in eager mode the mark does not count
     (ids,) = _batches(1)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding

@@ -270,9 +270,9 @@ def _plain_causal_self_attention(module: nn.Module, args: tuple, kwargs: dict) -
     SDPA with its causal mask only (no cache, padding mask or cross-attention), no attention
     dropout in training, no attention weights returned. The causal mask alone is None in eager
     mode; under torch.compile transformers always builds it, and it is known to be the causal
-    one when the patched model's call gave nothing that changes it (``_builds_causal_mask_only``).
-    The mark is read only while compiling, where the decision is traced from the call's own
-    arguments: in eager mode another thread's call may have set it on the shared layers."""
+    one when the call of the GPT2Model around the layer gave nothing that changes it (it marks
+    its layers: ``_gpt2_model_forward``). The mark counts only while compiling, where the
+    decision is traced from the model call's own arguments."""
     if args or module.is_cross_attention or getattr(module.config, "_attn_implementation", None) != "sdpa":
         return False
     if (module.training and module.attn_dropout.p > 0) or kwargs.get("output_attentions"):
@@ -285,15 +285,34 @@ def _plain_causal_self_attention(module: nn.Module, args: tuple, kwargs: dict) -
     return set(kwargs) <= set(_ABSENT_IN_SELF_ATTENTION) | _IGNORED_IN_SELF_ATTENTION
 
 
-# a transformers model's own call: what, given, makes the mask it builds more than the causal one
-_MASK_CHANGING_ARGUMENTS = ("attention_mask", "position_ids", "past_key_values", "cache_position")
+# GPT2Model's arguments that leave the mask it builds the causal one (any other that is given
+# may change it: a padding mask, positions marking packed sequences, a cache)
+_MASK_NEUTRAL_ARGUMENTS = {"input_ids", "inputs_embeds", "token_type_ids", "use_cache", "return_dict",
+                           "output_attentions", "output_hidden_states"}  # fmt: skip
 
 
 def _builds_causal_mask_only(args: tuple, kwargs: dict) -> bool:
-    """Whether the attention mask a transformers model builds for this call of its forward is
-    its causal mask alone: no padding mask, no positions (which may mark packed sequences), no
-    cache, and the token ids the only positional argument."""
-    return len(args) <= 1 and all(kwargs.get(n) is None for n in _MASK_CHANGING_ARGUMENTS)
+    """Whether the attention mask GPT2Model builds for this call of its forward is its causal
+    mask alone: the token ids the only positional argument, and every other argument given
+    (not None) one that leaves the mask alone."""
+    return len(args) <= 1 and all(v is None or k in _MASK_NEUTRAL_ARGUMENTS for k, v in kwargs.items())
+
+
+def _gpt2_model_forward(self, *args, **kwargs):
+    """GPT2Model's forward; under torch.compile it first marks its one-call attention layers
+    with whether the mask it is about to build is its causal one alone (``_builds_causal_mask_only``)."""
+    forward = type(self).__mro__[1].forward
+    if not torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    causal_only = _builds_causal_mask_only(args, kwargs)
+    layers = [m for m in self.modules() if type(m).forward is _gpt2_attention_forward]
+    for layer in layers:
+        layer._teeny_mask_is_causal = causal_only
+    try:
+        return forward(self, *args, **kwargs)
+    finally:
+        for layer in layers:
+            layer._teeny_mask_is_causal = False
 
 
 def _gpt2_attention_forward(self, hidden_states, *args, **kwargs):
@@ -342,6 +361,8 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
         conv1d = all(type(getattr(module, a)).__name__ == "Conv1D" for a in ("c_fc", "c_proj"))
         if conv1d and type(module.act).__name__ in _GELU_TANH:
             return _teeny_subclass(cls, _gpt2_mlp_forward, "gpt2_mlp")
+    if name == "GPT2Model" and "create_causal_mask(" in _source(cls.forward):
+        return _teeny_subclass(cls, _gpt2_model_forward, "gpt2_model")
     if name == "GPT2Attention" and all(
         type(getattr(module, a, None)).__name__ == "Conv1D" for a in ("c_attn", "c_proj")
     ):
@@ -421,21 +442,12 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     if not getattr(model, "_teeny_patched", False):
         original = model.forward
 
-        attentions = [m for m in model.modules() if type(m).forward is _gpt2_attention_forward]
-
         @functools.wraps(original)
         def forward(*args, **kwargs):
-            causal_only = _builds_causal_mask_only(args, kwargs)
-            for module in attentions:  # the model's mask under torch.compile: the causal one or not
-                module._teeny_mask_is_causal = causal_only
-            try:
-                with _Router(report):
-                    if head is not None and _takes_fused_loss(model, kwargs):
-                        return _causal_lm_forward(model, head, original, args, kwargs)
-                    return original(*args, **kwargs)
-            finally:
-                for module in attentions:
-                    module._teeny_mask_is_causal = False
+            with _Router(report):
+                if head is not None and _takes_fused_loss(model, kwargs):
+                    return _causal_lm_forward(model, head, original, args, kwargs)
+                return original(*args, **kwargs)
 
         model.forward = forward
         model._teeny_patched = True
