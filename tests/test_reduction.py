@@ -448,6 +448,35 @@ def test_sum_of_partials_in_one_or_two_steps(monkeypatch, splits, m, dtype):
         torch.testing.assert_close(out, expected, **tol)
 
 
+@pytest.mark.parametrize("splits,m", [(1, 1), (7, 3), (97, 37), (300, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_sums_of_partials_in_one_launch(monkeypatch, splits, m, dtype):
+    """``sum_partials(both, out, second)``: a (2, splits, m) buffer of two sums' partials (a
+    norm's dw and db) summed into two tensors by one launch, tiles that straddle the halves
+    included (37 targets a half); where either sum would take two steps (a small tile and
+    many rows), each takes its own."""
+    from teeny.kernels import common
+    from teeny.runtime import launch_kernel
+
+    gen = torch.Generator().manual_seed(splits * 7 + m)
+    both = torch.randn(2, splits, m, generator=gen, dtype=dtype).to(teeny.DEVICE)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for tile in (common._SUM_TILE, 8):
+        monkeypatch.setattr(common, "_SUM_TILE", tile)
+        _, _, ranges = common._partials_tiles(splits, 2 * m)
+        work = both.clone()
+        out, second = (torch.full((m,), float("nan"), dtype=dtype, device=teeny.DEVICE) for _ in range(2))
+        launches = common.sum_partials(work, out, second)
+        if ranges < 2:
+            assert len(launches) == 1
+        else:
+            assert len(launches) == len(common.sum_partials(both[0].clone(), out)) * 2
+        for launch in launches:
+            launch_kernel(launch, dtype, "test")
+        torch.testing.assert_close(out, both[0].sum(0), **tol)
+        torch.testing.assert_close(second, both[1].sum(0), **tol)
+
+
 @pytest.mark.parametrize("splits,steps,width", [(40, 1, 16), (300, 2, 64)])
 def test_few_partials_take_one_pass_of_narrower_columns(monkeypatch, splits, steps, width):
     """With a 256-element tile and 64-wide column blocks, 40 partial rows of 64 targets would take

@@ -8,8 +8,9 @@
   looping over the broadcast elements; a long broadcast range is split across programs into
   float32 partials [splits, targets] that a second launch of the same kernel sums
   (``sum_partials``; many partials for few targets in two steps, so that no lone program
-  loops over them all; a few hundred in one pass of narrower column blocks). No atomics, so
-  every result is bit-reproducible.
+  loops over them all; a few hundred in one pass of narrower column blocks; two sums' partials
+  of one shape, a norm's dw and db, in one launch). No atomics, so every result is
+  bit-reproducible.
 * ``side_by_side``: tensors that lie one after the other in one buffer (the parameters an op
   asks for with ``RuntimeOp.adjacent_params``, and their gradients) read as one, a view.
 * Launch sizes for the interpreter and the GPU, and ``strided_offsets`` (a flat index
@@ -141,11 +142,13 @@ _SUM_MIN_WIDTH = 64 if INTERPRETER else 32  # the narrowest column block sum_par
 _PARTIAL_STEPS = 4
 
 
-@kernel(half=True)
+@kernel(half=True, optional=("out2_ptr",))
 def sum_to_shape_kernel(
     g_ptr,
     out_ptr,
+    out2_ptr,
     m,
+    m_first,
     r,
     r_per_split,
     out_split_stride,
@@ -178,7 +181,7 @@ def sum_to_shape_kernel(
 ):
     """out[s * out_split_stride + t] = sum over j in split s of g[kept(t) + reduced(j)], summed
     in float32 (float64 for float64). Program (i, s): targets i*BLOCK_M ..., reduced range
-    split s."""
+    split s. With out2_ptr the targets from m_first on go to out2 (at t - m_first) instead."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     targets = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,9 +195,15 @@ def sum_to_shape_kernel(
         reduced = strided_offsets(j, rd0, rd1, rd2, rd3, rd4, rt0, rt1, rt2, rt3, rt4, rt5, RED_NDIM)
         tile_mask = target_mask[:, None] & (j < end)[None, :]
         acc += upcast(tl.load(g_ptr + base[:, None] + reduced[None, :], mask=tile_mask, other=0))
-    total = tl.sum(acc, axis=1)
-    out = out_ptr + pid_s.to(tl.int64) * out_split_stride + targets
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=target_mask)
+    total = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+    split_offset = pid_s.to(tl.int64) * out_split_stride
+    if out2_ptr is None:
+        tl.store(out_ptr + split_offset + targets, total, mask=target_mask)
+    else:
+        first = targets < m_first
+        tl.store(out_ptr + split_offset + targets, total, mask=target_mask & first)
+        second = tl.where(first, 0, targets - m_first)  # in range where masked off too
+        tl.store(out2_ptr + split_offset + second, total, mask=target_mask & ~first)
 
 
 def _split_dims(out_shape: Shape, kept_mask: Sequence[int], strides: Sequence[int]) -> tuple[list, list, list, list]:
@@ -274,24 +283,31 @@ def sum_to_shape(
     return launches
 
 
-def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+def sum_partials(partials: torch.Tensor, out: torch.Tensor, second: torch.Tensor | None = None) -> list[Launch]:
     """The second pass of a split sum: ``out[t] = sum_s partials[s, t]`` for a contiguous
     (splits, targets) buffer of float32 (float64) partials, which it may overwrite. Many
     partials for few targets are summed in two steps, so that no lone program loops over all of
     them: each program of the first sums a range of rows into that range's first row, and
     the second sums those rows. Fewer partials (a norm's 264 weight-gradient rows of 768) are
     summed in one pass of narrower column blocks (down to _SUM_MIN_WIDTH), if that leaves no
-    program more than _PARTIAL_STEPS tiles to loop over: one launch instead of two."""
+    program more than _PARTIAL_STEPS tiles to loop over: one launch instead of two.
+    With ``second``, ``partials`` is (2, splits, targets), two sums of one shape (a norm's dw
+    and db): the first into ``out``, the second into ``second``, in one launch where each
+    would take one pass."""
+    if second is not None:
+        _, splits, m = partials.shape
+        block_m, block_r, ranges = _partials_tiles(splits, 2 * m)
+        if ranges >= 2:
+            return sum_partials(partials[0], out) + sum_partials(partials[1], second)
+        grid = (cdiv(2 * m, block_m), 1, 1)
+        launch = _sum_launch(
+            partials, out, 2 * m, splits, splits, [m, 2], [1, splits * m], [splits], [m], block_m, block_r, grid,
+            second=second, m_first=m,
+        )  # fmt: skip
+        return [launch]
     splits, m = partials.shape
-    block_m = min(pow2(m), _SUM_WIDTH)
-    narrow = block_m
-    while narrow > _SUM_MIN_WIDTH and splits > _PARTIAL_STEPS * (_SUM_TILE // narrow):
-        narrow //= 2
-    if splits <= _PARTIAL_STEPS * (_SUM_TILE // narrow):
-        block_m = narrow
-    block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
+    block_m, block_r, ranges = _partials_tiles(splits, m)
     programs_m = cdiv(m, block_m)
-    ranges = min(cdiv(splits, _PARTIAL_STEPS * block_r), max(1, _SUM_TARGET_PROGRAMS // programs_m))
     if ranges < 2:
         return [
             _sum_launch(partials, out, m, splits, splits, [m], [1], [splits], [m], block_m, block_r, (programs_m, 1, 1))
@@ -303,16 +319,33 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> list[Launch]:
         out_split_stride=rows * m,
     )  # fmt: skip
     block_r = min(pow2(ranges), max(1, _SUM_TILE // block_m))
-    second = _sum_launch(
+    second_step = _sum_launch(
         partials, out, m, ranges, ranges, [m], [1], [ranges], [rows * m], block_m, block_r, (programs_m, 1, 1)
     )
-    return [first, second]
+    return [first, second_step]
+
+
+def _partials_tiles(splits: int, m: int) -> tuple[int, int, int]:
+    """``sum_partials``' column block, row block and number of row ranges (< 2: one pass) for
+    ``splits`` partial rows of ``m`` targets."""
+    block_m = min(pow2(m), _SUM_WIDTH)
+    narrow = block_m
+    while narrow > _SUM_MIN_WIDTH and splits > _PARTIAL_STEPS * (_SUM_TILE // narrow):
+        narrow //= 2
+    if splits <= _PARTIAL_STEPS * (_SUM_TILE // narrow):
+        block_m = narrow
+    block_r = min(pow2(splits), max(1, _SUM_TILE // block_m))
+    programs_m = cdiv(m, block_m)
+    ranges = min(cdiv(splits, _PARTIAL_STEPS * block_r), max(1, _SUM_TARGET_PROGRAMS // programs_m))
+    return block_m, block_r, ranges
 
 
 def _sum_launch(
-    grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid, out_split_stride=None
-) -> Launch:
-    visitor = ArgVisitor().visit(g_ptr=grad, out_ptr=out, m=m, r=r, r_per_split=r_per_split)
+    grad, out, m, r, r_per_split, kept, kept_strides, red, red_strides, block_m, block_r, grid,
+    out_split_stride=None, second=None, m_first=0,
+) -> Launch:  # fmt: skip
+    visitor = ArgVisitor().visit(g_ptr=grad, out_ptr=out, out2_ptr=second, m=m, m_first=m_first, r=r)
+    visitor.visit(r_per_split=r_per_split)
     visitor.visit(out_split_stride=m if out_split_stride is None else out_split_stride)
     visit_layout(visitor, "k", kept, kept_strides)
     visit_layout(visitor, "r", red, red_strides)

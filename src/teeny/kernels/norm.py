@@ -33,8 +33,9 @@ dw/db: for batch_norm a row is a whole channel, so ``norm_backward`` writes its 
 block, ``norm_backward`` also reduces dw/db (``PER_PROGRAM``, as in Liger-Kernel and the Triton
 layer-norm tutorial): each program loops over its ``tiles_per_program`` tiles, accumulates
 dy * xhat and dy in fp32 registers and writes ONE partial row; ``common.sum_partials`` adds the
-partial rows. Then backward reads x and dy once. Otherwise (group_norm, rows longer than one
-block) ``norm_weight_backward`` writes partial rows over a (outer, channels, spatial) view of x.
+partial rows (dw's and db's, halves of one buffer, in one launch). Then backward reads x and dy
+once. Otherwise (group_norm, rows longer than one block) ``norm_weight_backward`` writes partial
+rows over a (outer, channels, spatial) view of x.
 No locks, no atomics: bit-reproducible. Half-precision inputs compute in float32, float64 in
 float64 (eps and momentum included). Column loop bounds (ROW_LEN, SPATIAL, ...) are
 compile-time constants (one compile per row length on the GPU).
@@ -663,12 +664,10 @@ class NormOp(RuntimeOp):
         tiles_per_program = max(1, cdiv(n_tiles, _max_programs())) if fused and target == PER_PROGRAM else 1
         n_programs = cdiv(n_tiles, tiles_per_program)
 
-        def written_by_norm_backward(grad):  # dw or db as norm_backward writes it (or None)
-            if grad is None or target is None:
-                return None
-            return ctx.empty((n_programs, rows.row_len), acc_dtype(ctx.dtype)) if target == PER_PROGRAM else grad
-
-        dw_out, db_out = written_by_norm_backward(dw), written_by_norm_backward(db)
+        if target == PER_PROGRAM:
+            dw_out, db_out, both = _partial_rows(ctx, dw, db, n_programs, rows.row_len)
+        else:
+            dw_out, db_out = (None if target is None else dw), (None if target is None else db)
         launches = []
         if dx is not None or fused:
             args = ArgVisitor().visit(
@@ -691,9 +690,7 @@ class NormOp(RuntimeOp):
             launch_block = _launch_block(norm_backward, block, rows_per_tile * block, 512)
             launches.append(Launch(norm_backward, (n_programs,), args, launch_block))
         if fused and target == PER_PROGRAM:
-            for grad, partial in ((dw, dw_out), (db, db_out)):
-                if grad is not None:
-                    launches += sum_partials(partial, grad)
+            launches += _sum_partial_rows(dw, db, dw_out, db_out, both)
         if target is None and (dw is not None or db is not None):
             launches += self._weight_backward(ctx, rows, dw, db)
         return launches
@@ -705,9 +702,7 @@ class NormOp(RuntimeOp):
         n_partials = cdiv(outer, ROWS_PER_WEIGHT_PROGRAM)
         block_s = min(pow2(spatial), 256)
         block_c = max(1, min(pow2(channels), 2048 // block_s, 1024))
-        dw_partial, db_partial = (
-            ctx.empty((n_partials, channels), acc_dtype(ctx.dtype)) if g is not None else None for g in (dw, db)
-        )
+        dw_partial, db_partial, both = _partial_rows(ctx, dw, db, n_partials, channels)
         args = ArgVisitor().visit(
             x_ptr=x,
             dy_ptr=ctx.grad_output,
@@ -726,10 +721,25 @@ class NormOp(RuntimeOp):
             **_dy_layout(ctx),
         )
         launches = [Launch(norm_weight_backward, (n_partials, cdiv(channels, block_c)), args)]
-        for grad, partial in ((dw, dw_partial), (db, db_partial)):
-            if grad is not None:
-                launches += sum_partials(partial, grad)
-        return launches
+        return launches + _sum_partial_rows(dw, db, dw_partial, db_partial, both)
+
+
+def _partial_rows(ctx: OpContext, dw, db, n: int, channels: int) -> tuple:
+    """Float32 (float64) buffers of n partial rows for dw and for db (None where that gradient
+    is not wanted), and, when both are, the one (2, n, channels) buffer they are halves of."""
+    dtype = acc_dtype(ctx.dtype)
+    if dw is not None and db is not None:
+        both = ctx.empty((2, n, channels), dtype)
+        return both[0], both[1], both
+    return *(ctx.empty((n, channels), dtype) if g is not None else None for g in (dw, db)), None
+
+
+def _sum_partial_rows(dw, db, dw_partial, db_partial, both) -> list[Launch]:
+    """dw and db from their partial rows (``_partial_rows``): both in one launch when both are wanted."""
+    if both is not None:
+        return sum_partials(both, dw, db)
+    return [launch for grad, rows in ((dw, dw_partial), (db, db_partial)) if grad is not None
+            for launch in sum_partials(rows, grad)]  # fmt: skip
 
 
 class LayerNormOp(NormOp):
