@@ -14,7 +14,8 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   teeny call of three nodes, so one autograd node and one replay, not three), GPT-2's
   attention (``c_attn``, causal attention reading the heads' q, k, v in place from its output,
   ``c_proj``: one teeny call, no head-split copies; a cache, a padding mask, cross-attention or
-  attention dropout runs transformers' own code) and gated MLPs
+  attention dropout runs transformers' own code; under torch.compile the ``GPT2Model`` around
+  the layers, swapped too, tells them when the mask it builds is the causal one) and gated MLPs
   (``gate_proj``/``up_proj``/``down_proj`` with a SiLU ``act_fn``: one fused SwiGLU pair).
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
