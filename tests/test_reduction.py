@@ -475,6 +475,9 @@ def test_two_sums_of_partials_in_one_launch(monkeypatch, splits, m, dtype):
             launch_kernel(launch, dtype, "test")
         torch.testing.assert_close(out, both[0].sum(0), **tol)
         torch.testing.assert_close(second, both[1].sum(0), **tol)
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(ValueError, match="one dtype"):  # dw and db of one norm share a dtype
+        common.sum_partials(both, out, torch.empty(m, dtype=other, device=teeny.DEVICE))
 
 
 @pytest.mark.parametrize("splits,steps,width", [(40, 1, 16), (300, 2, 64)])

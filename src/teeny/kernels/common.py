@@ -296,6 +296,11 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor, second: torch.Tensor
     would take one pass."""
     if second is not None:
         _, splits, m = partials.shape
+        if second.dtype != out.dtype or second.numel() != m or out.numel() != m:
+            raise ValueError(
+                f"sum_partials: two sums of {m} targets go into two tensors of {m} elements and one dtype, "
+                f"not {tuple(out.shape)} {out.dtype} and {tuple(second.shape)} {second.dtype}"
+            )
         block_m, block_r, ranges = _partials_tiles(splits, 2 * m)
         if ranges >= 2:
             return sum_partials(partials[0], out) + sum_partials(partials[1], second)
