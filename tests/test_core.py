@@ -244,6 +244,63 @@ def test_a_gradient_shared_by_two_inputs_is_not_written_over():
     torch.testing.assert_close(grads["b"].cpu(), br.grad)
 
 
+def _residual_graph(shared_with_another_input: bool) -> Graph:
+    """s = x + r read by a layer_norm (fused with the add: input 0 of its AddNormOp) and by a later
+    add; with ``shared_with_another_input`` s first feeds t = s + exp(a), whose backward hands one
+    dy to s and to exp(a), whose own backward runs after the norm's."""
+    g = Graph()
+    x, r, a = (g.input(n, (6, 37), dtype=torch.float64, requires_grad=True) for n in "xra")
+    w = g.input("w", (37,), dtype=torch.float64, requires_grad=True)
+    u = ops.exp(a)
+    s = ops.add(x, r)
+    y = ops.layer_norm(s, [37], w, None)
+    t = ops.add(s, u) if shared_with_another_input else s
+    g.output(
+        ops.mul(ops.add(t, ops.gelu(y)), g.constant(torch.linspace(-2, 2, 6 * 37, dtype=torch.float64).reshape(6, 37)))
+    )
+    return g
+
+
+@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_norm_adds_its_input_gradient_to_the_one_waiting(monkeypatch, shared, looped, gen):
+    """A residual stream read by a norm and by a later add: the norm's backward adds its dx to the
+    gradient the add left (``grad_accumulates``), and no accumulate launch sums the two, unless
+    that gradient is shared with one still waiting (the add's dy handed to two inputs), which it
+    must not write over. The gradients are torch's either way (float64), with rows in one block
+    and (``looped``) in blocks of 16."""
+    from teeny import executor as executor_module
+    from teeny.kernels import norm
+    from teeny.kernels.norm import NormOp
+
+    if looped:
+        monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+
+    sums = []
+    original = executor_module.accumulate
+    monkeypatch.setattr(executor_module, "accumulate", lambda *a: (sums.append(1), original(*a))[1])
+    feed = {n: torch.randn(6, 37, generator=gen, dtype=torch.float64) for n in "xra"}
+    feed["w"] = torch.randn(37, generator=gen, dtype=torch.float64)
+    results = {}
+    for adds in (True, False):
+        monkeypatch.setattr(NormOp, "grad_accumulates", adds)
+        sums.clear()
+        ex = teeny.Executor(lower(_residual_graph(shared), LoweringMode.TRAINING))
+        seed = torch.ones(6, 37, dtype=torch.float64, device=teeny.DEVICE)
+        results[adds] = ex.backward(ex.forward_train(feed)[1], seed)
+        assert len(sums) == (1 if shared or not adds else 0), (shared, adds)
+        assert torch.equal(seed, torch.ones_like(seed))
+    ref = {n: t.clone().requires_grad_() for n, t in feed.items()}
+    s = ref["x"] + ref["r"]
+    t = s + torch.exp(ref["a"]) if shared else s
+    y = torch.nn.functional.layer_norm(s, [37], ref["w"])
+    const = torch.linspace(-2, 2, 6 * 37, dtype=torch.float64).reshape(6, 37)
+    ((t + torch.nn.functional.gelu(y)) * const).sum().backward()
+    for n in "xraw" if shared else "xrw":
+        for adds in (True, False):
+            torch.testing.assert_close(results[adds][n].cpu(), ref[n].grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
 def test_fan_out_gradients_are_summed():
     g = Graph()
     x = g.input("x", (3, 37), requires_grad=True)

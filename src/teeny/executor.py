@@ -458,7 +458,8 @@ class Executor:
         """A buffer nothing else needs that input 0's gradient may be written into, or None:
         ``grad_out`` for an op with ``grad_in_place``, when nothing else holds it; input 0 itself
         for an op with ``grad_over_input``, when it was recomputed for this node (``index``) and this
-        is its last reader's backward."""
+        is its last reader's backward; for an op with ``grad_accumulates``, the gradient that
+        input 0's other readers left, when nothing else holds it (the op adds to it)."""
         node = p.node
         v = node.inputs[0] if node.inputs else None
         if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
@@ -467,6 +468,11 @@ class Executor:
             return grad_out if _held_only_here(grad_out, seed, grads) else None
         if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
             return entry["inputs"][0]
+        waiting = grads.get(v.id)
+        if p.op.grad_accumulates and waiting is not None and (waiting.shape, waiting.dtype) == (v.shape, v.dtype):
+            others = {k: g for k, g in grads.items() if k != v.id}
+            others[node.output.id] = grad_out  # read by this backward: not to be written over
+            return waiting if _held_only_here(waiting, seed, others) else None
         return None
 
     def _node_backward(
@@ -486,6 +492,8 @@ class Executor:
         ctx.grad_output = grad_out
         ctx.grad_output_row_stride = row_stride(grad_out)
         buffers = []
+        if input_grad_buffer is not None and input_grad_buffer is grads.get(node.inputs[0].id):
+            ctx.accumulate_grad_input = True  # the op adds its gradient to the one waiting: no sum launch after
         for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
@@ -520,9 +528,10 @@ class Executor:
                     accumulate(target, g.contiguous(), target)
                 self._zeroed.discard(v.id)
             elif v.id in grads:
-                total = self._alloc(v.shape, v.dtype)
-                accumulate(grads[v.id], g.contiguous(), total)
-                grads[v.id] = total
+                if g is not grads[v.id]:  # (else the op added its gradient to it: accumulate_grad_input)
+                    total = self._alloc(v.shape, v.dtype)
+                    accumulate(grads[v.id], g.contiguous(), total)
+                    grads[v.id] = total
             else:
                 grads[v.id] = g
 
@@ -556,10 +565,15 @@ def _held_only_here(grad_out: torch.Tensor, seed: torch.Tensor, grads: dict[int,
         or grad_out.untyped_storage().nbytes() != grad_out.numel() * grad_out.element_size()
     ):
         return False
-    storage = grad_out.untyped_storage().data_ptr()
-    return storage != seed.untyped_storage().data_ptr() and all(
-        g.untyped_storage().data_ptr() != storage for g in grads.values()
-    )
+    storage = _storage_id(grad_out)
+    return storage != _storage_id(seed) and all(_storage_id(g) != storage for g in grads.values())
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of: the same for every view of one storage, on meta tensors
+    too (whose addresses are all 0), so that a program captured on meta (``teeny.aot``) takes
+    the decisions it takes on the GPU."""
+    return t.untyped_storage()._cdata
 
 
 def _check_versions(cache: ActivationCache) -> None:

@@ -14,9 +14,8 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
   downstream (the residual stream of a pre-norm transformer) becomes one norm launch that reads
   a and b, writes the sum and y (``norm.AddNormOp``); the add keeps its node, and its backward,
   but launches nothing (``norm.ResidualSumOp``). Per residual: one launch and one full read
-  fewer. (The backward still sums the two gradients arriving at the sum with the executor's
-  accumulate launch: folding that into the norm's backward needs a way for an op to read the
-  gradient accumulated so far, which the executor does not offer.)
+  fewer. The backward adds the norm's dx to the gradient the residual path left
+  (``RuntimeOp.grad_accumulates``): no accumulate launch sums the two.
 * ``attention_in_place``: the transposes that split the heads of q, k and v before an attention,
   and merge them after it, are left out: the attention reads and writes (batch, length, heads,
   dim) tensors through strides (``attention.AttentionOp(layout="blhd")``).

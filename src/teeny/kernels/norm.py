@@ -129,11 +129,13 @@ def norm_backward(
     STATS: tl.constexpr,
     AFFINE_GRAD: tl.constexpr,
     DY_ROW_LEN: tl.constexpr,
+    ADD_TO_DX: tl.constexpr,
     COMPUTE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (when dx_ptr is given),
+    """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (when dx_ptr is given;
+    ADD_TO_DX: added to what dx holds, the gradient of x's other readers),
     and dw/db (when given) PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over
     its rows of dy * xhat; needs ROW_LEN <= BLOCK and COLUMN_CHANNEL). Centred (mean_ptr given)
     or not (rms_norm)."""
@@ -184,6 +186,8 @@ def norm_backward(
                         dx = rstd * (g - xhat * mean_g_xhat)
                 else:
                     dx = rstd * g
+                if ADD_TO_DX:
+                    dx += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if dw_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(dw_ptr + rows, tl.sum(dy * xhat, 1).to(dw_ptr.dtype.element_ty), mask=row_mask)
@@ -254,6 +258,8 @@ def norm_backward(
                             dx = rstd * (g - xhat * mean_g_xhat)
                     else:
                         dx = rstd * g
+                    if ADD_TO_DX:
+                        dx += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if dw_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
         tl.store(dw_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(dw_acc, 0), mask=col_mask)
@@ -557,6 +563,7 @@ class NormOp(RuntimeOp):
     kernel = norm_forward
     centred = True
     strided_grad_output = True  # the backward reads dy in place from a row-strided gradient
+    grad_accumulates = True  # dx added to the gradient of x's other readers (a residual stream's)
 
     def __init__(self, name: str, eps: float, has_weight: bool, has_bias: bool, n_running: int = 0):
         self.name, self.eps = name, float(eps)
@@ -682,6 +689,7 @@ class NormOp(RuntimeOp):
                 tiles_per_program=tiles_per_program,
                 STATS=self.stats_source(),
                 AFFINE_GRAD=target if target is not None else PER_ROW,  # unused without dw_ptr / db_ptr
+                ADD_TO_DX=dx is not None and ctx.accumulate_grad_input,
                 COMPUTE=tl_acc_dtype(ctx.dtype),
                 ROWS=rows_per_tile,
                 **rows.index_args(),
