@@ -96,7 +96,7 @@ def measure(number: int, repeat: int) -> dict[str, float]:
     values = teeny.runtime.check_packing(launch.kernel, launch.args, "bench", 1024)
 
     def cache_and_backward():
-        outs, cache = ex.forward_train({"arg0": x.detach()})
+        outs, cache = ex.forward_train({entry.input_names[0]: x.detach()})
         ex.backward(cache, seed)
 
     def entry_both():
@@ -112,7 +112,7 @@ def measure(number: int, repeat: int) -> dict[str, float]:
         "  library composite + below (grad mode)": lambda: torch.ops.teeny.gelu(x),
         "  bridge.call + below": lambda: bridge.call(entry, [x]),
         "  Compiled.forward + below": lambda: entry.forward([x.detach()]),
-        "  Executor.forward_train + below": lambda: ex.forward_train({"arg0": x.detach()}),
+        "  Executor.forward_train + below": lambda: ex.forward_train({entry.input_names[0]: x.detach()}),
         "  node launches (context, packing, run_launch) + below": node_launches,
         "  KernelInstance.launch (stubbed below it)": lambda: instance.launch((1, 1, 1), values),
         "  Compiled.forward + Compiled.backward": entry_both,

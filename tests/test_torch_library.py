@@ -204,6 +204,14 @@ def test_a_graph_compiled_against_other_teeny_code_is_compiled_again(tmp_path):
     assert untagged.returncode != 0 and "is from another version of teeny" in untagged.stderr
 
 
+def test_a_wrong_argument_is_named_as_the_schema_names_it():
+    """The op's error names the tensor by its argument name, not by its place in the trace."""
+    from teeny.graph import GraphError
+
+    with pytest.raises(GraphError, match=r"parameter 'weight' has shape \(4,\), expected \(5,\)"):
+        torch.ops.teeny.rms_norm(torch.randn(3, 5), [5], torch.randn(4), 1e-6)
+
+
 # ------------------------------------------------------------------- autograd semantics
 
 

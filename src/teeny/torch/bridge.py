@@ -262,7 +262,9 @@ def _compile(
             index = len(flat)
             flat.append(a)
             wants = bool(wants_grad[index]) and a.is_floating_point()
-            return graph.input(f"arg{index}", tuple(a.shape), a.dtype, requires_grad=wants)
+            named = input_labels is not None and index < len(input_labels)
+            name = input_labels[index] if named else f"arg{index}"  # as the op's errors name it
+            return graph.input(name, tuple(a.shape), a.dtype, requires_grad=wants)
         if isinstance(a, (list, tuple)):
             return type(a)(symbolic(b) for b in a)
         return a
