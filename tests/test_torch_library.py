@@ -245,6 +245,78 @@ def test_double_backward_names_the_op():
         torch.autograd.grad(y, x, create_graph=True)
 
 
+def test_torch_func_transforms_are_refused_by_name_and_vmap_works():
+    """torch.func's differentiating transforms hand the op wrapped tensors: a TeenyError naming
+    the op says so (before: torch's note about an autograd.Function's setup_context). vmap of a
+    registered op runs it once per sample, backward included; vmap over ``apply`` is refused."""
+    from teeny.runtime import TeenyError
+    from teeny.torch import apply
+    from teeny.torch.nn import Linear
+
+    x = torch.randn(3, 7, dtype=torch.float64)
+    refused = "torch.func transforms .* are not supported"
+    with pytest.raises(TeenyError, match=f"teeny op gelu: {refused}"):
+        torch.func.grad(lambda t: torch.ops.teeny.gelu(t).sum())(x)
+    with pytest.raises(TeenyError, match=f"teeny op gelu: {refused}"):
+        torch.func.vjp(torch.ops.teeny.gelu, x)
+    layer = Linear(7, 4, dtype=torch.float64)
+    params = dict(layer.named_parameters())
+    with pytest.raises(TeenyError, match=f"teeny op linear: {refused}"):
+        torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params)
+    with pytest.raises(TeenyError, match=refused):
+        torch.vmap(lambda row: apply(lambda r: ops.softmax(r, 0), row))(x)
+
+    reference = torch.nn.Linear(7, 4, dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    out = torch.vmap(layer, in_dims=1)(x.T)  # torch's batching fallback: a loop over the samples
+    out.square().sum().backward()
+    torch.vmap(reference, in_dims=1)(x.T).square().sum().backward()
+    torch.testing.assert_close(out, reference(x))
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+
+
+def test_meta_tensors_give_shapes_forwards_and_backwards():
+    """On meta tensors an op runs its fake implementation, as torch's own ops do: a model built
+    under ``torch.device("meta")`` runs forwards and backwards for shapes, then takes real
+    storage with ``to_empty`` and ``reset_parameters`` and computes what torch does."""
+    from teeny.torch import nn as tnn
+
+    x = torch.randn(4, 5, device="meta", requires_grad=True)
+    torch.ops.teeny.layer_norm(x, [5]).sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == (4, 5)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(tnn.Linear(5, 7), tnn.GELU(), tnn.LayerNorm(7), tnn.Linear(7, 2))
+    out = model(torch.randn(3, 5, device="meta"))
+    out.sum().backward()
+    assert out.shape == (3, 2) and model[0].weight.grad.shape == (7, 5)
+    model.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")
+    for layer in model:
+        if hasattr(layer, "reset_parameters"):
+            layer.reset_parameters()
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.LayerNorm(7), torch.nn.Linear(7, 2)
+    )
+    reference.load_state_dict(model.state_dict())
+    real = torch.randn(3, 5)
+    torch.testing.assert_close(model(real), reference(real))
+
+
+def test_an_inference_tensor_in_a_call_that_records_a_gradient_is_named():
+    """Under inference mode the op runs; a tensor made there and fed to a call that saves it for
+    the backward is named (before: "Inference tensors do not track version counter")."""
+    from teeny.runtime import TeenyError
+
+    with torch.inference_mode():
+        x = torch.randn(4, 5)
+        assert torch.ops.teeny.linear(x, torch.randn(3, 5)).is_inference()
+    w = torch.randn(3, 5, requires_grad=True)
+    with pytest.raises(TeenyError, match="input 'input' is an inference tensor"):
+        torch.ops.teeny.linear(x, w)
+    torch.ops.teeny.linear(x.clone(), w).sum().backward()  # the clone is a normal tensor
+    torch.testing.assert_close(w.grad, x.sum(0).expand(3, 5))
+
+
 def test_autocast_bf16_in_bf16_out():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 8, generator=gen).to(torch.bfloat16)

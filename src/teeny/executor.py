@@ -407,7 +407,18 @@ class Executor:
                 source = sources.get(t.untyped_storage().data_ptr()) if t.numel() else None
                 if source is None and value is not None and value.kind == "node":
                     source = f"the output '{value.name}' of node '{value.producer.name}'"
-                recorded.append((t, t._version, source or f"a tensor saved by node '{node.name}'"))
+                described = source or f"a tensor saved by node '{node.name}'"
+                try:
+                    version = t._version
+                except RuntimeError:
+                    if not t.is_inference():
+                        raise
+                    raise TeenyError(  # it has no version counter: a change before the backward would go unseen
+                        f"{described} is an inference tensor (made under torch.inference_mode()), which the "
+                        "backward cannot keep: make it under torch.no_grad() instead, or pass a clone made "
+                        "outside inference mode"
+                    ) from None
+                recorded.append((t, version, described))
         return recorded
 
     def _seed(self, loss: Value, grad_output: torch.Tensor | None) -> torch.Tensor:

@@ -613,18 +613,35 @@ class _EagerRun(torch.autograd.Function):
 
 
 def _eager(tensors: Sequence[torch.Tensor]) -> bool:
-    """Plain tensors outside any tracing (torch.compile, make_fx, fake or functional tensors,
-    dispatch modes such as opcheck's): the call can skip the operators' dispatch."""
+    """Plain tensors with data, outside any tracing (torch.compile, make_fx, fake or functional
+    tensors, dispatch modes such as opcheck's): the call can skip the operators' dispatch. Meta
+    tensors go through the operators, whose fake implementations give their outputs' shapes."""
     return (
         not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
-        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta for t in tensors)
     )
+
+
+def _refuse_functorch_wrappers(entry: Compiled, tensors: Sequence[torch.Tensor]) -> None:
+    """torch.func's differentiating transforms (grad, vjp, jvp, jacrev, hessian) hand the op
+    wrapped tensors, and so does torch.vmap when it reaches ``apply``: teeny's kernels read the
+    data behind a tensor, which a wrapper does not expose. (torch.vmap of a registered op never
+    gets here: it runs the op once per sample, on plain tensors.)"""
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        raise TeenyError(
+            f"{entry.label}: torch.func transforms (grad, vjp, jvp, jacrev, hessian; vmap over "
+            "teeny.torch.apply) are not supported: they pass wrapped tensors, whose data teeny's kernels cannot "
+            "read. Differentiate with torch.autograd.grad or .backward(); torch.vmap of a torch.ops.teeny "
+            "operator works (it runs the operator once per sample)"
+        )
 
 
 def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run ``entry`` through the operators (differentiably where it was lowered for training);
     in eager mode on plain tensors through ``_EagerRun``, which computes the same."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        _refuse_functorch_wrappers(entry, tensors)
     if not _eager(tensors):
         results = torch.ops.teeny.run_forward(entry.key, list(tensors))
     elif entry.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
