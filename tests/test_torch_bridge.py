@@ -76,6 +76,34 @@ def test_apply_refuses_a_backward_after_its_output_changed_in_place():
         y.sum().backward()
 
 
+def test_a_kept_view_of_a_tensor_the_backward_has_anyway_is_made_again_not_returned_twice():
+    """linear keeps its input, here a reshape of what softmax keeps (its output) or of the
+    function's own input: the backward makes the view again from that tensor instead of the
+    forward returning it as one more tensor, which would be a copy (an operator's outputs may
+    not alias each other or its inputs)."""
+    x, w = _x(3, 4, 6), _x(5, 24, seed=1)
+    cases = {
+        "of softmax's output": (lambda a, b: ops.linear(ops.reshape(ops.softmax(a, -1), (3, 24)), b), 1),
+        "of the input": (lambda a, b: ops.linear(ops.reshape(a, (3, 24)), b), 0),
+    }
+    references = {
+        "of softmax's output": lambda a, b: torch.nn.functional.linear(torch.softmax(a, -1).reshape(3, 24), b),
+        "of the input": lambda a, b: torch.nn.functional.linear(a.reshape(3, 24), b),
+    }
+    for name, (fn, n_extras) in cases.items():
+        x.grad = w.grad = None
+        apply(fn, x, w).square().sum().backward()
+        entry = next(reversed(bridge._ENTRIES.values()))
+        assert len(entry.extras) == n_extras and len(entry.views) == 1, name
+        expected = torch.autograd.grad(references[name](x, w).square().sum(), (x, w))
+        torch.testing.assert_close((x.grad, w.grad), expected)
+    y = apply(cases["of the input"][0], x, w)  # the view is made from the input itself: a change to it is seen
+    with torch.no_grad():
+        x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
 # ------------------------------------------------------------------- repeated and double backward (item 5)
 
 

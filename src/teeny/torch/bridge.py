@@ -13,8 +13,11 @@ the *extras*: the tensors the backward kernels need that are neither an input no
 for the backward are exactly the tensors the ops' pairs declare (``saves_inputs``,
 ``saves_output``, ``extra_outputs``): the inputs and outputs among them through
 ``save_for_backward`` (so PyTorch's version counters catch an in-place change between forward
-and backward), the rest as extras. The backward operator rebuilds the ``ActivationCache`` from
-them and runs teeny's backward kernels; a backward may run any number of times
+and backward), the rest as extras, except a view of a tensor the backward has anyway (the
+attention's output with its heads merged for the projection after it), which the backward
+makes again (``Slot("view")``) rather than the forward returning it twice, as a copy. The
+backward operator rebuilds the ``ActivationCache`` from them and runs teeny's backward
+kernels; a backward may run any number of times
 (``retain_graph=True``). The backward operator has no backward: ``create_graph=True`` through a
 teeny op raises an error naming the op. In plain eager mode (real tensors, nothing tracing)
 ``call`` skips the two operators' dispatch and runs the same entry through ``_EagerRun``, an
@@ -58,8 +61,9 @@ CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicte
 @dataclass(frozen=True)
 class Slot:
     """Where a tensor of the rebuilt ``ActivationCache`` comes from: a flat ``input``, a
-    program ``output``, an ``extra`` returned by the forward, or a ``const`` / ``param`` the
-    executor holds (``index`` is then the value id)."""
+    program ``output``, an ``extra`` returned by the forward, a ``const`` / ``param`` the
+    executor holds (``index`` is then the value id), or a ``view`` (``index`` into
+    ``Compiled.views``) rebuilt in the backward from another slot by the view ops that made it."""
 
     kind: str
     index: int
@@ -81,6 +85,7 @@ class Compiled:
     layout: list[tuple[int, list[Slot | None], Slot | None, dict[str, Slot]]]  # node id, inputs, output, saved
     saved_inputs: tuple[int, ...]
     saved_outputs: tuple[int, ...]
+    views: list[tuple[Slot, list]]  # per view slot: (the slot it is a view of, the view ops from there)
     pieces: list[tuple]  # per user output: ("direct", j) or ("flat", offset, shape)
     container: type | None  # tuple / list when the function returned several tensors
     keep_alive: tuple = ()  # objects whose identity the key uses (an apply key holds them)
@@ -98,10 +103,18 @@ class Compiled:
             **{("extra", k): n_in + n_out + k for k in range(len(self.extras))},
         }
         self._fixed_tensors: list[torch.Tensor] = []  # after the saved tensors in the backward's pool
+        self._view_steps: list[tuple[int, list]] = []  # after those: (base position, view ops) per view slot
+        view_positions: dict[int, int] = {}
 
         def position(slot: Slot | None) -> int | None:
             if slot is None:
                 return None
+            if slot.kind == "view":
+                if slot.index not in view_positions:
+                    base, ops = self.views[slot.index]
+                    self._view_steps.append((position(base), ops))
+                    view_positions[slot.index] = -len(self._view_steps)  # numbered once the fixed ones are known
+                return view_positions[slot.index]
             if slot.kind in ("const", "param"):
                 if slot.kind == "const":
                     tensor = self.consts[slot.index]
@@ -111,9 +124,18 @@ class Compiled:
                 return n_in + n_out + len(self.extras) + len(self._fixed_tensors) - 1
             return positions[(slot.kind, slot.index)]
 
-        self._pool_slots = [
+        pool_slots = [
             (node_id, [position(s) for s in in_slots], position(out_slot), {n: position(s) for n, s in saved.items()})
             for node_id, in_slots, out_slot, saved in self.layout
+        ]
+        first_view = n_in + n_out + len(self.extras) + len(self._fixed_tensors)
+
+        def placed(k: int | None) -> int | None:
+            return first_view - k - 1 if k is not None and k < 0 else k
+
+        self._pool_slots = [
+            (node_id, [placed(k) for k in ins], placed(out), {n: placed(k) for n, k in saved.items()})
+            for node_id, ins, out, saved in pool_slots
         ]
         blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.tape)
         self._forward_replay = Replayed(self._run_forward, blocked)
@@ -175,6 +197,11 @@ class Compiled:
         ex = self.executor
         here = ex.device
         pool = [*(t.to(here).contiguous() for t in saved), *self._fixed_tensors]
+        for base, view_ops in self._view_steps:  # views of saved tensors, made again rather than kept twice
+            t = pool[base]
+            for op in view_ops:
+                t = op.view([t])
+            pool.append(t)
         cache = ActivationCache()
         for node_id, in_slots, out_slot, saved_slots in self._pool_slots:
             cache.entries[node_id] = {
@@ -313,7 +340,9 @@ def _compile(
     input_names = [v.name for v in graph.inputs]
     labels = list(input_labels) if input_labels is not None else [f"argument {i}" for i in range(len(flat))]
     grad_inputs = tuple(i for i, v in enumerate(graph.inputs) if v.requires_grad and executor.training)
-    layout, extras, saved_inputs, saved_outputs = _layout(program, graph) if executor.training else ([], [], (), ())
+    layout, extras, saved_inputs, saved_outputs, views = (
+        _layout(program, graph) if executor.training else ([], [], (), (), [])
+    )
     return Compiled(
         key=key,
         label=label,
@@ -327,6 +356,7 @@ def _compile(
         layout=layout,
         saved_inputs=saved_inputs,
         saved_outputs=saved_outputs,
+        views=views,
         pieces=pieces,
         container=container,
         keep_alive=keep_alive,
@@ -335,15 +365,48 @@ def _compile(
 
 
 def _layout(program, graph: Graph):
-    """Where each tensor the backward reads comes from (see ``Slot``)."""
+    """Where each tensor the backward reads comes from (see ``Slot``). A kept value that a view
+    op made of a value the backward has anyway (an input, a parameter, an output, another kept
+    value: the attention's output and its heads merged for the projection after it) is a view
+    slot: returned once by the forward, not twice (the operator's outputs may not alias each
+    other, so the second would be a copy)."""
     input_index = {v.id: i for i, v in enumerate(graph.inputs)}
     output_index = {v.id: j for j, v in enumerate(program.outputs)}
     extras: list[tuple[tuple[int, ...], torch.dtype]] = []
     by_value: dict[int, Slot] = {}
     saved_inputs: set[int] = set()
     saved_outputs: set[int] = set()
+    views: list[tuple[Slot, list]] = []
+    view_nodes = {p.node.id for p in program.nodes if p.is_view}
+    written = {graph.inputs[i].id for i in _mutated_inputs(program, graph)}  # new values copied back after the call
+    kept = set()  # the values some backward reads
+    for p in program.nodes:
+        if p.needs_backward:
+            kept.update(v.id for v, keep in zip(p.node.inputs, p.saved_inputs) if keep)
+            if p.node.op.saves_output:
+                kept.add(p.node.output.id)
+
+    def view_chain(v: Value) -> tuple[Value, list] | None:
+        """(the value ``v`` is a view of, the view ops from it to ``v``) where that value is
+        in the backward's pool anyway; else None."""
+        ops = []
+        while v.producer is not None and v.producer.id in view_nodes and v.id not in output_index:
+            ops.append(v.producer.op)
+            v = v.producer.inputs[0]
+            if v.id in written:
+                return None
+            if v.kind != "node" or v.id in output_index or v.id in kept:
+                return v, ops[::-1]
+        return None
 
     def slot_of(v: Value) -> Slot:
+        if v.id in by_value:
+            return by_value[v.id]
+        chain = view_chain(v)
+        if chain is not None:
+            by_value[v.id] = Slot("view", len(views))
+            views.append((slot_of(chain[0]), chain[1]))
+            return by_value[v.id]
         if v.id in output_index:
             saved_outputs.add(output_index[v.id])
             return Slot("output", output_index[v.id])
@@ -352,9 +415,8 @@ def _layout(program, graph: Graph):
             return Slot("input", input_index[v.id])
         if v.kind in ("const", "param"):
             return Slot(v.kind, v.id)
-        if v.id not in by_value:
-            by_value[v.id] = Slot("extra", len(extras))
-            extras.append((tuple(v.shape), v.dtype))
+        by_value[v.id] = Slot("extra", len(extras))
+        extras.append((tuple(v.shape), v.dtype))
         return by_value[v.id]
 
     layout = []
@@ -369,7 +431,7 @@ def _layout(program, graph: Graph):
             saved[name] = Slot("extra", len(extras))
             extras.append((tuple(shape), dtype))
         layout.append((node.id, in_slots, out_slot, saved))
-    return layout, extras, tuple(sorted(saved_inputs)), tuple(sorted(saved_outputs))
+    return layout, extras, tuple(sorted(saved_inputs)), tuple(sorted(saved_outputs)), views
 
 
 def _mutated_inputs(program, graph: Graph) -> tuple[int, ...]:
