@@ -171,6 +171,57 @@ def test_rms_norm_default_eps_is_dtype_eps():
     torch.testing.assert_close(ours, F.rms_norm(x.float(), (4,)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "add + layer_norm"])
+def test_out_dtype_writes_the_rounded_result_and_reads_its_gradient_in_that_dtype(case, out_dtype, gen):
+    """A float32 norm with ``out_dtype`` writes exactly torch's float32 result cast to it (one
+    rounding, no cast launch after it) and takes its gradient in that dtype; x's and the affine
+    gradients stay float32 and match torch autograd through the cast. Behind a residual add,
+    ``fuse_residual_norm``'s fused op keeps the out_dtype."""
+    x, r = torch.randn(37, 48, generator=gen), torch.randn(37, 48, generator=gen)
+    w, b = torch.randn(48, generator=gen), torch.randn(48, generator=gen)
+    dy = torch.randn(37, 48, generator=gen).to(out_dtype)
+    if case == "rms_norm":
+        ours = lambda x, r, w, b: norm.rms_norm(x, 48, w, 1e-6, out_dtype=out_dtype)  # noqa: E731
+        reference = lambda x, r, w, b: F.rms_norm(x, (48,), w, 1e-6)  # noqa: E731
+    elif case == "layer_norm":
+        ours = lambda x, r, w, b: norm.layer_norm(x, 48, w, b, out_dtype=out_dtype)  # noqa: E731
+        reference = lambda x, r, w, b: F.layer_norm(x, (48,), w, b)  # noqa: E731
+    else:  # the sum is read again downstream, so the norm fuses with the add
+
+        def ours(x, r, w, b):
+            s = x + r
+            return norm.layer_norm(s, 48, w, b, out_dtype=out_dtype) + s.to(out_dtype) * 0.0
+
+        reference = lambda x, r, w, b: F.layer_norm(x + r, (48,), w, b)  # noqa: E731
+    g = Graph()
+    inputs = [g.input(n, t.shape, torch.float32, requires_grad=True) for n, t in zip("xrwb", (x, r, w, b))]
+    y = ours(*inputs)
+    assert y.dtype == out_dtype
+    g.output(y)
+    program = lower(g, LoweringMode.TRAINING)
+    if case == "add + layer_norm":
+        assert any(type(p.node.op) is norm.AddNormOp and p.node.op.out_dtype == out_dtype for p in program.nodes)
+    ex = Executor(program)
+    out, cache = ex.forward_train(dict(zip("xrwb", (x, r, w, b))))
+    grads = ex.backward(cache, dy)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    expected = reference(*leaves).to(out_dtype)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same rounding of the same float32 value
+    expected.backward(dy)
+    for name, leaf in zip("xrwb", leaves):
+        if leaf.grad is not None:
+            assert grads[name].dtype == torch.float32
+            torch.testing.assert_close(grads[name], leaf.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_out_dtype_must_be_a_float_and_the_input_dtype_is_the_plain_op():
+    with pytest.raises(TypeError, match="layer_norm: out_dtype must be a floating-point dtype, got int32"):
+        _trace(lambda x: norm.layer_norm(x, (3,), out_dtype=torch.int32), (2, 3))
+    y = _trace(lambda x: norm.rms_norm(x, (3,), out_dtype=torch.float32), (2, 3))
+    assert y.value.producer.op.out_dtype is None
+
+
 def _trace(fn, *shapes, dtype=torch.float32):
     g = Graph()
     return fn(*[g.input(f"a{i}", s, dtype) for i, s in enumerate(shapes)])

@@ -200,6 +200,46 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_pre_norms_write_the_autocast_dtype_that_the_products_after_them_read(family):
+    """Under autocast the norms a block hands straight to its products (GPT-2's ln_1 and ln_2,
+    Llama's input and post-attention norms) write bf16 themselves, since those products cast
+    their input to it first anyway: no cast launch after the norm, nor before its backward.
+    Without autocast they stay float32; the final norm (whose output the model returns) is not
+    marked. Losses and gradients match the unpatched model under autocast, eager and compiled
+    (fullgraph, GPT-2)."""
+    ref = _gpt2(torch.float32) if family == "gpt2" else _llama(torch.float32)
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    if family == "gpt2":
+        blocks, norms, final = model.transformer.h, ("ln_1", "ln_2"), model.transformer.ln_f
+    else:
+        blocks, norms, final = model.model.layers, ("input_layernorm", "post_attention_layernorm"), model.model.norm
+    assert len(report.autocast_norms) == 2 * len(blocks) and not getattr(final, "autocast_output", False)
+    seen = []
+    for block in blocks:
+        for name in norms:
+            getattr(block, name).register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    ids = _batches(1)[0]
+    model(ids, labels=ids)
+    assert seen and set(seen) == {torch.float32}
+    seen.clear()
+    runs = [model, torch.compile(model, fullgraph=True, backend="aot_eager")] if family == "gpt2" else [model]
+    for run in [ref, *runs]:
+        run.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(ids, labels=ids).loss
+        loss.backward()
+        if run is ref:
+            expected, expected_grads = loss, [p.grad for p in ref.parameters()]
+            continue
+        assert set(seen) == {torch.bfloat16}
+        torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
+        for (name, p), g in zip(model.named_parameters(), expected_grads):
+            torch.testing.assert_close(p.grad, g, atol=1e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
+    torch._dynamo.reset()
+
+
 class _PaddedLM(nn.Module):
     """A user's module around a GPT-2 that makes the padding mask itself."""
 

@@ -56,7 +56,7 @@ import triton.language as tl
 from .. import init
 from ..device import DEVICE, INTERPRETER
 from ..graph import graph_of
-from ..kernel import Kernel, kernel
+from ..kernel import Kernel, dtype_name, kernel
 from ..module import Module, Parameter
 from ..registry import OpInfo, Sample, make, register
 from ..runtime import ArgVisitor, Block, Launch, OpContext, RuntimeOp
@@ -562,6 +562,7 @@ class NormOp(RuntimeOp):
     n_activation_inputs = 1
     kernel = norm_forward
     centred = True
+    out_dtype: torch.dtype | None = None  # y's dtype when not x's (LayerNormOp's out_dtype)
     strided_grad_output = True  # the backward reads dy in place from a row-strided gradient
     grad_accumulates = True  # dx added to the gradient of x's other readers (a residual stream's)
 
@@ -588,6 +589,9 @@ class NormOp(RuntimeOp):
             raise TypeError(
                 f"{self.name} expects a floating-point input, got {str(input_dtypes[0]).replace('torch.', '')}"
             )
+
+    def output_dtype(self, input_dtypes):
+        return self.out_dtype or input_dtypes[0]
 
     def extra_outputs(self, input_shapes, dtype):
         rows = self.stats_rows(input_shapes[0]).rows
@@ -751,12 +755,16 @@ def _sum_partial_rows(dw, db, dw_partial, db_partial, both) -> list[Launch]:
 
 
 class LayerNormOp(NormOp):
-    """layer_norm / rms_norm: each row of prod(normalized_shape) trailing elements."""
+    """layer_norm / rms_norm: each row of prod(normalized_shape) trailing elements. ``out_dtype``:
+    y written in that dtype (computed as always in x's float32 or float64), dy read in it."""
 
-    def __init__(self, normalized_shape, eps, has_weight, has_bias, centred=True):
+    def __init__(self, normalized_shape, eps, has_weight, has_bias, centred=True, out_dtype=None):
         super().__init__("layer_norm" if centred else "rms_norm", eps, has_weight, has_bias)
         self.normalized_shape = tuple(normalized_shape)
         self.centred = centred
+        if out_dtype is not None and not out_dtype.is_floating_point:
+            raise TypeError(f"{self.name}: out_dtype must be a floating-point dtype, got {dtype_name(out_dtype)}")
+        self.out_dtype = out_dtype
 
     def affine_shape(self, shape):
         return self.normalized_shape
@@ -796,7 +804,7 @@ class AddNormOp(LayerNormOp):
     dims. Backward: the norm's, on s (x and residual get their gradients through the add)."""
 
     def __init__(self, norm: LayerNormOp):
-        super().__init__(norm.normalized_shape, norm.eps, norm.has_weight, norm.has_bias, norm.centred)
+        super().__init__(norm.normalized_shape, norm.eps, norm.has_weight, norm.has_bias, norm.centred, norm.out_dtype)
         self.name = f"add_{norm.name}"
 
     def param_shapes(self, input_shapes):
@@ -944,17 +952,27 @@ def _normalized_shape(normalized_shape) -> tuple[int, ...]:
     return tuple(int(s) for s in normalized_shape)
 
 
-def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
-    """Normalise over the trailing ``normalized_shape`` dims: (x - mean) / sqrt(var + eps) * weight + bias."""
-    op = LayerNormOp(_normalized_shape(normalized_shape), eps, weight is not None, bias is not None)
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
+    """Normalise over the trailing ``normalized_shape`` dims: (x - mean) / sqrt(var + eps) * weight + bias.
+    ``out_dtype``: the result's dtype, if not x's (rounded once from x's precision: a float32
+    norm whose readers take it in bf16 writes bf16, with no cast after it)."""
+    op = LayerNormOp(_normalized_shape(normalized_shape), eps, weight is not None, bias is not None,
+                     out_dtype=_other_dtype(out_dtype, x))  # fmt: skip
     return _apply(op, x, weight, bias)
 
 
-def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
-    """x / sqrt(mean(x^2) + eps) * weight over the trailing dims; eps=None: torch.finfo(x.dtype).eps."""
+def rms_norm(x, normalized_shape, weight=None, eps: float | None = None, out_dtype: torch.dtype | None = None):
+    """x / sqrt(mean(x^2) + eps) * weight over the trailing dims; eps=None: torch.finfo(x.dtype).eps.
+    ``out_dtype`` as for layer_norm."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
-    op = LayerNormOp(_normalized_shape(normalized_shape), eps, weight is not None, False, centred=False)
+    op = LayerNormOp(_normalized_shape(normalized_shape), eps, weight is not None, False, centred=False,
+                     out_dtype=_other_dtype(out_dtype, x))  # fmt: skip
     return _apply(op, x, weight)
+
+
+def _other_dtype(out_dtype: torch.dtype | None, x) -> torch.dtype | None:
+    """``out_dtype`` where it differs from x's (the same dtype: the plain op, one key)."""
+    return None if out_dtype is None or out_dtype == x.dtype else out_dtype
 
 
 def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5):

@@ -21,6 +21,11 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
   left as it is and reported.
+* **Pre-norms under autocast**: the norms a transformer block hands straight to products
+  (GPT-2's ``ln_1``/``ln_2``, Llama-family ``input_layernorm``/``post_attention_layernorm``)
+  get ``autocast_output``: under autocast they write autocast's dtype, to which those products
+  cast their input first anyway (the same numbers, no cast launch after the norm, none before
+  its backward); ``report.autocast_norms`` lists them.
 * **The language-model head and its loss**: a causal LM of ``transformers`` (``GPT2LMHeadModel``,
   ``*ForCausalLM`` with a plain ``lm_head``) called in training mode with ``labels=`` computes
   head and loss as one teeny call, which lowers to the chunked head + cross-entropy
@@ -63,6 +68,7 @@ class PatchReport:
     routed: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
     fused_loss: str = ""  # the head + loss fused, or why not ("" when the model has no LM head)
+    autocast_norms: list[str] = field(default_factory=list)  # pre-norms that write autocast's dtype (see patch)
 
     def __str__(self) -> str:
         kinds = Counter(new for _, _, new in self.swapped)
@@ -71,6 +77,9 @@ class PatchReport:
         lines.append(f"  routes {len(self.functional)} functional calls (F.scaled_dot_product_attention, ...)")
         if self.fused_loss:
             lines.append(f"  head + loss: {self.fused_loss}")
+        if self.autocast_norms:
+            n = len(self.autocast_norms)
+            lines.append(f"  {n} pre-norms write autocast's dtype under autocast (products read them)")
         if self.routed:
             lines.append("  routed so far: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.routed.items())))
         if self.fallbacks:
@@ -99,7 +108,8 @@ def _unsupported_option(module: nn.Module) -> str | None:
 
 
 def _rms_norm_forward(self, hidden_states):
-    return TF.rms_norm(hidden_states, [self.weight.shape[-1]], self.weight, self.variance_epsilon)
+    out_dtype = TF.autocast_dtype(self, hidden_states)
+    return TF.rms_norm(hidden_states, [self.weight.shape[-1]], self.weight, self.variance_epsilon, out_dtype=out_dtype)
 
 
 def _conv1d_linear(x, weight, bias):
@@ -336,11 +346,12 @@ _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActiv
 _SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
-def _teeny_subclass(cls: type, forward, label: str) -> type:
-    """``cls`` with ``forward`` replaced (made once per class)."""
+def _teeny_subclass(cls: type, forward, label: str, **attributes) -> type:
+    """``cls`` with ``forward`` replaced and ``attributes`` added (made once per class)."""
     key = (cls, label)
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"Teeny{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+        namespace = {"forward": forward, "__module__": __name__, **attributes}
+        _SUBCLASSES[key] = type(f"Teeny{cls.__name__}", (cls,), namespace)
     return _SUBCLASSES[key]
 
 
@@ -353,7 +364,7 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, nn.Parameter):
         if "forward" in cls.__dict__ and "1.0 + self.weight" in _source(cls.forward):
             return None  # Gemma-style (1 + weight) norms compute something else
-        return _teeny_subclass(cls, _rms_norm_forward, "rms_norm")
+        return _teeny_subclass(cls, _rms_norm_forward, "rms_norm", autocast_output=False)
     if name == "Conv1D" and hasattr(module, "nf"):
         return _teeny_subclass(cls, _conv1d_forward, "conv1d")
     if name in _GELU_TANH:
@@ -382,6 +393,39 @@ def _source(fn) -> str:
         return inspect.getsource(fn)
     except (OSError, TypeError):
         return ""
+
+
+# pre-norms a transformer block hands straight to a sublayer whose first ops are products:
+# norm -> (that sublayer, its products of the norm's output)
+_PRE_NORM_READERS = {
+    "ln_1": ("attn", ("c_attn",)),  # GPT-2
+    "ln_2": ("mlp", ("c_fc",)),
+    "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj")),  # Llama, Mistral, Qwen2, ...
+    "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj")),
+}
+
+
+def _product_read_norms(block: nn.Module) -> list[str]:
+    """The names of ``block``'s teeny norms whose output only products read: the block's forward
+    reads ``hidden_states = self.<norm>(hidden_states)`` and hands that straight to the sublayer
+    of ``_PRE_NORM_READERS``, which has the products (a post-norm whose output joins the
+    residual stream, as OLMo-2's does, does not match)."""
+    import re
+
+    names = []
+    for norm, (reader, products) in _PRE_NORM_READERS.items():
+        sublayer = getattr(block, reader, None)
+        if not hasattr(getattr(block, norm, None), "autocast_output") or sublayer is None:
+            continue
+        if not all(hasattr(sublayer, p) for p in products):
+            continue
+        pattern = (
+            rf"hidden_states = self\.{norm}\(hidden_states\)\n(?:\s*#.*\n)*"
+            rf"\s*[\w, ]+ = self\.{reader}\(\s*(?:hidden_states=)?hidden_states[,)]"
+        )
+        if re.search(pattern, _source(type(block).forward)):
+            names.append(norm)
+    return names
 
 
 # ----------------------------------------------------------------------------- functional calls
@@ -435,6 +479,10 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
             report.swapped.append((path, cls.__name__, target.__name__))
         elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
             report.left.append((path, cls.__name__, "no teeny drop-in (its functional calls are still routed)"))
+    for path, block in model.named_modules():  # under autocast, no cast between these norms and their products
+        for name in _product_read_norms(block):
+            getattr(block, name).autocast_output = True
+            report.autocast_norms.append(f"{path}.{name}" if path else name)
     head, report.fused_loss = _causal_lm_head(model) if fused_loss else (None, "")
     if head is not None and not getattr(head, "_teeny_patched", False):
         head.__class__ = _teeny_subclass(type(head), _head_forward, "lm_head")

@@ -85,13 +85,18 @@ class Linear(nn.Linear):
 
 
 class LayerNorm(nn.LayerNorm):
+    autocast_output = False  # under autocast, write autocast's dtype (``functional.autocast_dtype``)
+
     def forward(self, input):
-        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        out_dtype = F.autocast_dtype(self, input)
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, out_dtype=out_dtype)
 
 
 class RMSNorm(nn.RMSNorm):
+    autocast_output = False  # as LayerNorm's
+
     def forward(self, input):
-        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps, out_dtype=F.autocast_dtype(self, input))
 
 
 class GroupNorm(nn.GroupNorm):

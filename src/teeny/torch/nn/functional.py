@@ -180,14 +180,30 @@ def linear(input, weight, bias=None):
     return T.linear(input, weight, bias)
 
 
-def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, out_dtype=None):
+    """torch's, and ``out_dtype``: the result written in that dtype (see ``autocast_dtype``)."""
     _floating(input)
-    return T.layer_norm(input, list(normalized_shape), weight, bias, float(eps))
+    return T.layer_norm(input, list(normalized_shape), weight, bias, float(eps), out_dtype)
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None):
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, out_dtype=None):
+    """torch's, and ``out_dtype`` as for ``layer_norm``."""
     _floating(input)
-    return T.rms_norm(input, list(normalized_shape), weight, None if eps is None else float(eps))
+    return T.rms_norm(input, list(normalized_shape), weight, None if eps is None else float(eps), out_dtype)
+
+
+def autocast_dtype(module, input) -> torch.dtype | None:
+    """The dtype a norm module writes when its ``autocast_output`` is set (``teeny.torch.patch``
+    sets it on the pre-norms of GPT-2's and Llama's blocks, whose readers are products): under
+    autocast, autocast's dtype, to which those products cast it first anyway, so the same
+    numbers with one cast launch fewer each way (the norm writes bf16, and reads its gradient
+    in bf16); otherwise None: torch's float32 output."""
+    if not getattr(module, "autocast_output", False):
+        return None
+    device = input.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
