@@ -317,6 +317,42 @@ def test_an_inference_tensor_in_a_call_that_records_a_gradient_is_named():
     torch.testing.assert_close(w.grad, x.sum(0).expand(3, 5))
 
 
+def _flops(model, x, target=None):
+    """(forward, backward) flops torch's FlopCounterMode counts for a loss of ``model(x)``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, target) if target is not None else out.sum()
+        forward = counter.get_total_flops()
+        loss.backward()
+    return forward, counter.get_total_flops() - forward
+
+
+def test_flop_counter_counts_teenys_products_as_torch_counts_its_own():
+    """FlopCounterMode sees teeny's two generic operators, not the products inside them; their
+    registered formulas count what torch counts for its own layers (before: 0 for teeny)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from teeny.torch import nn as tnn
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(tnn.Linear(12, 32), tnn.GELU(), tnn.Linear(32, 5))
+    theirs = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    x, target = torch.randn(7, 12), torch.randint(0, 5, (7,))
+    for inputs in (x, x.clone().requires_grad_()):  # the first layer's dX only where x wants one
+        assert _flops(ours, inputs, target) == _flops(theirs, inputs, target) != (0, 0)
+    ours = torch.nn.Sequential(tnn.Conv2d(3, 4, 3, padding=1), tnn.ReLU(), tnn.Conv2d(4, 2, 3, stride=2))
+    theirs = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3, stride=2)
+    )
+    assert _flops(ours, torch.randn(2, 3, 9, 9)) == _flops(theirs, torch.randn(2, 3, 9, 9))
+    q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+    attention = lambda q: torch.ops.teeny.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    shape = (2, 3, 5, 8)
+    assert _flops(attention, q) == (sdpa_flop_count(shape, shape, shape), sdpa_backward_flop_count(*[shape] * 4))
+
+
 def test_autocast_bf16_in_bf16_out():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 8, generator=gen).to(torch.bfloat16)

@@ -114,6 +114,16 @@ class Program:
 
         return buffer_of
 
+    def flops(self) -> tuple[int, int]:
+        """(forward, backward) floating-point operations of a run's products, counted as torch's
+        ``FlopCounterMode`` counts them (``RuntimeOp.flops``); the backward's are 0 in inference."""
+        forward = backward = 0
+        for p in self.nodes:
+            f, b = p.op.flops([v.shape for v in p.node.inputs], p.grad_mask or [False] * len(p.node.inputs))
+            forward += f
+            backward += b if p.needs_backward else 0
+        return forward, backward
+
     def saved_total_bytes(self) -> int:
         """Bytes the forward keeps for the whole backward: each buffer once, however many nodes
         keep it or a view of it."""

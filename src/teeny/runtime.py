@@ -552,6 +552,13 @@ class RuntimeOp:
         """Tensors the forward writes besides its output for the backward (e.g. rstd)."""
         return {}
 
+    def flops(self, input_shapes: list[Shape], grad_mask: Sequence[bool]) -> tuple[int, int]:
+        """(forward, backward) floating-point operations of the products the op computes, two
+        per multiply-add, as torch's ``FlopCounterMode`` counts matrix products, convolutions
+        and attention (other work is not counted there); the backward's are those of the
+        products it launches for the inputs ``grad_mask`` marks. (0, 0): no products."""
+        return 0, 0
+
     # --- forward -----------------------------------------------------------------------
     def view(self, inputs: list) -> torch.Tensor | None:
         """Shape ops that can answer with a view of their input return it here (no launch,

@@ -1177,6 +1177,14 @@ class AttentionOp(RuntimeOp):
             return (layout.n_outer, layout.q_len, layout.n_heads, layout.dv)
         return layout.batch + (layout.q_len, layout.dv)
 
+    def flops(self, input_shapes, grad_mask):
+        """S = Q K^T and O = P V forwards; backwards S again, dP, dV, dQ and dK (as torch counts
+        its fused attention's; a causal mask's skipped blocks are counted too, as there)."""
+        layout = self._layout(input_shapes)
+        per_d = 2 * layout.n_bh * layout.q_len * layout.k_len
+        backward = per_d * (3 * layout.d + 2 * layout.dv) if any(grad_mask[: self.n_qkv]) else 0
+        return per_d * (layout.d + layout.dv), backward
+
     def extra_outputs(self, input_shapes, dtype):
         layout = self._layout(input_shapes)
         extras = {"lse": (layout.batch + (layout.q_len,), acc_dtype(dtype))}

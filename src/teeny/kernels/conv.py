@@ -574,6 +574,11 @@ class Conv2dOp(RuntimeOp):
         batch = (g.N,) if len(input_shapes[0]) == 4 else ()
         return batch + (g.CO, g.HO, g.WO)
 
+    def flops(self, input_shapes, grad_mask):
+        g = self.geometry(input_shapes)
+        one = 2 * g.N * g.CO * g.HO * g.WO * g.CG * g.KH * g.KW
+        return one, one * (bool(grad_mask[0]) + bool(grad_mask[1]))  # dX, dW
+
     def _window(self, g: ConvGeometry) -> dict[str, int]:
         (sh, sw), (dh, dw) = self.stride, self.dilation
         return dict(stride_h=sh, stride_w=sw, pad_h=g.pad[0], pad_w=g.pad[1], dil_h=dh, dil_w=dw)

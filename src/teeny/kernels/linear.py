@@ -1442,6 +1442,13 @@ def _promote(a_shape, b_shape):
     return a, b
 
 
+def _product_flops(batch: int, m: int, n: int, k: int, backward_products: int) -> tuple[int, int]:
+    """(forward, backward) flops of Z = X @ Y (batch of m x k by k x n) whose backward launches
+    ``backward_products`` products of the same size (dX, dW: one each wanted)."""
+    one = 2 * batch * m * n * k
+    return one, one * backward_products
+
+
 class MatmulOp(_ProductOp):
     """torch.matmul for any ranks >= 1, batch dims broadcast."""
 
@@ -1470,6 +1477,11 @@ class MatmulOp(_ProductOp):
             ) from None
         for plan in self._plans(a_shape, b_shape).values():
             plan()  # raises for unsupported broadcasting patterns
+
+    def flops(self, input_shapes, grad_mask):
+        a, b = _promote(*input_shapes)
+        batch = math.prod(torch.broadcast_shapes(a[:-2], b[:-2]))
+        return _product_flops(batch, a[-2], b[-1], a[-1], sum(map(bool, grad_mask[:2])))
 
     def output_shape(self, input_shapes):
         a_shape, b_shape = input_shapes
@@ -1579,6 +1591,10 @@ class LinearOp(_ProductOp):
 
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0][:-1]) + (input_shapes[1][0],)
+
+    def flops(self, input_shapes, grad_mask):
+        p = self.products(input_shapes)["forward"]
+        return _product_flops(1, p.M, p.N, p.K, sum(map(bool, grad_mask[:2])))
 
     @staticmethod
     def products(input_shapes, y_row_stride: int | None = None) -> dict[str, Product]:
@@ -1690,6 +1706,14 @@ class SharedInputLinearOp(_ProductOp):
     def _rows(self, input_shapes) -> list[int]:
         return [w[0] for w in self._split(input_shapes[1:])[0]]
 
+    def flops(self, input_shapes, grad_mask):
+        rows, fin = math.prod(input_shapes[0][:-1]), input_shapes[0][-1]
+        outs = self._rows(input_shapes)
+        forward, grad_input = _product_flops(1, rows, sum(outs), fin, bool(grad_mask[0]))
+        wants_weight = grad_mask[1 :: self.stride]
+        grad_weights = sum(_product_flops(1, rows, out, fin, 1)[1] for out, g in zip(outs, wants_weight) if g)
+        return forward, grad_input + grad_weights
+
     def output_shape(self, input_shapes):
         return tuple(input_shapes[0][:-1]) + (sum(self._rows(input_shapes)),)
 
@@ -1793,6 +1817,16 @@ class MLPOp(_ProductOp):
             out.append((shape, tuple(w)))
             shape = shape[:-1] + (w[0],)
         return out
+
+    def flops(self, input_shapes, grad_mask):
+        forward = backward = 0
+        gradient_flows = bool(grad_mask[0])  # a dX of layer i is launched when something before it wants one
+        for i, (shape, w) in enumerate(self._shapes(input_shapes)):
+            one = _product_flops(1, math.prod(shape[:-1]), w[0], w[1], 1)[0]
+            forward += one
+            backward += one * (bool(grad_mask[self.weight_index[i]]) + gradient_flows)
+            gradient_flows = gradient_flows or bool(grad_mask[self.weight_index[i]])
+        return forward, backward
 
     def check_inputs(self, input_shapes, input_dtypes):
         if len(input_shapes) != 1 + len(self.has_bias) + sum(self.has_bias):

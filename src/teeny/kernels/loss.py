@@ -918,6 +918,12 @@ class LinearCrossEntropyOp(RuntimeOp):
     def output_dtype(self, input_dtypes):
         return self.out_dtype
 
+    def flops(self, input_shapes, grad_mask):
+        """The head's products; with ``with_grads`` its backward's products run in the forward."""
+        n = self.n_activation_inputs
+        forward, backward = self.linear.flops([input_shapes[0], input_shapes[n]], [grad_mask[0], grad_mask[n]])
+        return (forward + backward, 0) if self.with_grads else (forward, 0)
+
     def _mean(self) -> bool:
         return self.loss.reduction == "mean"
 

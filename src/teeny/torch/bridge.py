@@ -38,6 +38,7 @@ the cache is bounded (least recently used entries go first).
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import types
 import weakref
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from ..executor import ActivationCache, Executor
 from ..graph import Graph, Tensor, Value
@@ -144,6 +146,11 @@ class Compiled:
     @property
     def training(self) -> bool:
         return self.executor.training
+
+    @functools.cached_property
+    def flops(self) -> tuple[int, int]:
+        """(forward, backward) flops of the program's products, as torch's FlopCounterMode counts them."""
+        return self.executor.program.flops()
 
     @property
     def n_outputs(self) -> int:
@@ -654,6 +661,17 @@ _LIB.impl(
     "Autograd",
     with_keyset=True,
 )
+
+
+@register_flop_formula(torch.ops.teeny.run_forward, get_raw=True)
+def _run_forward_flops(key, tensors, out_val=None) -> int:
+    """torch's FlopCounterMode sees teeny's two operators, not the products inside: their counts."""
+    return lookup(key).flops[0]
+
+
+@register_flop_formula(torch.ops.teeny.run_backward, get_raw=True)
+def _run_backward_flops(key, grads, saved, out_val=None) -> int:
+    return lookup(key).flops[1]
 
 
 class _EagerRun(torch.autograd.Function):
