@@ -266,6 +266,18 @@ def test_gpt_with_every_default_rewrite(gpt_case):
         torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_rewrites_leave_the_counted_flops_as_they_were(gpt_case):
+    """``Program.flops`` counts the products a step computes, whatever rewrites fused them (the
+    q/k/v product, the MLP's chain, the chunked head, attention reading its heads in place); the
+    chunked head computes its gradients' products in the forward, so only the total is the same."""
+    g, _ = gpt_case
+    plain = lower(g, LoweringMode.TRAINING, rewrites=()).flops()
+    fused = lower(g, LoweringMode.TRAINING, rewrites=rewrites.DEFAULT_REWRITES + (rewrites.fuse_mlp,))
+    assert {type(op).__name__ for op in _ops(fused)} >= {"SharedInputLinearOp", "MLPOp", "LinearCrossEntropyOp"}
+    assert sum(fused.flops()) == sum(plain) and plain[0] > 0 and plain[1] > plain[0]
+    assert lower(g, LoweringMode.INFERENCE).flops() == (plain[0], 0)
+
+
 # ------------------------------------------------------------------ linear + cross-entropy
 
 
