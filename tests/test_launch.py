@@ -314,6 +314,11 @@ def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
     fused = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.fuse_mlp,))
     (mlp,) = [p for p in fused.nodes if p.op.name == "mlp"]
     assert fused.saved_bytes(mlp) == 2 * 5 * 16 * 4
+    # the products' flops, 2 a multiply-add: fc1 5x8 @ 8x16, fc2 5x16 @ 16x3; backwards fc1's dW
+    # (x wants no gradient), fc2's dX and dW; fused, the same
+    fc1_flops, fc2_flops = 2 * 5 * 8 * 16, 2 * 5 * 16 * 3
+    assert program.flops() == fused.flops() == (fc1_flops + fc2_flops, fc1_flops + 2 * fc2_flops)
+    assert "products: 1.76e-06 GFLOP forward, 2.24e-06 GFLOP backward" in text
 
 
 def test_saved_totals_count_each_buffer_once():

@@ -178,6 +178,8 @@ class Program:
         rows.append(
             f"  launches per step: {launches[0]} forward, {launches[1]} backward; kernels built: {len(self.instances)}"
         )
+        forward_flops, backward_flops = self.flops()
+        rows.append(f"  products: {forward_flops / 1e9:.3g} GFLOP forward, {backward_flops / 1e9:.3g} GFLOP backward")
         rows.append(
             f"  memory: parameters {_mib(param_bytes)}, saved for backward "
             f"{_mib(self.saved_total_bytes())}, peak activations "
