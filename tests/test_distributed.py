@@ -343,4 +343,8 @@ def test_nccl_world_of_one_inside_a_captured_step(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(worker(sys.argv[1], Path(sys.argv[2])))
+    import teeny.distributed as td
+
+    code = worker(sys.argv[1], Path(sys.argv[2]))
+    td.exit_after_failure(code)  # as `teeny train` does after a peer died or hung
+    sys.exit(code)

@@ -328,12 +328,17 @@ def cmd_train(args) -> int:
             print(f"teeny train: {exc}", file=sys.stderr)
             return 2
     try:
-        return _train(args, world)
+        code = _train(args, world)
     finally:
         if world is not None:
             from .distributed import shutdown
 
             shutdown()
+    if world is not None:
+        from .distributed import exit_after_failure
+
+        exit_after_failure(code)  # a peer died or hung: end now, not through the group's teardown
+    return code
 
 
 def _train(args, world) -> int:

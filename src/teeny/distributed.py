@@ -35,7 +35,9 @@ A step (``DataParallel`` inside ``TrainStep``):
 Faults: every collective runs under the process group's timeout (``init(timeout=...)``,
 ``teeny train --timeout``). A rank that dies breaks its connections and the others stop at once
 with ``DistributedError``; a rank that hangs makes the others stop once the timeout passes (on
-the GPU NCCL's watchdog aborts the communicator after the timeout). A batch that does not split
+the GPU NCCL's watchdog aborts the communicator after the timeout); such a process then ends with
+its error (``exit_after_failure``: `teeny train` exits 1), not through the broken group's
+teardown, which can abort it. A batch that does not split
 evenly over the ranks, or more ranks per machine than GPUs, is refused before training starts.
 """
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -85,6 +88,8 @@ class World:
         except DistributedError:
             raise
         except RuntimeError as exc:
+            global _FAILED
+            _FAILED = True
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DistributedError(
                 f"rank {self.rank}: {what} failed: another process stopped, or did not answer within "
@@ -93,6 +98,7 @@ class World:
 
 
 _WORLD: World | None = None
+_FAILED = False  # a collective of this process failed: a peer died or hung
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -169,11 +175,24 @@ def current() -> World | None:
 
 
 def shutdown() -> None:
-    """Leave the process group (at the end of a run)."""
+    """Leave the process group (at the end of a run). After a failed collective the group is
+    left as it is: a peer is gone or hung, and tearing the group down waits on it or, with gloo,
+    can abort the process ("terminate called without an active exception") instead of letting
+    it exit with its error; such a process ends through ``exit_after_failure``."""
     global _WORLD
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and not _FAILED:
         dist.destroy_process_group()
     _WORLD = None
+
+
+def exit_after_failure(code: int) -> None:
+    """Where a collective of this process failed, end the process now with ``code`` (output
+    flushed), past the interpreter's teardown, which would destroy the broken process group
+    (see ``shutdown``); otherwise return."""
+    if _FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def agree(world: World | None, fn: Callable[[], T]) -> T:
