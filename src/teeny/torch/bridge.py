@@ -106,17 +106,18 @@ class Compiled:
         }
         self._fixed_tensors: list[torch.Tensor] = []  # after the saved tensors in the backward's pool
         self._view_steps: list[tuple[int, list]] = []  # after those: (base position, view ops) per view slot
-        view_positions: dict[int, int] = {}
+        view_steps: dict[int, int] = {}  # view slot index -> its step
 
-        def position(slot: Slot | None) -> int | None:
+        def position(slot: Slot | None) -> int | tuple | None:
+            """A slot's place in the pool; a view's as ("view", step), placed once the fixed are counted."""
             if slot is None:
                 return None
             if slot.kind == "view":
-                if slot.index not in view_positions:
-                    base, ops = self.views[slot.index]
+                if slot.index not in view_steps:
+                    base, ops = self.views[slot.index]  # the base is never a view (_layout follows chains)
                     self._view_steps.append((position(base), ops))
-                    view_positions[slot.index] = -len(self._view_steps)  # numbered once the fixed ones are known
-                return view_positions[slot.index]
+                    view_steps[slot.index] = len(self._view_steps) - 1
+                return ("view", view_steps[slot.index])
             if slot.kind in ("const", "param"):
                 if slot.kind == "const":
                     tensor = self.consts[slot.index]
@@ -132,8 +133,8 @@ class Compiled:
         ]
         first_view = n_in + n_out + len(self.extras) + len(self._fixed_tensors)
 
-        def placed(k: int | None) -> int | None:
-            return first_view - k - 1 if k is not None and k < 0 else k
+        def placed(k: int | tuple | None) -> int | None:
+            return first_view + k[1] if isinstance(k, tuple) else k
 
         self._pool_slots = [
             (node_id, [placed(k) for k in ins], placed(out), {n: placed(k) for n, k in saved.items()})

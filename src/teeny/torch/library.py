@@ -373,7 +373,7 @@ def _autocast(reg: Registered, values: list) -> list:
     if not tensors:
         return values
     device_type = tensors[0].device.type
-    if not _autocast_on(device_type):
+    if not autocast_on(device_type):
         return values
     if reg.name in _PRODUCTS:
         target = torch.get_autocast_dtype(device_type)
@@ -387,11 +387,11 @@ def _autocast_dtype(args) -> torch.dtype | None:
     for a in args:
         if a.is_floating_point():
             device_type = a.device.type
-            return torch.get_autocast_dtype(device_type) if _autocast_on(device_type) else None
+            return torch.get_autocast_dtype(device_type) if autocast_on(device_type) else None
     return None
 
 
-def _autocast_on(device_type: str) -> bool:
+def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (never for a device it has no mode for: meta)."""
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 

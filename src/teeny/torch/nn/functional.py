@@ -201,9 +201,7 @@ def autocast_dtype(module, input) -> torch.dtype | None:
     if not getattr(module, "autocast_output", False):
         return None
     device = input.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return None
+    return torch.get_autocast_dtype(device) if library.autocast_on(device) else None
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
