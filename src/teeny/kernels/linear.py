@@ -1711,7 +1711,7 @@ class SharedInputLinearOp(_ProductOp):
         outs = self._rows(input_shapes)
         forward, grad_input = _product_flops(1, rows, sum(outs), fin, bool(grad_mask[0]))
         wants_weight = grad_mask[1 :: self.stride]
-        grad_weights = sum(_product_flops(1, rows, out, fin, 1)[1] for out, g in zip(outs, wants_weight) if g)
+        grad_weights = sum(2 * rows * out * fin for out, g in zip(outs, wants_weight) if g)
         return forward, grad_input + grad_weights
 
     def output_shape(self, input_shapes):

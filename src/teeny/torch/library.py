@@ -382,7 +382,7 @@ def _autocast(reg: Registered, values: list) -> list:
     return [_cast(v, target) for v in values]
 
 
-def _autocast_dtype(args) -> torch.dtype | None:
+def autocast_dtype(args) -> torch.dtype | None:
     """The autocast dtype of the device of the first floating-point argument (None: autocast off there)."""
     for a in args:
         if a.is_floating_point():
@@ -437,7 +437,7 @@ def _call_signature(args: tuple, kwargs: dict, grad: bool) -> tuple | None:
     if kwargs:
         parts.append(tuple(kwargs))
     if torch._C._is_any_autocast_enabled():
-        parts.append(_autocast_dtype([a for a in (*args, *kwargs.values()) if type(a) in _PLAIN_TENSORS]))
+        parts.append(autocast_dtype([a for a in (*args, *kwargs.values()) if type(a) in _PLAIN_TENSORS]))
     return tuple(parts)
 
 

@@ -200,8 +200,7 @@ def autocast_dtype(module, input) -> torch.dtype | None:
     in bf16); otherwise None: torch's float32 output."""
     if not getattr(module, "autocast_output", False):
         return None
-    device = input.device.type
-    return torch.get_autocast_dtype(device) if library.autocast_on(device) else None
+    return library.autocast_dtype([input])
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
