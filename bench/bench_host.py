@@ -101,7 +101,7 @@ def measure(number: int, repeat: int) -> dict[str, float]:
 
     def entry_both():
         out = entry.forward([x.detach()])
-        entry.backward(seed, [x.detach()])
+        entry.backward([seed], [x.detach()])
         return out
 
     rows = {

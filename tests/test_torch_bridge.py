@@ -158,6 +158,79 @@ def test_apply_returning_a_tuple_of_different_ops_and_an_unused_output():
     assert torch.autograd.gradcheck(lambda t: apply(lambda u: (ops.sin(u), ops.exp(u) * u), t), (_x(4),))
 
 
+def _residual_norm(x, residual, weight):
+    """A residual stream's junction: the sum (read downstream) and its norm in another dtype."""
+    s = ops.add(ops.to(x, residual.dtype), residual)
+    return s, ops.layer_norm(s, (s.shape[-1],), weight, None, out_dtype=torch.bfloat16)
+
+
+def test_outputs_of_several_dtypes_take_a_gradient_each_and_no_concatenating_copy():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 37, generator=gen).to(torch.bfloat16).requires_grad_()
+    residual = torch.randn(5, 37, generator=gen, requires_grad=True)
+    weight = torch.randn(37, generator=gen, requires_grad=True)
+    s, y = apply(_residual_norm, x, residual, weight)
+    assert (s.dtype, y.dtype) == (torch.float32, torch.bfloat16)
+    ds, dy = torch.randn(5, 37, generator=gen), torch.randn(5, 37, generator=gen).to(torch.bfloat16)
+    torch.autograd.backward([s, y], [ds, dy])
+    xr, rr, wr = (t.detach().clone().requires_grad_() for t in (x, residual, weight))
+    sr = xr.float() + rr
+    yr = torch.nn.functional.layer_norm(sr, (37,), wr).to(torch.bfloat16)
+    torch.testing.assert_close(s, sr, rtol=0, atol=0)
+    torch.testing.assert_close(y, yr)
+    torch.autograd.backward([sr, yr], [ds, dy])
+    for got, want in [(x.grad, xr.grad), (residual.grad, rr.grad), (weight.grad, wr.grad)]:
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # only one of the two reaches the loss: the other's gradient is None, not a zero seed
+    for pick in (0, 1):
+        xs = [t.detach().clone().requires_grad_() for t in (x, residual, weight)]
+        out = apply(_residual_norm, *xs)[pick]
+        (out.float() * 3).sum().backward()
+        refs = [t.detach().clone().requires_grad_() for t in (x, residual, weight)]
+        sr = refs[0].float() + refs[1]
+        ref = (sr, torch.nn.functional.layer_norm(sr, (37,), refs[2]).to(torch.bfloat16))[pick]
+        (ref.float() * 3).sum().backward()
+        for got, want in zip(xs, refs):  # (torch leaves the weight's None where the norm is unused)
+            expected = torch.zeros_like(want) if want.grad is None else want.grad
+            torch.testing.assert_close(got.grad, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_several_seeded_outputs_in_float64_pass_gradcheck_and_an_output_used_twice_adds():
+    def fn(a, b):
+        s = ops.mul(a, b)
+        return s, ops.tanh(s), s  # s returned twice: both gradients reach a and b
+
+    a, b = _x(3, 4, seed=1), _x(3, 4, seed=2)
+    assert torch.autograd.gradcheck(lambda p, q: apply(fn, p, q), (a, b))
+    s1, t, s2 = apply(fn, a, b)
+    (s1.sum() + 2 * s2.sum()).backward()
+    torch.testing.assert_close(a.grad, 3 * b.detach())
+
+
+def test_executor_backward_from_several_seeded_outputs():
+    g = Graph("two")
+    x = g.input("x", (4,), torch.float64, requires_grad=True)
+    w = g.parameter("w", (4,), dtype=torch.float64)
+    g.output(ops.mul(x, w), ops.exp(x))
+    program = lower(g, LoweringMode.TRAINING, seeded=2)
+    ex = teeny.Executor(program)
+    ex.params["w"].copy_(torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64))
+    feed = {"x": torch.arange(4.0, dtype=torch.float64)}
+    _, cache = ex.forward_train(feed)
+    with pytest.raises(ValueError, match="starts its backward from 2 outputs"):
+        ex.backward(cache, torch.ones(4, dtype=torch.float64))
+    ones = torch.ones(4, dtype=torch.float64)
+    grads = ex.backward(cache, [ones, None])  # only the product's gradient flows back
+    torch.testing.assert_close(grads["x"], ex.params["w"])
+    _, cache = ex.forward_train(feed)
+    grads = ex.backward(cache, [ones, ones])
+    torch.testing.assert_close(grads["x"], ex.params["w"] + feed["x"].exp())
+    assert ones.eq(1).all()  # the seeds are the caller's: never written over
+    with pytest.raises(ValueError, match="seeded=3"):
+        lower(g, LoweringMode.TRAINING, seeded=3)
+
+
 # ------------------------------------------------------------------- the cache (item 7)
 
 

@@ -346,21 +346,22 @@ class Executor:
         return self._run_forward(inputs, kwargs, cache), cache
 
     # --- backward ------------------------------------------------------------------------
-    def backward(self, cache: ActivationCache, grad_output: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def backward(self, cache: ActivationCache, grad_output=None) -> dict[str, torch.Tensor]:
         """Backpropagate from the loss (the first output). ``grad_output`` defaults to 1 for a
-        scalar loss. Parameter gradients are added into ``self.grads``; returns the gradients
-        of the inputs that were marked ``requires_grad``."""
+        scalar loss. A program lowered with ``seeded=n`` (n > 1) takes a list of n gradients,
+        one per seeded output (None: nothing flows back from that output). Parameter gradients
+        are added into ``self.grads``; returns the gradients of the inputs that were marked
+        ``requires_grad``. The seeds are the caller's: never written over."""
         if not isinstance(cache, ActivationCache):
             raise TypeError("backward(cache): pass the ActivationCache returned by forward_train")
         if cache.used:
             raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
+        program = self.program
+        grads = self._seeds(program, grad_output)
         _check_versions(cache)
         cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
         cache.used = True
-        program = self.program
-        loss = program.loss
-        seed = self._seed(loss, grad_output)
-        grads: dict[int, torch.Tensor] = {loss.id: seed}
+        seeds = frozenset(_storage_id(g) for g in grads.values())
         recomputed: dict[int, torch.Tensor] = {}  # value id -> written again, until its last reader's backward
         for index in range(len(program.nodes) - 1, -1, -1):
             p = program.nodes[index]
@@ -376,7 +377,7 @@ class Executor:
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
             self._node_backward(
-                p, entry, grad_out, grads, self._input_grad_buffer(p, index, entry, grad_out, seed, grads)
+                p, entry, grad_out, grads, self._input_grad_buffer(p, index, entry, grad_out, seeds, grads)
             )
         result = {}
         for v in self._inputs:
@@ -421,19 +422,45 @@ class Executor:
                 recorded.append((t, version, described))
         return recorded
 
-    def _seed(self, loss: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
-        if grad_output is None:
-            if loss.numel != 1:
-                raise ValueError(
-                    f"backward() without grad_output needs a scalar loss, but '{loss.name}' has shape {loss.shape}"
-                )
-            return torch.ones(loss.shape, dtype=loss.dtype, device=self.device)
-        if tuple(grad_output.shape) != tuple(loss.shape):
+    def _seeds(self, program, grad_output) -> dict[int, torch.Tensor]:
+        """value id -> the gradient the backward starts from there (see ``backward``)."""
+        starts = program.seeded_outputs
+        if len(starts) == 1:
+            given = [grad_output]
+        elif isinstance(grad_output, (list, tuple)) and len(grad_output) == len(starts):
+            given = list(grad_output)
+        else:
             raise ValueError(
-                f"grad_output has shape {tuple(grad_output.shape)}, but the output '{loss.name}' has shape {loss.shape}"
+                f"this program starts its backward from {len(starts)} outputs "
+                f"({', '.join(repr(v.name) for v in starts)}): give backward a list of {len(starts)} gradients"
             )
-        if grad_output.dtype != loss.dtype:
-            raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{loss.name}' is {loss.dtype}")
+        grads: dict[int, torch.Tensor] = {}
+        for v, g in zip(starts, given):
+            if len(starts) > 1 and g is None:
+                continue
+            g = self._seed(v, g)
+            if not program.requires_grad[v.id]:
+                continue  # an output no gradient source reaches: nothing to start from
+            if v.id in grads:  # one value returned twice: its gradients add
+                total = self._alloc(v.shape, v.dtype)
+                accumulate(grads[v.id].contiguous(), g.contiguous(), total)
+                g = total
+            grads[v.id] = g
+        return grads
+
+    def _seed(self, out: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
+        if grad_output is None:
+            if out.numel != 1:
+                raise ValueError(
+                    f"backward() without grad_output needs a scalar loss, but '{out.name}' has shape {out.shape}"
+                )
+            return torch.ones(out.shape, dtype=out.dtype, device=self.device)
+        if tuple(grad_output.shape) != tuple(out.shape):
+            raise ValueError(
+                f"grad_output has shape {tuple(grad_output.shape)}, but the output '{out.name}' has shape {out.shape}"
+            )
+        if grad_output.dtype != out.dtype:
+            raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{out.name}' is {out.dtype}")
         return grad_output.to(self.device)
 
     def _recompute(
@@ -463,7 +490,7 @@ class Executor:
         index: int,
         entry: dict,
         grad_out: torch.Tensor,
-        seed: torch.Tensor,
+        seeds: frozenset[int],
         grads: dict[int, torch.Tensor],
     ) -> torch.Tensor | None:
         """A buffer nothing else needs that input 0's gradient may be written into, or None:
@@ -476,14 +503,14 @@ class Executor:
         if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
             return None
         if p.op.grad_in_place and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
-            return grad_out if _held_only_here(grad_out, seed, grads) else None
+            return grad_out if _held_only_here(grad_out, seeds, grads) else None
         if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
             return entry["inputs"][0]
         waiting = grads.get(v.id)
         if p.op.grad_accumulates and waiting is not None and (waiting.shape, waiting.dtype) == (v.shape, v.dtype):
             others = {k: g for k, g in grads.items() if k != v.id}
             others[node.output.id] = grad_out  # read by this backward: not to be written over
-            return waiting if _held_only_here(waiting, seed, others) else None
+            return waiting if _held_only_here(waiting, seeds, others) else None
         return None
 
     def _node_backward(
@@ -567,9 +594,9 @@ def _rows_with_one_stride(t: torch.Tensor) -> bool:
     return True
 
 
-def _held_only_here(grad_out: torch.Tensor, seed: torch.Tensor, grads: dict[int, torch.Tensor]) -> bool:
+def _held_only_here(grad_out: torch.Tensor, seeds: frozenset[int], grads: dict[int, torch.Tensor]) -> bool:
     """Whether the backward may write over ``grad_out``: a contiguous buffer of its own, neither
-    the seed (a caller's tensor) nor sharing storage with a gradient still waiting in ``grads``
+    a seed (a caller's tensor; ``seeds`` are storage ids) nor sharing storage with a gradient still waiting in ``grads``
     (a backward may hand one ``dy`` to several inputs as views)."""
     if (
         not grad_out.is_contiguous()
@@ -577,7 +604,7 @@ def _held_only_here(grad_out: torch.Tensor, seed: torch.Tensor, grads: dict[int,
     ):
         return False
     storage = _storage_id(grad_out)
-    return storage != _storage_id(seed) and all(_storage_id(g) != storage for g in grads.values())
+    return storage not in seeds and all(_storage_id(g) != storage for g in grads.values())
 
 
 def _storage_id(t: torch.Tensor) -> int:

@@ -9,6 +9,10 @@ Inference plans the forward only and frees each value after its last consumer. T
   opt out), and
 * plans the backward of every node on the path to the loss.
 
+The loss is the first output; ``seeded=n`` makes the first n outputs the backward's starts
+instead, each with a gradient its caller gives (``Executor.backward``): a function of several
+outputs, each of its own shape and dtype, differentiated as one (``teeny.torch``'s operators).
+
 Before planning, ``lower`` runs graph rewrites (``teeny.rewrites``: fusions, mixed
 precision) on a copy of the graph; ``rewrites=()`` runs none, and ``Program.summary()`` says
 what each one changed.
@@ -74,10 +78,15 @@ class Program:
     requires_grad: dict[int, bool]  # value id -> needs a gradient
     last_use: dict[int, int]  # value id -> index of the last node reading it (forward)
     rewrites: list[RewriteReport] = field(default_factory=list)  # what each graph rewrite changed
+    seeded: int = 1  # the first outputs, whose gradients the backward starts from
 
     @property
     def loss(self) -> Value:
         return self.outputs[0]
+
+    @property
+    def seeded_outputs(self) -> list[Value]:
+        return self.outputs[: self.seeded]
 
     @property
     def params(self) -> list[Value]:
@@ -209,16 +218,20 @@ def lower(
     rewrites: Sequence[RewriteFn] = DEFAULT_REWRITES,
     precision: str | None = None,
     recompute: bool = False,
+    seeded: int = 1,
 ) -> Program:
     """Plan ``graph`` for ``mode`` and check every launch on meta tensors (see module docstring).
     ``rewrites``: the graph rewrites to run first (``teeny.rewrites``; ``()``: none).
     ``precision``: ``None`` (the graph's dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``
     (``rewrites.mixed_precision``; float16 training wants a loss scaler: ``optim.GradScaler``).
     ``recompute``: training keeps no output of a ``recomputable`` op (norms, element-wise
-    activations) for a consumer's backward; the backward writes it again (``_plan_recompute``)."""
+    activations) for a consumer's backward; the backward writes it again (``_plan_recompute``).
+    ``seeded``: how many outputs, from the first, the backward starts from (1: the loss)."""
     if not isinstance(mode, LoweringMode):
         raise TypeError(f"mode must be a LoweringMode, got {mode!r}")
     outs = _resolve_outputs(graph, outputs)
+    if not 1 <= seeded <= len(outs):
+        raise ValueError(f"seeded={seeded}: the backward starts from 1 to {len(outs)} of the {len(outs)} outputs")
     rewrites = list(rewrites) + precision_rewrites(precision)
     graph, outs, reports = apply_rewrites(graph, outs, mode is LoweringMode.TRAINING, rewrites)
     needed = _ancestors(outs)
@@ -229,14 +242,14 @@ def lower(
     ]
     requires_grad = {v.id: False for v in graph.values}
     if mode is LoweringMode.TRAINING:
-        _plan_training(graph, planned, outs[0], requires_grad)
+        _plan_training(graph, planned, outs[:seeded], requires_grad)
         if recompute:
             _plan_recompute(planned, outs)
     last_use = {}
     for index, p in enumerate(planned):
         for v in p.node.inputs:
             last_use[v.id] = index
-    program = Program(graph, mode, planned, outs, {}, requires_grad, last_use, reports)
+    program = Program(graph, mode, planned, outs, {}, requires_grad, last_use, reports, seeded)
     _dry_run(program)  # builds exactly the kernel instances the launches use
     if mode is LoweringMode.TRAINING:
         for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
@@ -281,7 +294,11 @@ def _differentiable(op: RuntimeOp, index: int, value: Value) -> bool:
     return op.differentiable_inputs is None or index in op.differentiable_inputs
 
 
-def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requires_grad: dict[int, bool]) -> None:
+def _plan_training(
+    graph: Graph, planned: list[PlannedNode], starts: list[Value], requires_grad: dict[int, bool]
+) -> None:
+    """Mark what needs a gradient and which nodes run backwards, from ``starts`` (the loss, or
+    the seeded outputs) back."""
     origin: dict[int, str] = {}  # value id -> a gradient source it depends on (for error messages)
     for v in graph.values:
         if v.kind in ("param", "input") and v.requires_grad:
@@ -297,12 +314,14 @@ def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requir
         if any(p.grad_mask) and node.output.dtype.is_floating_point:
             requires_grad[node.output.id] = True
             origin[node.output.id] = next(origin[v.id] for i, v in enumerate(node.inputs) if p.grad_mask[i])
-    if not requires_grad[loss.id]:
+    names = ", ".join(repr(v.name) for v in starts)
+    what = f"the loss {names}" if len(starts) == 1 else f"the outputs {names}"
+    if not any(requires_grad[v.id] for v in starts):
         raise NoGradientError(
-            f"the loss '{loss.name}' depends on no trainable parameter or input that requires a gradient: "
-            "training it would compute nothing (lower it for INFERENCE instead)"
+            f"{what} depend{'s' if len(starts) == 1 else ''} on no trainable parameter or input that requires a "
+            "gradient: training it would compute nothing (lower it for INFERENCE instead)"
         )
-    on_loss_path = {loss.id}  # values whose gradient reaches the loss (not through stop_gradient)
+    on_loss_path = {v.id for v in starts}  # values whose gradient reaches a start (not through stop_gradient)
     for p in reversed(planned):
         if p.node.output.id in on_loss_path:
             on_loss_path.update(v.id for v, m in zip(p.node.inputs, p.grad_mask) if m)
@@ -315,7 +334,7 @@ def _plan_training(graph: Graph, planned: list[PlannedNode], loss: Value, requir
         if not node.op.has_backward():
             raise MissingBackwardError(
                 f"op {node.op.name} (node '{node.name}') has no backward, but it lies between "
-                f"{origin[node.output.id]} and the loss '{loss.name}'. Give the op a backward kernel, "
+                f"{origin[node.output.id]} and {what}. Give the op a backward kernel, "
                 "mark the parameter non-trainable, or cut the path with teeny.ops.stop_gradient(...)"
             )
         saves = node.op.saves_inputs

@@ -3,7 +3,7 @@ two generic PyTorch operators, so that torch autograd, ``torch.compile`` and
 ``torch.library.opcheck`` see teeny like any other library of kernels.
 
     teeny::run_forward(str key, Tensor[] tensors) -> Tensor[]
-    teeny::run_backward(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]
+    teeny::run_backward(str key, Tensor?[] grads, Tensor[] saved) -> Tensor[]
 
 ``key`` names a ``Compiled`` entry: a teeny function traced for one combination of shapes,
 dtypes, arguments and ``requires_grad`` flags, lowered (for training when a gradient is
@@ -23,9 +23,9 @@ teeny op raises an error naming the op. In plain eager mode (real tensors, nothi
 ``call`` skips the two operators' dispatch and runs the same entry through ``_EagerRun``, an
 ``autograd.Function`` with the same saved tensors, checks and errors.
 
-A function with several outputs returns them as one flat float buffer (the outputs
-concatenated, so the executor seeds one gradient) plus its non-float outputs, and the caller
-splits the buffer with views. Keys of registered ops (``teeny.torch.library``) describe the
+A function with several float outputs is lowered with each of them seeded (``lower(seeded=)``):
+its float outputs come first, each of its own shape and dtype, and the backward operator takes
+the gradient of each (None where none flows back). Keys of registered ops (``teeny.torch.library``) describe the
 call completely, so an entry evicted from the bounded cache (``CACHE_SIZE``) is rebuilt from its
 key; keys of ``apply`` name an entry that the autograd graph keeps alive.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import math
 import types
 import weakref
 from collections import OrderedDict
@@ -52,7 +51,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..executor import ActivationCache, Executor
 from ..graph import Graph, Tensor, Value
-from ..kernel import dtype_name
 from ..lowering import LoweringMode, lower
 from ..runtime import NoGradientError, TeenyError
 from ..tape import Replayed, check_replayable
@@ -88,7 +86,7 @@ class Compiled:
     saved_inputs: tuple[int, ...]
     saved_outputs: tuple[int, ...]
     views: list[tuple[Slot, list]]  # per view slot: (the slot it is a view of, the view ops from there)
-    pieces: list[tuple]  # per user output: ("direct", j) or ("flat", offset, shape)
+    order: list[int]  # per user output: its place among the program's outputs (the float ones first)
     container: type | None  # tuple / list when the function returned several tensors
     keep_alive: tuple = ()  # objects whose identity the key uses (an apply key holds them)
     consts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -157,6 +155,11 @@ class Compiled:
     def n_outputs(self) -> int:
         return len(self.outputs)
 
+    @property
+    def n_seeded(self) -> int:
+        """How many outputs (the first) take a gradient in the backward."""
+        return self.executor.program.seeded if self.training else 0
+
     # --- running -------------------------------------------------------------------------
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the program: its outputs, the extras, then the new values of the inputs it
@@ -164,12 +167,13 @@ class Compiled:
         aliases an input. Recorded on the first call and replayed after (``teeny.tape``)."""
         return self._forward_replay(tensors)
 
-    def backward(self, grad: torch.Tensor | None, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients of the flat inputs in ``grad_inputs`` from the gradient of output 0
-        (recorded and replayed as the forward is)."""
-        if grad is None:
-            return self._run_backward([None, *saved])
-        return self._backward_replay([grad, *saved])
+    def backward(self, grads: Sequence[torch.Tensor | None], saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of the flat inputs in ``grad_inputs`` from the gradients of the seeded
+        outputs (``n_seeded``; None: none flows back from that output). Recorded and replayed
+        as the forward is, when every seeded output has its gradient."""
+        if any(g is None for g in grads):
+            return self._run_backward([*grads, *saved])
+        return self._backward_replay([*grads, *saved])
 
     def _run_forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         ex = self.executor
@@ -201,7 +205,8 @@ class Compiled:
         return result
 
     def _run_backward(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        grad, saved = tensors[0], tensors[1:]
+        n = self.n_seeded
+        grads, saved = tensors[:n], tensors[n:]
         ex = self.executor
         here = ex.device
         pool = [*(t.to(here).contiguous() for t in saved), *self._fixed_tensors]
@@ -217,15 +222,17 @@ class Compiled:
                 "output": None if out_slot is None else pool[out_slot],
                 "saved": {name: pool[k] for name, k in saved_slots.items()},
             }
-        shape, dtype = self.outputs[0]
-        device = grad.device if grad is not None else (saved[0].device if saved else here)
-        if grad is None:
-            grad = torch.zeros(shape, dtype=dtype, device=here)
-        grads = ex.backward(cache, grad.to(device=here, dtype=dtype))  # the executor decides on copies
-        taken = {_storage(t) for t in saved} | {_storage(grad)}
+        given = [g for g in grads if g is not None]
+        device = given[0].device if given else (saved[0].device if saved else here)
+        seeds = [None if g is None else g.to(device=here, dtype=dtype) for g, (_, dtype) in zip(grads, self.outputs)]
+        if n == 1 and seeds[0] is None:
+            shape, dtype = self.outputs[0]
+            seeds[0] = torch.zeros(shape, dtype=dtype, device=here)
+        computed = ex.backward(cache, seeds[0] if n == 1 else seeds)  # the executor decides on copies
+        taken = {_storage(t) for t in saved} | {_storage(g) for g in given}
         result = []
         for i in self.grad_inputs:
-            g = grads[self.input_names[i]].to(device)
+            g = computed[self.input_names[i]].to(device)
             if not g.numel() or _storage(g) in taken:  # a view op's backward answered with a view of dy
                 g = g.clone()
             taken.add(_storage(g))
@@ -235,13 +242,7 @@ class Compiled:
     # --- what the caller sees -------------------------------------------------------------
     def unpack(self, outputs: Sequence[torch.Tensor]) -> Any:
         """The function's result (a tensor, or a tuple/list of them) from the forward's outputs."""
-        values = []
-        for piece in self.pieces:
-            if piece[0] == "direct":
-                values.append(outputs[piece[1]])
-            else:
-                _, offset, shape = piece
-                values.append(outputs[0].narrow(0, offset, math.prod(shape)).view(shape))
+        values = [outputs[j] for j in self.order]
         return values[0] if self.container is None else self.container(values)
 
 
@@ -287,8 +288,6 @@ def _compile(
     input_labels: Sequence[str] | None = None,
     keep_alive: tuple = (),
 ) -> Compiled:
-    from ..kernels.shape import concat, reshape
-
     graph = Graph(getattr(fn, "__name__", "fn"))
     flat: list[torch.Tensor] = []
 
@@ -312,34 +311,13 @@ def _compile(
             raise TeenyError(f"{label}: output {i} is not a teeny tensor of the traced graph (got {type(o).__name__})")
     wants_any = any(v.requires_grad for v in graph.inputs)
     floats = [i for i, o in enumerate(outs) if o.dtype.is_floating_point]
-    pieces: list[tuple] = [("direct", i) for i in range(len(outs))]
-    program_outs = list(outs)
-    if wants_any and len(floats) > 1:  # one flat float output, so that the executor seeds one gradient
-        dtypes = {outs[i].dtype for i in floats}
-        if len(dtypes) > 1:
-            raise TeenyError(
-                f"{label}: outputs of several float dtypes ({', '.join(dtype_name(d) for d in dtypes)}) "
-                "cannot be differentiated together"
-            )
-        flat_out = concat([reshape(outs[i], (-1,)) for i in floats], 0)
-        others = [i for i in range(len(outs)) if i not in floats]
-        program_outs = [flat_out] + [outs[i] for i in others]
-        offset = 0
-        for i in floats:
-            pieces[i] = ("flat", offset, tuple(outs[i].shape))
-            offset += outs[i].numel()
-        for j, i in enumerate(others):
-            pieces[i] = ("direct", 1 + j)
-    elif floats and floats[0] != 0:  # the loss the executor differentiates is output 0
-        order = floats[:1] + [i for i in range(len(outs)) if i != floats[0]]
-        program_outs = [outs[i] for i in order]
-        pieces = [("direct", order.index(i)) for i in range(len(outs))]
-    graph.output(*program_outs)
+    program_order = floats + [i for i in range(len(outs)) if i not in floats]  # the seeded (float) outputs first
+    graph.output(*[outs[i] for i in program_order])
     program = None
     if wants_any and floats:
         try:
-            program = lower(graph, LoweringMode.TRAINING)
-        except NoGradientError:  # no gradient reaches the output (stop_gradient, integer paths)
+            program = lower(graph, LoweringMode.TRAINING, seeded=len(floats))
+        except NoGradientError:  # no gradient reaches an output (stop_gradient, integer paths)
             program = None
     if program is None:
         program = lower(graph, LoweringMode.INFERENCE)
@@ -365,7 +343,7 @@ def _compile(
         saved_inputs=saved_inputs,
         saved_outputs=saved_outputs,
         views=views,
-        pieces=pieces,
+        order=[program_order.index(i) for i in range(len(outs))],
         container=container,
         keep_alive=keep_alive,
         consts=consts,
@@ -524,7 +502,7 @@ def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
 # fake and autograd registrations, without custom_op's Python wrapper around each call (in the
 # H200 run's profile, torch 2.11's custom_ops.backend_impl took 470 us per call, bench/NOTES.md).
 _LIB.define("run_forward(str key, Tensor[] tensors) -> Tensor[]")
-_LIB.define("run_backward(str key, Tensor[] grads, Tensor[] saved) -> Tensor[]")
+_LIB.define("run_backward(str key, Tensor?[] grads, Tensor[] saved) -> Tensor[]")
 
 
 def run_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -532,9 +510,10 @@ def run_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return lookup(key).forward(tensors)
 
 
-def run_backward(key: str, grads: list[torch.Tensor], saved: list[torch.Tensor]) -> list[torch.Tensor]:
-    """teeny's backward kernels for entry ``key``: gradients of its inputs that want one."""
-    return lookup(key).backward(grads[0] if grads else None, saved)
+def run_backward(key: str, grads: list[torch.Tensor | None], saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    """teeny's backward kernels for entry ``key``: gradients of its inputs that want one, from
+    the gradients of its seeded outputs."""
+    return lookup(key).backward(grads, saved)
 
 
 _LIB.impl("run_forward", run_forward, "CompositeExplicitAutograd")
@@ -549,7 +528,7 @@ def _run_forward_fake(key, tensors):
 @torch.library.register_fake("teeny::run_backward", lib=_LIB)
 def _run_backward_fake(key, grads, saved):
     entry = lookup(key)
-    device = grads[0].device if grads else _device_of(saved)
+    device = _device_of([g for g in grads if g is not None] or saved)
     ex_inputs = entry.executor.program.inputs
     return [torch.empty(ex_inputs[i].shape, dtype=ex_inputs[i].dtype, device=device) for i in entry.grad_inputs]
 
@@ -587,15 +566,15 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None] | Non
         if "modified by an inplace operation" not in str(exc):
             raise
         raise RuntimeError(_changed_message(ctx, entry)) from exc
-    grad = grads[0] if grads else None
-    if grad is None:  # output 0 (every float output, flattened) does not reach the loss: no gradient
+    seeds = list(grads[: entry.n_seeded])
+    if all(g is None for g in seeds):  # no float output reaches the loss: no gradient
         return [None] * len(entry.input_names)
     if not eager:
-        computed = torch.ops.teeny.run_backward(entry.key, [grad], list(saved))
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (grad, *saved)):
+        computed = torch.ops.teeny.run_backward(entry.key, seeds, list(saved))
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*seeds, *saved)):
         raise RuntimeError(_double_backward_message(entry))
     else:
-        computed = entry.backward(grad, saved)
+        computed = entry.backward(seeds, saved)
     by_input = dict(zip(entry.grad_inputs, computed))
     return [by_input.get(i) for i in range(len(entry.input_names))]
 
