@@ -596,8 +596,8 @@ def _rows_with_one_stride(t: torch.Tensor) -> bool:
 
 def _held_only_here(grad_out: torch.Tensor, seeds: frozenset[int], grads: dict[int, torch.Tensor]) -> bool:
     """Whether the backward may write over ``grad_out``: a contiguous buffer of its own, neither
-    a seed (a caller's tensor; ``seeds`` are storage ids) nor sharing storage with a gradient still waiting in ``grads``
-    (a backward may hand one ``dy`` to several inputs as views)."""
+    a seed (a caller's tensor; ``seeds`` are storage ids) nor sharing storage with a gradient
+    still waiting in ``grads`` (a backward may hand one ``dy`` to several inputs as views)."""
     if (
         not grad_out.is_contiguous()
         or grad_out.untyped_storage().nbytes() != grad_out.numel() * grad_out.element_size()

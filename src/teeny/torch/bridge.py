@@ -25,9 +25,10 @@ teeny op raises an error naming the op. In plain eager mode (real tensors, nothi
 
 A function with several float outputs is lowered with each of them seeded (``lower(seeded=)``):
 its float outputs come first, each of its own shape and dtype, and the backward operator takes
-the gradient of each (None where none flows back). Keys of registered ops (``teeny.torch.library``) describe the
-call completely, so an entry evicted from the bounded cache (``CACHE_SIZE``) is rebuilt from its
-key; keys of ``apply`` name an entry that the autograd graph keeps alive.
+the gradient of each (None where none flows back). Keys of registered ops
+(``teeny.torch.library``) describe the call completely, so an entry evicted from the bounded
+cache (``CACHE_SIZE``) is rebuilt from its key; keys of ``apply`` name an entry that the
+autograd graph keeps alive.
 
 ``apply(fn, *args)`` runs any teeny function on torch tensors. It keys its cache on what ``fn``
 computes (its code, the values its closure, defaults and the globals it reads hold, and the
