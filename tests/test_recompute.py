@@ -132,9 +132,9 @@ def _spy_input_grad_buffers(monkeypatch) -> list[tuple[str, bool]]:
     seen = []
     original = Executor._node_backward
 
-    def spy(self, p, entry, grad_out, grads, input_grad_buffer=None):
+    def spy(self, p, entry, grad_out, grads, input_grad_buffer=None, addend=None):
         seen.append((p.name, input_grad_buffer is not None and input_grad_buffer is entry["inputs"][0]))
-        original(self, p, entry, grad_out, grads, input_grad_buffer)
+        original(self, p, entry, grad_out, grads, input_grad_buffer, addend)
 
     monkeypatch.setattr(Executor, "_node_backward", spy)
     return seen

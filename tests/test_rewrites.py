@@ -15,7 +15,7 @@ from teeny.graph import Tensor
 from teeny.kernels import loss, norm
 from teeny.kernels.linear import MLPOp, SharedInputLinearOp, TransposedWeightLinearOp
 from teeny.kernels.loss import LinearCrossEntropyOp
-from teeny.kernels.norm import AddNormOp, ResidualSumOp, layer_norm, rms_norm
+from teeny.kernels.norm import AddNormOp, TakenInOp, layer_norm, rms_norm
 from teeny.models import GPT
 from teeny.rewrites import fuse_residual_norm
 
@@ -76,8 +76,8 @@ def test_residual_norm_fused_is_bit_identical_to_unfused(gen):
     fused = _run(g, feed)
     plain = _run(g, feed, rewrites=())
     assert sum(isinstance(op, AddNormOp) for op in _ops(fused[3])) == 2
-    assert sum(isinstance(op, ResidualSumOp) for op in _ops(fused[3])) == 2
-    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(plain[3]))
+    assert sum(isinstance(op, TakenInOp) for op in _ops(fused[3])) == 2
+    assert not any(isinstance(op, (AddNormOp, TakenInOp)) for op in _ops(plain[3]))
     assert _forward_launches(fused[3]) == _forward_launches(plain[3]) - 2  # the two adds launch nothing
     _assert_same_numbers(fused[0], plain[0])
     _assert_same_numbers(fused[1]["x"], plain[1]["x"])
@@ -218,7 +218,7 @@ def test_residual_norm_needs_the_norm_and_a_repeating_residual():
     layer_norm(s2, (8,))
     g2.output(s2)  # the norm is not needed for the output: nothing writes the sum if it is fused away
     program = lower(g2, outputs=[s2])
-    assert not any(isinstance(op, (AddNormOp, ResidualSumOp)) for op in _ops(program))
+    assert not any(isinstance(op, (AddNormOp, TakenInOp)) for op in _ops(program))
     out = Executor(program)({"a": torch.ones(4, 8), "b": torch.ones(4, 8)})
     assert torch.equal(out, torch.full((4, 8), 2.0))
 

@@ -196,6 +196,27 @@ def test_outputs_of_several_dtypes_take_a_gradient_each_and_no_concatenating_cop
             torch.testing.assert_close(got.grad, expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("inside", ["layer_norm", "exp"])
+def test_an_expanded_seed_of_an_output_also_read_inside_is_added_as_it_is(inside):
+    """``s.sum()`` seeds s with an expanded gradient (stride 0, one element of storage); s is
+    also read inside the function, and the gradient from there joins that seed: elementwise, not
+    as if the seed were contiguous (which read past its one element)."""
+
+    def fn(x, r):
+        s = ops.add(x, r)
+        return s, (ops.layer_norm(s, (7,)) if inside == "layer_norm" else ops.exp(s))
+
+    x, r = _x(3, 7, seed=4), _x(3, 7, seed=5)
+    s, y = apply(fn, x, r)
+    (s.sum() + (y * torch.arange(7.0, dtype=y.dtype)).sum()).backward()
+    xr, rr = (t.detach().clone().requires_grad_() for t in (x, r))
+    sr = xr + rr
+    yr = torch.nn.functional.layer_norm(sr, (7,)) if inside == "layer_norm" else sr.exp()
+    (sr.sum() + (yr * torch.arange(7.0, dtype=yr.dtype)).sum()).backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(r.grad, rr.grad)
+
+
 def test_several_seeded_outputs_in_float64_pass_gradcheck_and_an_output_used_twice_adds():
     def fn(a, b):
         s = ops.mul(a, b)

@@ -240,6 +240,49 @@ def test_pre_norms_write_the_autocast_dtype_that_the_products_after_them_read(fa
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_attention_junction_of_each_block_is_one_teeny_call(family):
+    """Each block's residual add after its attention and the norm after it (GPT-2's ln_2,
+    Llama's post-attention norm) are one teeny call, ``residual_norm``: under bf16 autocast the
+    attention's bf16 output is upcast as the norm reads it (one launch forwards, which also
+    writes the float32 sum), and the norm writes bf16 for the MLP's products. Losses and
+    gradients match the unpatched model, eager and compiled (GPT-2, fullgraph); a hook on the
+    norm keeps the block's own two calls (the hook sees the norm run)."""
+    from teeny.torch import bridge
+
+    ref = _gpt2(torch.float32) if family == "gpt2" else _llama(torch.float32)
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    block = "TeenyGPT2Block" if family == "gpt2" else "TeenyLlamaDecoderLayer"
+    assert sum(new == block for _, _, new in report.swapped) == 2
+    ids = _batches(1)[0]
+    bridge.clear_cache()
+    runs = [model, torch.compile(model, fullgraph=True, backend="aot_eager")] if family == "gpt2" else [model]
+    for run in [ref, *runs]:
+        run.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(ids, labels=ids).loss
+        loss.backward()
+        if run is ref:
+            expected, expected_grads = loss, [p.grad for p in ref.parameters()]
+            continue
+        torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
+        for (name, p), g in zip(model.named_parameters(), expected_grads):
+            torch.testing.assert_close(p.grad, g, atol=1e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
+    (junction,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op residual_norm"]
+    nodes = junction.executor.program.nodes
+    assert [type(p.op).__name__ for p in nodes] == ["TakenInOp", "TakenInOp", "AddNormOp"]
+    assert sum(len(p.forward_launches) for p in nodes) == 1
+    assert [dtype for _, dtype in junction.outputs] == [torch.float32, torch.bfloat16]
+    norm = model.transformer.h[0].ln_2 if family == "gpt2" else model.model.layers[0].post_attention_layernorm
+    seen = []
+    norm.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels=ids).loss.backward()
+    assert seen == [torch.bfloat16]
+    torch._dynamo.reset()
+
+
 class _PaddedLM(nn.Module):
     """A user's module around a GPT-2 that makes the padding mask itself."""
 
@@ -518,6 +561,8 @@ def _patch_op_calls():
         ("packed_attention", (randn(1, 5, 24), 2, True, 0.3)),  # batches > 1: test_torch_nn
         ("gpt2_attention", (randn(2, 5, 8), randn(8, 24), randn(24), randn(8, 8), randn(8), 2, 0.4)),
         ("gpt2_attention", (randn(1, 3, 4), randn(4, 12), None, randn(4, 4), None, 1, None)),
+        ("residual_norm", (randn(2, 3, 5), randn(2, 3, 5), randn(5), randn(5), 1e-5, True, None)),
+        ("residual_norm", (randn(3, 5), randn(3, 5), randn(5), None, 1e-6, False, None)),
     ]
 
 
@@ -534,6 +579,7 @@ def test_patch_operators_pass_opcheck_and_float64_gradcheck(name, args):
         full = list(args)
         for i, x in zip(leaves, xs):
             full[i] = x
-        return op(*full)
+        out = op(*full)
+        return tuple(out) if isinstance(out, list) else out
 
     assert torch.autograd.gradcheck(fn, [args[i] for i in leaves], eps=1e-6, atol=1e-8)

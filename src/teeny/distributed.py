@@ -320,8 +320,8 @@ class DataParallel:
             ready.setdefault(b.ready_after, []).append(b)
         node_backward = self.executor._node_backward
 
-        def node_backward_then_reduce(p, entry, grad_out, grads, input_grad_buffer=None) -> None:
-            node_backward(p, entry, grad_out, grads, input_grad_buffer)
+        def node_backward_then_reduce(p, *args) -> None:
+            node_backward(p, *args)
             for b in ready.get(index_of[id(p)], ()):
                 self._reduce(b)
 

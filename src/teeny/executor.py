@@ -376,9 +376,8 @@ class Executor:
                 self._recompute(p, entry, cache, recomputed, index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
-            self._node_backward(
-                p, entry, grad_out, grads, self._input_grad_buffer(p, index, entry, grad_out, seeds, grads)
-            )
+            buffer, addend = self._input_grad_buffer(p, index, entry, grad_out, seeds, grads)
+            self._node_backward(p, entry, grad_out, grads, buffer, addend)
         result = {}
         for v in self._inputs:
             if v.requires_grad:
@@ -492,26 +491,35 @@ class Executor:
         grad_out: torch.Tensor,
         seeds: frozenset[int],
         grads: dict[int, torch.Tensor],
-    ) -> torch.Tensor | None:
-        """A buffer nothing else needs that input 0's gradient may be written into, or None:
-        ``grad_out`` for an op with ``grad_in_place``, when nothing else holds it; input 0 itself
-        for an op with ``grad_over_input``, when it was recomputed for this node (``index``) and this
-        is its last reader's backward; for an op with ``grad_accumulates``, the gradient that
-        input 0's other readers left, when nothing else holds it (the op adds to it)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(buffer, addend) for input 0's gradient. buffer: one nothing else needs that it may be
+        written into, or None: ``grad_out`` for an op with ``grad_in_place``, when nothing else
+        holds it; input 0 itself for an op with ``grad_over_input``, when it was recomputed for
+        this node (``index``) and this is its last reader's backward; for an op with
+        ``grad_accumulates``, the gradient input 0's other readers left, when nothing else holds
+        it. addend (``grad_accumulates``): that waiting gradient, which the op adds to its own, in
+        place (it is the buffer) or not (a seed, or a gradient something else still reads)."""
         node = p.node
         v = node.inputs[0] if node.inputs else None
         if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
-            return None
+            return None, None
         if p.op.grad_in_place and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
-            return grad_out if _held_only_here(grad_out, seeds, grads) else None
+            return (grad_out if _held_only_here(grad_out, seeds, grads) else None), None
         if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
-            return entry["inputs"][0]
+            return entry["inputs"][0], None
         waiting = grads.get(v.id)
-        if p.op.grad_accumulates and waiting is not None and (waiting.shape, waiting.dtype) == (v.shape, v.dtype):
+        if (
+            p.op.grad_accumulates
+            and waiting is not None
+            and (waiting.shape, waiting.dtype) == (v.shape, v.dtype)
+            and waiting.is_contiguous()
+        ):
             others = {k: g for k, g in grads.items() if k != v.id}
             others[node.output.id] = grad_out  # read by this backward: not to be written over
-            return waiting if _held_only_here(waiting, seeds, others) else None
-        return None
+            if _held_only_here(waiting, seeds, others):
+                return waiting, waiting
+            return self._alloc(v.shape, v.dtype), waiting
+        return None, None
 
     def _node_backward(
         self,
@@ -520,9 +528,10 @@ class Executor:
         grad_out: torch.Tensor,
         grads: dict[int, torch.Tensor],
         input_grad_buffer: torch.Tensor | None = None,
+        addend: torch.Tensor | None = None,
     ) -> None:
         """``p``'s backward launches; input 0's gradient is written into ``input_grad_buffer``
-        when one is given (see ``_input_grad_buffer``)."""
+        when one is given, with the waiting gradient ``addend`` added (see ``_input_grad_buffer``)."""
         node = p.node
         n_act = node.op.n_activation_inputs
         ctx = make_context(self.program, p, entry["inputs"], entry["output"], entry["saved"], dry_run=False)
@@ -530,8 +539,7 @@ class Executor:
         ctx.grad_output = grad_out
         ctx.grad_output_row_stride = row_stride(grad_out)
         buffers = []
-        if input_grad_buffer is not None and input_grad_buffer is grads.get(node.inputs[0].id):
-            ctx.accumulate_grad_input = True  # the op adds its gradient to the one waiting: no sum launch after
+        ctx.grad_input_addend = addend  # the op adds the gradient waiting to its own: no sum launch after
         for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
@@ -552,7 +560,7 @@ class Executor:
         ctx.grad_inputs, ctx.grad_params = buffers[:n_act], buffers[n_act:]
         ctx.run(node.op.backward_launches(ctx))
         produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
-        for v, wanted, g in zip(node.inputs, p.grad_mask, produced):
+        for i, (v, wanted, g) in enumerate(zip(node.inputs, p.grad_mask, produced)):
             if not wanted:
                 continue
             if g is None or tuple(g.shape) != tuple(v.shape):
@@ -566,9 +574,11 @@ class Executor:
                     accumulate(target, g.contiguous(), target)
                 self._zeroed.discard(v.id)
             elif v.id in grads:
-                if g is not grads[v.id]:  # (else the op added its gradient to it: accumulate_grad_input)
+                if i == 0 and addend is not None:  # the op added the gradient waiting to its own
+                    grads[v.id] = g
+                else:
                     total = self._alloc(v.shape, v.dtype)
-                    accumulate(grads[v.id], g.contiguous(), total)
+                    accumulate(grads[v.id].contiguous(), g.contiguous(), total)  # a seed may be expanded
                     grads[v.id] = total
             else:
                 grads[v.id] = g

@@ -138,7 +138,7 @@ class Graph:
                 pname = values[op.n_activation_inputs + i].name
                 raise GraphError(f"{where}: parameter '{pname}' has shape {tuple(got)}, expected {tuple(want)}")
         float_dtypes = {d for d in dtypes if d.is_floating_point}
-        if len(float_dtypes) > 1:
+        if len(float_dtypes) > 1 and not op.mixed_float_inputs:
             listing = ", ".join(f"{v.name}:{str(v.dtype).replace('torch.', '')}" for v in values)
             raise GraphError(f"{where}: inputs have different float dtypes ({listing})")
         try:
@@ -147,7 +147,7 @@ class Graph:
             out_dtype = op.output_dtype(dtypes)
         except (ValueError, TypeError, IndexError) as exc:
             raise GraphError(f"{where}: {exc}") from None
-        compute_dtype = next(iter(float_dtypes), out_dtype)
+        compute_dtype = dtypes[0] if op.mixed_float_inputs and dtypes else next(iter(float_dtypes), out_dtype)
         out = self._new_value(node_name, out_shape, out_dtype, "node")
         node = Node(len(self.nodes), node_name, op, values, out, compute_dtype)
         out.producer = node

@@ -13,7 +13,9 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
 * ``fuse_residual_norm``: y = layer_norm(a + b) or rms_norm(a + b) where the sum is also read
   downstream (the residual stream of a pre-norm transformer) becomes one norm launch that reads
   a and b, writes the sum and y (``norm.AddNormOp``); the add keeps its node, and its backward,
-  but launches nothing (``norm.ResidualSumOp``). Per residual: one launch and one full read
+  but launches nothing (``norm.TakenInOp``). An exact upcast of b read by the add alone (a bf16
+  sublayer's output added to a float32 stream under autocast) is taken in too: the norm reads b
+  in its own dtype, and the upcast keeps only its backward. Per residual: one launch and one full read
   fewer. The backward adds the norm's dx to the gradient the residual path left
   (``RuntimeOp.grad_accumulates``): no accumulate launch sums the two.
 * ``attention_in_place``: the transposes that split the heads of q, k and v before an attention,
@@ -198,16 +200,32 @@ def _residual_add(node: Node) -> tuple[Value, Value] | None:
     return None
 
 
+def _taken_in_upcast(residual: Value, add: Node, read_by, outputs: list[Value]) -> Node | None:
+    """The exact float upcast that made ``residual`` when ``add`` alone reads it (and it is no
+    output): the fused norm reads its source in its own dtype instead."""
+    from .kernels.cast import CastOp
+
+    cast = residual.producer
+    if cast is None or type(cast.op) is not CastOp or any(v.id == residual.id for v in outputs):
+        return None
+    source, target = cast.inputs[0].dtype, cast.op.dtype
+    if not (source.is_floating_point and target.is_floating_point and target.itemsize > source.itemsize):
+        return None
+    readers_of_residual = read_by[residual.id]
+    return cast if len(readers_of_residual) == 1 and readers_of_residual[0][0] is add else None
+
+
 def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """layer_norm / rms_norm of a residual sum a + b becomes one ``AddNormOp`` launch that also
     writes the sum (see the module docstring). The norm moves up to just after the add, so its
     weight and bias must exist there (they are parameters in a model)."""
-    from .kernels.norm import AddNormOp, LayerNormOp, ResidualSumOp
+    from .kernels.norm import AddNormOp, LayerNormOp, TakenInOp
 
     needed = ancestors(outputs)
     read_by = readers(graph)
     position = {node.id: i for i, node in enumerate(graph.nodes)}
-    pairs: dict[int, Node] = {}  # add node id -> the norm node that writes its sum
+    pairs: dict[int, Node | None] = {}  # add node id -> the norm node that writes its sum; upcast id -> None
+    upcasts: dict[int, Node] = {}  # add node id -> the upcast of its residual, taken in
     for node in graph.nodes:
         if node.output.id not in needed or _residual_add(node) is None:
             continue
@@ -219,26 +237,36 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
                 and all(v.producer is None or position[v.producer.id] < position[node.id] for v in reader.inputs[1:])
             ):
                 pairs[node.id] = reader
+                cast = _taken_in_upcast(_residual_add(node)[1], node, read_by, outputs)
+                if cast is not None:
+                    upcasts[node.id] = cast
+                    pairs[cast.id] = None
                 break
     if not pairs:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
 
-    def fuse(node: Node, norm: Node) -> None:
+    def fuse(node: Node, norm: Node | None) -> None:
+        if norm is None:  # an upcast the fused norm reads through: its backward only
+            rebuild.new[node.output.id] = rebuild.apply(TakenInOp(node.op), [rebuild[node.inputs[0]]], node.name)
+            return
         x, residual = _residual_add(node)
-        s = rebuild.apply(ResidualSumOp(node.op), [rebuild[v] for v in node.inputs], node.name)
+        s = rebuild.apply(TakenInOp(node.op), [rebuild[v] for v in node.inputs], node.name)
         rebuild.new[node.output.id] = s
         affine = [rebuild[v] for v in norm.inputs[1:]]
+        read = upcasts[node.id].inputs[0] if node.id in upcasts else residual
         rebuild.new[norm.output.id] = rebuild.apply(
-            AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[residual]], norm.name
+            AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[read]], norm.name
         )
 
-    rebuild.replace({norm.id for norm in pairs.values()}, pairs, fuse)
-    sums = sum(_nbytes(norm.inputs[0]) for norm in pairs.values())
+    norms = [norm for norm in pairs.values() if norm is not None]
+    rebuild.replace({norm.id for norm in norms}, pairs, fuse)
+    sums = sum(_nbytes(norm.inputs[0]) for norm in norms)
     graph, outputs = rebuild.finish(outputs)
-    kinds = Counter(norm.op.name for norm in pairs.values())
+    kinds = Counter(norm.op.name for norm in norms)
     fused = ", ".join(f"residual add + {name} in one launch: {n}" for name, n in sorted(kinds.items()))
-    return graph, outputs, f"{fused} ({len(pairs)} launches and {_mib(sums)} of reads fewer per forward)"
+    taken = f"; {len(upcasts)} upcasts of the residual read in place" if upcasts else ""
+    return graph, outputs, f"{fused} ({len(norms)} launches and {_mib(sums)} of reads fewer per forward{taken})"
 
 
 # ------------------------------------------------------------------ linear + cross-entropy

@@ -361,8 +361,8 @@ class OpContext:
     saved; the others are ``None``). ``saved`` holds the op's extra outputs (e.g. rstd).
     In backward, ``grad_inputs`` / ``grad_params`` hold a buffer for each input that needs a
     gradient and ``None`` for the others; the op writes (not adds) into them, or replaces one
-    by a view of ``grad_output`` (with ``accumulate_grad_input``, input 0's buffer already holds
-    a gradient, which the op adds to). ``grad_output`` has unit stride along its last dim and rows
+    by a view of ``grad_output``; with ``grad_input_addend`` the op adds that gradient (which
+    may be input 0's buffer itself) to input 0's. ``grad_output`` has unit stride along its last dim and rows
     ``grad_output_row_stride`` apart (contiguous unless the op sets ``strided_grad_output``).
     """
 
@@ -382,7 +382,7 @@ class OpContext:
     input_shapes: list = field(default_factory=list)
     output_shape: Shape = ()
     phase: str = "forward"
-    accumulate_grad_input: bool = False  # backward: grad_inputs[0] holds a gradient to add to (grad_accumulates)
+    grad_input_addend: torch.Tensor | None = None  # backward: a gradient to add to input 0's (grad_accumulates)
     allowed_kernels: set[int] | None = None  # backward dry run: the kernels the op's pairs declare
     checks: list | None = None  # (flag, describe) pairs the executor reads after the forward
     launched: list | None = None  # dry run: the launches seen, as (kernel, grid, argument values)
@@ -519,10 +519,13 @@ class RuntimeOp:
     # launch writing it comes after every launch reading input 0); the executor hands input 0's buffer
     # over when it owns it alone: a value recomputed for this node, at its last reader's backward
     grad_over_input: bool = False
-    # True: the backward can add input 0's gradient to what its buffer already holds
-    # (``OpContext.accumulate_grad_input``); when input 0's other readers have left a gradient that
-    # nothing else holds, the executor hands that buffer over instead of adding the two after
+    # True: the backward can add a contiguous gradient to input 0's as it writes it
+    # (``OpContext.grad_input_addend``): the one input 0's other readers left, so that no launch adds
+    # the two after; written over in place when nothing else holds it (else into a new buffer)
     grad_accumulates: bool = False
+    # True: inputs after the first may be of other float dtypes (the kernels convert as they load);
+    # the node computes in input 0's dtype. False: one float dtype for all inputs (the graph checks)
+    mixed_float_inputs: bool = False
     # groups of parameter positions (indices over inputs + params) the executor lays out side by side
     # in its arena, in this order, and whose gradient buffers it hands out side by side: the op may
     # read them as one tensor (a view). The rewrite that sets it checks that the executor can: one

@@ -105,12 +105,13 @@ def _dy_offsets(offs, rows, c, dy_row_stride, ROW_LEN: tl.constexpr, DY_ROW_LEN:
         return (flat // DY_ROW_LEN) * dy_row_stride + flat % DY_ROW_LEN
 
 
-@kernel(half=True, optional=("w_ptr", "dx_ptr", "mean_ptr", "dw_ptr", "db_ptr"))
+@kernel(half=True, optional=("w_ptr", "dx_ptr", "dx_add_ptr", "mean_ptr", "dw_ptr", "db_ptr"))
 def norm_backward(
     x_ptr,
     w_ptr,
     dy_ptr,
     dx_ptr,
+    dx_add_ptr,
     mean_ptr,
     rstd_ptr,
     dw_ptr,
@@ -129,13 +130,12 @@ def norm_backward(
     STATS: tl.constexpr,
     AFFINE_GRAD: tl.constexpr,
     DY_ROW_LEN: tl.constexpr,
-    ADD_TO_DX: tl.constexpr,
     COMPUTE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (when dx_ptr is given;
-    ADD_TO_DX: added to what dx holds, the gradient of x's other readers),
+    plus dx_add, the gradient of x's other readers, when given: dx itself or another tensor),
     and dw/db (when given) PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over
     its rows of dy * xhat; needs ROW_LEN <= BLOCK and COLUMN_CHANNEL). Centred (mean_ptr given)
     or not (rms_norm)."""
@@ -186,8 +186,8 @@ def norm_backward(
                         dx = rstd * (g - xhat * mean_g_xhat)
                 else:
                     dx = rstd * g
-                if ADD_TO_DX:
-                    dx += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                if dx_add_ptr is not None:
+                    dx += tl.load(dx_add_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if dw_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(dw_ptr + rows, tl.sum(dy * xhat, 1).to(dw_ptr.dtype.element_ty), mask=row_mask)
@@ -258,8 +258,8 @@ def norm_backward(
                             dx = rstd * (g - xhat * mean_g_xhat)
                     else:
                         dx = rstd * g
-                    if ADD_TO_DX:
-                        dx += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
+                    if dx_add_ptr is not None:
+                        dx += tl.load(dx_add_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if dw_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
         tl.store(dw_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(dw_acc, 0), mask=col_mask)
@@ -686,6 +686,7 @@ class NormOp(RuntimeOp):
                 w_ptr=w,
                 dy_ptr=ctx.grad_output,
                 dx_ptr=dx,
+                dx_add_ptr=ctx.grad_input_addend if dx is not None else None,
                 mean_ptr=ctx.saved.get("mean"),
                 rstd_ptr=ctx.saved["rstd"],
                 dw_ptr=dw_out,
@@ -693,7 +694,6 @@ class NormOp(RuntimeOp):
                 tiles_per_program=tiles_per_program,
                 STATS=self.stats_source(),
                 AFFINE_GRAD=target if target is not None else PER_ROW,  # unused without dw_ptr / db_ptr
-                ADD_TO_DX=dx is not None and ctx.accumulate_grad_input,
                 COMPUTE=tl_acc_dtype(ctx.dtype),
                 ROWS=rows_per_tile,
                 **rows.index_args(),
@@ -798,10 +798,13 @@ def repeats_over_rows(shape, full_shape) -> bool:
 class AddNormOp(LayerNormOp):
     """layer_norm / rms_norm of s = x + residual where s is also read downstream (a residual
     stream; made by ``teeny.rewrites.fuse_residual_norm``). Inputs: s, weight and bias (when
-    given), x, residual; s is the output of the add's ``ResidualSumOp``, which launches nothing:
+    given), x, residual; s is the output of the add's ``TakenInOp``, which launches nothing:
     this forward reads x and residual once, writes their sum into s and normalises it (one read
     of s fewer than add + norm, and one launch). residual is x-shaped or repeats over x's leading
-    dims. Backward: the norm's, on s (x and residual get their gradients through the add)."""
+    dims; it may be of a narrower float dtype than s (an upcast the add read, taken in: the sum
+    is the same). Backward: the norm's, on s (x and residual get their gradients through the add)."""
+
+    mixed_float_inputs = True
 
     def __init__(self, norm: LayerNormOp):
         super().__init__(norm.normalized_shape, norm.eps, norm.has_weight, norm.has_bias, norm.centred, norm.out_dtype)
@@ -827,31 +830,35 @@ class AddNormOp(LayerNormOp):
         )
 
 
-class ResidualSumOp(RuntimeOp):
-    """The add s = a + b of a residual whose norm (``AddNormOp``, the next node) writes s: no
-    launch forwards; backward, the add's own."""
+class TakenInOp(RuntimeOp):
+    """A node whose forward ``AddNormOp`` takes in: the residual add s = a + b (the norm writes
+    s), or the exact upcast of the residual that the norm reads in its own dtype (nothing reads
+    the upcast value forwards). No launch forwards; backward, the op's own."""
 
-    def __init__(self, add: RuntimeOp):
-        self.add = add
-        self.name, self.kernel = f"residual_{add.name}", add.kernel
-        self.n_activation_inputs, self.differentiable_inputs = add.n_activation_inputs, add.differentiable_inputs
-        self.saves_inputs, self.saves_output = add.saves_inputs, add.saves_output
-        self.strided_grad_output = add.strided_grad_output
+    def __init__(self, op: RuntimeOp):
+        self.op = op
+        self.name, self.kernel = f"{op.name}_in_norm", op.kernel
+        self.n_activation_inputs, self.differentiable_inputs = op.n_activation_inputs, op.differentiable_inputs
+        self.saves_inputs, self.saves_output = op.saves_inputs, op.saves_output
+        self.strided_grad_output = op.strided_grad_output
 
     def output_shape(self, input_shapes):
-        return self.add.output_shape(input_shapes)
+        return self.op.output_shape(input_shapes)
 
     def output_dtype(self, input_dtypes):
-        return self.add.output_dtype(input_dtypes)
+        return self.op.output_dtype(input_dtypes)
 
     def check_inputs(self, input_shapes, input_dtypes):
-        self.add.check_inputs(input_shapes, input_dtypes)
+        self.op.check_inputs(input_shapes, input_dtypes)
+
+    def has_backward(self):
+        return self.op.has_backward()
 
     def forward_launches(self, ctx):
-        return []  # AddNormOp writes the sum
+        return []  # AddNormOp writes the sum; the upcast is read in its source's dtype
 
     def backward_launches(self, ctx):
-        return self.add.backward_launches(ctx)
+        return self.op.backward_launches(ctx)
 
 
 class GroupNormOp(NormOp):

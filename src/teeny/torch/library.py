@@ -181,7 +181,9 @@ _SCALAR_OVERLOADS = {  # ops whose second operand may be a Python number: an ext
     "where": "other",
 }
 _MULTI_OUTPUT = {"split", "chunk"}
-_PRODUCTS = {"linear", "matmul", "conv2d", "scaled_dot_product_attention"}  # autocast: lower precision
+# how a call runs under autocast (see the module docstring and ``register``): "product" in
+# autocast's dtype, "as_given" on its tensors' own dtypes, any other in its first float tensor's
+_AUTOCAST = dict.fromkeys(("linear", "matmul", "conv2d", "scaled_dot_product_attention"), "product")
 _SKIPPED = dict.fromkeys(
     ("getitem", "getitem_advanced"), "its index is an arbitrary Python object: use tensor indexing or teeny.torch.apply"
 )
@@ -375,7 +377,10 @@ def _autocast(reg: Registered, values: list) -> list:
     device_type = tensors[0].device.type
     if not autocast_on(device_type):
         return values
-    if reg.name in _PRODUCTS:
+    rule = _AUTOCAST.get(reg.name, "first")
+    if rule == "as_given":
+        return values
+    if rule == "product":
         target = torch.get_autocast_dtype(device_type)
     else:
         target = tensors[0].dtype
@@ -561,7 +566,7 @@ def register(
     schema: str | None = None,
     n_inputs: int | None = None,
     multi_output: bool = False,
-    product: bool = False,
+    autocast: str = "first",
 ) -> Callable:
     """Register a teeny function, or a ``RuntimeOp``/``CustomOp`` (instance or class), as
     ``torch.ops.teeny.<name>``; returns the operator.
@@ -572,9 +577,12 @@ def register(
     An op takes ``n_inputs`` tensors (default: its ``n_activation_inputs``) and no other
     argument. Forward and backward run teeny's kernels through the bridge, so the operator
     differentiates, compiles (``fullgraph=True``) and passes ``torch.library.opcheck``.
-    ``product=True``: under autocast the call runs in the autocast dtype, as products do (see
-    the module docstring); otherwise in the dtype of its first floating-point tensor.
+    ``autocast``: how the call runs under autocast: ``"first"`` in the dtype of its first
+    floating-point tensor, ``"product"`` in autocast's dtype, as products do (see the module
+    docstring), ``"as_given"`` on its tensors as they come (a function that casts what it must).
     """
+    if autocast not in ("first", "product", "as_given"):
+        raise ValueError(f"register: autocast must be 'first', 'product' or 'as_given', got {autocast!r}")
     if isinstance(fn, type) and issubclass(fn, RuntimeOp):
         fn = fn()
     if isinstance(fn, RuntimeOp):
@@ -596,8 +604,7 @@ def register(
     if not name or not name.isidentifier():
         raise ValueError(f"register: give the operator a name (got {name!r})")
     arguments = schema if schema is not None else schema_arguments(fn, name)
-    if product:
-        _PRODUCTS.add(name)
+    _AUTOCAST[name] = autocast
     reg = _define(name, "", fn, arguments, multi_output)
     return reg.packet
 

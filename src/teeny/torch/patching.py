@@ -118,7 +118,9 @@ def _conv1d_linear(x, weight, bias):
     return ops.linear(x, ops.transpose(weight, 0, 1), bias)
 
 
-library.register(_conv1d_linear, name="conv1d_linear", schema="Tensor x, Tensor weight, Tensor? bias", product=True)
+library.register(
+    _conv1d_linear, name="conv1d_linear", schema="Tensor x, Tensor weight, Tensor? bias", autocast="product"
+)
 
 
 def _conv1d_forward(self, x):
@@ -139,7 +141,7 @@ library.register(
     _gelu_mlp,
     name="gelu_mlp",
     schema="Tensor x, Tensor fc_weight, Tensor? fc_bias, Tensor proj_weight, Tensor? proj_bias",
-    product=True,
+    autocast="product",
 )
 
 
@@ -157,7 +159,7 @@ library.register(
     name="gpt2_attention",
     schema="Tensor x, Tensor attn_weight, Tensor? attn_bias, Tensor proj_weight, Tensor? proj_bias, int heads, "
     "float? scale=None",
-    product=True,
+    autocast="product",
 )
 
 
@@ -178,7 +180,7 @@ library.register(
     _causal_lm_loss,
     name="causal_lm_loss",
     schema="Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, str reduction='mean'",
-    product=True,
+    autocast="product",
 )
 
 
@@ -338,6 +340,154 @@ def _gpt2_attention_forward(self, hidden_states, *args, **kwargs):
     return self.resid_dropout(out), None
 
 
+def _residual_norm(x, residual, weight, bias, eps: float, centred: bool, out_dtype=None):
+    """A pre-norm block's junction: s = residual + x (x, a sublayer's output, upcast to the
+    stream's dtype first: bf16 under autocast) and the next norm of s, layer_norm (``centred``)
+    or rms_norm, written in ``out_dtype``. Lowered, one launch forwards (the norm reads x in its
+    own dtype, writes s and y: ``rewrites.fuse_residual_norm``); backwards the norm adds its dx
+    to s's gradient as it writes it, and the upcast's backward casts that for x."""
+    if x.dtype != residual.dtype:
+        x = ops.to(x, residual.dtype)
+    s = ops.add(residual, x)
+    shape = [residual.shape[-1]]
+    if centred:
+        return s, ops.layer_norm(s, shape, weight, bias, eps, out_dtype=out_dtype)
+    return s, ops.rms_norm(s, shape, weight, eps, out_dtype=out_dtype)
+
+
+library.register(
+    _residual_norm,
+    name="residual_norm",
+    schema="Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, bool centred, "
+    "ScalarType? out_dtype=None",
+    multi_output=True,
+    autocast="as_given",
+)
+
+
+def _junction(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
+    """(residual + x, norm of it) as one teeny call when ``norm`` is a teeny layer or RMS norm
+    without hooks over the last dim, and x is no wider a float than the stream; else None."""
+    if norm._forward_hooks or norm._forward_pre_hooks or not residual.is_floating_point():
+        return None
+    if not x.is_floating_point() or x.dtype.itemsize > residual.dtype.itemsize or x.shape != residual.shape:
+        return None
+    weight = getattr(norm, "weight", None)
+    if isinstance(norm, nn.LayerNorm) and type(norm) in DROP_INS.values():
+        if len(norm.normalized_shape) != 1:
+            return None
+        eps, centred, bias = norm.eps, True, norm.bias
+    elif type(norm).forward is _rms_norm_forward:
+        eps, centred, bias = norm.variance_epsilon, False, None
+    else:
+        return None
+    if weight is None or weight.shape != residual.shape[-1:]:
+        return None
+    out_dtype = TF.autocast_dtype(norm, residual)
+    s, y = library.direct.residual_norm(x, residual, weight, bias, float(eps), centred, out_dtype)
+    return s, y
+
+
+def _gpt2_block_forward(
+    self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+    use_cache=False, **kwargs,
+):  # fmt: skip
+    """transformers' GPT2Block.forward, with the attention's residual add and ln_2 as one teeny
+    call (``_junction``); with cross-attention, or an ln_2 it cannot take, transformers' own."""
+    attn_output = None
+    if encoder_hidden_states is None:
+        residual = hidden_states
+        attn_output, _ = self.attn(self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask,
+                                   use_cache=use_cache, **kwargs)  # fmt: skip
+        joined = _junction(self.ln_2, attn_output, residual)
+        if joined is not None:
+            hidden_states, normed = joined
+            return hidden_states + self.mlp(normed)
+    original = type(self).__mro__[1].forward
+    if attn_output is not None:  # the rest of transformers' forward, from the residual add
+        hidden_states = attn_output + residual
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+    return original(self, hidden_states, cache, attention_mask, encoder_hidden_states,
+                    encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)  # fmt: skip
+
+
+def _decoder_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+    position_embeddings=None, **kwargs,
+):  # fmt: skip
+    """A Llama-family decoder layer's forward (transformers'), with the attention's residual add
+    and post_attention_layernorm as one teeny call (``_junction``) where it can be."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+        position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+        **kwargs,
+    )  # fmt: skip
+    joined = _junction(self.post_attention_layernorm, hidden_states, residual)
+    if joined is None:
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    hidden_states, normed = joined
+    return hidden_states + self.mlp(normed)
+
+
+# the block forwards patch replaces: the parameters of transformers' own, and its statements
+# (comments and line breaks left out) in order; the replacement computes the same only where
+# the original reads exactly so
+_BLOCKS = {
+    "gpt2_block": (
+        _gpt2_block_forward,
+        ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+         "use_cache", "kwargs"),
+        ("residual = hidden_states hidden_states = self.ln_1(hidden_states) attn_output, _ = self.attn( "
+         "hidden_states, cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs, ) "
+         "hidden_states = attn_output + residual if encoder_hidden_states is not None:",
+         "residual = hidden_states hidden_states = self.ln_2(hidden_states) feed_forward_hidden_states = "
+         "self.mlp(hidden_states) hidden_states = residual + feed_forward_hidden_states return hidden_states"),
+    ),
+    "decoder_layer": (
+        _decoder_layer_forward,
+        ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings",
+         "kwargs"),
+        ("residual = hidden_states hidden_states = self.input_layernorm(hidden_states) hidden_states, _ = "
+         "self.self_attn( hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, "
+         "cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs, ) hidden_states = "
+         "residual + hidden_states residual = hidden_states hidden_states = self.post_attention_layernorm("
+         "hidden_states) hidden_states = self.mlp(hidden_states) hidden_states = residual + hidden_states "
+         "return hidden_states",),
+    ),
+}  # fmt: skip
+
+
+def _statements(source: str) -> str:
+    """``source`` without comments, its whitespace runs one space each."""
+    import re
+
+    return " ".join(re.sub(r"#.*", "", source).split())
+
+
+def _block_swap(cls: type) -> type | None:
+    """The teeny subclass of a transformer block class whose forward is one of ``_BLOCKS``'."""
+    import inspect
+
+    try:
+        parameters = tuple(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    source = _statements(_source(cls.forward))
+    for label, (forward, expected, fragments) in _BLOCKS.items():
+        if parameters != expected:
+            continue
+        at = 0
+        for fragment in fragments:  # each one after the one before
+            at = source.find(fragment, at)
+            if at < 0:
+                break
+        else:
+            return _teeny_subclass(cls, forward, label)
+    return None
+
+
 def _swiglu_mlp_forward(self, x):
     return self.down_proj(TF.swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -380,6 +530,8 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
     ):
         if hasattr(module, "scaling") and hasattr(module, "is_cross_attention"):
             return _teeny_subclass(cls, _gpt2_attention_forward, "gpt2_attention")
+    if name == "GPT2Block" or name.endswith("DecoderLayer"):
+        return _block_swap(cls)
     if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         if type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") and len(list(module.children())) == 4:
             return _teeny_subclass(cls, _swiglu_mlp_forward, "swiglu_mlp")
@@ -423,7 +575,10 @@ def _product_read_norms(block: nn.Module) -> list[str]:
             rf"hidden_states = self\.{norm}\(hidden_states\)\n(?:\s*#.*\n)*"
             rf"\s*[\w, ]+ = self\.{reader}\(\s*(?:hidden_states=)?hidden_states[,)]"
         )
-        if re.search(pattern, _source(type(block).forward)):
+        cls = type(block)
+        if cls.__module__ == __name__:  # a block patch swapped: transformers' forward says what reads what
+            cls = cls.__mro__[1]
+        if re.search(pattern, _source(cls.forward)):
             names.append(norm)
     return names
 

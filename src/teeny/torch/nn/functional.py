@@ -307,7 +307,7 @@ library.register(
     _packed_attention,
     name="packed_attention",
     schema="Tensor qkv, int heads, bool is_causal=False, float? scale=None",
-    product=True,
+    autocast="product",
 )
 
 
