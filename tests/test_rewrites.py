@@ -90,6 +90,34 @@ def test_residual_norm_fused_is_bit_identical_to_unfused(gen):
     assert "rewrite" not in plain[3].summary()
 
 
+@pytest.mark.parametrize("upcast_first", [False, True])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_an_upcast_sublayer_output_added_to_the_stream_is_read_in_place(gen, low, upcast_first):
+    """A float32 stream plus a half-precision sublayer output upcast (autocast's residual add),
+    then a norm, the sum read again: the norm reads the half-precision tensor as it is and
+    writes the sum (one launch forwards, the upcast launches nothing; backwards the upcast's
+    cast back stays). The same numbers as unfused, either operand order."""
+    g = Graph("upcast")
+    h = g.input("h", (3, 5, 8), requires_grad=True)
+    a = g.input("a", (3, 5, 8), low, requires_grad=True)
+    w = g.parameter("w", (8,), init=teeny.init.normal(1.0))
+    a32 = ops.to(ops.mul(a, a), torch.float32)  # the sublayer: its output in half precision
+    s = ops.add(a32, h) if upcast_first else ops.add(h, a32)
+    y = layer_norm(s, (8,), w, None, out_dtype=low)
+    g.output(ops.sum(ops.mul(s, ops.to(ops.exp(y), torch.float32))))
+    feed = {"h": torch.randn(3, 5, 8, generator=gen), "a": torch.randn(3, 5, 8, generator=gen).to(low)}
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    fused_ops = [type(op).__name__ for op in _ops(fused[3])]
+    assert fused_ops.count("TakenInOp") == 2 and "AddNormOp" in fused_ops and "CastOp" in fused_ops
+    assert _forward_launches(fused[3]) == _forward_launches(plain[3]) - 2  # the add and the upcast
+    assert "1 upcasts of the residual read in place" in fused[3].summary()
+    _assert_same_numbers(fused[0], plain[0])
+    for name in ("h", "a"):
+        assert fused[1][name].dtype == plain[1][name].dtype
+        _assert_same_numbers(fused[1][name], plain[1][name], name)
+    _assert_same_numbers(fused[2]["w"], plain[2]["w"], "w")
+
+
 # ----------------------------------------------------------------------------- transposed weights
 
 

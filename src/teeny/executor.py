@@ -497,8 +497,9 @@ class Executor:
         holds it; input 0 itself for an op with ``grad_over_input``, when it was recomputed for
         this node (``index``) and this is its last reader's backward; for an op with
         ``grad_accumulates``, the gradient input 0's other readers left, when nothing else holds
-        it. addend (``grad_accumulates``): that waiting gradient, which the op adds to its own, in
-        place (it is the buffer) or not (a seed, or a gradient something else still reads)."""
+        it. addend (``grad_accumulates``): that waiting gradient (contiguous: an expanded one is
+        copied), which the op adds to its own, in place (it is the buffer) or not (a seed, or a
+        gradient something else still reads)."""
         node = p.node
         v = node.inputs[0] if node.inputs else None
         if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
@@ -508,12 +509,9 @@ class Executor:
         if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
             return entry["inputs"][0], None
         waiting = grads.get(v.id)
-        if (
-            p.op.grad_accumulates
-            and waiting is not None
-            and (waiting.shape, waiting.dtype) == (v.shape, v.dtype)
-            and waiting.is_contiguous()
-        ):
+        if p.op.grad_accumulates and waiting is not None and (waiting.shape, waiting.dtype) == (v.shape, v.dtype):
+            if not waiting.is_contiguous():  # an expanded seed: the op reads a contiguous copy, its own
+                waiting = grads[v.id] = waiting.contiguous()
             others = {k: g for k, g in grads.items() if k != v.id}
             others[node.output.id] = grad_out  # read by this backward: not to be written over
             if _held_only_here(waiting, seeds, others):

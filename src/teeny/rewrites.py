@@ -201,12 +201,14 @@ def _residual_add(node: Node) -> tuple[Value, Value] | None:
 
 
 def _taken_in_upcast(residual: Value, add: Node, read_by, outputs: list[Value]) -> Node | None:
-    """The exact float upcast that made ``residual`` when ``add`` alone reads it (and it is no
-    output): the fused norm reads its source in its own dtype instead."""
+    """The exact float upcast that made ``residual`` when ``add`` alone reads it, it has the
+    sum's shape and is no output: the fused norm reads its source in its own dtype instead."""
     from .kernels.cast import CastOp
 
     cast = residual.producer
     if cast is None or type(cast.op) is not CastOp or any(v.id == residual.id for v in outputs):
+        return None
+    if residual.shape != add.output.shape:
         return None
     source, target = cast.inputs[0].dtype, cast.op.dtype
     if not (source.is_floating_point and target.is_floating_point and target.itemsize > source.itemsize):
@@ -226,6 +228,7 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
     position = {node.id: i for i, node in enumerate(graph.nodes)}
     pairs: dict[int, Node | None] = {}  # add node id -> the norm node that writes its sum; upcast id -> None
     upcasts: dict[int, Node] = {}  # add node id -> the upcast of its residual, taken in
+    operands: dict[int, tuple[Value, Value]] = {}  # add node id -> (x, residual)
     for node in graph.nodes:
         if node.output.id not in needed or _residual_add(node) is None:
             continue
@@ -237,7 +240,11 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
                 and all(v.producer is None or position[v.producer.id] < position[node.id] for v in reader.inputs[1:])
             ):
                 pairs[node.id] = reader
-                cast = _taken_in_upcast(_residual_add(node)[1], node, read_by, outputs)
+                x, residual = operands[node.id] = _residual_add(node)
+                cast = _taken_in_upcast(residual, node, read_by, outputs)
+                if cast is None and (residual.shape, residual.dtype) == (x.shape, x.dtype):  # the other way round
+                    cast = _taken_in_upcast(x, node, read_by, outputs)
+                    operands[node.id] = (residual, x) if cast is not None else (x, residual)
                 if cast is not None:
                     upcasts[node.id] = cast
                     pairs[cast.id] = None
@@ -250,7 +257,7 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
         if norm is None:  # an upcast the fused norm reads through: its backward only
             rebuild.new[node.output.id] = rebuild.apply(TakenInOp(node.op), [rebuild[node.inputs[0]]], node.name)
             return
-        x, residual = _residual_add(node)
+        x, residual = operands[node.id]
         s = rebuild.apply(TakenInOp(node.op), [rebuild[v] for v in node.inputs], node.name)
         rebuild.new[node.output.id] = s
         affine = [rebuild[v] for v in norm.inputs[1:]]

@@ -397,8 +397,12 @@ def autocast_dtype(args) -> torch.dtype | None:
 
 
 def autocast_on(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (never for a device it has no mode for: meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """Whether autocast is on for ``device_type`` (never for a device it has no mode for: meta).
+    While compiling, tensors are on real devices, and the availability check is left out: torch
+    2.11's dynamo cannot trace it and breaks the graph there (at every patched norm)."""
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
 
 
 def _flat(values) -> list:
