@@ -200,6 +200,24 @@ def test_patched_gpt2_compiles_in_one_graph_without_recompiling():
     torch._dynamo.reset()
 
 
+def _matches_under_autocast(ref, model, ids, compiled: bool):
+    """The patched ``model``'s loss and gradients under bf16 autocast are ``ref``'s, eager and
+    (``compiled``) under torch.compile with fullgraph."""
+    runs = [model, torch.compile(model, fullgraph=True, backend="aot_eager")] if compiled else [model]
+    for run in [ref, *runs]:
+        run.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(ids, labels=ids).loss
+        loss.backward()
+        if run is ref:
+            expected, expected_grads = loss, [p.grad for p in ref.parameters()]
+            continue
+        torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
+        for (name, p), g in zip(model.named_parameters(), expected_grads):
+            torch.testing.assert_close(p.grad, g, atol=1e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_pre_norms_write_the_autocast_dtype_that_the_products_after_them_read(family):
     """Under autocast the norms a block hands straight to its products (GPT-2's ln_1 and ln_2,
@@ -224,20 +242,8 @@ def test_pre_norms_write_the_autocast_dtype_that_the_products_after_them_read(fa
     model(ids, labels=ids)
     assert seen and set(seen) == {torch.float32}
     seen.clear()
-    runs = [model, torch.compile(model, fullgraph=True, backend="aot_eager")] if family == "gpt2" else [model]
-    for run in [ref, *runs]:
-        run.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = run(ids, labels=ids).loss
-        loss.backward()
-        if run is ref:
-            expected, expected_grads = loss, [p.grad for p in ref.parameters()]
-            continue
-        assert set(seen) == {torch.bfloat16}
-        torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
-        for (name, p), g in zip(model.named_parameters(), expected_grads):
-            torch.testing.assert_close(p.grad, g, atol=1e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
-    torch._dynamo.reset()
+    _matches_under_autocast(ref, model, ids, compiled=family == "gpt2")
+    assert set(seen) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -257,18 +263,7 @@ def test_the_attention_junction_of_each_block_is_one_teeny_call(family):
     assert sum(new == block for _, _, new in report.swapped) == 2
     ids = _batches(1)[0]
     bridge.clear_cache()
-    runs = [model, torch.compile(model, fullgraph=True, backend="aot_eager")] if family == "gpt2" else [model]
-    for run in [ref, *runs]:
-        run.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = run(ids, labels=ids).loss
-        loss.backward()
-        if run is ref:
-            expected, expected_grads = loss, [p.grad for p in ref.parameters()]
-            continue
-        torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-3)
-        for (name, p), g in zip(model.named_parameters(), expected_grads):
-            torch.testing.assert_close(p.grad, g, atol=1e-2, rtol=5e-2, msg=lambda m: f"{name}: {m}")
+    _matches_under_autocast(ref, model, ids, compiled=family == "gpt2")
     (junction,) = [e for e in bridge._ENTRIES.values() if e.label == "teeny op residual_norm"]
     nodes = junction.executor.program.nodes
     assert [type(p.op).__name__ for p in nodes] == ["TakenInOp", "TakenInOp", "AddNormOp"]
