@@ -373,7 +373,7 @@ def _junction(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     if not x.is_floating_point() or x.dtype.itemsize > residual.dtype.itemsize or x.shape != residual.shape:
         return None
     weight = getattr(norm, "weight", None)
-    if isinstance(norm, nn.LayerNorm) and type(norm) in DROP_INS.values():
+    if type(norm) is DROP_INS[nn.LayerNorm]:
         if len(norm.normalized_shape) != 1:
             return None
         eps, centred, bias = norm.eps, True, norm.bias
@@ -384,8 +384,7 @@ def _junction(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     if weight is None or weight.shape != residual.shape[-1:]:
         return None
     out_dtype = TF.autocast_dtype(norm, residual)
-    s, y = library.direct.residual_norm(x, residual, weight, bias, float(eps), centred, out_dtype)
-    return s, y
+    return library.direct.residual_norm(x, residual, weight, bias, float(eps), centred, out_dtype)
 
 
 def _gpt2_block_forward(
@@ -393,22 +392,20 @@ def _gpt2_block_forward(
     use_cache=False, **kwargs,
 ):  # fmt: skip
     """transformers' GPT2Block.forward, with the attention's residual add and ln_2 as one teeny
-    call (``_junction``); with cross-attention, or an ln_2 it cannot take, transformers' own."""
-    attn_output = None
-    if encoder_hidden_states is None:
-        residual = hidden_states
-        attn_output, _ = self.attn(self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask,
-                                   use_cache=use_cache, **kwargs)  # fmt: skip
-        joined = _junction(self.ln_2, attn_output, residual)
-        if joined is not None:
-            hidden_states, normed = joined
-            return hidden_states + self.mlp(normed)
-    original = type(self).__mro__[1].forward
-    if attn_output is not None:  # the rest of transformers' forward, from the residual add
+    call (``_junction``); with cross-attention, transformers' own."""
+    if encoder_hidden_states is not None:
+        return type(self).__mro__[1].forward(self, hidden_states, cache, attention_mask, encoder_hidden_states,
+                                             encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
+                                             **kwargs)  # fmt: skip
+    residual = hidden_states
+    attn_output, _ = self.attn(self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask,
+                               use_cache=use_cache, **kwargs)  # fmt: skip
+    joined = _junction(self.ln_2, attn_output, residual)
+    if joined is None:  # transformers' own, from the residual add
         hidden_states = attn_output + residual
         return hidden_states + self.mlp(self.ln_2(hidden_states))
-    return original(self, hidden_states, cache, attention_mask, encoder_hidden_states,
-                    encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)  # fmt: skip
+    hidden_states, normed = joined
+    return hidden_states + self.mlp(normed)
 
 
 def _decoder_layer_forward(
