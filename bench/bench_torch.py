@@ -19,6 +19,7 @@ Prints a table and writes ``bench_torch.json`` under ``$OUT`` when set.
 from __future__ import annotations  # noqa: I001  (teeny before triton: it chooses the device)
 
 import argparse
+import collections
 import copy
 import json
 import os
@@ -247,8 +248,9 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
     plan = [(p, known[v]) for v in variants for p in precisions]
     for precision, (label, patch, mode) in plan:
         model = copy.deepcopy(base)
-        if patch is not None:
-            teeny.torch.patch(model, **patch)
+        swapped = None
+        if patch is not None:  # what was swapped, in the results: a transformers version may not match
+            swapped = collections.Counter(new for _, _, new in teeny.torch.patch(model, **patch).swapped)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         forward = torch.compile(model, mode=mode) if mode else model
         autocast = precision == "bf16-autocast"
@@ -267,6 +269,8 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
         try:
             seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
             results[name] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
+            if swapped is not None:
+                results[name]["swapped"] = dict(swapped)
             if graphed:  # a graph inductor would not capture runs every kernel from the host
                 from torch._dynamo.utils import counters
 

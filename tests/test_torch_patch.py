@@ -278,6 +278,44 @@ def test_the_attention_junction_of_each_block_is_one_teeny_call(family):
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # this transformers' own attention says so
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_blocks_whose_cache_is_named_past_key_values_are_swapped_too(family, tmp_path, monkeypatch):
+    """transformers before 5.2x named the blocks' cache argument ``past_key_values`` (the GPU
+    machine has 5.17), where this one names it ``cache``: a block whose forward reads as
+    transformers' with the old name is swapped the same way, takes the cache by either name,
+    and gives the unpatched model's loss and gradients."""
+    import importlib
+    import inspect
+    import re
+    import textwrap
+
+    ref = _gpt2(torch.float32) if family == "gpt2" else _llama(torch.float32)
+    blocks = ref.transformer.h if family == "gpt2" else ref.model.layers
+    cls = type(blocks[0])
+    forward = textwrap.dedent(inspect.getsource(cls.forward))
+    forward = re.sub(r"\bcache\b", "past_key_values", forward[forward.index("def ") :])  # without decorators
+    (tmp_path / f"older_{family}.py").write_text(
+        f"import {cls.__module__} as newer\n\n"
+        "globals().update(vars(newer))  # the names transformers' forward reads\n"
+        f"Newer = newer.{cls.__name__}\n\n\n"
+        f"class {cls.__name__}(Newer):\n"
+        f"    __module__ = '{cls.__module__}'  # patch swaps transformers' classes alone\n"
+        + textwrap.indent(forward, "    ")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    older = getattr(importlib.import_module(f"older_{family}"), cls.__name__)
+    assert "past_key_values" in inspect.signature(older.forward).parameters
+    for block in blocks:
+        block.__class__ = older
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    assert sum(new == f"Teeny{cls.__name__}" for _, _, new in report.swapped) == 2
+    swapped = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
+    assert swapped._teeny_cache == "past_key_values"
+    _matches_under_autocast(ref, model, _batches(1)[0], compiled=False)
+
+
 class _PaddedLM(nn.Module):
     """A user's module around a GPT-2 that makes the padding mask itself."""
 

@@ -114,6 +114,15 @@ class ActivationCache:
         return len(self.entries)
 
 
+def inference_tensor_error(described: str) -> TeenyError:
+    """The error for an inference tensor that a backward would keep: it has no version counter,
+    so a change to it before the backward would go unseen."""
+    return TeenyError(
+        f"{described} is an inference tensor (made under torch.inference_mode()), which the backward cannot "
+        "keep: make it under torch.no_grad() instead, or pass a clone made outside inference mode"
+    )
+
+
 class Executor:
     def __init__(
         self,
@@ -413,11 +422,7 @@ class Executor:
                 except RuntimeError:
                     if not t.is_inference():
                         raise
-                    raise TeenyError(  # it has no version counter: a change before the backward would go unseen
-                        f"{described} is an inference tensor (made under torch.inference_mode()), which the "
-                        "backward cannot keep: make it under torch.no_grad() instead, or pass a clone made "
-                        "outside inference mode"
-                    ) from None
+                    raise inference_tensor_error(described) from None
                 recorded.append((t, version, described))
         return recorded
 

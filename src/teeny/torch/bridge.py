@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..executor import ActivationCache, Executor
+from ..executor import ActivationCache, Executor, inference_tensor_error
 from ..graph import Graph, Tensor, Value
 from ..lowering import LoweringMode, lower
 from ..runtime import NoGradientError, TeenyError
@@ -544,6 +544,9 @@ def _save_for_backward(ctx, entry: Compiled, flat: Sequence[torch.Tensor], outpu
         ctx.save_for_backward()
         return
     saved_inputs = [flat[i] for i in entry.saved_inputs]
+    for i, t in zip(entry.saved_inputs, saved_inputs):
+        if t.is_inference():  # named here: torch's own refusal comes after the forward ran
+            raise inference_tensor_error(f"{entry.label}: input '{entry.input_names[i]}'")
     extras = output[entry.n_outputs : entry.n_outputs + len(entry.extras)]
     ctx.save_for_backward(*saved_inputs, *[output[j] for j in entry.saved_outputs], *extras)
     if not torch.compiler.is_compiling():  # to name the input if one changes in place before the backward

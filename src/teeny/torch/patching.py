@@ -392,14 +392,16 @@ def _gpt2_block_forward(
     use_cache=False, **kwargs,
 ):  # fmt: skip
     """transformers' GPT2Block.forward, with the attention's residual add and ln_2 as one teeny
-    call (``_junction``); with cross-attention, transformers' own."""
+    call (``_junction``); with cross-attention, transformers' own. The cache goes by the name
+    this transformers version gives it (``_teeny_cache``)."""
+    cache = kwargs.pop(self._teeny_cache, cache)
     if encoder_hidden_states is not None:
         return type(self).__mro__[1].forward(self, hidden_states, cache, attention_mask, encoder_hidden_states,
                                              encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
                                              **kwargs)  # fmt: skip
     residual = hidden_states
-    attn_output, _ = self.attn(self.ln_1(hidden_states), cache=cache, attention_mask=attention_mask,
-                               use_cache=use_cache, **kwargs)  # fmt: skip
+    attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask=attention_mask, use_cache=use_cache,
+                               **{self._teeny_cache: cache}, **kwargs)  # fmt: skip
     joined = _junction(self.ln_2, attn_output, residual)
     if joined is None:  # transformers' own, from the residual add
         hidden_states = attn_output + residual
@@ -414,11 +416,12 @@ def _decoder_layer_forward(
 ):  # fmt: skip
     """A Llama-family decoder layer's forward (transformers'), with the attention's residual add
     and post_attention_layernorm as one teeny call (``_junction``) where it can be."""
+    cache = kwargs.pop(self._teeny_cache, cache)
     residual = hidden_states
     hidden_states, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-        position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-        **kwargs,
+        position_ids=position_ids, use_cache=use_cache, position_embeddings=position_embeddings,
+        **{self._teeny_cache: cache}, **kwargs,
     )  # fmt: skip
     joined = _junction(self.post_attention_layernorm, hidden_states, residual)
     if joined is None:
@@ -430,25 +433,26 @@ def _decoder_layer_forward(
 
 # the block forwards patch replaces: the parameters of transformers' own, and its statements
 # (comments and line breaks left out) in order; the replacement computes the same only where
-# the original reads exactly so
+# the original reads exactly so. "{cache}" stands for the cache's name, which transformers
+# renamed (``_CACHE_NAMES``)
 _BLOCKS = {
     "gpt2_block": (
         _gpt2_block_forward,
-        ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+        ("self", "hidden_states", "{cache}", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
          "use_cache", "kwargs"),
         ("residual = hidden_states hidden_states = self.ln_1(hidden_states) attn_output, _ = self.attn( "
-         "hidden_states, cache=cache, attention_mask=attention_mask, use_cache=use_cache, **kwargs, ) "
+         "hidden_states, {cache}={cache}, attention_mask=attention_mask, use_cache=use_cache, **kwargs, ) "
          "hidden_states = attn_output + residual if encoder_hidden_states is not None:",
          "residual = hidden_states hidden_states = self.ln_2(hidden_states) feed_forward_hidden_states = "
          "self.mlp(hidden_states) hidden_states = residual + feed_forward_hidden_states return hidden_states"),
     ),
     "decoder_layer": (
         _decoder_layer_forward,
-        ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings",
+        ("self", "hidden_states", "attention_mask", "position_ids", "{cache}", "use_cache", "position_embeddings",
          "kwargs"),
         ("residual = hidden_states hidden_states = self.input_layernorm(hidden_states) hidden_states, _ = "
          "self.self_attn( hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, "
-         "cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs, ) hidden_states = "
+         "{cache}={cache}, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs, ) hidden_states = "
          "residual + hidden_states residual = hidden_states hidden_states = self.post_attention_layernorm("
          "hidden_states) hidden_states = self.mlp(hidden_states) hidden_states = residual + hidden_states "
          "return hidden_states",),
@@ -463,6 +467,9 @@ def _statements(source: str) -> str:
     return " ".join(re.sub(r"#.*", "", source).split())
 
 
+_CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.2x, and before
+
+
 def _block_swap(cls: type) -> type | None:
     """The teeny subclass of a transformer block class whose forward is one of ``_BLOCKS``'."""
     import inspect
@@ -472,16 +479,17 @@ def _block_swap(cls: type) -> type | None:
     except (TypeError, ValueError):
         return None
     source = _statements(_source(cls.forward))
-    for label, (forward, expected, fragments) in _BLOCKS.items():
-        if parameters != expected:
-            continue
-        at = 0
-        for fragment in fragments:  # each one after the one before
-            at = source.find(fragment, at)
-            if at < 0:
-                break
-        else:
-            return _teeny_subclass(cls, forward, label)
+    for cache in _CACHE_NAMES:
+        for label, (forward, expected, fragments) in _BLOCKS.items():
+            if parameters != tuple(p.replace("{cache}", cache) for p in expected):
+                continue
+            at = 0
+            for fragment in fragments:  # each one after the one before
+                at = source.find(fragment.replace("{cache}", cache), at)
+                if at < 0:
+                    break
+            else:
+                return _teeny_subclass(cls, forward, label, _teeny_cache=cache)
     return None
 
 
