@@ -8,7 +8,8 @@ on the GPU, the interpreter's ``InterpretedFunction.run`` on the CPU. What is le
 ``torch.ops.teeny.gelu(x)`` (1024 floats) forward under ``no_grad`` and forward+backward,
 against the raw ``activation_forward`` / ``activation_backward`` launches through the same
 stub (on the GPU that includes Triton's own binding work, ``JITFunction.run``; on the CPU it is
-next to nothing). Then each layer on its own, inner layers called directly with what the outer
+next to nothing) and against torch's floor for any custom op, an identity
+``autograd.Function``. Then each layer on its own, inner layers called directly with what the outer
 one would pass them, so that the differences are each layer's own cost:
 
     library composite -> bridge.call -> Compiled.forward -> Executor.forward_train
@@ -79,6 +80,15 @@ def measure(number: int, repeat: int) -> dict[str, float]:
     def op_both():
         torch.ops.teeny.gelu(x).backward(seed)
 
+    class Identity(torch.autograd.Function):  # what torch's autograd costs any custom op, teeny's or not
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
     torch.ops.teeny.gelu(x).backward(seed)  # builds the entries (no_grad's too) and compiles
     op_forward()
     raw_forward(), raw_backward()
@@ -109,6 +119,8 @@ def measure(number: int, repeat: int) -> dict[str, float]:
         "raw launches forward+backward": lambda: (raw_forward(), raw_backward()),
         "torch.ops.teeny.gelu forward (no_grad)": op_forward,
         "torch.ops.teeny.gelu forward+backward": op_both,
+        "torch's floor: autograd.Function (identity) forward+backward": lambda: Identity.apply(x).backward(seed),
+        "torch's own gelu forward+backward": lambda: torch.nn.functional.gelu(x).backward(seed),
         "  library composite + below (grad mode)": lambda: torch.ops.teeny.gelu(x),
         "  bridge.call + below": lambda: bridge.call(entry, [x]),
         "  Compiled.forward + below": lambda: entry.forward([x.detach()]),
@@ -155,6 +167,9 @@ def main() -> None:
         ("forward+backward", "torch.ops.teeny.gelu forward+backward", "raw launches forward+backward"),
     ]:
         print(f"{'overhead ' + what + ' over raw':<{width}}  {results[op] - results[raw]:8.1f}")
+    floor = results["torch's floor: autograd.Function (identity) forward+backward"]
+    teeny_own = results["torch.ops.teeny.gelu forward+backward"] - results["raw launches forward+backward"] - floor
+    print(f"{'teeny own forward+backward (over raw + floor)':<{width}}  {teeny_own:8.1f}")
     if args.profile:
         profile(2000)
 
