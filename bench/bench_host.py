@@ -34,6 +34,18 @@ from teeny.lowering import extra_buffers, make_context
 from teeny.torch import bridge
 
 
+class Identity(torch.autograd.Function):
+    """torch's floor: what its autograd costs any custom op, teeny's or not."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 @contextlib.contextmanager
 def stubbed_launches():
     """The lowest launch call does nothing inside the ``with`` block."""
@@ -79,15 +91,6 @@ def measure(number: int, repeat: int) -> dict[str, float]:
 
     def op_both():
         torch.ops.teeny.gelu(x).backward(seed)
-
-    class Identity(torch.autograd.Function):  # what torch's autograd costs any custom op, teeny's or not
-        @staticmethod
-        def forward(ctx, t):
-            return t.view_as(t)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
 
     torch.ops.teeny.gelu(x).backward(seed)  # builds the entries (no_grad's too) and compiles
     op_forward()

@@ -83,6 +83,7 @@ def _peak(fn) -> float:
 
 
 def overhead(device, tiny: bool, profile: bool = False) -> dict:
+    from bench_host import Identity  # torch's floor for any custom op
     from teeny.kernels.activation import _gelu_erf, _gelu_erf_grad, activation_backward, activation_forward
 
     n = 1024
@@ -130,15 +131,6 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
 
     def torch_both():
         F.gelu(x).backward(seed)
-
-    class Identity(torch.autograd.Function):  # what torch's autograd costs any custom op, teeny's or not
-        @staticmethod
-        def forward(ctx, t):
-            return t.view_as(t)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
 
     def floor_both():
         Identity.apply(x).backward(seed)
