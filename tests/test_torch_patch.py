@@ -279,12 +279,14 @@ def test_the_attention_junction_of_each_block_is_one_teeny_call(family):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # this transformers' own attention says so
+@pytest.mark.parametrize("cache", ["past_key_values", "layer_cache"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_blocks_whose_cache_is_named_past_key_values_are_swapped_too(family, tmp_path, monkeypatch):
+def test_blocks_are_swapped_by_either_cache_name_and_others_are_reported(family, cache, tmp_path, monkeypatch):
     """transformers before 5.2x named the blocks' cache argument ``past_key_values`` (the GPU
     machine has 5.17), where this one names it ``cache``: a block whose forward reads as
     transformers' with the old name is swapped the same way, takes the cache by either name,
-    and gives the unpatched model's loss and gradients."""
+    and gives the unpatched model's loss and gradients. A block whose forward reads otherwise
+    (here: a name teeny does not know) keeps its own forward, and the report says so."""
     import importlib
     import inspect
     import re
@@ -294,8 +296,10 @@ def test_blocks_whose_cache_is_named_past_key_values_are_swapped_too(family, tmp
     blocks = ref.transformer.h if family == "gpt2" else ref.model.layers
     cls = type(blocks[0])
     forward = textwrap.dedent(inspect.getsource(cls.forward))
-    forward = re.sub(r"\bcache\b", "past_key_values", forward[forward.index("def ") :])  # without decorators
-    (tmp_path / f"older_{family}.py").write_text(
+    current = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    forward = re.sub(rf"\b{current}\b", cache, forward[forward.index("def ") :])  # without decorators
+    module = f"renamed_{family}_{cache}"
+    (tmp_path / f"{module}.py").write_text(
         f"import {cls.__module__} as newer\n\n"
         "globals().update(vars(newer))  # the names transformers' forward reads\n"
         f"Newer = newer.{cls.__name__}\n\n\n"
@@ -304,15 +308,21 @@ def test_blocks_whose_cache_is_named_past_key_values_are_swapped_too(family, tmp
         + textwrap.indent(forward, "    ")
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    older = getattr(importlib.import_module(f"older_{family}"), cls.__name__)
-    assert "past_key_values" in inspect.signature(older.forward).parameters
+    renamed = getattr(importlib.import_module(module), cls.__name__)
+    assert cache in inspect.signature(renamed.forward).parameters
     for block in blocks:
-        block.__class__ = older
+        block.__class__ = renamed
     model = copy.deepcopy(ref)
     report = tt.patch(model)
-    assert sum(new == f"Teeny{cls.__name__}" for _, _, new in report.swapped) == 2
-    swapped = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
-    assert swapped._teeny_cache == "past_key_values"
+    swapped = sum(new == f"Teeny{cls.__name__}" for _, _, new in report.swapped)
+    left = [path for path, name, why in report.left if name == cls.__name__ and "its own forward" in why]
+    if cache == "layer_cache":
+        assert (swapped, len(left)) == (0, 2)
+        assert f"{cls.__name__}): its forward reads unlike" in str(report)
+        return
+    assert (swapped, left) == (2, [])
+    block = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
+    assert block._teeny_cache == "past_key_values"
     _matches_under_autocast(ref, model, _batches(1)[0], compiled=False)
 
 

@@ -86,7 +86,7 @@ class PatchReport:
             lines.append("  run by PyTorch (no teeny kernel for those arguments):")
             lines += [f"    {name}: {why} (x{n})" for (name, why), n in sorted(self.fallbacks.items())]
         if self.left:
-            lines.append(f"  left {len(self.left)} modules with their own parameters or buffers to PyTorch:")
+            lines.append(f"  left {len(self.left)} modules to PyTorch:")
             lines += [f"    {path or '<root>'} ({cls}): {why}" for path, cls, why in self.left]
         return "\n".join(lines)
 
@@ -468,6 +468,17 @@ def _statements(source: str) -> str:
 
 
 _CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.2x, and before
+_BLOCK_LEFT = (
+    "its forward reads unlike the transformers forwards teeny knows: its own forward runs (the residual add "
+    "and the norm after the attention stay two calls; its layers are swapped)"
+)
+
+
+def _is_block(cls: type) -> bool:
+    """A transformers block class of the kind ``_BLOCKS`` may replace the forward of."""
+    return cls.__module__.startswith("transformers.") and (
+        cls.__name__ == "GPT2Block" or cls.__name__.endswith("DecoderLayer")
+    )
 
 
 def _block_swap(cls: type) -> type | None:
@@ -535,7 +546,7 @@ def _hugging_face_swap(module: nn.Module) -> type | None:
     ):
         if hasattr(module, "scaling") and hasattr(module, "is_cross_attention"):
             return _teeny_subclass(cls, _gpt2_attention_forward, "gpt2_attention")
-    if name == "GPT2Block" or name.endswith("DecoderLayer"):
+    if _is_block(cls):
         return _block_swap(cls)
     if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         if type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") and len(list(module.children())) == 4:
@@ -637,6 +648,8 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
         if target is not None:
             module.__class__ = target
             report.swapped.append((path, cls.__name__, target.__name__))
+        elif _is_block(cls):
+            report.left.append((path, cls.__name__, _BLOCK_LEFT))
         elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
             report.left.append((path, cls.__name__, "no teeny drop-in (its functional calls are still routed)"))
     for path, block in model.named_modules():  # under autocast, no cast between these norms and their products
