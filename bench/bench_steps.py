@@ -5,7 +5,8 @@ shapes, dtype and optimizer; a step is zero_grad + forward + backward + optimize
 step is ``teeny.train.TrainStep`` captured as a CUDA graph. Prints step ms two ways (alone:
 the median of steps each timed between a synchronisation; queued: steps issued back to back, as
 a training loop runs them), tokens (samples) per second queued and peak memory per step; with
-``--profile`` also teeny's time per kernel name from one eager step (torch.profiler), with
+``--profile`` also teeny's time per kernel name from one eager step (torch.profiler) and where its
+captured step idles between kernels (``kernel_gaps``), with
 ``--launches`` its time per launch (which node, kernel, grid and tile constexprs), with
 ``--host`` where the host time of its queued step goes.
 
@@ -17,7 +18,8 @@ precision="bf16-mixed")``; torch: ``torch.autocast`` to bfloat16 around the forw
 Each teeny row prints its program's launch count, memory plan and graph rewrites; the
 "teeny, no rewrites" row (``lower(..., rewrites=())``) measures what the rewrites buy, the
 "teeny, recompute" row (``--recompute``: ``lower(..., recompute=True)``) what recomputing the
-norms' and activations' outputs in the backward costs and saves.
+norms' and activations' outputs in the backward costs and saves. ``TEENY_PDL=0`` in the
+environment launches teeny's products and attention without programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn as tnn
 import torch.nn.functional as F
 
 import teeny
+from kernel_gaps import kernel_gaps
 from teeny import LoweringMode, lower, ops, runtime
 from teeny.graph import Graph
 from teeny.models import GPT
@@ -236,6 +239,11 @@ def teeny_row(
                 f"    {e.key[:48]:48} {e.count:5d} x {e.device_time_total / max(e.count, 1):8.1f} us"
                 f" = {100 * e.device_time_total / total:5.1f}%"
             )
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step(feed)
+            torch.cuda.synchronize()
+        print("  teeny's captured step (CUDA graph), 3 steps:\n" + kernel_gaps(prof, steps=3))
     return ("teeny (CUDA graph)" if rewrites is None and not recompute else label, ms, queued, mem, first)
 
 

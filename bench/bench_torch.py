@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from teeny import LoweringMode, ops
 from teeny.torch import apply, from_torch
 
+from kernel_gaps import kernel_gaps
+
 
 def _sync():
     if torch.cuda.is_available():
@@ -290,7 +292,7 @@ def _profile_step(name: str, step, host: bool = True) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"== profile of 3 steps: {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     if torch.cuda.is_available():
-        print(_kernel_gaps(prof, steps=3), flush=True)
+        print(kernel_gaps(prof, steps=3), flush=True)
     if not host:
         return
     import cProfile
@@ -305,42 +307,6 @@ def _profile_step(name: str, step, host: bool = True) -> None:
     print(f"== host functions of 3 steps (cProfile): {name}", flush=True)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
-
-
-def _kernel_gaps(prof, steps: int, top: int = 12) -> str:
-    """Where the GPU idles between kernels: per step, the kernels, the time some kernel runs and
-    the idle time between the first start and the last end; then the pairs of neighbouring
-    kernels with the most idle time between them, summed over the steps."""
-    from collections import defaultdict
-
-    from torch.autograd import DeviceType
-
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    if not kernels:
-        return "no kernels recorded"
-    idle, busy, by_pair = 0.0, 0.0, defaultdict(lambda: [0.0, 0])
-    end, last = kernels[0][0], kernels[0][2]
-    for start, stop, name in kernels:
-        if start > end:
-            gap = start - end
-            idle += gap
-            by_pair[(last[:48], name[:48])][0] += gap
-            by_pair[(last[:48], name[:48])][1] += 1
-        busy += max(0.0, stop - max(start, end))
-        if stop > end:
-            end, last = stop, name
-    lines = [
-        f"kernels: {len(kernels) / steps:.0f} a step, busy {busy / steps / 1e3:.2f} ms, idle between them "
-        f"{idle / steps / 1e3:.2f} ms a step (steps' own ends and starts included)",
-        f"{'idle us a step':>15} {'gaps':>5}  after -> before",
-    ]
-    for (after, before), (total, count) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{total / steps:15.1f} {count // steps:5d}  {after} -> {before}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- 3. imported GPT-2

@@ -313,6 +313,7 @@ for case in json.loads(sys.argv[1]):
             row.update(
                 ok=True,
                 wgmma=ptx.count("wgmma.mma_async"),
+                waits=ptx.count("griddepcontrol.wait"),
                 pipelined="async_copy_global_to_local" in ttgir,
                 shared=compiled.metadata.shared,
                 options=options,
@@ -373,12 +374,15 @@ def test_kernels_compile_for_the_h200(dtype, compile_check):
     """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
     interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
     signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
-    pipelined (cp.async) loads in all three kernels, float32 (tf32x3) wgmma. Slow (a few seconds per kernel)."""
+    pipelined (cp.async) loads in all three kernels, float32 (tf32x3) wgmma; each kernel waits for
+    the one before it (programmatic dependent launch). Slow (a few seconds per kernel)."""
     rows = compile_check("compile_check", _COMPILE_CHECK, _compile_cases(dtype), timeout=1800)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['kernel']}: {r['error']}" for r in failed)
     kernels = {r["kernel"] for r in rows}
     assert {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"} <= kernels
+    attention = [r for r in rows if r["kernel"].startswith("attention_")]
+    assert all(r["waits"] == 1 for r in attention), attention  # programmatic dependent launch
     if dtype == "bfloat16":  # Hopper tensor cores, loads pipelined through shared memory
         assert all(r["wgmma"] > 0 and r["pipelined"] for r in rows), rows
     if dtype == "float32":  # tf32x3 on Hopper's tensor cores

@@ -3,6 +3,7 @@ default grids, float64 scalars, row-strided gradients, and failures that name op
 kernel and parameter (what tests/test_core.py's custom ops do not cover)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ import triton  # noqa: I001  (after teeny: teeny chooses the interpreter first)
 import triton.language as tl
 
 import teeny
+import teeny.kernels  # noqa: F401  (every op family's kernels, for the registry)
 from teeny import Graph, LoweringMode, RuntimeOp, lower, ops
-from teeny.kernel import Kernel, kernel, record_launches
+from teeny.kernel import REGISTRY, Kernel, kernel, record_launches
+from teeny.kernels.common import wait_for_previous
 from teeny.runtime import ArgVisitor, Block, Launch, PackingError, run_launch
 
 
@@ -116,6 +119,53 @@ def test_a_kernel_with_arguments_packs_its_own_signature_and_launches_tritons():
     with pytest.raises(PackingError, match="n"):  # the Triton function's own parameters are not teeny's
         run_launch(Launch(_halve, (3,), ArgVisitor().visit(x_ptr=x, y_ptr=y, n=37), Block(size=16)),
                    _halve.instance(torch.float64), "test", 37)  # fmt: skip
+
+
+@triton.jit
+def _waiting_copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    wait_for_previous()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_a_pdl_kernel_is_launched_to_overlap_the_one_before_it_only_where_the_gpu_can(monkeypatch):
+    """``@kernel(pdl=True)``: Triton gets ``launch_pdl`` where the GPU has programmatic dependent
+    launch (Hopper) and ``teeny.config.pdl`` is on, never otherwise; under the interpreter
+    ``wait_for_previous`` is nothing and the kernel computes as any other."""
+    waiting = Kernel(_waiting_copy, pdl=True, name="_waiting_copy", register=False)
+    x = torch.randn(37, device=teeny.DEVICE)
+    y = torch.zeros_like(x)
+    run_launch(Launch(waiting, (3,), ArgVisitor().visit(src_ptr=x, dst_ptr=y, n=37), Block(size=16)),
+               waiting.instance(torch.float32), "test", 37)  # fmt: skip
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+    launched = []
+
+    class Jit:  # stands in for Triton's function: what would it be launched with?
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(options)
+
+    def launch(kernel, capable, pdl):
+        monkeypatch.setattr(sys.modules["teeny.kernel"], "_pdl_capable", lambda: capable)
+        monkeypatch.setattr(teeny.config, "pdl", pdl)
+        kernel.instance(torch.float32).run_jit(Jit(), (1,), [x, y, 37, 16], {"num_warps": 4})
+        return launched.pop()
+
+    assert launch(waiting, True, True) == {"num_warps": 4, "launch_pdl": True}
+    assert launch(waiting, False, True) == {"num_warps": 4}  # not Hopper
+    assert launch(waiting, True, False) == {"num_warps": 4}  # switched off
+    plain = Kernel(_waiting_copy, name="_plain_copy", register=False)
+    assert launch(plain, True, True) == {"num_warps": 4}  # not declared: it may read before the wait
+
+
+def test_every_kernel_declared_pdl_waits_for_the_previous_one():
+    """A kernel launched to overlap the one before it must wait before it touches memory; the
+    products and attention (the kernels the launch gaps sat before) are declared so."""
+    declared = {name for name, k in REGISTRY.items() if k.pdl}
+    assert {"matmul_ws", "matmul_tma", "matmul_sum_segments", "matmul_product", "attention_forward",
+            "attention_backward_dq", "attention_backward_dkdv"} <= declared  # fmt: skip
+    for name in declared:
+        assert "wait_for_previous()" in REGISTRY[name].source, name
 
 
 def test_float_scalars_reach_float64_kernels_as_float64_and_others_as_float32():

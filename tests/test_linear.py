@@ -407,7 +407,8 @@ for case in json.loads(sys.argv[1]):
     row = dict(case=case["name"])
     try:
         entry, ptx = compile_launch(next(l for l in launches if l.kernel is linear.matmul_tma))
-        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"), **tma_counts(ptx))
+        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"),
+                   waits=ptx.count("griddepcontrol.wait"), **tma_counts(ptx))
     except Exception as exc:
         row.update(ok=False, error=root_cause(exc))
     results.append(row)
@@ -446,6 +447,7 @@ def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(comp
         descriptors = [v for v in r["signature"].values() if str(v).startswith("tensordesc")]
         assert len(descriptors) == (4 if "epilogue" in r["case"] else 3), r
         assert r["tensormap_writes"] == 0 and r["tma_loads"] >= 2 and r["tma_stores"] >= 1, r
+        assert r["waits"] == 1, r  # programmatic dependent launch: waits for the kernel before it
 
 
 def test_tma_layout_refuses_what_tma_cannot_read():

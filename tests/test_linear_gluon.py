@@ -59,6 +59,7 @@ for case in json.loads(sys.argv[1]):
     try:
         entry, ptx = compile_launch(launch)  # Triton's arguments: the descriptors matmul_ws makes on the host
         row.update(ok=True, wgmma=ptx.count("wgmma.mma_async"), shared=entry["shared"],
+                   waits=ptx.count("griddepcontrol.wait"),
                    setmaxnreg=sorted({l.split()[-1].strip(";") for l in ptx.splitlines() if "setmaxnreg" in l}),
                    **tma_counts(ptx))
     except Exception as exc:
@@ -73,7 +74,8 @@ def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
     bias, bf16 and fp16, compiles for sm_90 as an ahead-of-time bundle would (Triton's arguments
     specialised: host TMA descriptors) into a warp-specialised kernel: 16 wgmma (two
     warpgroups, 4 K16 steps of a 64-wide K step, 2 x 64 rows each), TMA loads and stores,
-    registers moved between the partitions, under 227 KiB of shared memory."""
+    registers moved between the partitions, under 227 KiB of shared memory, waiting for the
+    kernel before it (programmatic dependent launch) before the partitions start."""
     cases = []
     for dtype in ("bfloat16", "float16"):
         for name, p in _products(328, 136, 200).items():
@@ -88,6 +90,7 @@ def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
         # three loads a step (a 128-element-wide MN-major box goes as two 128-byte swizzled halves)
         assert r["wgmma"] == 16 and r["tma_loads"] >= 3 and r["tma_stores"] >= 2, r
         assert r["shared"] <= 227 * 1024 and len(r["setmaxnreg"]) >= 2, r
+        assert r["waits"] == 1, r
     for r, case in zip(rows, cases):
         assert r["grid"] == [case["tiles"]], r  # fewer tiles than multiprocessors: a program each
 

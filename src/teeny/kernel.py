@@ -16,6 +16,9 @@ arguments of every launch are checked against these kinds (``runtime.check_packi
 whose Triton function takes other arguments than teeny packs (``linear.matmul_tma``,
 ``linear_gluon.matmul_ws``: TMA descriptors made on the host) names ``arguments=``, a function
 of the packed arguments giving Triton's; its signature is then the one teeny checks and packs.
+A kernel that calls ``common.wait_for_previous()`` before it touches global memory declares
+``pdl=True``: on Hopper it is launched with programmatic dependent launch (``config.pdl``), so
+the GPU starts it while the kernel before it is still finishing.
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
 bfloat16; ``dtypes=`` names any other set (integer and bool tensors for shape ops).
@@ -31,6 +34,7 @@ annotated ``tl.float64`` (``KernelInstance.scalar_types`` says what each launch 
 from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
 import contextlib
+import functools
 import inspect
 import linecache
 import textwrap
@@ -40,7 +44,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import device as _device  # noqa: F401  (before triton: it chooses interpreter or GPU)
+from . import config
+from . import device as _device  # before triton: it chooses interpreter or GPU
 
 import torch
 import triton
@@ -102,6 +107,7 @@ class Kernel:
         dtypes: Iterable[torch.dtype] | None = None,
         optional: Iterable[str] = (),
         device_scratch: bool = False,
+        pdl: bool = False,
         arguments: Callable[..., list] | None = None,
         source: str | None = None,
         name: str | None = None,
@@ -123,6 +129,7 @@ class Kernel:
         self.jit = fn if hasattr(fn, "fn") else triton.jit(fn)
         self.device_scratch = device_scratch  # makes TMA descriptors on the device (tl.make_tensor_descriptor)
         self.arguments = arguments  # packed arguments -> the Triton function's (None: the same)
+        self.pdl = pdl  # waits for the kernel before it (wait_for_previous) before touching memory
         if backward is None:
             self.backward: tuple[Kernel, ...] = ()
         elif isinstance(backward, Kernel):
@@ -271,7 +278,15 @@ class KernelInstance:
             triton.set_allocator(_device_scratch)
         if self.kernel.arguments is not None:
             args = self.kernel.arguments(*args)
+        if self.kernel.pdl and config.pdl and _pdl_capable():
+            options = {**options, "launch_pdl": True}
         return jit[grid](*args, **options)
+
+
+@functools.cache
+def _pdl_capable() -> bool:
+    """Whether the GPU launches programmatically dependent kernels (Hopper, sm_90, on)."""
+    return _device.DEVICE.type == "cuda" and torch.cuda.get_device_capability(_device.DEVICE)[0] >= 9
 
 
 def direct_launcher(
@@ -308,8 +323,7 @@ def _direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool)
     g0, g1, g2 = (*grid, 1, 1)[:3]
     native = getattr(run, "launch", None)
     needs = ("global_scratch_size", "num_ctas", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
-    # profile scratch, or a launch that may overlap the one before it (PDL): Triton's own path
-    if native is None or not all(hasattr(run, a) for a in needs) or run.profile_scratch_size or run.launch_pdl:
+    if native is None or not all(hasattr(run, a) for a in needs) or run.profile_scratch_size:  # Triton's own path
 
         def launch(stream: int, args: list) -> None:
             if device_scratch:

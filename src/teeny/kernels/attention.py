@@ -69,6 +69,7 @@ from .common import (
     sum_to_shape_kernel,
     tl_acc_dtype,
     upcast,
+    wait_for_previous,
 )
 from .linear import IEEE, dot_precision
 
@@ -389,7 +390,7 @@ def _dkdv_queries(
 # causal, once ordered so).
 
 
-@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dq_ptr"))
+@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dq_ptr"), pdl=True)
 def attention_backward_dq(
     q_ptr,
     k_ptr,
@@ -438,6 +439,7 @@ def attention_backward_dq(
     BLOCK_DV: tl.constexpr,
 ):
     """delta = rowsum(dO * O) of a block of query rows, and (if dq_ptr) dQ = c dS K for them."""
+    wait_for_previous()
     bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: longest blocks first
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -522,7 +524,7 @@ def attention_backward_dq(
         _store_tile(dq_base, dq * scale, rows, offs_d, q_len, D, Q_ROW)
 
 
-@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dk_ptr", "dv_ptr"))
+@kernel(half=True, optional=("mask_ptr", "seed_ptr", "dk_ptr", "dv_ptr"), pdl=True)
 def attention_backward_dkdv(
     q_ptr,
     k_ptr,
@@ -574,6 +576,7 @@ def attention_backward_dkdv(
 ):
     """dK = c dS^T Q and dV = (P * Z)^T dO of a block of keys of one key/value head, summed over
     the query heads that read it (kv_group of them)."""
+    wait_for_previous()
     kv_bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N  # causal: the first key blocks have the most queries
     n_kv_heads = n_heads // kv_group
@@ -681,6 +684,7 @@ def attention_backward_dkdv(
     backward=(attention_backward_dq, attention_backward_dkdv, sum_to_shape_kernel),
     half=True,
     optional=("mask_ptr", "seed_out_ptr"),
+    pdl=True,
 )
 @triton.jit(do_not_specialize=["seed"])
 def attention_forward(
@@ -728,6 +732,7 @@ def attention_forward(
 ):
     """O and lse2 of a block of query rows of one head; with dropout (seed_out_ptr given) the
     mask of ``seed``, which program (0, 0) stores in seed_out for the backward."""
+    wait_for_previous()
     bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: longest blocks first
     b = bh // n_heads

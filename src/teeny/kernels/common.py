@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..device import INTERPRETER
 from ..kernel import kernel
@@ -44,6 +45,19 @@ def upcast(x):
         return x
     else:
         return x.to(tl.float32)
+
+
+ON_GPU = tl.constexpr(not INTERPRETER)
+
+
+@triton.jit
+def wait_for_previous():
+    """Programmatic dependent launch: wait here until the kernel launched before this one has
+    finished and its writes are visible (``griddepcontrol.wait``; returns at once for a kernel
+    not launched so). A kernel calls it before its first load or store and declares
+    ``@kernel(pdl=True)``; what comes before it (index arithmetic) overlaps the previous kernel."""
+    if ON_GPU:
+        gdc_wait()
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -90,6 +90,7 @@ from .common import (
     sum_to_shape,
     sum_to_shape_kernel,
     tl_acc_dtype,
+    wait_for_previous,
 )
 from .linear_gluon import matmul_ws
 from .shape import copy_launch, strided_copy
@@ -313,6 +314,7 @@ def _matmul_tma(
     segments of a shared one go to the fp32 (ACC) partials, rows of BLOCK_N, in boxes of
     BLOCK_M rows, (slot, tile) with slot = program - the tile's first, which
     ``matmul_sum_segments`` adds up."""
+    wait_for_previous()
     if Z_TRANSPOSED:
         tl.static_assert(aux_desc is None, "an activation epilogue needs Z stored as (M, N)")
     row_sums_wanted: tl.constexpr = row_sums_ptr is not None
@@ -440,11 +442,12 @@ matmul_tma = Kernel(
     half=True,
     optional=("bias_ptr", "row_sums_ptr", "partial_ptr", "partial_sums_ptr", "aux_ptr"),
     arguments=_matmul_tma_descriptors,
+    pdl=True,
     name="matmul_tma",
 )
 
 
-@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr", "aux_ptr"))
+@kernel(half=True, optional=("bias_ptr", "row_sums_ptr", "partial_sums_ptr", "aux_ptr"), pdl=True)
 @triton.jit(do_not_specialize=["programs", "dp_tiles"])
 def matmul_sum_segments(
     partial_ptr,
@@ -478,6 +481,7 @@ def matmul_sum_segments(
     (bit-reproducible), adds the bias, applies the epilogue's activation and stores Z; for the
     first column tile, the row sums too.
     Tiles summed whole by one program were stored by ``matmul_tma`` and are left alone."""
+    wait_for_previous()
     i = tl.program_id(0).to(tl.int64)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -543,6 +547,7 @@ def matmul_copy(src_ptr, dst_ptr, rows, cols, src_stride, dst_stride, TRANSPOSE:
     backward=(matmul_tma, matmul_ws, matmul_sum_segments, matmul_copy, strided_copy, sum_to_shape_kernel),
     half=True,
     optional=("bias_ptr", "aux_ptr"),
+    pdl=True,
 )
 def matmul_product(
     x_ptr,
@@ -591,6 +596,7 @@ def matmul_product(
     """Z[g] = sum_r X[g, r] @ Y[g, r] (+ bias): one BLOCK_M x BLOCK_N tile of one batch entry
     per program; g = (g0, g1, g2) over sizes (., G1, G2), r = (r0, r1) over (n_red / R1, R1).
     ACTIVATION / DERIVATIVE: an activation in the epilogue of a 2-D product (aux_ptr lies like Z)."""
+    wait_for_previous()
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)

@@ -153,6 +153,12 @@ def _multiply_right(x_desc, y_left_desc, y_right_desc, z_left_desc, z_right_desc
 
 
 @gluon.jit
+def _wait_for_previous():
+    """``common.wait_for_previous`` in Gluon: griddepcontrol.wait (programmatic dependent launch)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _matmul_ws(x_desc, y_left_desc, y_right_desc, z_left_desc, z_right_desc, bias_ptr, M, N, K,
                STAGES: gl.constexpr):  # fmt: skip
     """The kernel ``matmul_ws`` launches, given the TMA descriptors ``_arguments`` makes."""
@@ -165,6 +171,7 @@ def _matmul_ws(x_desc, y_left_desc, y_right_desc, z_left_desc, z_right_desc, bia
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)  # both multiplying warpgroups
+    _wait_for_previous()  # the partitions below read and write global memory
     # (constexpr flags do not survive warp_specialize's argument tuples: the partitions read the
     # operands' layouts from the stage buffers' shapes)
     args = (x_desc, y_left_desc, y_right_desc, z_left_desc, z_right_desc, bias_ptr, x_bufs, y_left_bufs,
@@ -221,4 +228,6 @@ def _arguments(
     return [x_desc, y_left, y_right, z_left, z_right, bias_ptr, M, N, K, STAGES]
 
 
-matmul_ws = Kernel(_matmul_ws, dtypes=HALF_DTYPES, optional=("bias_ptr",), arguments=_arguments, name="matmul_ws")
+matmul_ws = Kernel(
+    _matmul_ws, dtypes=HALF_DTYPES, optional=("bias_ptr",), arguments=_arguments, pdl=True, name="matmul_ws"
+)
