@@ -22,7 +22,7 @@ import teeny
 from teeny import aot
 from teeny.aot.bundle import BundleError, Target, check_versions, parse_targets, select_target
 from teeny.cli import main
-from teeny.kernel import intercept_launches
+from teeny.kernel import REGISTRY, intercept_launches
 from teeny.models import MLP
 
 TARGETS = "cuda:90,cuda:80"
@@ -107,6 +107,7 @@ def test_bundles_hold_both_targets_with_their_versions(bundles):
 
 
 def test_kernel_list_is_the_programs_launches(bundles):
+    waiting = set()
     for path in bundles.values():
         archive = zipfile.ZipFile(path)
         for name, plan in plans(path).items():
@@ -125,7 +126,15 @@ def test_kernel_list_is_the_programs_launches(bundles):
             arch = plan["arch"]
             for k in kernels.values():
                 assert archive.read(k["files"]["cubin"])[:4] == b"\x7fELF"
-                assert f".target sm_{arch}" in archive.read(k["files"]["ptx"]).decode()
+                ptx = archive.read(k["files"]["ptx"]).decode()
+                assert f".target sm_{arch}" in ptx
+                # programmatic dependent launch: the products and attention wait for the kernel
+                # before them on sm_90; sm_80 has no such instruction
+                waits = getattr(REGISTRY.get(k["kernel"]), "pdl", False) and arch >= 90
+                assert ("griddepcontrol.wait" in ptx) == waits, (name, k["kernel"])
+                if waits:
+                    waiting.add((arch, k["kernel"]))
+    assert {(90, "matmul_tma"), (90, "attention_forward"), (90, "attention_backward_dkdv")} <= waiting
 
 
 def test_training_bundles_hold_the_step_and_its_optimizer(bundles):

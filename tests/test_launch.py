@@ -13,7 +13,7 @@ import triton.language as tl
 import teeny
 import teeny.kernels  # noqa: F401  (every op family's kernels, for the registry)
 from teeny import Graph, LoweringMode, RuntimeOp, lower, ops
-from teeny.kernel import REGISTRY, Kernel, kernel, record_launches
+from teeny.kernel import REGISTRY, Kernel, intercept_launches, kernel, record_launches
 from teeny.kernels.common import wait_for_previous
 from teeny.runtime import ArgVisitor, Block, Launch, PackingError, run_launch
 
@@ -139,23 +139,19 @@ def test_a_pdl_kernel_is_launched_to_overlap_the_one_before_it_only_where_the_gp
                waiting.instance(torch.float32), "test", 37)  # fmt: skip
     torch.testing.assert_close(y, x, rtol=0, atol=0)
 
-    launched = []
-
-    class Jit:  # stands in for Triton's function: what would it be launched with?
-        def __getitem__(self, grid):
-            return lambda *args, **options: launched.append(options)
-
-    def launch(kernel, capable, pdl):
+    def options(kernel, capable, pdl):  # what the launch would hand Triton
         monkeypatch.setattr(sys.modules["teeny.kernel"], "_pdl_capable", lambda: capable)
         monkeypatch.setattr(teeny.config, "pdl", pdl)
-        kernel.instance(torch.float32).run_jit(Jit(), (1,), [x, y, 37, 16], {"num_warps": 4})
-        return launched.pop()
+        seen = []
+        with intercept_launches(lambda instance, jit, grid, args, options: seen.append(options)):
+            kernel.instance(torch.float32).launch((1,), [x, y, 37, 16], num_warps=4)
+        return seen[0]
 
-    assert launch(waiting, True, True) == {"num_warps": 4, "launch_pdl": True}
-    assert launch(waiting, False, True) == {"num_warps": 4}  # not Hopper
-    assert launch(waiting, True, False) == {"num_warps": 4}  # switched off
+    assert options(waiting, True, True) == {"num_warps": 4, "launch_pdl": True}
+    assert options(waiting, False, True) == {"num_warps": 4}  # not Hopper
+    assert options(waiting, True, False) == {"num_warps": 4}  # switched off
     plain = Kernel(_waiting_copy, name="_plain_copy", register=False)
-    assert launch(plain, True, True) == {"num_warps": 4}  # not declared: it may read before the wait
+    assert options(plain, True, True) == {"num_warps": 4}  # not declared: it may read before the wait
 
 
 def test_every_kernel_declared_pdl_waits_for_the_previous_one():

@@ -261,8 +261,8 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     profiled(7, [])
     assert profiled_run.python_calls == 1 and not profiled_run.calls
     overlapping, overlapping_run = launcher((3,), 128, pdl=True)  # may start before the last one ends
-    overlapping(7, [])
-    assert overlapping_run.python_calls == 1 and not overlapping_run.calls
+    overlapping(7, [])  # the C launcher itself takes the programmatic dependent launch flag
+    assert overlapping_run.python_calls == 0 and overlapping_run.calls[0][6] is True
 
 
 @kernel(device_scratch=True, register=False)

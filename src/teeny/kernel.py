@@ -254,7 +254,11 @@ class KernelInstance:
 
     def launch(self, grid: tuple[int, ...], args: list, **options: Any) -> None:
         """Launch over ``grid`` with ``args`` in signature order; ``options`` are Triton's
-        launch options (num_warps, num_stages). Float scalars of a float64 instance are float64."""
+        launch options (num_warps, num_stages). Float scalars of a float64 instance are float64.
+        A ``pdl`` kernel gets Triton's ``launch_pdl`` where the GPU has it (and so does what
+        records or intercepts the launch: a tape, an ahead-of-time bundle)."""
+        if self.kernel.pdl and config.pdl and _pdl_capable():
+            options = {**options, "launch_pdl": True}
         jit = self.kernel.jit
         if _RECORDERS or self.dtype == torch.float64:
             types_ = self.scalar_types(self.kernel.params, args)
@@ -278,8 +282,6 @@ class KernelInstance:
             triton.set_allocator(_device_scratch)
         if self.kernel.arguments is not None:
             args = self.kernel.arguments(*args)
-        if self.kernel.pdl and config.pdl and _pdl_capable():
-            options = {**options, "launch_pdl": True}
         return jit[grid](*args, **options)
 
 

@@ -50,14 +50,23 @@ def upcast(x):
 ON_GPU = tl.constexpr(not INTERPRETER)
 
 
+@tl.core.extern
+def _gdc_wait_from_hopper(_semantic=None):
+    # the compile target's architecture ("sm90"), not the GPU at hand: an ahead-of-time bundle
+    # compiles for several; the instruction is sm_90's
+    if int(_semantic.builder.options.arch.removeprefix("sm")) >= 90:
+        gdc_wait(_semantic=_semantic)
+
+
 @triton.jit
 def wait_for_previous():
     """Programmatic dependent launch: wait here until the kernel launched before this one has
     finished and its writes are visible (``griddepcontrol.wait``; returns at once for a kernel
     not launched so). A kernel calls it before its first load or store and declares
-    ``@kernel(pdl=True)``; what comes before it (index arithmetic) overlaps the previous kernel."""
+    ``@kernel(pdl=True)``; what comes before it (index arithmetic) overlaps the previous kernel.
+    Compiled for a GPU before Hopper (an sm_80 bundle) it is nothing."""
     if ON_GPU:
-        gdc_wait()
+        _gdc_wait_from_hopper()
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
