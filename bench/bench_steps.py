@@ -18,8 +18,8 @@ precision="bf16-mixed")``; torch: ``torch.autocast`` to bfloat16 around the forw
 Each teeny row prints its program's launch count, memory plan and graph rewrites; the
 "teeny, no rewrites" row (``lower(..., rewrites=())``) measures what the rewrites buy, the
 "teeny, recompute" row (``--recompute``: ``lower(..., recompute=True)``) what recomputing the
-norms' and activations' outputs in the backward costs and saves. ``TEENY_PDL=0`` in the
-environment launches teeny's products and attention without programmatic dependent launch.
+norms' and activations' outputs in the backward costs and saves. ``TEENY_PDL=1`` in the
+environment launches teeny's products and attention with programmatic dependent launch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ behaviour it was built with) unless its description says otherwise.
     teeny.config.deterministic = True       # bit-reproducible backward passes (no atomics)
     teeny.config.check_indices = False      # device-side range checks of index inputs
     teeny.config.replay = False             # registered ops' calls take the full host path
-    teeny.config.pdl = False                # no programmatic dependent launch on Hopper
+    teeny.config.pdl = True                 # programmatic dependent launch on Hopper (default False)
 
 ``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
 precision by default, float64 is always exact.
@@ -22,8 +22,9 @@ recorded once and replayed (``teeny.tape``) instead of running the executor's ho
 time; ``TEENY_REPLAY=0`` sets the default off.
 ``pdl`` (read at launch: set it before a program first runs): kernels declared ``@kernel(pdl=True)``
 (the products and attention, which wait for the kernel before them inside) are launched with
-programmatic dependent launch on Hopper GPUs, so each starts while the one before it finishes
-instead of after; ``TEENY_PDL=0`` sets the default off.
+programmatic dependent launch on Hopper GPUs, so each may start before the one ahead of it has
+signalled its end. Off by default: on an H100 it did not make GPT 6L's captured step faster
+(bench/NOTES.md, version 27); ``TEENY_PDL=1`` sets the default on.
 """
 
 from __future__ import annotations
@@ -36,4 +37,4 @@ allow_tf32: bool = False
 deterministic: bool = False
 check_indices: bool = os.environ.get("TEENY_CHECK_INDICES", "1" if INTERPRETER else "0").strip() not in ("0", "")
 replay: bool = os.environ.get("TEENY_REPLAY", "1").strip() not in ("0", "")
-pdl: bool = os.environ.get("TEENY_PDL", "1").strip() not in ("0", "")
+pdl: bool = os.environ.get("TEENY_PDL", "0").strip() not in ("0", "")
