@@ -17,8 +17,9 @@ whose Triton function takes other arguments than teeny packs (``linear.matmul_tm
 ``linear_gluon.matmul_ws``: TMA descriptors made on the host) names ``arguments=``, a function
 of the packed arguments giving Triton's; its signature is then the one teeny checks and packs.
 A kernel that calls ``common.wait_for_previous()`` before it touches global memory declares
-``pdl=True``: on Hopper it is launched with programmatic dependent launch (``config.pdl``), so
-the GPU starts it while the kernel before it is still finishing.
+``pdl=True``: on Hopper, where ``config.pdl`` is on (off by default), it is launched with
+programmatic dependent launch, so the GPU may start it before the kernel ahead of it has
+signalled its end.
 
 Dtype dispatch: a float kernel serves float32 and float64; ``half=True`` adds float16 and
 bfloat16; ``dtypes=`` names any other set (integer and bool tensors for shape ops).
