@@ -35,7 +35,6 @@ annotated ``tl.float64`` (``KernelInstance.scalar_types`` says what each launch 
 from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
 import contextlib
-import functools
 import inspect
 import linecache
 import textwrap
@@ -45,8 +44,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import config
-from . import device as _device  # before triton: it chooses interpreter or GPU
+from . import device as _device  # noqa: F401  (before triton: it chooses interpreter or GPU)
+from . import config, tuning
 
 import torch
 import triton
@@ -286,10 +285,10 @@ class KernelInstance:
         return jit[grid](*args, **options)
 
 
-@functools.cache
 def _pdl_capable() -> bool:
-    """Whether the GPU launches programmatically dependent kernels (Hopper, sm_90, on)."""
-    return _device.DEVICE.type == "cuda" and torch.cuda.get_device_capability(_device.DEVICE)[0] >= 9
+    """Whether the GPU launches programmatically dependent kernels: Hopper (sm_90) on, the GPUs
+    that have the tensor memory accelerator too."""
+    return tuning.has_tma()
 
 
 def direct_launcher(
