@@ -31,7 +31,7 @@ gpu-test:
 	PYTHONPATH=src $(GPU_PY) -m pytest -q -n 8 -p no:cacheprovider tests
 
 bench:
-	PYTHONPATH=src $(GPU_PY) bench/bench_ops.py
+	PYTHONPATH=src $(GPU_PY) bench/ops.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -15,7 +15,7 @@ from torch import nn
 
 import teeny
 import teeny.torch
-from teeny.data import digits
+from teeny.training.data import digits
 
 
 class SmallCNN(nn.Module):
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     graph = teeny.torch.from_torch(model, (x0,), loss=loss, targets=(y0,))
     print(f"imported {len(graph.nodes)} nodes, parameters: {', '.join(v.name for v in graph.params)}")
     executor = teeny.Executor(teeny.lower(graph, teeny.LoweringMode.TRAINING))
-    optimizer = teeny.optim.AdamW(executor, lr=2e-2, weight_decay=0.0)
+    optimizer = teeny.training.optim.AdamW(executor, lr=2e-2, weight_decay=0.0)
     names = [v.name for v in graph.inputs]  # the forward's argument name, then "target"
     for step, (x, y) in enumerate(batches[:45]):
         executor.zero_grad()

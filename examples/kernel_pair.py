@@ -4,8 +4,10 @@
 
 The op is a "squareplus" activation, y = (x + sqrt(x^2 + b)) / 2, with derivative
 dy/dx = (1 + x / sqrt(x^2 + b)) / 2. Its forward kernel names its backward kernel; a
-RuntimeOp says how to launch both; teeny.gradcheck compares the backward kernel with finite
-differences in float64; teeny.torch.register makes it torch.ops.teeny.squareplus, which
+RuntimeOp says how to launch both, in the one-kernel contract (``pack_args`` and ``grid``,
+``pack_backward_args`` and ``backward_grid``; ``teeny.core.runtime`` documents it);
+teeny.gradcheck compares the backward kernel with finite differences in float64;
+teeny.torch.register makes it torch.ops.teeny.squareplus, which
 differentiates with torch autograd and compiles with torch.compile(fullgraph=True).
 """
 
@@ -13,9 +15,9 @@ import teeny  # noqa: I001  (before triton: teeny picks the GPU, or the Triton i
 import teeny.torch
 import torch
 import triton.language as tl
-from teeny.graph import graph_of
-from teeny.kernel import kernel
-from teeny.runtime import RuntimeOp
+from teeny.core.graph import graph_of
+from teeny.core.kernel import kernel
+from teeny.core.runtime import RuntimeOp
 
 BLOCK = 1024
 

@@ -8,40 +8,18 @@ import torch.nn.functional as F
 import teeny
 import teeny.nn as tnn
 from teeny import ops
-from teeny.executor import Executor
-from teeny.graph import Graph, GraphError
-from teeny.interop.torch import apply
-from teeny.kernels import activation
-from teeny.lowering import LoweringMode, lower
+from teeny.checks.samples import activation as activation_samples
+from teeny.core.graph import Graph, GraphError
+from teeny.ops.activation import ACTIVATIONS
+from teeny.ops.activation import ops as activation_ops
+from teeny.program.executor import Executor
+from teeny.program.lowering import LoweringMode, lower
+from teeny.torch import apply
 
-# (teeny op, torch op, kwargs): the kink points below are exact inputs for all of them
-UNARY = [
-    (ops.relu, F.relu, {}),
-    (ops.leaky_relu, F.leaky_relu, {"negative_slope": 0.2}),
-    (ops.elu, F.elu, {"alpha": 0.5}),
-    (ops.selu, F.selu, {}),
-    (ops.celu, F.celu, {"alpha": 2.0}),
-    (ops.gelu, F.gelu, {}),
-    (ops.gelu, F.gelu, {"approximate": "tanh"}),
-    (ops.silu, F.silu, {}),
-    (ops.mish, F.mish, {}),
-    (ops.sigmoid, torch.sigmoid, {}),
-    (ops.tanh, torch.tanh, {}),
-    (ops.softplus, F.softplus, {}),
-    (ops.softplus, F.softplus, {"beta": 2.0, "threshold": 1.0}),
-    (ops.softsign, F.softsign, {}),
-    (ops.hardtanh, F.hardtanh, {}),
-    (ops.hardtanh, F.hardtanh, {"min_val": -0.5, "max_val": 3.0}),
-    (ops.relu6, F.relu6, {}),
-    (ops.hardsigmoid, F.hardsigmoid, {}),
-    (ops.hardswish, F.hardswish, {}),
-    (ops.logsigmoid, F.logsigmoid, {}),
-    (ops.tanhshrink, F.tanhshrink, {}),
-    (ops.softshrink, F.softshrink, {}),
-    (ops.hardshrink, F.hardshrink, {"lambd": 1.0}),
-    (ops.threshold, F.threshold, {"threshold": 0.5, "value": -2.0}),
-]
-KINKS = [-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 6.0, -0.0]
+# (teeny op, torch op, kwargs): every declared keyword set and variant (checks.samples.activation.cases)
+UNARY = [(getattr(ops, d.name), d.ref, kwargs) for d, kwargs in activation_samples.cases()]
+# exact inputs: these points and every declared kink
+KINKS = sorted({-6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 6.0, *(k for d in ACTIVATIONS for k in d.kinks)}) + [-0.0]
 
 
 def _ids(case):
@@ -198,7 +176,7 @@ def test_shape_errors_name_the_node():
 def _prelu_executor(x_shape, w_shape, x_grad=True, w_init=None):
     g = Graph()
     x = g.input("x", x_shape, requires_grad=x_grad)
-    w = g.parameter("weight", w_shape, init=w_init or teeny.init.uniform(0.5))
+    w = g.parameter("weight", w_shape, init=w_init or teeny.core.init.uniform(0.5))
     g.output(ops.prelu(x, w))
     return Executor(lower(g, LoweringMode.TRAINING))
 
@@ -206,7 +184,7 @@ def _prelu_executor(x_shape, w_shape, x_grad=True, w_init=None):
 @pytest.mark.parametrize("x_grad", [True, False])
 def test_prelu_weight_gradient(x_grad, monkeypatch):
     # few programs: each walks several BLOCK-wide steps of its channel, partials per split
-    monkeypatch.setattr(activation, "PRELU_TARGET_PROGRAMS", 4)
+    monkeypatch.setattr(activation_ops, "PRELU_TARGET_PROGRAMS", 4)
     x = torch.randn(3, 2, 700, generator=torch.Generator().manual_seed(0))
     ex = _prelu_executor(x.shape, (2,), x_grad)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
@@ -243,35 +221,19 @@ def test_swiglu_gradient_of_one_input_only():
         torch.testing.assert_close(g.cpu(), gr)
 
 
+# every declared layer with each keyword set of its cases, then GLU and PReLU
 LAYERS = [
-    (tnn.ReLU(), torch.nn.ReLU()),
-    (tnn.LeakyReLU(0.3), torch.nn.LeakyReLU(0.3)),
-    (tnn.ELU(0.7), torch.nn.ELU(0.7)),
-    (tnn.SELU(), torch.nn.SELU()),
-    (tnn.CELU(1.5), torch.nn.CELU(1.5)),
-    (tnn.GELU("tanh"), torch.nn.GELU("tanh")),
-    (tnn.SiLU(), torch.nn.SiLU()),
-    (tnn.Mish(), torch.nn.Mish()),
-    (tnn.Sigmoid(), torch.nn.Sigmoid()),
-    (tnn.Tanh(), torch.nn.Tanh()),
-    (tnn.Softplus(2.0, 3.0), torch.nn.Softplus(2.0, 3.0)),
-    (tnn.Softsign(), torch.nn.Softsign()),
-    (tnn.Hardtanh(-2.0, 0.5), torch.nn.Hardtanh(-2.0, 0.5)),
-    (tnn.ReLU6(), torch.nn.ReLU6()),
-    (tnn.Hardsigmoid(), torch.nn.Hardsigmoid()),
-    (tnn.Hardswish(), torch.nn.Hardswish()),
-    (tnn.LogSigmoid(), torch.nn.LogSigmoid()),
-    (tnn.Tanhshrink(), torch.nn.Tanhshrink()),
-    (tnn.Softshrink(0.3), torch.nn.Softshrink(0.3)),
-    (tnn.Hardshrink(0.3), torch.nn.Hardshrink(0.3)),
-    (tnn.Threshold(0.1, 20.0), torch.nn.Threshold(0.1, 20.0)),
+    (getattr(tnn, d.layer)(**kwargs), getattr(torch.nn, d.layer)(**kwargs))
+    for d, kwargs in activation_samples.cases()
+    if d.layer is not None
+] + [
     (tnn.GLU(1), torch.nn.GLU(1)),
     (tnn.PReLU(), torch.nn.PReLU()),
     (tnn.PReLU(4, init=0.1), torch.nn.PReLU(4, init=0.1)),
 ]
 
 
-@pytest.mark.parametrize("layers", LAYERS, ids=lambda pair: type(pair[0]).__name__)
+@pytest.mark.parametrize("layers", LAYERS, ids=lambda pair: repr(pair[1]))
 def test_layers_match_torch_nn(layers):
     layer, ref = layers
     x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(3)) * 3

@@ -5,7 +5,7 @@ this machine: the kernel list is the program's launches, an inference bundle hol
 kernel, bad targets and versions are refused, and the loader's whole path (binaries placed in
 Triton's caches, Triton's own lookup at each launch) runs against an emulated GPU of each
 target (``teeny.aot.verify``): no compilation, and every launch runs the binary and grid the
-plan names. Running the binaries needs the GPU: bench/bench_aot.py.
+plan names. Running the binaries needs the GPU: bench/aot.py.
 
 Compiled kernels are shared within the session through one Triton cache folder.
 """
@@ -22,8 +22,8 @@ import teeny
 from teeny import aot
 from teeny.aot.bundle import BundleError, Target, check_versions, parse_targets, select_target
 from teeny.cli import main
-from teeny.kernel import REGISTRY, intercept_launches
-from teeny.models import MLP
+from teeny.core.kernel import REGISTRY, intercept_launches
+from teeny.training.models import MLP
 
 TARGETS = "cuda:90,cuda:80"
 
@@ -93,6 +93,7 @@ def launches(plan):
     return [launch for run in plan["runs"].values() for launch in run]
 
 
+@pytest.mark.slow
 def test_bundles_hold_both_targets_with_their_versions(bundles):
     for key, path in bundles.items():
         manifest = aot.Bundle(path).manifest
@@ -106,6 +107,7 @@ def test_bundles_hold_both_targets_with_their_versions(bundles):
         assert (manifest["train"] is not None) == (manifest["mode"] == "training")
 
 
+@pytest.mark.slow
 def test_kernel_list_is_the_programs_launches(bundles):
     waiting = set()
     for path in bundles.values():
@@ -137,6 +139,7 @@ def test_kernel_list_is_the_programs_launches(bundles):
     assert {(90, "matmul_tma"), (90, "attention_forward"), (90, "attention_backward_dkdv")} <= waiting
 
 
+@pytest.mark.slow
 def test_training_bundles_hold_the_step_and_its_optimizer(bundles):
     plan = plans(bundles["gpt", "training"])["cuda:90"]
     assert list(plan["runs"]) == ["train_step", "accumulate_step", "forward"]
@@ -157,6 +160,7 @@ def test_training_bundles_hold_the_step_and_its_optimizer(bundles):
     assert "parameters float32" in {buffers[a["buffer"]] for a in at_offset}
 
 
+@pytest.mark.slow
 def test_inference_bundles_hold_no_backward_kernel(bundles):
     # a kernel may be one op's forward and another's backward (strided_copy: transpose's forward,
     # advanced indexing's backward; matmul_tma: on the GPU both): what counts is that every kernel
@@ -172,6 +176,7 @@ def test_inference_bundles_hold_no_backward_kernel(bundles):
             assert kinds < trained and trained - kinds >= {"adam_step_kernel", "accumulate_kernel"}
 
 
+@pytest.mark.slow
 def test_loader_runs_every_launch_on_its_binary_with_no_compilation(verified):
     """The loader's path as on the GPU, with a driver that records launches instead of running them."""
     for key, results in verified.items():
@@ -184,6 +189,7 @@ def test_loader_runs_every_launch_on_its_binary_with_no_compilation(verified):
                 assert "holds no binary for this launch of accumulate_kernel" in r["strict_refusal"]
 
 
+@pytest.mark.slow
 def test_a_graph_traced_here_is_stored_with_its_parameters(bundles):
     """A Graph traced under the interpreter is stored by reference to its kernels and rebuilt
     with the GPU's (verified above); its initialisers are closures, so its initial parameters
@@ -251,6 +257,7 @@ def test_the_loader_picks_the_gpus_target_or_refuses():
         select_target(MANIFEST, 86, 84)
 
 
+@pytest.mark.slow
 def test_load_refuses_damaged_and_foreign_files(bundles, tmp_path):
     junk = tmp_path / "junk.teeny"
     junk.write_bytes(b"not a zip")
@@ -270,6 +277,7 @@ def test_load_refuses_damaged_and_foreign_files(bundles, tmp_path):
             aot.load(bundles["mlp", "inference"])
 
 
+@pytest.mark.slow
 def test_build_command(bundles, tmp_path, capsys):
     """``teeny build`` writes a bundle (the MLP's inference kernels are in the session's Triton
     cache by now) and refuses bad arguments before starting any worker."""
@@ -281,9 +289,9 @@ def test_build_command(bundles, tmp_path, capsys):
     assert bundle.manifest["source"] == {"kind": "model", "model": "mlp", "size": "small", "batch_size": 16}
     from safetensors.torch import load
 
-    from teeny.executor import Executor
-    from teeny.lowering import lower
-    from teeny.models import make_task
+    from teeny.program.executor import Executor
+    from teeny.program.lowering import lower
+    from teeny.training.models import make_task
 
     stored = load(bundle.read(bundle.manifest["params"]))  # the initial parameters, as the JIT path makes them
     expected = Executor(lower(make_task("mlp")._graph(16, False)), seed=0, device="cpu").state_dict()
@@ -298,7 +306,7 @@ def test_build_command(bundles, tmp_path, capsys):
 def test_intercepted_launches_run_nothing():
     """What the build relies on: inside intercept_launches a launch reaches the handler, with the
     arguments in signature order, and no kernel runs."""
-    from teeny.kernels.accumulate import accumulate
+    from teeny.program.accumulate import accumulate
 
     a, b, out = torch.ones(5), torch.ones(5), torch.zeros(5)
     seen = []
@@ -328,10 +336,11 @@ def test_integers_that_change_between_runs_are_reported():
 
 
 @pytest.mark.skipif(teeny.DEVICE.type != "cuda", reason="runs the compiled kernels: needs the GPU")
+@pytest.mark.slow
 def test_a_loaded_bundle_trains_like_the_jit_path_with_no_compilation(bundles):
-    from teeny.executor import Executor
-    from teeny.lowering import LoweringMode, lower
-    from teeny.train import TrainConfig, TrainStep, make_optimizer
+    from teeny.program.executor import Executor
+    from teeny.program.lowering import LoweringMode, lower
+    from teeny.training.loop import TrainConfig, TrainStep, make_optimizer
 
     with aot.count_compilations() as compiled:
         bundle = aot.load(bundles["mlp", "training"])
@@ -344,3 +353,36 @@ def test_a_loaded_bundle_trains_like_the_jit_path_with_no_compilation(bundles):
     config = TrainConfig(**{k: train[k] for k in ("optimizer", "lr", "weight_decay", "momentum")})
     step = TrainStep(executor, make_optimizer(executor, config), train["clip"], cuda_graph=True)
     assert [float(step(feed)) for feed in feeds] == losses
+
+
+def test_build_refuses_an_unwritable_bundle_path_before_compiling(tmp_path, capsys, monkeypatch):
+    """`-o EXISTING_FOLDER` used to compile for minutes, then fail on the rename and leave a
+    255 KB .tmp beside the folder."""
+
+    def no_worker(request):
+        raise AssertionError("compiled before checking where the bundle goes")
+
+    monkeypatch.setattr(aot, "_run_worker", no_worker)
+    folder, file = tmp_path / "bundles", tmp_path / "file"
+    folder.mkdir()
+    file.write_text("x")
+    for out, message in [(folder, "it is a folder"), (file / "mlp.teeny", "which is a file")]:
+        assert main(["build", "mlp", "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and str(out) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundles", "file"] and not any(folder.iterdir())
+
+
+def test_a_bundle_write_that_fails_leaves_no_temporary_file(tmp_path, capsys, monkeypatch):
+    """Past the checks (here skipped), a write that fails, e.g. on a full disk, is one line and
+    removes its temporary file."""
+    plan = {"kernels": [], "runs": {}, "compile_seconds": 0.0, "warnings": []}
+    job = {"files": {}, "plans": [plan], "versions": {"triton": "t", "torch": "p"}, "source": {}, "config": {}}
+    monkeypatch.setattr(aot, "_run_worker", lambda request: {"jobs": [{**job, "train": {}}]})
+    monkeypatch.setattr(aot, "_check_out", lambda out, name: None, raising=False)
+    out = tmp_path / "taken"
+    out.mkdir()  # the rename onto it fails, as a full disk fails the write
+    assert main(["build", "mlp", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

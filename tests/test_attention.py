@@ -10,15 +10,17 @@ import torch
 import torch.nn.functional as F
 
 import teeny
+from helpers import assert_matches_torch, compile_for_sm90
 from teeny import ops
-from teeny.graph import Graph, GraphError
-from teeny.interop.torch import apply
-from teeny.kernel import record_launches
-from teeny.kernels import attention
-from teeny.kernels.attention import AttentionTiles, Tiles
-from teeny.kernels.common import mix_seed
-from teeny.lowering import LoweringMode, lower
-from teeny.registry import tolerance
+from teeny.checks.samples.attention import dropout_keep_reference
+from teeny.core.common import mix_seed
+from teeny.core.graph import Graph, GraphError
+from teeny.core.kernel import record_launches
+from teeny.ops.attention import tuning
+from teeny.ops.attention.tuning import AttentionTiles, Tiles
+from teeny.program.lowering import LoweringMode, lower
+from teeny.torch import apply
+from teeny.training.models import CausalSelfAttention
 
 DEV = teeny.DEVICE
 
@@ -37,20 +39,16 @@ def _ref(t, keep_grad=True):
 
 def _compare(gen, dtype, tensors, reduction, **kwargs):
     """teeny vs torch (float64 reference) on the output and the q/k/v gradients."""
-    kwargs = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    out = apply(ops.scaled_dot_product_attention, *tensors, **kwargs)
-    ref_in = [_ref(t) for t in tensors]
-    ref_kwargs = {k: (_ref(v, False) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    ref = F.scaled_dot_product_attention(*ref_in, **ref_kwargs)
-    atol, rtol = tolerance(dtype, reduction)
-    assert out.dtype == dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
-    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad(out, tensors, grad_out.to(DEV, dtype))
-    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
-    for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g.cpu().double(), r, atol=atol, rtol=rtol, msg=lambda m, n=name: f"d{n}: {m}")
-    return out.cpu(), [g.cpu() for g in grads]
+    return assert_matches_torch(
+        ops.scaled_dot_product_attention,
+        F.scaled_dot_product_attention,
+        *tensors,
+        kwargs=kwargs,
+        dtype=dtype,
+        reduction=reduction,
+        gen=gen,
+        name="attention",
+    )
 
 
 TILINGS = {
@@ -66,9 +64,9 @@ def tiling(request, monkeypatch):
     either aspect, so that a head spans several query and key blocks: the unchecked loops, the
     causal diagonal and the partial last blocks all run."""
     if request.param != "default":
-        if not teeny.device.INTERPRETER:
+        if not teeny.core.device.INTERPRETER:
             pytest.skip("the GPU's tiles are the default there")
-        monkeypatch.setattr(attention, "TILE_OVERRIDE", TILINGS[request.param])
+        monkeypatch.setattr(tuning, "TILE_OVERRIDE", TILINGS[request.param])
     return request.param
 
 
@@ -129,15 +127,9 @@ def test_empty_key_sequence_gives_zeros(gen):
 @pytest.mark.parametrize("wanted", [(0,), (1,), (2,), (1, 2)])
 def test_only_some_inputs_need_gradients(gen, wanted):
     tensors = _qkv(gen, torch.float32, (1, 2, 9, 5), (1, 2, 7, 5))
-    tensors = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(tensors)]
-    out = apply(ops.scaled_dot_product_attention, *tensors, is_causal=True)
-    ref_in = [_ref(t) for t in tensors]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
-    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad(out, [tensors[i] for i in wanted], grad_out.to(DEV, torch.float32))
-    ref_grads = torch.autograd.grad(ref, [ref_in[i] for i in wanted], grad_out)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.cpu().double(), r, atol=1e-4, rtol=1e-4)
+    sdpa = lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    reference = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    assert_matches_torch(sdpa, reference, *tensors, grad=wanted, tol=(1e-4, 1e-4), gen=gen)
 
 
 def test_training_saves_output_and_logsumexp_but_no_attention_matrix(gen):
@@ -172,35 +164,22 @@ def test_negative_and_zero_scales(gen, tiling, scale):
     The reference is written out: PyTorch's math path gives NaN for a negative causal scale
     (it multiplies q and k by sqrt(scale))."""
     tensors = _qkv(gen, torch.float32, (2, 2, 19, 6), (2, 2, 23, 6))
-    out = apply(ops.scaled_dot_product_attention, *tensors, scale=scale, is_causal=True)
-    q, k, v = ref_in = [_ref(t) for t in tensors]
-    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(~torch.ones(19, 23, dtype=torch.bool).tril(), -math.inf)
-    ref = torch.softmax(scores, -1) @ v
-    atol, rtol = tolerance(torch.float32, 23)
-    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
-    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad(out, tensors, grad_out.float().to(DEV))
-    for g, r in zip(grads, torch.autograd.grad(ref, ref_in, grad_out)):
-        torch.testing.assert_close(g.cpu().double(), r, atol=atol, rtol=rtol)
+
+    def reference(q, k, v):
+        causal = torch.ones(19, 23, dtype=torch.bool, device=q.device).tril()
+        return torch.softmax((q @ k.transpose(-2, -1) * scale).masked_fill(~causal, -math.inf), -1) @ v
+
+    sdpa = lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True)  # noqa: E731
+    assert_matches_torch(sdpa, reference, *tensors, dtype=torch.float32, reduction=23, gen=gen)
 
 
 # --------------------------------------------------------------------------- float64
 
-TIGHT = dict(atol=1e-12, rtol=1e-12)  # float64 all the way: rounding of a few dozen terms
-
 
 def _compare_float64(gen, tensors, **kwargs):
-    kwargs = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    out = apply(ops.scaled_dot_product_attention, *tensors, **kwargs)
-    ref_in = [_ref(t) for t in tensors]
-    ref_kwargs = {k: (_ref(v, False) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    ref = F.scaled_dot_product_attention(*ref_in, **ref_kwargs)
-    torch.testing.assert_close(out.cpu(), ref, **TIGHT)
-    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad(out, tensors, grad_out.to(DEV))
-    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
-    for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g.cpu(), r, **TIGHT, msg=lambda m, n=name: f"d{n}: {m}")
+    """float64 all the way: within the rounding of a few dozen terms."""
+    kwargs = dict(kwargs=kwargs, dtype=torch.float64, tol=(1e-12, 1e-12), gen=gen, name="attention")
+    assert_matches_torch(ops.scaled_dot_product_attention, F.scaled_dot_product_attention, *tensors, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -240,90 +219,6 @@ def test_float64_bool_masks(gen, tiling, shapes, mask_shape):
     mask = torch.rand(mask_shape, generator=gen) > 0.3
     mask[..., 0] = True  # no fully masked row: PyTorch's float64 reference gives NaN there
     _compare_float64(gen, tensors, attn_mask=mask)
-
-
-# The GPU compile check runs in a fresh process after conftest's SM90_PREAMBLE (the interpreter
-# off, torch told that a GPU exists); it lowers each case (lowering's
-# dry run packs every launch without running it), records the launches and compiles each one
-# for sm_90 with the signature and constexprs it would launch with.
-_COMPILE_CHECK = r"""
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
-
-from teeny import ops, runtime
-from teeny.graph import Graph
-from teeny.kernels import attention
-from teeny.kernels.attention import AttentionTiles, Tiles
-from teeny.lowering import LoweringMode, lower
-
-recorded = []
-run_launch = runtime.run_launch
-def record(launch, instance, *args, **kwargs):
-    recorded.append((launch, instance))
-    return run_launch(launch, instance, *args, **kwargs)
-runtime.run_launch = record
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "bool": torch.bool}
-results, seen = [], set()
-for case in json.loads(sys.argv[1]):
-    tiles = case.get("tiles")  # [[block_m, block_n, warps, stages]] * 3: forward, dq, dkdv
-    attention.TILE_OVERRIDE = AttentionTiles(*(Tiles(*t) for t in tiles)) if tiles else None
-    dtype = DTYPES[case["dtype"]]
-    graph = Graph()
-    wants = case.get("grad", [True, True, True])
-    q, k, v = (graph.input(n, tuple(s), dtype, requires_grad=w) for n, s, w in zip("qkv", case["shapes"], wants))
-    kwargs = dict(case.get("kwargs", {}))
-    if "mask" in case:
-        kwargs["attn_mask"] = graph.input("mask", tuple(case["mask"]), DTYPES[case["mask_dtype"]])
-    graph.output(ops.scaled_dot_product_attention(q, k, v, **kwargs))
-    recorded.clear()
-    lower(graph, LoweringMode.TRAINING)
-    for launch, instance in recorded:
-        block = runtime.as_block(launch.block)
-        values = runtime.check_packing(launch.kernel, launch.args, "compile check", block.size)
-        types = instance.scalar_types(launch.kernel.params, values)
-        wide = frozenset(n for n, t in types.items() if t == "fp64")
-        fn = launch.kernel.jit_with_float64(wide) if wide else launch.kernel.jit
-        # the signature, constants and alignment hints Triton's launcher would derive
-        signature, constexprs, attrs = {}, {}, {}
-        for i, (p, jp, value) in enumerate(zip(launch.kernel.params, fn.params, values)):
-            if p.kind == "constexpr" or value is None:
-                signature[p.name], constexprs[p.name] = "constexpr", value
-                continue
-            specialize = not jp.do_not_specialize and not isinstance(value, float)
-            align = not jp.do_not_specialize_on_alignment
-            ty, key = native_specialize_impl(BaseBackend, value, False, specialize, align)
-            if jp.annotation_type:
-                ty = jp.annotation_type
-            elif ty == "constexpr":
-                signature[p.name], constexprs[p.name] = "constexpr", key
-                continue
-            signature[p.name] = ty
-            if key == "D":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        options = {k: v for k, v in (("num_warps", block.num_warps), ("num_stages", block.num_stages)) if v}
-        key = (launch.kernel.name, str(sorted(signature.items())), str(sorted(constexprs.items())), str(options))
-        if key in seen:
-            continue
-        seen.add(key)
-        row = dict(case=case["name"], kernel=launch.kernel.name)
-        try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
-            ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-            row.update(
-                ok=True,
-                wgmma=ptx.count("wgmma.mma_async"),
-                waits=ptx.count("griddepcontrol.wait"),
-                pipelined="async_copy_global_to_local" in ttgir,
-                shared=compiled.metadata.shared,
-                options=options,
-                blocks=[constexprs.get("BLOCK_M"), constexprs.get("BLOCK_N")],
-            )
-        except Exception as exc:
-            row.update(ok=False, error=root_cause(exc))
-        results.append(row)
-print("RESULTS " + json.dumps(results))
-"""
 
 
 def _case(name, dtype, q, k, v, mask=None, mask_dtype="bool", grad=(True, True, True), **kwargs):
@@ -370,13 +265,14 @@ def _compile_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-def test_kernels_compile_for_the_h200(dtype, compile_check):
+@pytest.mark.slow
+def test_kernels_compile_for_the_h200(dtype):
     """Issue 17: float64 attention with a bool mask failed to compile on the GPU, which the
     interpreter cannot show. Every variant teeny launches compiles for sm_90 here, with the
     signature and alignment hints Triton's launcher would give it; bf16 uses Hopper's wgmma and
     pipelined (cp.async) loads in all three kernels, float32 (tf32x3) wgmma; each kernel waits for
     the one before it (programmatic dependent launch). Slow (a few seconds per kernel)."""
-    rows = compile_check("compile_check", _COMPILE_CHECK, _compile_cases(dtype), timeout=1800)
+    rows = compile_for_sm90("attention_compile", _compile_cases(dtype), timeout=1800)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['kernel']}: {r['error']}" for r in failed)
     kernels = {r["kernel"] for r in rows}
@@ -437,7 +333,7 @@ def _dropout_reference(q, k, v, p, step_seed, causal=False):
     if causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
     weights = torch.softmax(scores, -1)
-    keep = attention.dropout_keep_reference(step_seed, weights[..., 0, 0].numel(), *weights.shape[-2:], p)
+    keep = dropout_keep_reference(step_seed, weights[..., 0, 0].numel(), *weights.shape[-2:], p)
     return (weights * keep.reshape(weights.shape) / (1 - p)) @ v, (q, k, v)
 
 
@@ -464,7 +360,7 @@ def test_dropout_keeps_weights_with_probability_one_minus_p_and_rescales(gen):
     assert torch.all(scaled[~kept] == 0)
     assert abs((~kept).double().mean().item() - p) < 0.03  # 6144 draws: std 0.006
     assert abs(out.mean().item() * lk - 1) < 0.05
-    expected = attention.dropout_keep_reference(mix_seed(11, 0), 2, 48, lk, p).reshape(kept.shape)
+    expected = dropout_keep_reference(mix_seed(11, 0), 2, 48, lk, p).reshape(kept.shape)
     assert torch.equal(kept, expected)
 
 
@@ -564,22 +460,22 @@ def _layer_parts_exist():
 def test_causal_self_attention_parameters():
     if not _layer_parts_exist():
         pytest.skip("linear/shape families not available")
-    layer = teeny.models.CausalSelfAttention(12, 3)
+    layer = CausalSelfAttention(12, 3)
     names = dict(layer.named_parameters())
     assert sorted(names) == sorted(
         f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")
     )
     assert names["q_proj.weight"].shape == (12, 12) and names["out_proj.bias"].shape == (12,)
-    assert len(list(teeny.models.CausalSelfAttention(12, 3, bias=False).named_parameters())) == 4
+    assert len(list(CausalSelfAttention(12, 3, bias=False).named_parameters())) == 4
     with pytest.raises(ValueError, match="multiple of n_heads"):
-        teeny.models.CausalSelfAttention(10, 3)
+        CausalSelfAttention(10, 3)
 
 
 def test_causal_self_attention_matches_torch(gen):
     if not _layer_parts_exist():
         pytest.skip("linear/shape families not available")
     batch, length, d_model, n_heads = 2, 7, 12, 3
-    layer = teeny.models.CausalSelfAttention(d_model, n_heads)
+    layer = CausalSelfAttention(d_model, n_heads)
     g = Graph()
     x = g.input("x", (batch, length, d_model), requires_grad=True)
     g.output(layer(x))

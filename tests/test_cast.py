@@ -6,8 +6,8 @@ import torch
 
 import teeny
 from teeny import Graph, LoweringMode, lower, ops
-from teeny.interop.torch import apply
-from teeny.kernel import record_launches
+from teeny.core.kernel import record_launches
+from teeny.torch import apply
 
 
 @pytest.mark.parametrize("target", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16, torch.float64])
@@ -99,10 +99,10 @@ def test_every_float_pair_matches_torch_forward_and_backward(source, target):
 def _stacked_cast_graph(rows, cols, source, target):
     """Parameters of ``rows`` x ``cols`` (side by side in the arena) cast as one stacked tensor,
     then loss = sum(y.float() * c) with a fixed c."""
-    from teeny.kernels.cast import StackedCastOp
+    from teeny.ops.cast import StackedCastOp
 
     g = Graph()
-    parts = [g.parameter(f"p{i}", (r, cols), teeny.init.normal(1.0), dtype=source) for i, r in enumerate(rows)]
+    parts = [g.parameter(f"p{i}", (r, cols), teeny.core.init.normal(1.0), dtype=source) for i, r in enumerate(rows)]
     y = g.apply(StackedCastOp(target, len(parts)), parts)
     c = torch.linspace(-2, 3, sum(rows) * cols, dtype=torch.float64).reshape(sum(rows), cols)
     g.output(ops.sum(ops.mul(ops.to(y, source), g.constant(c.to(source)))))
@@ -113,7 +113,7 @@ def _stacked_cast_graph(rows, cols, source, target):
 def test_stacked_cast_matches_torch_forward_and_backward(target):
     """float32 parameters of 3, 1 and 5 rows cast as one: one launch each way, the values and
     gradients exactly torch's cat-then-cast, the parts one after the other in the arena."""
-    from teeny.kernels.cast import StackedCastOp
+    from teeny.ops.cast import StackedCastOp
 
     g, c = _stacked_cast_graph((3, 1, 5), 4, torch.float32, target)
     program = lower(g, LoweringMode.TRAINING)
@@ -141,7 +141,7 @@ def test_stacked_cast_gradcheck_float64():
 
 
 def test_stacked_cast_of_non_parameters_is_a_clear_error():
-    from teeny.kernels.cast import StackedCastOp
+    from teeny.ops.cast import StackedCastOp
 
     g = Graph()
     a, b = g.input("a", (2, 4), requires_grad=True), g.parameter("b", (2, 4))

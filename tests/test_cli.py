@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
+
+from teeny.checks.samples import all_ops
 from teeny.cli import main
-from teeny.ops import all_ops
 
 
 def test_ops_lists_every_registered_op_with_backward_and_dtypes(capsys):
@@ -52,7 +54,8 @@ def test_gradcheck_command_passes_and_reports(capsys):
 def test_gradcheck_command_fails_loudly(capsys, monkeypatch):
     import torch
 
-    from teeny.registry import OPS, OpInfo, Sample
+    from teeny.checks.registry import OpInfo, Sample
+    from teeny.checks.samples import OPS
     from test_core import WrongGradSquare  # its backward is twice too large
 
     bad = OpInfo(
@@ -69,6 +72,7 @@ def test_gradcheck_command_fails_loudly(capsys, monkeypatch):
     assert "unknown op" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_runs_in_a_fresh_process():
     """As a user runs it: a new interpreter, nothing imported first (catches import-order bugs)."""
     import subprocess
@@ -89,6 +93,7 @@ def _teeny(*argv, **kwargs):
     return subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300, **kwargs)
 
 
+@pytest.mark.slow
 def test_output_closed_early_ends_quietly():
     """`teeny ops | head` used to end in a BrokenPipeError traceback (`true` reads nothing and
     leaves at once, so the listing always meets a closed pipe)."""
@@ -107,6 +112,7 @@ def test_output_closed_early_ends_quietly():
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_device_cuda_without_a_gpu_is_one_line(capsys):
     import pytest
     import torch
@@ -140,6 +146,16 @@ def test_train_resume_with_nothing_left_says_so(tmp_path, capsys):
 
 def test_the_command_knows_the_models_make_task_builds():
     from teeny.cli import MODELS
-    from teeny.models import NAMES
+    from teeny.training.models import NAMES
 
     assert MODELS == NAMES
+
+
+def test_train_torch_model_without_that_function_is_one_line(tmp_path, capsys):
+    """`--torch-model file.py:missing` used to end in an AttributeError traceback."""
+    model = tmp_path / "model.py"
+    model.write_text("def make_model():\n    pass\n")
+    assert main(["train", "--torch-model", f"{model}:missing", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{model} defines no function 'missing' (it defines make_model)" in err, err

@@ -9,24 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import teeny
+from helpers import assert_matches_torch
 from teeny import Graph, LoweringMode, lower
-from teeny.interop.torch import apply
-from teeny.registry import tolerance
-
-
-def _compare(fn, ref, tensors, dtype, reduction, gen, **kwargs):
-    """fn(*tensors, **kwargs) against ref in float64: forward and the gradient of every tensor."""
-    args = [t.to(dtype).to(teeny.DEVICE).requires_grad_(True) for t in tensors]
-    ref_args = [a.detach().double().requires_grad_(True) for a in args]
-    out = apply(fn, *args, **kwargs)
-    expected = ref(*ref_args, **kwargs)
-    atol, rtol = tolerance(dtype, reduction)
-    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol)
-    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(teeny.DEVICE)
-    grads = torch.autograd.grad(out, args, grad.to(dtype))
-    ref_grads = torch.autograd.grad(expected, ref_args, grad)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double(), r, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -35,7 +19,9 @@ def test_conv2d_weight_gradient_split_over_positions(dtype, gen):
     x = torch.rand(3, 4, 13, 11, generator=gen) * 2 - 1
     w = torch.rand(6, 2, 3, 3, generator=gen) * 2 - 1
     b = torch.rand(6, generator=gen)
-    _compare(teeny.ops.conv2d, F.conv2d, [x, w, b], dtype, 363, gen, padding=(0, 1), groups=2)
+    x, w, b = (t.to(dtype) for t in (x, w, b))
+    kwargs = dict(padding=(0, 1), groups=2)
+    assert_matches_torch(teeny.ops.conv2d, F.conv2d, x, w, b, kwargs=kwargs, dtype=dtype, reduction=363, gen=gen)
 
 
 def test_conv2d_layer_parameters_and_init():
@@ -105,8 +91,9 @@ def test_pooling_in_inference_program():
 def test_max_pool2d_ties_go_to_the_first_in_scan_order(kwargs, gen):
     # a few integer levels: many ties inside each window, windows overlapping or not
     x = torch.randint(0, 3, (2, 3, 7, 8), generator=gen).float()
-    _compare(teeny.ops.max_pool2d, F.max_pool2d, [x], torch.float32, 9, gen, **kwargs)
-    _compare(teeny.ops.max_pool2d, F.max_pool2d, [torch.zeros(1, 2, 5, 5)], torch.float32, 9, gen, **kwargs)
+    assert_matches_torch(teeny.ops.max_pool2d, F.max_pool2d, x, kwargs=kwargs, reduction=9, gen=gen)
+    zeros = torch.zeros(1, 2, 5, 5)
+    assert_matches_torch(teeny.ops.max_pool2d, F.max_pool2d, zeros, kwargs=kwargs, reduction=9, gen=gen)
 
 
 def test_max_pool2d_propagates_nan_like_torch(gen):
@@ -114,15 +101,8 @@ def test_max_pool2d_propagates_nan_like_torch(gen):
     x[0, 0, 1, 1] = float("nan")
     x[0, 0, 2, 4] = float("nan")
     x[0, 0, 3, 5] = float("nan")
-    x = x.to(teeny.DEVICE).requires_grad_(True)
-    out = apply(teeny.ops.max_pool2d, x, 2)
-    ref_x = x.detach().cpu().requires_grad_(True)
-    ref = F.max_pool2d(ref_x, 2)
-    torch.testing.assert_close(out.cpu(), ref, equal_nan=True)
-    grad = torch.randn(out.shape, generator=gen)
-    (dx,) = torch.autograd.grad(out, x, grad.to(teeny.DEVICE))
-    (ref_dx,) = torch.autograd.grad(ref, ref_x, grad)
-    torch.testing.assert_close(dx.cpu(), ref_dx)
+    kwargs = dict(kernel_size=2)
+    assert_matches_torch(teeny.ops.max_pool2d, F.max_pool2d, x, kwargs=kwargs, equal_nan=True, gen=gen)
 
 
 def test_avg_pool2d_count_include_pad_and_divisor(gen):
@@ -132,7 +112,7 @@ def test_avg_pool2d_count_include_pad_and_divisor(gen):
         {"kernel_size": (3, 2), "padding": 1, "ceil_mode": True},
         {"kernel_size": 2, "divisor_override": 3},
     ):
-        _compare(teeny.ops.avg_pool2d, F.avg_pool2d, [x], torch.float32, 9, gen, **kwargs)
+        assert_matches_torch(teeny.ops.avg_pool2d, F.avg_pool2d, x, kwargs=kwargs, reduction=9, gen=gen)
 
 
 def test_conv2d_errors_are_clear():
@@ -225,8 +205,8 @@ def test_max_pool2d_indices_alone_in_inference_and_values_gradcheck(gen):
 def test_conv2d_tf32_switch_is_read_at_trace_time(monkeypatch):
     g = Graph()
     x, w = g.input("x", (1, 2, 5, 5)), g.input("w", (3, 2, 3, 3))
-    monkeypatch.setattr(teeny.config, "allow_tf32", True)
+    monkeypatch.setattr(teeny.core.config, "allow_tf32", True)
     op = teeny.ops.conv2d(x, w).value.producer.op
-    monkeypatch.setattr(teeny.config, "allow_tf32", False)
+    monkeypatch.setattr(teeny.core.config, "allow_tf32", False)
     full = teeny.ops.conv2d(x, w).value.producer.op
     assert op.allow_tf32 and not full.allow_tf32

@@ -1,15 +1,17 @@
 """The core runtime: lowering modes, loud failures, executor bookkeeping, CustomOp from source."""
 
 import math
+import os
 import weakref
 
 import pytest
 import torch
 
 import teeny
+from helpers import run_script
 from teeny import CustomOp, Graph, LoweringMode, RuntimeOp, lower, ops
-from teeny.kernel import built_instances
-from teeny.kernels.activation import activation_backward, activation_forward
+from teeny.core.kernel import built_instances
+from teeny.ops.activation import activation_backward, activation_forward
 
 # ------------------------------------------------------------------------------ custom op
 
@@ -55,21 +57,13 @@ class ScaledSquare(CustomOp):
     def grid(self, input_shapes, output_shape):
         return (math.ceil(math.prod(output_shape) / self.BLOCK), 1, 1)
 
-    def pack_backward_args(
-        self,
-        inputs,
-        params,
-        output,
-        output_shape,
-        grad_output,
-        grad_output_row_stride,
-        grad_inputs,
-        grad_params,
-        visitor,
-        saved=None,
-    ):
-        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
-        visitor.visit_i32(grad_output.numel()).visit_float(self.scale).visit_constexpr(self.BLOCK)
+    def pack_backward_args(self, inputs, params, output, output_shape, dy, dy_stride, dx, dparams, visitor, saved=None):
+        visitor.visit_ptr(inputs[0]).visit_ptr(dy).visit_ptr(dx[0]).visit_i32(dy.numel())
+        self.pack_backward_scale(visitor)
+        visitor.visit_constexpr(self.BLOCK)
+
+    def pack_backward_scale(self, visitor):
+        visitor.visit_float(self.scale)
 
     def backward_grid(self, input_shapes, output_shape):
         return self.grid(input_shapes, output_shape)
@@ -89,14 +83,14 @@ def scaled_square(x, scale=1.5):
 def test_custom_op_from_source_forward_and_gradcheck():
     x = torch.randn(3, 37, dtype=torch.float64)
     teeny.gradcheck(scaled_square, x)
-    y = teeny.interop.torch.apply(scaled_square, x.float())
+    y = teeny.torch.apply(scaled_square, x.float())
     torch.testing.assert_close(y, 1.5 * x.float() ** 2)
 
 
 def test_custom_op_trains():
     g = Graph()
     x = g.input("x", (4, 5))
-    w = g.parameter("w", (4, 5), init=teeny.init.constant(2.0))
+    w = g.parameter("w", (4, 5), init=teeny.core.init.constant(2.0))
     g.output(ops.sum(scaled_square(x * w)))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
     xs = torch.rand(4, 5) + 0.5
@@ -269,12 +263,12 @@ def test_a_norm_adds_its_input_gradient_to_the_one_waiting(monkeypatch, shared, 
     or into a new buffer when that gradient is shared with one still waiting (the add's dy handed
     to two inputs), which it must not write over. The gradients are torch's either way (float64), with rows in one block
     and (``looped``) in blocks of 16."""
-    from teeny import executor as executor_module
-    from teeny.kernels import norm
-    from teeny.kernels.norm import NormOp
+    from teeny.ops.norm import tiling
+    from teeny.ops.norm.ops import NormOp
+    from teeny.program import executor as executor_module
 
     if looped:
-        monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+        monkeypatch.setattr(tiling, "MAX_BLOCK", 16)
 
     sums = []
     original = executor_module.accumulate
@@ -338,7 +332,7 @@ class NoBackwardGelu(RuntimeOp):
     kernel = activation_forward
 
     def pack_args(self, inputs, params, output, output_shape, visitor, saved=None):
-        from teeny.kernels.activation import _gelu_erf
+        from teeny.ops.activation import _gelu_erf
 
         visitor.visit_ptr(inputs[0]).visit_ptr(output).visit_i64(output.numel()).visit_float(0).visit_float(0)
         visitor.visit_constexpr(_gelu_erf).visit_constexpr(1024)
@@ -366,7 +360,7 @@ def test_stop_gradient_and_frozen_parameters_opt_out():
     g = Graph()
     x = g.input("x", (2, 3))
     w = g.parameter("frozen", (2, 3))
-    v = g.parameter("live", (2, 3), init=teeny.init.ones())
+    v = g.parameter("live", (2, 3), init=teeny.core.init.ones())
     h = g.apply(NoBackwardGelu(), [ops.add(x, w)])
     g.output(ops.sum(ops.add(ops.gelu(ops.stop_gradient(h)), v)))
     program = lower(g, LoweringMode.TRAINING)  # no error: the path is cut
@@ -393,21 +387,8 @@ class ZeroGridSquare(ScaledSquare):
 class MisPackedSquare(ScaledSquare):
     name = "mispacked_square"
 
-    def pack_backward_args(
-        self,
-        inputs,
-        params,
-        output,
-        output_shape,
-        grad_output,
-        grad_output_row_stride,
-        grad_inputs,
-        grad_params,
-        visitor,
-        saved=None,
-    ):
-        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
-        visitor.visit_i32(grad_output.numel()).visit_constexpr(self.BLOCK)  # forgot the scale
+    def pack_backward_scale(self, visitor):
+        pass  # forgot the scale
 
 
 class WrongKindSquare(ScaledSquare):
@@ -479,22 +460,8 @@ def test_mixed_dtypes_are_refused_when_tracing():
 class WrongGradSquare(ScaledSquare):
     name = "wrong_grad_square"
 
-    def pack_backward_args(
-        self,
-        inputs,
-        params,
-        output,
-        output_shape,
-        grad_output,
-        grad_output_row_stride,
-        grad_inputs,
-        grad_params,
-        visitor,
-        saved=None,
-    ):
-        # passes 2*scale instead of scale: the gradient is twice too large
-        visitor.visit_ptr(inputs[0]).visit_ptr(grad_output).visit_ptr(grad_inputs[0])
-        visitor.visit_i32(grad_output.numel()).visit_float(2 * self.scale).visit_constexpr(self.BLOCK)
+    def pack_backward_scale(self, visitor):
+        visitor.visit_float(2 * self.scale)  # twice the scale: the gradient is twice too large
 
 
 def test_gradcheck_reports_the_wrong_element():
@@ -517,15 +484,11 @@ def test_gradcheck_float32_mode():
     teeny.gradcheck(ops.gelu, x)  # float32 defaults: h=1e-3 and looser tolerance
 
 
+@pytest.mark.slow
 def test_importing_triton_first_on_the_interpreter_is_a_clear_error():
-    import os
-    import subprocess
-    import sys
-
     if teeny.DEVICE.type != "cpu":
         pytest.skip("only the interpreter cares about import order")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TEENY_DEVICE"] = "cpu"
-    code = "import triton.language, teeny; teeny.ops"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = run_script("triton_before_teeny", env=env, timeout=120)
     assert result.returncode != 0 and "Import a teeny module first" in result.stderr

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import teeny
-from teeny.executor import Executor
-from teeny.graph import Graph
-from teeny.kernel import record_launches
-from teeny.kernels import dropout as dropout_module
-from teeny.lowering import LoweringMode, lower
+from teeny.core.graph import Graph
+from teeny.core.kernel import record_launches
 from teeny.ops import dropout
+from teeny.ops import masks as dropout_module
+from teeny.program.executor import Executor
+from teeny.program.lowering import LoweringMode, lower
 
 
 def _executor(fn, shape, dtype=torch.float32, mode=LoweringMode.TRAINING):
@@ -168,14 +168,42 @@ def test_float64_dropout_gets_float64_scale_and_p():
 def test_dropout_under_cuda_graph_capture_is_a_loud_error(monkeypatch):
     """A captured dropout would replay its first mask on every replay: refused, naming the op.
     (Capture is simulated: the check reads ``capturing()``, as on the GPU.)"""
-    import teeny.executor
+    import teeny.program.executor
 
     x = _x(9, 33)
     ex = _executor(lambda t: dropout(t, 0.5, seed=1), x.shape)
     plain = _executor(lambda t: t * 2.0, x.shape)
-    monkeypatch.setattr(teeny.executor, "capturing", lambda: True)
+    monkeypatch.setattr(teeny.program.executor, "capturing", lambda: True)
     with pytest.raises(teeny.TeenyError, match=r"op dropout \(node .*CUDA graph is being captured.*mask"):
         ex.forward_train(x)
     torch.testing.assert_close(plain(x), x * 2.0)  # capturable ops run as before
-    monkeypatch.setattr(teeny.executor, "capturing", lambda: False)
+    monkeypatch.setattr(teeny.program.executor, "capturing", lambda: False)
     assert ex.forward_train(x)[0].count_nonzero() < x.numel()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("way", ["op", "layer"])
+def test_checkpoint_recomputes_the_forwards_mask(way, reentrant):
+    """torch.utils.checkpoint restores torch's RNG state before recomputing the forward; a mask
+    drawn from teeny's own counter came out new there (131 of 256 gradients off the forward's)."""
+    import teeny.torch.nn as tnn
+
+    layer = tnn.Dropout(0.5)
+    drop = (lambda t: torch.ops.teeny.dropout(t, 0.5, True)) if way == "op" else layer
+    x = _x(16, 16).requires_grad_()
+    for _ in range(2):  # the second call: the op's entry known, the masks still new
+        x.grad = None
+        y = torch.utils.checkpoint.checkpoint(lambda t: drop(t) * 1.0, x, use_reentrant=reentrant)
+        y.backward(torch.ones_like(y))  # (reentrant checkpointing refuses autograd.grad)
+        keep = (y != 0).to(x.dtype)
+        assert 0 < keep.mean().item() < 1
+        torch.testing.assert_close(x.grad, keep * 2)
+
+
+def test_on_the_pytorch_path_torch_manual_seed_decides_the_mask():
+    x = _x(16, 16)
+    torch.manual_seed(7)
+    first, second = torch.ops.teeny.dropout(x, 0.5, True), torch.ops.teeny.dropout(x, 0.5, True)
+    torch.manual_seed(7)
+    assert torch.equal(torch.ops.teeny.dropout(x, 0.5, True), first)
+    assert not torch.equal(first, second)

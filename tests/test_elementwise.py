@@ -7,29 +7,19 @@ import pytest
 import torch
 
 import teeny
+from helpers import assert_matches_torch
 from teeny import ops
-from teeny.graph import Graph, GraphError
-from teeny.interop.torch import apply
-from teeny.kernel import record_launches
-from teeny.registry import OPS, tolerance
+from teeny.checks.registry import tolerance
+from teeny.checks.samples import OPS
+from teeny.core.graph import Graph, GraphError
+from teeny.core.kernel import record_launches
+from teeny.torch import apply
 
 DEV = teeny.DEVICE
 
 
 def _leaf(t):
     return t.detach().clone().to(DEV).requires_grad_(True)
-
-
-def _compare(fn, ref, *tensors, atol=1e-6, rtol=1e-6):
-    """Forward and every gradient of fn (teeny) against ref (torch) on the same leaves."""
-    ours = [_leaf(t) for t in tensors]
-    theirs = [_leaf(t) for t in tensors]
-    out, expected = apply(fn, *ours), ref(*theirs)
-    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
-    if out.numel():
-        seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype).to(DEV)
-        for g, r in zip(torch.autograd.grad(out, ours, seed), torch.autograd.grad(expected, theirs, seed)):
-            torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize(
@@ -46,8 +36,9 @@ def _compare(fn, ref, *tensors, atol=1e-6, rtol=1e-6):
 def test_broadcasting_matches_torch(sa, sb, gen):
     a = torch.randn(sa, generator=gen)
     b = torch.randn(sb, generator=gen)
-    _compare(ops.mul, torch.mul, a, b, atol=1e-4, rtol=1e-5)
-    _compare(lambda x, y: ops.sub(x, y, alpha=3), lambda x, y: torch.sub(x, y, alpha=3), a, b, atol=1e-4, rtol=1e-5)
+    assert_matches_torch(ops.mul, torch.mul, a, b, tol=(1e-4, 1e-5))
+    sub, torch_sub = (lambda x, y: ops.sub(x, y, alpha=3)), (lambda x, y: torch.sub(x, y, alpha=3))
+    assert_matches_torch(sub, torch_sub, a, b, tol=(1e-4, 1e-5))
 
 
 def test_where_broadcasts_three_ways(gen):
@@ -85,7 +76,7 @@ def test_where_broadcasts_three_ways(gen):
 def test_python_number_operands(fn, ref, gen):
     x = torch.randn(3, 5, generator=gen, dtype=torch.float64)
     x = torch.where(x.abs() < 0.1, x + 0.3, x)
-    _compare(fn, ref, x, atol=1e-12, rtol=1e-12)
+    assert_matches_torch(fn, ref, x, tol=(1e-12, 1e-12))
 
 
 def test_float64_scalar_is_exact():

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import teeny
-import teeny.config
+import teeny.core.config
 from teeny import Graph
-from teeny.interop.torch import apply, clear_cache
+from teeny.torch import apply, clear_cache
 
 
 def _grad(fn, idx, weight, grad_out):
@@ -46,9 +46,9 @@ def test_config_deterministic_is_read_at_trace_time(monkeypatch):
     g = Graph()
     idx, w = g.input("i", (3,), torch.int64), g.input("w", (4, 2))
     assert teeny.ops.embedding(idx, w).value.producer.op.deterministic is False
-    monkeypatch.setattr(teeny.config, "deterministic", True)
+    monkeypatch.setattr(teeny.core.config, "deterministic", True)
     y = teeny.ops.embedding(idx, w)
-    monkeypatch.setattr(teeny.config, "deterministic", False)
+    monkeypatch.setattr(teeny.core.config, "deterministic", False)
     assert y.value.producer.op.deterministic  # traced while the switch was on
     g.output(y)
     w.value.requires_grad = True
@@ -113,11 +113,11 @@ def test_embedding_errors():
 
 @pytest.fixture
 def checks(monkeypatch):
-    """Set ``teeny.config.check_indices`` for one test (interop's cached programs, traced with
+    """Set ``teeny.core.config.check_indices`` for one test (interop's cached programs, traced with
     the other setting, are dropped before and after)."""
 
     def set_checks(flag: bool) -> None:
-        monkeypatch.setattr(teeny.config, "check_indices", flag)
+        monkeypatch.setattr(teeny.core.config, "check_indices", flag)
         clear_cache()
 
     yield set_checks

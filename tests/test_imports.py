@@ -1,10 +1,14 @@
-"""The package has no import cycle: the import graph of ``src/teeny``, read from the source
-(module-level imports and imports inside functions alike), is acyclic."""
+"""The package has no import cycle and its folders are layers: the import graph of
+``src/teeny``, read from the source (module-level imports and imports inside functions alike), is
+acyclic, and each folder imports only from itself and the folders below it (``LAYERS``)."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
+
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "teeny"
@@ -79,58 +83,57 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+# bottom first: a module of one folder may import modules of its own folder and those before it
+LAYERS = ("core", "ops", "nn", "fusions", "program", "checks", "training", "torch", "aot", "cli")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":  # the package (lazy exports) and `python -m teeny`
+        return len(LAYERS)
+    return LAYERS.index(parts[1])
+
+
+def test_every_module_sits_in_a_layer():
+    unplaced = [name for name in _modules() if name.count(".") and name.split(".")[1] not in (*LAYERS, "__main__")]
+    assert not unplaced, f"modules outside the layer folders {LAYERS}: {unplaced}"
+
+
+def test_folders_import_only_from_below():
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        for target in _imports(name, path, modules):
+            if target != PACKAGE and _layer(target) > _layer(name):
+                upward.append(f"{name} -> {target}")
+    assert not upward, "imports running up the layers " + " < ".join(LAYERS) + ":\n" + "\n".join(sorted(upward))
+
+
 def test_no_import_cycle():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
 
 
-@pytest.mark.parametrize("edge", [("teeny.graph", "teeny.ops"), ("teeny.kernels.accumulate", "teeny.runtime")])
+@pytest.mark.parametrize(
+    "edge", [("teeny.core.graph", "teeny.ops"), ("teeny.program.accumulate", "teeny.core.runtime")]
+)
 def test_the_reader_sees_real_edges(edge):
     """The parser finds imports (so an empty graph cannot pass the test above by accident)."""
     modules = _modules()
     src, dst = edge
-    assert (dst in _imports(src, modules[src], modules)) == (src != "teeny.graph")
+    assert (dst in _imports(src, modules[src], modules)) == (src != "teeny.core.graph")
 
 
-_IMPORT_EACH_FIRST = r"""
-import importlib, multiprocessing, os, sys
-os.environ.pop("TRITON_INTERPRET", None)  # as a fresh Python starts: teeny.device decides
-import torch  # noqa: F401  (imports no triton; each child starts from here)
-
-def child(name, results):
-    try:
-        importlib.import_module(name)
-        results.put((name, None))
-    except Exception as exc:
-        results.put((name, f"{type(exc).__name__}: {exc}"))
-
-fork = multiprocessing.get_context("fork")
-results, failed = fork.Queue(), []
-for name in sys.argv[1:]:
-    process = fork.Process(target=child, args=(name, results))
-    process.start()
-    process.join()
-    found = results.get(timeout=60)
-    if found[1] is not None:
-        failed.append(found)
-print(failed)
-"""
-
-
+@pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_process():
     """Each module, imported first in a fresh Python process, imports: the static graph above
     misses cycles through the package's lazily exported names (``from . import kernel`` reads
-    the decorator ``teeny.kernel``, which loads the whole package) and modules that import
-    triton before ``teeny.device`` has chosen interpreter or GPU."""
-    import os
-    import subprocess
-    import sys
-
+    the decorator ``teeny.core.kernel``, which loads the whole package) and modules that import
+    triton before ``teeny.core.device`` has chosen interpreter or GPU."""
     names = sorted(name for name in _modules() if not name.endswith("__main__"))
     assert len(names) > 40
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-c", _IMPORT_EACH_FIRST, *names]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    done = run_script("import_each_first", *names, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", done.stdout

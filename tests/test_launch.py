@@ -11,11 +11,12 @@ import triton  # noqa: I001  (after teeny: teeny chooses the interpreter first)
 import triton.language as tl
 
 import teeny
-import teeny.kernels  # noqa: F401  (every op family's kernels, for the registry)
+import teeny.ops  # noqa: F401  (every op family's kernels, for the registry)
 from teeny import Graph, LoweringMode, RuntimeOp, lower, ops
-from teeny.kernel import REGISTRY, Kernel, intercept_launches, kernel, record_launches
-from teeny.kernels.common import wait_for_previous
-from teeny.runtime import ArgVisitor, Block, Launch, PackingError, run_launch
+from teeny.core.common import wait_for_previous
+from teeny.core.errors import PackingError
+from teeny.core.kernel import REGISTRY, Kernel, intercept_launches, kernel, record_launches
+from teeny.core.runtime import ArgVisitor, Block, Launch, run_launch
 
 
 @kernel
@@ -54,20 +55,8 @@ class Axpb(RuntimeOp):
         b = inputs[1] if self.with_b else None
         visitor.visit(x_ptr=inputs[0], b_ptr=b, y_ptr=output, n=output.numel(), a=self.a)
 
-    def pack_backward_args(
-        self,
-        inputs,
-        params,
-        output,
-        output_shape,
-        grad_output,
-        grad_output_row_stride,
-        grad_inputs,
-        grad_params,
-        visitor,
-        saved=None,
-    ):
-        visitor.visit(x_ptr=grad_output, dy_ptr=grad_output, dx_ptr=grad_inputs[0], n=grad_output.numel(), a=self.a)
+    def pack_backward_args(self, inputs, params, output, output_shape, dy, dy_stride, dx, dparams, visitor, saved=None):
+        visitor.visit(x_ptr=dy, dy_ptr=dy, dx_ptr=dx[0], n=dy.numel(), a=self.a)
 
     def backward_grid(self, input_shapes, output_shape):
         return self.grid(input_shapes, output_shape)
@@ -130,7 +119,7 @@ def _waiting_copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 def test_a_pdl_kernel_is_launched_to_overlap_the_one_before_it_only_where_the_gpu_can(monkeypatch):
     """``@kernel(pdl=True)``: Triton gets ``launch_pdl`` where the GPU has programmatic dependent
-    launch (Hopper) and ``teeny.config.pdl`` is on, never otherwise; under the interpreter
+    launch (Hopper) and ``teeny.core.config.pdl`` is on, never otherwise; under the interpreter
     ``wait_for_previous`` is nothing and the kernel computes as any other."""
     waiting = Kernel(_waiting_copy, pdl=True, name="_waiting_copy", register=False)
     x = torch.randn(37, device=teeny.DEVICE)
@@ -140,8 +129,8 @@ def test_a_pdl_kernel_is_launched_to_overlap_the_one_before_it_only_where_the_gp
     torch.testing.assert_close(y, x, rtol=0, atol=0)
 
     def options(kernel, capable, pdl):  # what the launch would hand Triton
-        monkeypatch.setattr(sys.modules["teeny.kernel"], "_pdl_capable", lambda: capable)
-        monkeypatch.setattr(teeny.config, "pdl", pdl)
+        monkeypatch.setattr(sys.modules["teeny.core.kernel"], "_pdl_capable", lambda: capable)
+        monkeypatch.setattr(teeny.core.config, "pdl", pdl)
         seen = []
         with intercept_launches(lambda instance, jit, grid, args, options: seen.append(options)):
             kernel.instance(torch.float32).launch((1,), [x, y, 37, 16], num_warps=4)
@@ -233,7 +222,7 @@ def test_packing_mistakes_name_op_node_kernel_and_parameter(op, pattern):
 
 
 def test_a_packing_plan_made_once_still_checks_each_launchs_values():
-    from teeny.runtime import check_packing
+    from teeny.core.runtime import check_packing
 
     x, y = torch.randn(4), torch.empty(4)
     good = ArgVisitor().visit(x_ptr=x, y_ptr=y, n=4, a=0.5)
@@ -293,7 +282,7 @@ class Broken(teeny.CustomOp):
 def test_a_kernel_that_fails_to_compile_names_op_node_dtype_and_shapes():
     ex, feed = _run(Broken(), torch.randn(2, 3, dtype=torch.float64))  # lowering cannot see it: no compile there
     with pytest.raises(
-        teeny.runtime.KernelLaunchError,
+        teeny.core.errors.KernelLaunchError,
         match=r"op broken \(node 'the_node', forward\): kernel broken_forward for float64 failed "
         r"on inputs \(2, 3\):",
     ):
@@ -333,8 +322,8 @@ def test_row_strided_grad_output_reaches_ops_that_read_rows_without_a_copy():
 
 
 def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
-    from teeny import rewrites
-    from teeny.models import MLP
+    from teeny import fusions
+    from teeny.training.models import MLP
 
     g = Graph("mlp")
     x = g.input("x", (5, 8))
@@ -356,8 +345,8 @@ def test_summary_counts_the_launches_a_step_makes_and_what_it_saves():
     assert program.saved_bytes(fc1) == 0
     assert program.saved_bytes(gelu) == program.saved_bytes(fc2) == 5 * 16 * 4
     assert program.peak_activation_bytes() >= 2 * 5 * 16 * 4
-    # fused (rewrites.fuse_mlp), one node keeps both: gelu's input and its output
-    fused = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.fuse_mlp,))
+    # fused (fusions.fuse_mlp), one node keeps both: gelu's input and its output
+    fused = lower(g, LoweringMode.TRAINING, rewrites=(fusions.fuse_mlp,))
     (mlp,) = [p for p in fused.nodes if p.op.name == "mlp"]
     assert fused.saved_bytes(mlp) == 2 * 5 * 16 * 4
     # the products' flops, 2 a multiply-add: fc1 5x8 @ 8x16, fc2 5x16 @ 16x3; backwards fc1's dW
@@ -372,9 +361,9 @@ def test_saved_totals_count_each_buffer_once():
     saves count h twice, the program's total and its peak once."""
     g = Graph("views")
     x = g.input("x", (512, 64), requires_grad=True)
-    h = ops.linear(x, g.parameter("w1", (512, 64), teeny.init.normal(0.5)))
+    h = ops.linear(x, g.parameter("w1", (512, 64), teeny.core.init.normal(0.5)))
     a = ops.gelu(h)
-    b = ops.linear(ops.reshape(h, (256, 1024)), g.parameter("w2", (3, 1024), teeny.init.normal(0.5)))
+    b = ops.linear(ops.reshape(h, (256, 1024)), g.parameter("w2", (3, 1024), teeny.core.init.normal(0.5)))
     g.output(ops.add(ops.sum(a), ops.sum(b)))
     program = lower(g, LoweringMode.TRAINING)
     mib = 2**20  # h is 512 x 512 float32

@@ -7,12 +7,17 @@ import pytest
 import torch
 
 import teeny
-import teeny.kernels.linear as linear_module
+from helpers import compile_for_sm90
 from teeny import Graph, LoweringMode, lower
-from teeny.interop.torch import apply
-from teeny.kernel import record_launches
-from teeny.registry import tolerance
-from teeny.runtime import run_launch
+from teeny.checks.registry import tolerance
+from teeny.core.kernel import record_launches
+from teeny.core.runtime import run_launch
+from teeny.fusions.transposed_weights import TransposedWeightLinearOp
+from teeny.ops.products import kernels as products_kernels
+from teeny.ops.products import launches as products_launches
+from teeny.ops.products import tuning as products_tuning
+from teeny.ops.products.ops import LinearOp
+from teeny.torch import apply
 
 
 def test_linear_layer_parameters_and_init():
@@ -89,10 +94,10 @@ def test_tf32_switch_is_read_at_trace_time(monkeypatch):
     g = Graph()
     a, b = g.input("a", (3, 4)), g.input("b", (4, 2))
     full = teeny.ops.matmul(a, b).value.producer.op
-    monkeypatch.setattr(teeny.config, "allow_tf32", True)
+    monkeypatch.setattr(teeny.core.config, "allow_tf32", True)
     op = teeny.ops.matmul(a, b).value.producer.op
     lin_op = teeny.ops.linear(a, g.input("w", (5, 4))).value.producer.op
-    monkeypatch.setattr(teeny.config, "allow_tf32", False)
+    monkeypatch.setattr(teeny.core.config, "allow_tf32", False)
     assert op.precision(torch.float32) == "tf32" and lin_op.precision(torch.float32) == "tf32"
     assert op.precision(torch.float64) == "ieee"  # float64 is never tf32
     # ops traced before the switch, or after it was turned off, keep full precision
@@ -163,8 +168,19 @@ def _product_launches(p, case, dtype, config):
     sums = None if sums_expected is None else torch.empty(len(sums_expected), dtype=dtype, device=teeny.DEVICE)
     args = [t.to(dtype).to(teeny.DEVICE) if t is not None else None for t in (a, b, bias)]
     scratch = lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE)  # noqa: E731
-    precision = linear_module.dot_precision(dtype, False)
-    launches = linear_module.product_launches(p, args[0], args[1], z, args[2], dtype, precision, config, scratch, sums)
+    precision = products_kernels.dot_precision(dtype, False)
+    launches = products_launches.product_launches(
+        p,
+        config,
+        x=args[0],
+        y=args[1],
+        z=z,
+        bias=args[2],
+        dtype=dtype,
+        precision=precision,
+        scratch=scratch,
+        row_sums=sums,
+    )
     return launches, z, sums
 
 
@@ -198,26 +214,28 @@ def test_tma_kernel_reads_every_layout_in_place(dtype, schedule, gen, monkeypatc
     if schedule in ("k_major", "fma_stream_k") and dtype != torch.float32:
         pytest.skip("K-major copies and FMA products are float32 configurations")
     options, sms = SCHEDULES[schedule]
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: sms)
     if schedule == "pairs_stream_k":  # the segment sums take one box at a time: a round per segment
-        monkeypatch.setattr(linear_module, "SEGMENT_SUM_MAX_SLOTS", 1)
+        monkeypatch.setattr(products_launches, "SEGMENT_SUM_MAX_SLOTS", 1)
     rows, fin, fout = 148, 24, 40  # 148 float32 rows: 16-byte aligned K-major copies
     cases = _linear_cases(rows, fin, fout, gen)
-    precision = linear_module.dot_precision(dtype, False)
+    precision = products_kernels.dot_precision(dtype, False)
     shared = []
-    for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
+    for name, p in LinearOp.products([(rows, fin), (fout, fin)]).items():
         assert p.tma_layout(dtype) is not None, name
-        config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
-        shared.append(linear_module.schedule(p, config).slots > 1)
+        config = dict(products_tuning._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
+        shared.append(products_launches.schedule(p, config).slots > 1)
         launches, z, sums = _product_launches(p, cases[name], dtype, config)
         kernels = [launch.kernel for launch in launches]
-        assert linear_module.matmul_tma in kernels and (linear_module.matmul_sum_segments in kernels) == shared[-1]
-        products = [launch for launch in launches if launch.kernel is linear_module.matmul_tma]
+        assert (
+            products_kernels.matmul_tma in kernels and (products_kernels.matmul_sum_segments in kernels) == shared[-1]
+        )
+        products = [launch for launch in launches if launch.kernel is products_kernels.matmul_tma]
         launched = {v.name: v.value for v in products[0].args.visits}
         assert launched["PRECISION"] == ("ieee" if schedule == "fma_stream_k" else precision)
         if schedule == "k_major":  # forward: both operands K-major already; dX: W is not; dW: neither
             copies = {"forward": 0, "grad_input": 1, "grad_weight": 2}[name]
-            assert kernels.count(linear_module.matmul_copy) == copies
+            assert kernels.count(products_kernels.matmul_copy) == copies
         _check_product(launches, z, sums, cases[name], dtype, name)
     assert any(shared) == (options.get("stream_k", 0) > 0)
 
@@ -231,15 +249,15 @@ def test_tma_kernel_writes_a_transposed_weight_gradient(dtype, schedule, gen, mo
     if schedule in ("k_major", "fma_stream_k") and dtype != torch.float32:
         pytest.skip("K-major copies and FMA products are float32 configurations")
     options, sms = SCHEDULES[schedule]
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: sms)
     rows, fin, fout = 148, 24, 40
     x, dy = (torch.randn(rows, n, generator=gen, dtype=torch.float64) for n in (fin, fout))
-    p = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])["grad_weight"]
+    p = TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])["grad_weight"]
     assert p.tma_layout(dtype).z_transposed
-    config = dict(linear_module._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
+    config = dict(products_tuning._cfg(16, 32, 16, 4, 2, **options), K_MAJOR=schedule == "k_major")
     case = (dy, x, x.T @ dy, None, dy.sum(0))  # Z is dW as it lies, (in, out); the row sums are db
     launches, z, sums = _product_launches(p, case, dtype, config)
-    assert linear_module.matmul_tma in [launch.kernel for launch in launches]
+    assert products_kernels.matmul_tma in [launch.kernel for launch in launches]
     _check_product(launches, z, sums, case, dtype, schedule)
 
 
@@ -250,17 +268,17 @@ def test_tma_kernel_reads_unaligned_rows_through_padded_copies(dtype, k_major, g
     K-major into rows padded to 16 bytes (transposed where it lay MN-major), and Z computed into
     padded rows and copied into place, so matmul_tma computes every one of linear's products;
     with ``K_MAJOR`` the aligned MN-major operands are copied too."""
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 4)
     rows, fin, fout = 37, 21, 45  # every row length odd: none of the operands' rows is aligned
     cases = _linear_cases(rows, fin, fout, gen)
-    for name, p in linear_module.LinearOp.products([(rows, fin), (fout, fin)]).items():
+    for name, p in LinearOp.products([(rows, fin), (fout, fin)]).items():
         assert p.tma_layout(dtype) is None and p.paddable(), name
-        config = dict(linear_module._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=k_major)
+        config = dict(products_tuning._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=k_major)
         launches, z, sums = _product_launches(p, cases[name], dtype, config)
         kernels = [launch.kernel for launch in launches]
-        assert linear_module.matmul_tma in kernels, name
-        assert kernels.count(linear_module.matmul_copy) == 3, name  # X, Y, and Z's padded rows copied into place
-        assert kernels[-1] is linear_module.matmul_copy, name
+        assert products_kernels.matmul_tma in kernels, name
+        assert kernels.count(products_kernels.matmul_copy) == 3, name  # X, Y, and Z's padded rows copied into place
+        assert kernels[-1] is products_kernels.matmul_copy, name
         _check_product(launches, z, sums, cases[name], dtype, name)
 
 
@@ -296,17 +314,18 @@ def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtyp
     backward's copy kernel is declared a backward kernel of the op, so lowering builds it even
     when the forward launched none (on the H200 a copy kernel that was not declared was refused:
     "strided_copy, which is not declared as a backward")."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
-    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
+    monkeypatch.setattr(teeny.core.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 4)
     rows, fin, fout = 37, 21, 45
 
     def configs(p, *args, **kwargs):
         if (p.M, p.N) == (rows, fout):  # the forward
-            return linear_module._cfg(16, 32, 16, 4, 2, kind="strided")
-        return dict(linear_module._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=True)
+            return products_tuning._cfg(16, 32, 16, 4, 2, kind="strided")
+        return dict(products_tuning._cfg(16, 32, 16, 4, 2, stream_k=1), K_MAJOR=True)
 
-    monkeypatch.setattr(linear_module, "default_config", configs)
+    monkeypatch.setattr(products_tuning, "default_config", configs)
     args = [torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in ((rows, fin), (fout, fin), (fout,))]
     _, out, grads, grad, kernels = _lower_and_train_linear(args, dtype, gen)
     assert kernels[0] == "matmul_product" and kernels.count("matmul_tma") == 2 and "matmul_copy" in kernels
@@ -319,22 +338,38 @@ def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
     """A big product with unaligned rows is timed on matmul_tma with padded copies and on the
     strided kernel; a small one, or one with an activation epilogue (its aux lies like Z), and a
     batched one take the strided kernel only."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
-    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
-    head = linear_module.LinearOp.products([(4096, 768), (50257, 768)])  # GPT-2's LM head, transformers' vocabulary
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
+    monkeypatch.setattr(teeny.core.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 132)
+    head = LinearOp.products([(4096, 768), (50257, 768)])  # GPT-2's LM head, transformers' vocabulary
     for name, p in head.items():
-        kinds = {c["kernel"] for c in linear_module.candidates(p, torch.bfloat16, "tf32", False, name == "grad_weight")}
+        kinds = {
+            c["kernel"]
+            for c in products_tuning.candidates(
+                p, dtype=torch.bfloat16, precision="tf32", has_bias=False, row_sums=name == "grad_weight"
+            )
+        }
         assert kinds == {"tma", "strided"}, name
         for dtype, precision in ((torch.bfloat16, "tf32"), (torch.float32, "tf32x3")):  # the untimed pick
-            assert linear_module.default_config(p, dtype, precision, False, name == "grad_weight")["kernel"] == "tma"
+            assert (
+                products_tuning.default_config(
+                    p, dtype=dtype, precision=precision, has_bias=False, row_sums=name == "grad_weight"
+                )["kernel"]
+                == "tma"
+            )
     forward = head["forward"]
     assert {
-        c["kernel"] for c in linear_module.candidates(forward, torch.bfloat16, "tf32", False, epilogue="activation")
+        c["kernel"]
+        for c in products_tuning.candidates(
+            forward, dtype=torch.bfloat16, precision="tf32", has_bias=False, epilogue="activation"
+        )
     } == {"strided"}
-    small = linear_module.LinearOp.products([(64, 24), (45, 24)])["forward"]
-    assert {c["kernel"] for c in linear_module.candidates(small, torch.bfloat16, "tf32", False)} == {"strided"}
-    batched = linear_module.Product(64, 45, 24, (24, 1), (45, 1), (45, 1), [(2, 64 * 24, 0, 64 * 45)], [])
+    small = LinearOp.products([(64, 24), (45, 24)])["forward"]
+    assert {
+        c["kernel"] for c in products_tuning.candidates(small, dtype=torch.bfloat16, precision="tf32", has_bias=False)
+    } == {"strided"}
+    batched = products_launches.Product(64, 45, 24, (24, 1), (45, 1), (45, 1), [(2, 64 * 24, 0, 64 * 45)], [])
     assert not batched.paddable()
 
 
@@ -352,10 +387,10 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
     """An activation in the epilogue (``MLPOp``): forwards y = gelu(x W^T + b), with h = x W^T + b
     written for the backward; backwards dh = gelu'(h) * (dY W), h read back. In the strided
     kernel, in matmul_tma and in the segment sums of its stream-K tiles."""
-    from teeny.kernels.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
+    from teeny.ops.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
 
     kind, options, sms = EPILOGUE_KERNELS[where]
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: sms)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: sms)
     gelu = ActivationOp("gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
     rows, fin, fout = 45, 72, 80
     shapes = ((rows, fin), (fout, fin), (fout,), (rows, fout), (rows, fin))
@@ -364,20 +399,31 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
     g_ref = (dy.double() @ w.double()).to(dtype).double()
     h_in64 = h_in.double().requires_grad_()
     torch.nn.functional.gelu(h_in64, approximate="tanh").backward(g_ref)
-    products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
-    precision = linear_module.dot_precision(dtype, False)
-    config = dict(linear_module._cfg(16, 32, 16, 4, 2, kind=kind, **options), K_MAJOR=False)
+    products = LinearOp.products([(rows, fin), (fout, fin)])
+    precision = products_kernels.dot_precision(dtype, False)
+    config = dict(products_tuning._cfg(16, 32, 16, 4, 2, kind=kind, **options), K_MAJOR=False)
     if "stream_k" in options:
-        assert all(linear_module.schedule(p, config).slots > 1 for p in products.values())
+        assert all(products_launches.schedule(p, config).slots > 1 for p in products.values())
 
     def run(product, a, b, out, bias, epilogue):
         scratch = lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE)  # noqa: E731
-        _run(linear_module.product_launches(product, a, b, out, bias, dtype, precision, config, scratch,
-                                            epilogue=epilogue), dtype)  # fmt: skip
+        launches = products_launches.product_launches(
+            product,
+            config,
+            x=a,
+            y=b,
+            z=out,
+            bias=bias,
+            dtype=dtype,
+            precision=precision,
+            scratch=scratch,
+            epilogue=epilogue,
+        )
+        _run(launches, dtype)
 
     y, h, dh = (torch.empty(s, dtype=dtype, device=teeny.DEVICE) for s in ((rows, fout), (rows, fout), (rows, fin)))
-    run(products["forward"], x, w, y, bias, linear_module.Epilogue(gelu, h))
-    run(products["grad_input"], dy, w, dh, None, linear_module.Epilogue(gelu, h_in, derivative=True))
+    run(products["forward"], x, w, y, bias, products_launches.Epilogue(gelu, h))
+    run(products["grad_input"], dy, w, dh, None, products_launches.Epilogue(gelu, h_in, derivative=True))
     atol, rtol = tolerance(dtype, fin)
     torch.testing.assert_close(h.cpu().double(), h_ref.cpu(), atol=atol, rtol=rtol)
     y_ref = torch.nn.functional.gelu(h.double(), approximate="tanh")  # of h as written
@@ -385,48 +431,16 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
     torch.testing.assert_close(dh.cpu().double(), h_in64.grad.cpu(), atol=atol, rtol=rtol)
 
 
-_TMA_COMPILE = r"""
-from teeny import tuning
-import teeny.kernels.linear as linear
-from teeny.kernels.activation import ActivationOp, _gelu_tanh, _gelu_tanh_grad
-
-tuning.multiprocessors = lambda: 132
-gelu = ActivationOp("gelu_tanh", _gelu_tanh, _gelu_tanh_grad)
-results = []
-for case in json.loads(sys.argv[1]):
-    dtype = getattr(torch, case["dtype"])
-    p = linear.Product(*case["product"])
-    x, y, z = (torch.empty(n, dtype=dtype) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
-    bias = torch.empty(p.N, dtype=dtype) if case["bias"] else None
-    sums = torch.empty(p.M, dtype=dtype) if case["row_sums"] else None
-    epilogue = linear.Epilogue(gelu, torch.empty(p.M * p.N, dtype=dtype)) if case["epilogue"] else None
-    scratch = lambda shape, d: torch.empty(shape, dtype=d)
-    config = linear._cfg(*case["config"])
-    launches = linear.product_launches(p, x, y, z, bias, dtype, "tf32x3" if dtype == torch.float32 else "tf32",
-                                       config, scratch, sums, epilogue)
-    row = dict(case=case["name"])
-    try:
-        entry, ptx = compile_launch(next(l for l in launches if l.kernel is linear.matmul_tma))
-        row.update(ok=True, signature=entry["signature"], tensormap_writes=ptx.count("tensormap"),
-                   waits=ptx.count("griddepcontrol.wait"), **tma_counts(ptx))
-    except Exception as exc:
-        row.update(ok=False, error=root_cause(exc))
-    results.append(row)
-print("RESULTS " + json.dumps(results))
-"""
-
-
-def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(compile_check):
+@pytest.mark.slow
+def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host():
     """matmul_tma's launches (forward with bias, dX, dW with the bias gradient shared out
     stream-K, Conv1D's transposed dW, an activation epilogue; bf16 and float32) compile for sm_90
     as an ahead-of-time bundle would, with X, Y, Z (and the epilogue's h) as TMA descriptors made
     on the host: the kernel loads and stores by TMA and writes no descriptor of its own (its PTX
-    had 64 ``tensormap`` instructions when each program made them: bench/NOTES.md, version 20)."""
+    had 64 ``tensormap`` instructions when each program made them: docs/archive/bench-journal.md, version 20)."""
     rows, fin, fout = 328, 136, 200
-    products = dict(linear_module.LinearOp.products([(rows, fin), (fout, fin)]))
-    products["transposed_grad_weight"] = linear_module.TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])[
-        "grad_weight"
-    ]
+    products = dict(LinearOp.products([(rows, fin), (fout, fin)]))
+    products["transposed_grad_weight"] = TransposedWeightLinearOp.products([(rows, fin), (fin, fout)])["grad_weight"]
     cases = []
     for dtype in ("bfloat16", "float32"):
         for name, p in products.items():
@@ -439,7 +453,7 @@ def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(comp
         fields = (p.M, p.N, p.K, list(p.x), list(p.y), list(p.z), [], [])
         cases.append(dict(name=f"{dtype} gelu epilogue", dtype=dtype, product=fields, bias=True, row_sums=False,
                           epilogue=True, config=(128, 128, 64, 8, 3)))  # fmt: skip
-    results = compile_check("tma_compile", _TMA_COMPILE, cases, timeout=900)
+    results = compile_for_sm90("linear_tma_compile", cases, timeout=900)
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)
     assert len(results) == len(cases) == 10
@@ -451,7 +465,7 @@ def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host(comp
 
 
 def test_tma_layout_refuses_what_tma_cannot_read():
-    P = linear_module.Product
+    P = products_launches.Product
     assert P(8, 8, 8, (8, 1), (8, 1), (8, 1), [], []).tma_layout(torch.float32) is not None
     assert P(8, 8, 8, (8, 1), (1, 8), (8, 1), [], []).tma_layout(torch.float32).y_k_contiguous
     assert P(8, 8, 8, (1, 8), (8, 1), (8, 1), [], []).tma_layout(torch.float32).x_k_contiguous is False
@@ -467,14 +481,17 @@ def test_linear_through_the_hopper_path_matches_torch(dtype, monkeypatch, gen):
     """The GPU's path (TMA kernel, heuristic configurations, dW stream-K with its segment sums
     and the bias gradient fused into it) run by the interpreter, as the op lowers and runs it
     on a Hopper GPU (of 4 multiprocessors, so that dW's one tile is shared out)."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
-    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 4)
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
+    monkeypatch.setattr(teeny.core.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 4)
     rows, fin, fout = 1030, 24, 40  # dW contracts over 1030 rows: stream-K
-    products = linear_module.LinearOp.products([(rows, fin), (fout, fin)])
-    precision = linear_module.dot_precision(dtype, False)
-    config = linear_module.default_config(products["grad_weight"], dtype, precision, False, row_sums=True)
-    assert config["kernel"] == "tma" and linear_module.schedule(products["grad_weight"], config).slots > 1
+    products = LinearOp.products([(rows, fin), (fout, fin)])
+    precision = products_kernels.dot_precision(dtype, False)
+    config = products_tuning.default_config(
+        products["grad_weight"], dtype=dtype, precision=precision, has_bias=False, row_sums=True
+    )
+    assert config["kernel"] == "tma" and products_launches.schedule(products["grad_weight"], config).slots > 1
     x = torch.randn(rows, fin, generator=gen)
     w = torch.randn(fout, fin, generator=gen) / fin**0.5
     b = torch.randn(fout, generator=gen)
@@ -491,18 +508,18 @@ def test_a_product_of_few_tiles_is_shared_out_over_programs_with_enough_k_tiles(
     """An MLP layer's product (128 x 784 by 784 x 256: two 128x128 tiles of 25 K tiles) on a
     132-multiprocessor GPU runs on 12 programs of 4+ K tiles each, not on 2 programs of 25;
     with whole tiles to go round, or too few K tiles to share, the schedule is the plain one."""
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
-    P = linear_module.Product
-    config = linear_module._cfg(128, 128, 32, 8, 3, stream_k=1)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 132)
+    P = products_launches.Product
+    config = products_tuning._cfg(128, 128, 32, 8, 3, stream_k=1)
     mlp = P(128, 256, 784, (784, 1), (1, 784), (256, 1), [], [])
-    sched = linear_module.schedule(mlp, config)
+    sched = products_launches.schedule(mlp, config)
     assert (sched.programs, sched.dp_tiles, sched.sk_tiles) == (12, 0, 2) and sched.slots > 1
-    owners = [linear_module._segment_owners.fn(i, 25, 50, 12) for i in range(2)]  # the maths, off the GPU
+    owners = [products_kernels._segment_owners.fn(i, 25, 50, 12) for i in range(2)]  # the maths, off the GPU
     assert owners[0][0] == 0 and owners[-1][1] == 11  # every program takes part
     tiny = P(128, 256, 64, (64, 1), (1, 64), (256, 1), [], [])  # 2 K tiles per tile: nothing to share
-    assert linear_module.schedule(tiny, config) == linear_module.schedule(tiny, {**config, "STREAM_K": 0})
+    assert products_launches.schedule(tiny, config) == products_launches.schedule(tiny, {**config, "STREAM_K": 0})
     wide = P(8192, 768, 768, (768, 1), (1, 768), (768, 1), [], [])  # 384 tiles: 2 waves whole, 1 shared
-    assert linear_module.schedule(wide, config).programs == 132
+    assert products_launches.schedule(wide, config).programs == 132
 
 
 def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch):
@@ -510,15 +527,16 @@ def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch)
     ones on the FMA units among them, each with its stream-K variants; a big product does not.
     Nothing is timed for the small one when it lowers: the heuristic picks the sweep's winners
     (time_small is the sweep's way in)."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
-    monkeypatch.setattr(teeny.tuning, "has_tma", lambda: True)
-    monkeypatch.setattr(teeny.tuning, "multiprocessors", lambda: 132)
-    P = linear_module.Product
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
+    monkeypatch.setattr(teeny.core.tuning, "has_tma", lambda: True)
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: 132)
+    P = products_launches.Product
     small = P(128, 256, 784, (784, 1), (1, 784), (256, 1), [], [])
     big = P(8192, 768, 768, (768, 1), (1, 768), (768, 1), [], [])
     for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
-        few = linear_module.candidates(small, dtype, precision, True)
-        many = linear_module.candidates(big, dtype, precision, True)
+        few = products_tuning.candidates(small, dtype=dtype, precision=precision, has_bias=True)
+        many = products_tuning.candidates(big, dtype=dtype, precision=precision, has_bias=True)
         assert any(c["BLOCK_M"] == 64 and c["BLOCK_N"] == 64 for c in few)
         assert not any(c["BLOCK_M"] == 64 and c["BLOCK_N"] == 64 for c in many)
         fma = [c for c in few if c.get("PRECISION") == "ieee"]
@@ -527,15 +545,20 @@ def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch)
             assert any(c["STREAM_K"] for c in fma) and not any(c["K_MAJOR"] for c in fma)
     narrow = P(128, 10, 256, (256, 1), (1, 256), (10, 1), [], [])  # 40-byte rows: the strided kernel
     assert narrow.tma_layout(torch.float32) is None
-    assert any(c["BLOCK_N"] == 16 for c in linear_module.candidates(narrow, torch.float32, "tf32x3", True))
+    assert any(
+        c["BLOCK_N"] == 16
+        for c in products_tuning.candidates(narrow, dtype=torch.float32, precision="tf32x3", has_bias=True)
+    )
 
-    # the picks of the H200 sweep (bench/NOTES.md, version 9) for the small MLP's layers
-    products = {(fin, fout): linear_module.LinearOp.products([(128, fin), (fout, fin)]) for fin, fout in
+    # the picks of the H200 sweep (docs/archive/bench-journal.md, version 9) for the small MLP's layers
+    products = {(fin, fout): LinearOp.products([(128, fin), (fout, fin)]) for fin, fout in
                 ((784, 256), (256, 256), (256, 10))}  # fmt: skip
 
     def pick(fin, fout, name, dtype=torch.float32):
         precision = "tf32x3" if dtype == torch.float32 else "tf32"
-        c = linear_module.default_config(products[fin, fout][name], dtype, precision, True, name == "grad_weight")
+        c = products_tuning.default_config(
+            products[fin, fout][name], dtype=dtype, precision=precision, has_bias=True, row_sums=name == "grad_weight"
+        )
         tile = (c["kernel"], c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c.get("PRECISION", precision))
         return tile + ((c["STREAM_K"], c.get("FUSED_SUMS", False)) if c["kernel"] == "tma" else ())
 
@@ -547,12 +570,14 @@ def test_small_products_get_small_tiles_to_time_and_big_ones_do_not(monkeypatch)
     assert pick(784, 256, "forward", torch.bfloat16) == ("tma", 64, 64, 64, "tf32", 0, False)
     assert pick(256, 256, "grad_weight", torch.bfloat16) == ("tma", 64, 64, 128, "tf32", 0, True)
     assert pick(256, 10, "grad_input", torch.bfloat16) == ("strided", 32, 32, 64, "tf32")
-    assert linear_module.default_config(big, torch.float32, "tf32x3", True)["BLOCK_M"] == 128  # the general rule
+    assert (
+        products_tuning.default_config(big, dtype=torch.float32, precision="tf32x3", has_bias=True)["BLOCK_M"] == 128
+    )  # the general rule
 
     def timed(*args, **kwargs):
         raise AssertionError("a small product was timed")
 
-    monkeypatch.setattr(linear_module.tuning, "choose", timed)
-    assert linear_module.choose_config(small, torch.float32, "tf32x3", True) == linear_module.default_config(
-        small, torch.float32, "tf32x3", True
-    )
+    monkeypatch.setattr(teeny.core.tuning, "choose", timed)
+    assert products_tuning.choose_config(
+        small, dtype=torch.float32, precision="tf32x3", has_bias=True
+    ) == products_tuning.default_config(small, dtype=torch.float32, precision="tf32x3", has_bias=True)

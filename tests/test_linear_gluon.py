@@ -1,4 +1,4 @@
-"""matmul_ws (kernels/linear_gluon.py): linear's Gluon product with 128 x 192 tiles on Hopper.
+"""matmul_ws (ops/products/gluon.py): linear's Gluon product with 128 x 192 tiles on Hopper.
 
 The interpreter has no Gluon: on the CPU the kernel is compiled for sm_90 in every operand layout
 (a fresh process, interpreter off) and the tuning candidates are checked; on the H200 its numbers
@@ -8,12 +8,18 @@ import pytest
 import torch
 
 import teeny
-import teeny.kernels.linear as linear_module
-from teeny import Graph, LoweringMode, lower, tuning
-from teeny.kernel import record_launches
-from teeny.kernels.linear_gluon import matmul_ws
-from teeny.registry import tolerance
-from teeny.runtime import run_launch
+from helpers import compile_for_sm90
+from teeny import Graph, LoweringMode, lower
+from teeny.checks.registry import tolerance
+from teeny.core import tuning
+from teeny.core.kernel import record_launches
+from teeny.core.runtime import run_launch
+from teeny.fusions.transposed_weights import TransposedWeightLinearOp
+from teeny.ops.products import kernels as products_kernels
+from teeny.ops.products import launches as products_launches
+from teeny.ops.products import tuning as products_tuning
+from teeny.ops.products.gluon import matmul_ws
+from teeny.ops.products.ops import LinearOp
 
 on_gpu = teeny.DEVICE.type == "cuda"
 
@@ -23,8 +29,8 @@ gpu_only = pytest.mark.skipif(not on_gpu, reason="Gluon runs on the GPU only (th
 def _products(rows: int, fin: int, fout: int) -> dict:
     """linear's three products (X K-major or M-major, Y K-major or N-major) and the fourth layout,
     a matmul of X^T stored by Y^T stored: X M-major, Y K-major."""
-    products = dict(linear_module.LinearOp.products([(rows, fin), (fout, fin)]))
-    products["xt_by_yt"] = linear_module.Product(rows, fout, fin, (1, rows), (1, fin), (fout, 1), [], [])
+    products = dict(LinearOp.products([(rows, fin), (fout, fin)]))
+    products["xt_by_yt"] = products_launches.Product(rows, fout, fin, (1, rows), (1, fin), (fout, 1), [], [])
     return products
 
 
@@ -42,34 +48,9 @@ def _operands(name: str, rows: int, fin: int, fout: int, gen) -> tuple:
 
 # ------------------------------------------------------------------------------------ CPU
 
-_COMPILE = r"""
-from teeny import tuning
-import teeny.kernels.linear as linear
 
-tuning.multiprocessors = lambda: 132
-results = []
-for case in json.loads(sys.argv[1]):
-    dtype = getattr(torch, case["dtype"])
-    M, N, K = case["M"], case["N"], case["K"]
-    p = linear.Product(M, N, K, tuple(case["x"]), tuple(case["y"]), (N, 1), [], [])
-    x, y, z = (torch.empty(n, dtype=dtype) for n in (M * K, K * N, M * N))
-    bias = torch.empty(N, dtype=dtype) if case["bias"] else None
-    launch = linear._ws_launch(p, x, y, z, bias, dtype, linear._WS_CONFIG)
-    row = dict(case=case["name"], grid=list(launch.grid))
-    try:
-        entry, ptx = compile_launch(launch)  # Triton's arguments: the descriptors matmul_ws makes on the host
-        row.update(ok=True, wgmma=ptx.count("wgmma.mma_async"), shared=entry["shared"],
-                   waits=ptx.count("griddepcontrol.wait"),
-                   setmaxnreg=sorted({l.split()[-1].strip(";") for l in ptx.splitlines() if "setmaxnreg" in l}),
-                   **tma_counts(ptx))
-    except Exception as exc:
-        row.update(ok=False, error=root_cause(exc))
-    results.append(row)
-print("RESULTS " + json.dumps(results))
-"""
-
-
-def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
+@pytest.mark.slow
+def test_kernel_compiles_for_the_h200_in_every_layout():
     """Every operand layout (linear's forward, dX and dW, and X^T by Y^T), with and without the
     bias, bf16 and fp16, compiles for sm_90 as an ahead-of-time bundle would (Triton's arguments
     specialised: host TMA descriptors) into a warp-specialised kernel: 16 wgmma (two
@@ -82,7 +63,7 @@ def test_kernel_compiles_for_the_h200_in_every_layout(compile_check):
             tiles = -(-p.M // 128) * -(-p.N // 192)
             cases.append(dict(name=f"{dtype} {name}", dtype=dtype, M=p.M, N=p.N, K=p.K, x=list(p.x), y=list(p.y),
                               bias=name == "forward", tiles=tiles))  # fmt: skip
-    rows = compile_check("gluon_compile", _COMPILE, cases, timeout=900)
+    rows = compile_for_sm90("gluon_compile", cases, timeout=900)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)
     assert len(rows) == 8
@@ -100,23 +81,28 @@ def test_every_candidate_of_a_backward_product_launches_kernels_the_pair_declare
     """Whatever configuration tuning picks for linear's backward products (matmul_ws, matmul_tma
     with its copies and segment sums), its launches use only kernels that linear's forward
     kernel declares as its backward: a backward's dry run refuses any other (the patched GPT-2
-    under torch.compile met matmul_ws there: bench/NOTES.md, version 20)."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    under torch.compile met matmul_ws there: docs/archive/bench-journal.md, version 20)."""
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    declared = set(linear_module.LinearOp.kernel.backward) | {linear_module.LinearOp.kernel}
+    declared = set(LinearOp.kernel.backward) | {LinearOp.kernel}
     products = {
-        **linear_module.LinearOp.products([(4096, 768), (768, 768)]),
-        "conv1d grad_weight": linear_module.TransposedWeightLinearOp.products([(4096, 768), (768, 768)])["grad_weight"],
+        **LinearOp.products([(4096, 768), (768, 768)]),
+        "conv1d grad_weight": TransposedWeightLinearOp.products([(4096, 768), (768, 768)])["grad_weight"],
     }
     kinds = set()
     for name, p in products.items():
         row_sums = "grad_weight" in name
-        for config in linear_module.candidates(p, dtype, linear_module.dot_precision(dtype, False), True, row_sums):
+        for config in products_tuning.candidates(
+            p, dtype=dtype, precision=products_kernels.dot_precision(dtype, False), has_bias=True, row_sums=row_sums
+        ):
             x, y = torch.empty(p.M * p.K * 2, dtype=dtype), torch.empty(p.K * p.N * 2, dtype=dtype)
             z, sums = torch.empty(p.M * p.N, dtype=dtype), torch.empty(p.M, dtype=dtype) if row_sums else None
             scratch = lambda shape, d: torch.empty(shape, dtype=d)  # noqa: E731
-            launches = linear_module.product_launches(p, x, y, z, None, dtype, "tf32", config, scratch, sums)
+            launches = products_launches.product_launches(
+                p, config, x=x, y=y, z=z, bias=None, dtype=dtype, precision="tf32", scratch=scratch, row_sums=sums
+            )
             kinds.add(config["kernel"])
             undeclared = {launch.kernel.name for launch in launches} - {k.name for k in declared}
             assert not undeclared, (name, config, undeclared)
@@ -128,34 +114,41 @@ def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     as a tuning candidate (a dW with the bias gradient: summed apart); float32, a transposed Z
     (Conv1D's dW), an activation epilogue and unaligned rows do not. Its launch refuses what it
     cannot compute with a clear error."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    products = linear_module.LinearOp.products([(4096, 768), (768, 768)])
+    products = LinearOp.products([(4096, 768), (768, 768)])
 
     def ws(p, dtype=torch.bfloat16, row_sums=False, epilogue=None):
-        found = [c for c in linear_module.candidates(p, dtype, "tf32", True, row_sums, epilogue) if c["kernel"] == "ws"]
+        found = [
+            c
+            for c in products_tuning.candidates(
+                p, dtype=dtype, precision="tf32", has_bias=True, row_sums=row_sums, epilogue=epilogue
+            )
+            if c["kernel"] == "ws"
+        ]
         return found[0] if found else None
 
-    assert ws(products["forward"]) == linear_module._WS_CONFIG
-    assert ws(products["grad_input"], torch.float16) == linear_module._WS_CONFIG
-    assert ws(products["grad_weight"], row_sums=True) == {**linear_module._WS_CONFIG, "FUSED_SUMS": False}
+    assert ws(products["forward"]) == products_tuning._WS_CONFIG
+    assert ws(products["grad_input"], torch.float16) == products_tuning._WS_CONFIG
+    assert ws(products["grad_weight"], row_sums=True) == {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}
     assert ws(products["forward"], torch.float32) is None
     assert ws(products["forward"], epilogue="activation") is None
-    conv1d_dw = linear_module.TransposedWeightLinearOp.products([(4096, 768), (768, 2304)])["grad_weight"]
+    conv1d_dw = TransposedWeightLinearOp.products([(4096, 768), (768, 2304)])["grad_weight"]
     assert conv1d_dw.z_transposed and ws(conv1d_dw) is None
-    unaligned = linear_module.LinearOp.products([(4096, 768), (50257, 768)])["forward"]
+    unaligned = LinearOp.products([(4096, 768), (50257, 768)])["forward"]
     assert ws(unaligned) is None
     p = products["forward"]
     x, y, z = (torch.empty(n, dtype=torch.bfloat16) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
-        linear_module._ws_launch(p, x, y, z.float(), None, torch.bfloat16, linear_module._WS_CONFIG)
+        products_launches._ws_launch(p, x, y, z.float(), None, torch.bfloat16, products_tuning._WS_CONFIG)
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
-        linear_module._ws_launch(conv1d_dw, x, y, z, None, torch.bfloat16, linear_module._WS_CONFIG)
-    unfused = {**linear_module._WS_CONFIG, "FUSED_SUMS": False}
-    launches = linear_module.product_launches(
-        products["grad_weight"], x, y, z, None, torch.bfloat16, "tf32", unfused,
-        lambda s, d: torch.empty(s, dtype=d), row_sums=torch.empty(768, dtype=torch.bfloat16),
+        products_launches._ws_launch(conv1d_dw, x, y, z, None, torch.bfloat16, products_tuning._WS_CONFIG)
+    unfused = {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}
+    launches = products_launches.product_launches(
+        products["grad_weight"], unfused, x=x, y=y, z=z, dtype=torch.bfloat16, precision="tf32",
+        scratch=lambda s, d: torch.empty(s, dtype=d), row_sums=torch.empty(768, dtype=torch.bfloat16),
     )  # fmt: skip
     assert launches[0].kernel is matmul_ws and len(launches) > 1  # then the column sums of dY
     assert launches[0].grid == (24,)  # dW 768 x 768: 6 x 4 tiles, a program each
@@ -169,9 +162,11 @@ def _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False):
     dev = [t if t is None else t.to(dtype).to(teeny.DEVICE) for t in (a, b, bias)]
     z = torch.full(expected.shape, float("nan"), dtype=dtype, device=teeny.DEVICE)
     sums = torch.empty(a.shape[1], dtype=dtype, device=teeny.DEVICE) if row_sums else None
-    config = {**linear_module._WS_CONFIG, "FUSED_SUMS": False} if row_sums else linear_module._WS_CONFIG
+    config = {**products_tuning._WS_CONFIG, "FUSED_SUMS": False} if row_sums else products_tuning._WS_CONFIG
     scratch = lambda s, d: torch.empty(s, dtype=d, device=teeny.DEVICE)  # noqa: E731
-    launches = linear_module.product_launches(p, dev[0], dev[1], z, dev[2], dtype, "tf32", config, scratch, sums)
+    launches = products_launches.product_launches(
+        p, config, x=dev[0], y=dev[1], z=z, bias=dev[2], dtype=dtype, precision="tf32", scratch=scratch, row_sums=sums
+    )
     assert launches[0].kernel is matmul_ws
     for launch in launches:
         run_launch(launch, launch.kernel.instance(dtype), "test", 1)
@@ -212,7 +207,7 @@ def test_linear_trains_through_matmul_ws_like_torch(dtype, gen, monkeypatch):
         return ws[0] if ws else default
 
     monkeypatch.setattr(tuning, "choose", choose)
-    monkeypatch.setattr(linear_module, "TUNE_MIN_MACS", 1)
+    monkeypatch.setattr(products_tuning, "TUNE_MIN_MACS", 1)
     rows, fin, fout = 1000, 264, 520
     args = [
         torch.randn(rows, fin, generator=gen).to(dtype).to(teeny.DEVICE),

@@ -8,40 +8,27 @@ import torch
 import torch.nn.functional as F
 
 import teeny
+from helpers import assert_matches_torch
 from teeny import Graph, GraphError, LoweringMode, TeenyError, lower
-from teeny.executor import Executor
-from teeny.interop.torch import apply as _apply
-from teeny.kernel import record_launches
-from teeny.kernels import loss as L
-from teeny.registry import make
+from teeny.checks.registry import make
+from teeny.core.kernel import record_launches
+from teeny.ops import loss as L
+from teeny.ops.loss import ops as loss_ops
+from teeny.program.executor import Executor
+from teeny.torch import apply as _apply
 
 
 def apply(fn, *args, **kwargs):
-    """teeny.interop.torch.apply on teeny's device, differentiably, with the result on the CPU."""
+    """teeny.torch.apply on teeny's device, differentiably, with the result on the CPU."""
     move = lambda a: a.to(teeny.DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
     return _apply(fn, *map(move, args), **{k: move(v) for k, v in kwargs.items()}).cpu()
 
 
-def _run(fn, ref, *args, grad_out=None, **kwargs):
-    """Forward and gradients of teeny ``fn`` and torch ``ref`` (float64) on the same inputs."""
-    ours = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
-    theirs = [a.clone().double().requires_grad_(True) if a.is_floating_point() else a.clone() for a in args]
-    ref_kwargs = {
-        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()
-    }
-    out, expected = apply(fn, *ours, **kwargs), ref(*theirs, **ref_kwargs)
-    g = torch.randn(out.shape, dtype=torch.float64) if grad_out is None else grad_out
-    grads = torch.autograd.grad(out, [a for a in ours if a.requires_grad], g.to(out.dtype))
-    ref_grads = torch.autograd.grad(expected, [a for a in theirs if a.requires_grad], g)
-    return out, expected, grads, ref_grads
-
-
-def _assert_matches(fn, ref, *args, atol=1e-5, rtol=1e-5, **kwargs):
-    out, expected, grads, ref_grads = _run(fn, ref, *args, **kwargs)
-    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol, equal_nan=True)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.double(), r.double(), atol=atol, rtol=rtol, equal_nan=True)
-    return out, grads
+def _assert_matches(fn, ref, *args, atol=1e-5, rtol=1e-5, grad_out=None, **kwargs):
+    """The loss ``fn`` against torch's ``ref`` (float64) at a fixed tolerance, NaN where torch
+    has NaN; ``kwargs`` are the loss's own (``reduction=``, ``weight=``...)."""
+    tol = (atol, rtol)
+    return assert_matches_torch(fn, ref, *args, kwargs=kwargs, tol=tol, grad_out=grad_out, equal_nan=True)
 
 
 # ------------------------------------------------------------------------------ ignore_index
@@ -132,7 +119,7 @@ def test_uint8_targets():
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_long_row_loops_over_column_blocks(monkeypatch, smoothing):
-    monkeypatch.setattr(L, "MAX_BLOCK_C", 512)  # 5000 classes: 10 column blocks
+    monkeypatch.setattr(loss_ops, "MAX_BLOCK_C", 512)  # 5000 classes: 10 column blocks
     x = torch.randn(2, 5000) * 4
     x[0, 4321] = 60.0  # a large logit in a late block: the online max must rescale
     target = torch.tensor([4321, 17])
@@ -151,7 +138,7 @@ def test_large_logits_are_stable():
 
 
 def test_out_of_range_target_unchecked_gives_nan_without_reading_out_of_bounds(monkeypatch):
-    monkeypatch.setattr(teeny.config, "check_indices", False)  # read when the op is traced
+    monkeypatch.setattr(teeny.core.config, "check_indices", False)  # read when the op is traced
     x = torch.randn(3, 4, requires_grad=True)
     out = apply(L.cross_entropy, x, torch.tensor([0, 7, -3]), reduction="none")
     assert not torch.isnan(out[0]) and torch.isnan(out[1:]).all()
@@ -163,7 +150,7 @@ def test_out_of_range_target_unchecked_gives_nan_without_reading_out_of_bounds(m
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("fn", [L.cross_entropy, L.nll_loss])
 def test_out_of_range_target_checked_raises_naming_op_and_index(fn, reduction, monkeypatch):
-    monkeypatch.setattr(teeny.config, "check_indices", True)
+    monkeypatch.setattr(teeny.core.config, "check_indices", True)
     x = torch.log_softmax(torch.randn(5, 4), 1)
     with pytest.raises(
         TeenyError, match=rf"op {fn.__name__} \(node .*target class index 9 is out of range.* 4 classes"
@@ -178,7 +165,7 @@ def test_out_of_range_target_checked_raises_naming_op_and_index(fn, reduction, m
 
 
 def test_checked_index_error_surfaces_through_the_executor(monkeypatch):
-    monkeypatch.setattr(teeny.config, "check_indices", True)
+    monkeypatch.setattr(teeny.core.config, "check_indices", True)
     g = Graph()
     x, t = g.input("logits", (4, 3), requires_grad=True), g.input("target", (4,), torch.int64)
     g.output(L.cross_entropy(x, t))
@@ -450,6 +437,6 @@ def test_a_class_loss_of_one_program_writes_its_sums_in_place(rows, reduction):
         out = apply(lambda a, b: L.cross_entropy(a, b, reduction=reduction), x, t)
     kernels = [r.kernel for r in launches]
     torch.testing.assert_close(out, F.cross_entropy(x, t, reduction=reduction), rtol=1e-5, atol=1e-6)
-    single = rows * 8 <= L.ROW_TILE
+    single = rows * 8 <= loss_ops.ROW_TILE
     assert ("sum_to_shape_kernel" in kernels) == (not single)
     assert ("loss_ratio" in kernels) == (reduction == "mean")

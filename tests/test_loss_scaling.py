@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from teeny import Graph, LoweringMode, lower, ops
-from teeny.executor import Executor
-from teeny.models import MLP
-from teeny.optim import SGD, AdamW, GradScaler
-from teeny.train import TrainStep
+from teeny.program.executor import Executor
+from teeny.training.loop import TrainStep
+from teeny.training.models import MLP
+from teeny.training.optim import SGD, AdamW, GradScaler
 
 F16 = torch.float16
 

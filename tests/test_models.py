@@ -6,20 +6,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-import teeny
+from helpers import train_step
 from teeny import Graph, LoweringMode, lower, ops
-from teeny.data import CharCorpus, digits
-from teeny.models import CNN, GPT
+from teeny.training.data import CharCorpus, digits
+from teeny.training.models import CNN, GPT
 
 
 def _teeny_grads(model, feeds, build):
     g = Graph()
-    loss = build(g, model)
-    g.output(loss)
-    ex = teeny.Executor(lower(g, LoweringMode.TRAINING), seed=0)
-    loss_value, cache = ex.forward_train(feeds)
-    ex.backward(cache)
-    return ex, loss_value
+    g.output(build(g, model))
+    step = train_step(lower(g, LoweringMode.TRAINING), feeds)
+    return step.executor, step.out
 
 
 def _load(ref: torch.nn.Module, params: dict):
@@ -69,7 +66,7 @@ def test_cnn_gradients_match_pytorch():
 
 
 class TorchBlock(torch.nn.Module):
-    """The same pre-norm transformer block as teeny.models.Block, in PyTorch."""
+    """The same pre-norm transformer block as teeny.training.models.Block, in PyTorch."""
 
     def __init__(self, d, heads):
         super().__init__()

@@ -7,14 +7,18 @@ import torch
 import torch.nn.functional as F
 
 import teeny
+from helpers import assert_matches_torch
 from teeny import nn
-from teeny.executor import Executor
-from teeny.graph import Graph, GraphError
-from teeny.interop.torch import apply
-from teeny.kernel import KernelInstance, record_launches
-from teeny.kernels import norm
-from teeny.lowering import LoweringMode, lower
-from teeny.module import Module
+from teeny.core.graph import Graph, GraphError
+from teeny.core.kernel import KernelInstance, record_launches
+from teeny.core.module import Module
+from teeny.fusions.residual_norm import AddNormOp
+from teeny.ops import norm
+from teeny.ops.norm import tiling
+from teeny.ops.norm.ops import NormOp
+from teeny.program.executor import Executor
+from teeny.program.lowering import LoweringMode, lower
+from teeny.torch import apply
 
 
 class _Net(Module):
@@ -137,8 +141,8 @@ def test_layers_train_like_torch(layer, torch_layer, shape, gen):
 @pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
 def test_rows_longer_than_one_block(case, monkeypatch, gen):
     """Rows are looped over in column blocks: force a 16-wide block on 37-93-long rows."""
-    monkeypatch.setattr(norm, "MAX_BLOCK", 16)
-    monkeypatch.setattr(norm, "ROWS_PER_WEIGHT_PROGRAM", 2)
+    monkeypatch.setattr(tiling, "MAX_BLOCK", 16)
+    monkeypatch.setattr(tiling, "ROWS_PER_WEIGHT_PROGRAM", 2)
     x = (torch.randn(3, 6, 31, generator=gen) * 3 + 5).requires_grad_()
     w = torch.rand(6, generator=gen).add(0.5).requires_grad_()
     b = torch.randn(6, generator=gen).requires_grad_()
@@ -162,7 +166,7 @@ def test_rows_longer_than_one_block(case, monkeypatch, gen):
     else:
         fn = lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
         ref_fn, args = (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)), (x, w, b)
-    _forward_and_grads_match(fn, ref_fn, args, gen, tol=1e-4)
+    assert_matches_torch(fn, ref_fn, *args, tol=(1e-4, 1e-4), gen=gen)
 
 
 def test_rms_norm_default_eps_is_dtype_eps():
@@ -201,7 +205,7 @@ def test_out_dtype_writes_the_rounded_result_and_reads_its_gradient_in_that_dtyp
     g.output(y)
     program = lower(g, LoweringMode.TRAINING)
     if case == "add + layer_norm":
-        assert any(type(p.node.op) is norm.AddNormOp and p.node.op.out_dtype == out_dtype for p in program.nodes)
+        assert any(type(p.node.op) is AddNormOp and p.node.op.out_dtype == out_dtype for p in program.nodes)
     ex = Executor(program)
     out, cache = ex.forward_train(dict(zip("xrwb", (x, r, w, b))))
     grads = ex.backward(cache, dy)
@@ -256,13 +260,13 @@ def test_multi_row_tiles_and_fused_weight_partials(case, rows, monkeypatch, gen)
     """Tiles of 4 rows x 16 columns and at most 3 programs: 37 rows are 10 tiles, 4 per program
     (the last program's tiles lie partly or wholly past the end). dw/db come from the fused
     per-program partial rows of norm_backward, never from norm_weight_backward."""
-    monkeypatch.setattr(norm, "INTERPRETER_TILE", 64)
-    monkeypatch.setattr(norm, "INTERPRETER_PROGRAMS", 3)
+    monkeypatch.setattr(tiling, "INTERPRETER_TILE", 64)
+    monkeypatch.setattr(tiling, "INTERPRETER_PROGRAMS", 3)
 
     def refuse(*args, **kwargs):
         raise AssertionError("layer/rms norm over one block must not need norm_weight_backward")
 
-    monkeypatch.setattr(norm.NormOp, "_weight_backward", refuse)
+    monkeypatch.setattr(NormOp, "_weight_backward", refuse)
     x = (torch.randn(rows, 11, generator=gen) * 2 + 3).requires_grad_()
     w = torch.rand(11, generator=gen).add(0.5).requires_grad_()
     b = torch.randn(11, generator=gen).requires_grad_()
@@ -282,15 +286,15 @@ def test_multi_row_tiles_and_fused_weight_partials(case, rows, monkeypatch, gen)
             (lambda x, w, b: F.group_norm(x, 1, w, b)),
             (x, w, b),
         )
-    _forward_and_grads_match(fn, ref_fn, args, gen, tol=1e-5)
+    assert_matches_torch(fn, ref_fn, *args, tol=(1e-5, 1e-5), gen=gen)
 
 
 @pytest.mark.parametrize("case", ["layer_norm", "group_norm", "batch_norm"])
 def test_multi_row_tiles_of_long_rows(case, monkeypatch, gen):
     """Several rows per tile AND several column blocks per row: 4 x 16 tiles over rows of 21 (group_norm),
     63 (layer_norm) and 259 (batch_norm) elements."""
-    monkeypatch.setattr(norm, "MAX_BLOCK", 16)
-    monkeypatch.setattr(norm, "INTERPRETER_TILE", 64)
+    monkeypatch.setattr(tiling, "MAX_BLOCK", 16)
+    monkeypatch.setattr(tiling, "INTERPRETER_TILE", 64)
     x = (torch.randn(37, 9, 7, generator=gen) * 3 + 5).requires_grad_()
     w = torch.rand(9, generator=gen).add(0.5).requires_grad_()
     b = torch.randn(9, generator=gen).requires_grad_()
@@ -303,25 +307,7 @@ def test_multi_row_tiles_of_long_rows(case, monkeypatch, gen):
     else:
         fn = lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
         ref_fn = lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True)  # noqa: E731
-    args = (x, w, b)
-    out = apply(fn, *args)
-    ref = ref_fn(*args)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    dy = torch.randn(out.shape, generator=gen)
-    for g, r in zip(torch.autograd.grad(out, args, dy), torch.autograd.grad(ref, args, dy)):
-        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
-
-
-def _forward_and_grads_match(fn, ref_fn, args, gen, tol):
-    """teeny's fn (through the torch interop) against PyTorch's ref_fn: output and every gradient."""
-    out = apply(fn, *args)
-    ref = ref_fn(*args)
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    dy = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad(out, args, dy)
-    ref_grads = torch.autograd.grad(ref, args, dy)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=tol, rtol=tol)
+    assert_matches_torch(fn, ref_fn, x, w, b, tol=(1e-4, 1e-4), gen=gen)
 
 
 # ----------------------------------------------------------- a row-strided dy is read in place
@@ -373,7 +359,7 @@ def test_row_strided_grad_output_is_read_without_a_copy(case, n, dy_pointers, mo
     """Executor.backward(cache, grad_output=wide[..., 2:2+n]): the backward kernels read the slice
     itself (its address and strides), and every gradient matches PyTorch. With 16-wide column
     blocks, rows of 19+ elements loop and dw/db come from norm_weight_backward."""
-    monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+    monkeypatch.setattr(tiling, "MAX_BLOCK", 16)
     shape, affine, fn, ref_fn = _STRIDED_CASES[case](n)
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     w = torch.rand(affine, generator=gen, dtype=torch.float64) + 0.5

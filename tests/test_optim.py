@@ -9,7 +9,7 @@ import torch
 
 import teeny
 from teeny import Graph, LoweringMode, lower
-from teeny.optim import SGD, Adam, AdamW, clip_grad_norm, cosine_schedule, step_schedule, warmup_schedule
+from teeny.training.optim import SGD, Adam, AdamW, clip_grad_norm, cosine_schedule, step_schedule, warmup_schedule
 
 
 def _executor_with_params(shapes, dtype=torch.float64, seed=0, frozen=(), unused=()):
@@ -19,7 +19,7 @@ def _executor_with_params(shapes, dtype=torch.float64, seed=0, frozen=(), unused
     terms = []
     for i, shape in enumerate(shapes):
         name = f"p{i}"
-        p = g.parameter(name, shape, init=teeny.init.normal(), dtype=dtype, trainable=name not in frozen)
+        p = g.parameter(name, shape, init=teeny.core.init.normal(), dtype=dtype, trainable=name not in frozen)
         if name not in unused:
             c = g.constant(torch.linspace(-1, 1, math.prod(shape), dtype=dtype).reshape(shape))
             terms.append(teeny.ops.sum(teeny.ops.mul(p, c)))
@@ -73,7 +73,7 @@ def test_step_is_one_launch_over_the_arena(monkeypatch):
     assert all(p.data_ptr() % 16 == 0 for p in ex.params.values())
     _backward(ex)
     launches = []
-    from teeny.kernel import KernelInstance
+    from teeny.core.kernel import KernelInstance
 
     original = KernelInstance.launch
     monkeypatch.setattr(
@@ -99,9 +99,9 @@ def test_frozen_and_unreached_parameters_are_never_touched(ours, theirs, kwargs)
     SGD, 0.51 under Adam), while the trained one follows torch.optim."""
     g = Graph()
     x = g.input("x", (2, 3), torch.float64)
-    w = g.parameter("w", (3, 3), init=teeny.init.normal(), dtype=torch.float64)
-    frozen = g.parameter("frozen", (3, 3), init=teeny.init.ones(), dtype=torch.float64, trainable=False)
-    g.parameter("unreached", (4,), init=teeny.init.ones(), dtype=torch.float64)
+    w = g.parameter("w", (3, 3), init=teeny.core.init.normal(), dtype=torch.float64)
+    frozen = g.parameter("frozen", (3, 3), init=teeny.core.init.ones(), dtype=torch.float64, trainable=False)
+    g.parameter("unreached", (4,), init=teeny.core.init.ones(), dtype=torch.float64)
     g.output(teeny.ops.sum(teeny.ops.mul(teeny.ops.matmul(x, w), teeny.ops.matmul(x, frozen))))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
     assert [v.name for v, _ in ex.arena_params[torch.float64]] == ["w", "unreached", "frozen"]

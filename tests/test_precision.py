@@ -10,14 +10,15 @@ import pytest
 import torch
 
 import teeny
+from helpers import train_step
 from teeny import Graph, LoweringMode, lower, ops
-from teeny.executor import Executor
-from teeny.kernels.cast import CastOp
-from teeny.kernels.norm import AddNormOp
-from teeny.models import MLP, CharTask, make_task
-from teeny.module import Module
-from teeny.optim import SGD
-from teeny.train import TrainConfig, train
+from teeny.core.module import Module
+from teeny.fusions.residual_norm import AddNormOp
+from teeny.ops.cast import CastOp
+from teeny.program.executor import Executor
+from teeny.training.loop import TrainConfig, train
+from teeny.training.models import MLP, CharTask, make_task
+from teeny.training.optim import SGD
 
 BF16 = torch.bfloat16
 
@@ -32,13 +33,6 @@ def _mlp_graph(x_grad=False):
 
 def _feed(gen):
     return {"x": torch.randn(8, 6, generator=gen), "y": torch.randint(3, (8,), generator=gen)}
-
-
-def _step(program, feed, seed=0):
-    ex = Executor(program, seed=seed)
-    loss, cache = ex.forward_train(feed)
-    grads = ex.backward(cache)
-    return ex, loss, grads
 
 
 def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters():
@@ -63,12 +57,12 @@ def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters():
 
 def test_bf16_mixed_gradients_follow_float32(gen):
     g, feed = _mlp_graph(x_grad=True), _feed(gen)
-    ex, loss, grads = _step(lower(g, LoweringMode.TRAINING, precision="bf16-mixed"), feed)
-    ref, ref_loss, ref_grads = _step(lower(g, LoweringMode.TRAINING), feed)
-    assert loss.dtype == torch.float32 and grads["x"].dtype == torch.float32
-    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
-    for name, grad in [("x", grads["x"]), *ex.grads.items()]:
-        expected = ref_grads["x"] if name == "x" else ref.grads[name]
+    mixed = train_step(lower(g, LoweringMode.TRAINING, precision="bf16-mixed"), feed)
+    ref = train_step(lower(g, LoweringMode.TRAINING), feed)
+    assert mixed.out.dtype == torch.float32 and mixed.grads["x"].dtype == torch.float32
+    torch.testing.assert_close(mixed.out, ref.out, rtol=2e-2, atol=2e-2)
+    for name, grad in [("x", mixed.grads["x"]), *mixed.param_grads.items()]:
+        expected = ref.grads["x"] if name == "x" else ref.param_grads[name]
         assert grad.dtype == torch.float32
         assert (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-4, name
 
@@ -129,7 +123,7 @@ def _losses(out_dir) -> list[float]:
 
 def test_char_gpt_mixed_precision_loss_curves_follow_float32(tmp_path):
     """bf16-mixed, and fp16-mixed with its loss scaler (which train() attaches)."""
-    from teeny.data import CharCorpus
+    from teeny.training.data import CharCorpus
 
     corpus = CharCorpus(max_chars=50_000)
     curves = {}

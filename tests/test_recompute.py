@@ -12,22 +12,16 @@ import pytest
 import torch
 
 import teeny
-from teeny import Graph, LoweringMode, lower, ops, rewrites
-from teeny.data import CharCorpus
-from teeny.executor import Executor
-from teeny.gradcheck import gradcheck_graph
-from teeny.kernels import activation, conv, norm
-from teeny.models import GPT, CharTask
-from teeny.train import TrainConfig, train
-
-
-def _step(program, feed, seed=0):
-    """(loss, input gradients, parameter gradients, bytes the forward kept) of one step."""
-    ex = Executor(program, seed=seed)
-    out, cache = ex.forward_train(feed)
-    kept = cache.nbytes()
-    grads = ex.backward(cache)
-    return out, grads, {k: v.clone() for k, v in ex.grads.items()}, kept
+from helpers import train_step
+from teeny import Graph, LoweringMode, fusions, lower, ops
+from teeny.checks.gradcheck import gradcheck_graph
+from teeny.core import init
+from teeny.ops import activation, conv, norm
+from teeny.ops.norm.ops import NormOp
+from teeny.program.executor import Executor
+from teeny.training.data import CharCorpus
+from teeny.training.loop import TrainConfig, train
+from teeny.training.models import GPT, CharTask
 
 
 def _recomputed(program):
@@ -40,7 +34,7 @@ def _then_linear(apply, shape, dtype=torch.float64, out_features=3):
     g = Graph("recompute")
     x = g.input("x", shape, dtype, requires_grad=True)
     y = apply(g, x)
-    w = g.parameter("w", (out_features, y.shape[-1]), teeny.init.normal(0.5), dtype)
+    w = g.parameter("w", (out_features, y.shape[-1]), teeny.core.init.normal(0.5), dtype)
     z = ops.linear(y, w)
     g.output(ops.mse_loss(z, g.input("target", z.shape, dtype)))
     return g
@@ -48,8 +42,8 @@ def _then_linear(apply, shape, dtype=torch.float64, out_features=3):
 
 def _norm_params(g, x, channels, dtype):
     return (
-        g.parameter("weight", (channels,), teeny.init.normal(0.3, 1.0), dtype),
-        g.parameter("bias", (channels,), teeny.init.normal(0.3), dtype),
+        g.parameter("weight", (channels,), teeny.core.init.normal(0.3, 1.0), dtype),
+        g.parameter("bias", (channels,), teeny.core.init.normal(0.3), dtype),
     )
 
 
@@ -78,7 +72,7 @@ def _swiglu(g, x):
 
 
 def _prelu(g, x):
-    return activation.prelu(x, g.parameter("slope", (x.shape[1],), teeny.init.normal(0.1, 0.25), x.dtype))
+    return activation.prelu(x, g.parameter("slope", (x.shape[1],), teeny.core.init.normal(0.1, 0.25), x.dtype))
 
 
 FAMILIES = {
@@ -111,13 +105,13 @@ def test_each_family_recomputes_its_output_with_the_same_gradients(family, gen):
     kept = lower(g, LoweringMode.TRAINING)
     recomputing = lower(g, LoweringMode.TRAINING, recompute=True)
     assert len(_recomputed(recomputing)) == 1 and not _recomputed(kept)
-    plain = _step(kept, {k: v.clone() for k, v in feed.items()})
-    again = _step(recomputing, {k: v.clone() for k, v in feed.items()})
-    assert again[3] < plain[3]  # the forward kept less
-    torch.testing.assert_close(again[0], plain[0], rtol=0, atol=0)
-    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
-    for name in plain[2]:
-        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+    plain = train_step(kept, {k: v.clone() for k, v in feed.items()})
+    again = train_step(recomputing, {k: v.clone() for k, v in feed.items()})
+    assert again.saved_bytes < plain.saved_bytes  # the forward kept less
+    torch.testing.assert_close(again.out, plain.out, rtol=0, atol=0)
+    torch.testing.assert_close(again.grads["x"], plain.grads["x"], rtol=1e-12, atol=1e-14)
+    for name in plain.param_grads:
+        torch.testing.assert_close(again.param_grads[name], plain.param_grads[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -141,20 +135,22 @@ def _spy_input_grad_buffers(monkeypatch) -> list[tuple[str, bool]]:
 
 
 def _norm_then_mlp(g, x):
-    w1 = g.parameter("w1", (5, x.shape[-1]), teeny.init.normal(0.5), x.dtype)
-    w2 = g.parameter("w2", (3, 5), teeny.init.normal(0.5), x.dtype)
+    w1 = g.parameter("w1", (5, x.shape[-1]), teeny.core.init.normal(0.5), x.dtype)
+    w2 = g.parameter("w2", (3, 5), teeny.core.init.normal(0.5), x.dtype)
     return ops.linear(activation.gelu(ops.linear(_layer_norm(g, x), w1)), w2)
 
 
 def _relu_then_conv(g, x):
-    return conv.conv2d(activation.relu(x), g.parameter("w", (4, x.shape[1], 3, 3), teeny.init.normal(0.4), x.dtype))
+    return conv.conv2d(
+        activation.relu(x), g.parameter("w", (4, x.shape[1], 3, 3), teeny.core.init.normal(0.4), x.dtype)
+    )
 
 
 PRODUCTS = {  # a product whose input 0 is recomputed: (build, input shape, rewrites, the product's op name)
-    "linear": (lambda g, x: ops.linear(_layer_norm(g, x), g.parameter("w", (3, 6), teeny.init.normal(0.5), x.dtype)),
-               (4, 6), rewrites.DEFAULT_REWRITES, "linear"),
-    "mlp": (_norm_then_mlp, (4, 6), rewrites.DEFAULT_REWRITES + (rewrites.fuse_mlp,), "mlp"),
-    "conv2d": (_relu_then_conv, (2, 3, 5, 5), rewrites.DEFAULT_REWRITES, "conv2d"),
+    "linear": (lambda g, x: ops.linear(_layer_norm(g, x), g.parameter("w", (3, 6), init.normal(0.5), x.dtype)),
+               (4, 6), fusions.DEFAULT_REWRITES, "linear"),
+    "mlp": (_norm_then_mlp, (4, 6), fusions.DEFAULT_REWRITES + (fusions.fuse_mlp,), "mlp"),
+    "conv2d": (_relu_then_conv, (2, 3, 5, 5), fusions.DEFAULT_REWRITES, "conv2d"),
 }  # fmt: skip
 
 
@@ -169,15 +165,15 @@ def test_a_product_writes_its_input_gradient_over_its_recomputed_input(product, 
     y = build(g, x)
     g.output(ops.mse_loss(y, g.input("target", y.shape, torch.float64)))
     feed = _feed(g, gen)
-    plain = _step(lower(g, LoweringMode.TRAINING, rewrites=passes), feed)
+    plain = train_step(lower(g, LoweringMode.TRAINING, rewrites=passes), feed)
     recomputing = lower(g, LoweringMode.TRAINING, rewrites=passes, recompute=True)
     seen = _spy_input_grad_buffers(monkeypatch)
-    again = _step(recomputing, feed)
+    again = train_step(recomputing, feed)
     product_nodes = [p.name for p in recomputing.nodes if p.op.name == op_name and p.recomputed]
     assert product_nodes and all((name, True) in seen for name in product_nodes)
-    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
-    for name in plain[2]:
-        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+    torch.testing.assert_close(again.grads["x"], plain.grads["x"], rtol=1e-12, atol=1e-14)
+    for name in plain.param_grads:
+        torch.testing.assert_close(again.param_grads[name], plain.param_grads[name], rtol=1e-12, atol=1e-14, msg=name)
     monkeypatch.undo()
     assert gradcheck_graph(g, feed, rewrites=passes, recompute=True).ok
 
@@ -186,25 +182,25 @@ def test_a_value_read_by_two_nodes_is_recomputed_once(monkeypatch, gen):
     g = Graph("fan_out")
     x = g.input("x", (4, 6), torch.float64, requires_grad=True)
     y = _layer_norm(g, x)
-    a = ops.linear(y, g.parameter("wa", (3, 6), teeny.init.normal(0.5), torch.float64))
-    b = ops.linear(y, g.parameter("wb", (3, 6), teeny.init.normal(0.5), torch.float64))
+    a = ops.linear(y, g.parameter("wa", (3, 6), teeny.core.init.normal(0.5), torch.float64))
+    b = ops.linear(y, g.parameter("wb", (3, 6), teeny.core.init.normal(0.5), torch.float64))
     g.output(ops.sum(ops.mul(a, b)))
     program = lower(g, LoweringMode.TRAINING, recompute=True)
     assert sum(bool(p.recomputed) for p in program.nodes) == 2
     calls = []
-    original = norm.NormOp.recompute_launches
-    monkeypatch.setattr(norm.NormOp, "recompute_launches", lambda op, ctx: calls.append(op) or original(op, ctx))
+    original = NormOp.recompute_launches
+    monkeypatch.setattr(NormOp, "recompute_launches", lambda op, ctx: calls.append(op) or original(op, ctx))
     feed = {"x": torch.randn(4, 6, generator=gen, dtype=torch.float64)}
     seen = _spy_input_grad_buffers(monkeypatch)
-    again = _step(program, feed)
+    again = train_step(program, feed)
     # b's backward runs first and must leave y alone; a's, the last to read y, writes its dy over it
     linears = [p.name for p in program.nodes if p.recomputed]
     assert [written for name, written in seen if name in linears] == [False, True]
-    plain = _step(lower(g, LoweringMode.TRAINING), feed)
+    plain = train_step(lower(g, LoweringMode.TRAINING), feed)
     assert len(calls) == 1
-    torch.testing.assert_close(again[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-14)
-    for name in plain[2]:
-        torch.testing.assert_close(again[2][name], plain[2][name], rtol=1e-12, atol=1e-14, msg=name)
+    torch.testing.assert_close(again.grads["x"], plain.grads["x"], rtol=1e-12, atol=1e-14)
+    for name in plain.param_grads:
+        torch.testing.assert_close(again.param_grads[name], plain.param_grads[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_what_the_plan_keeps():
@@ -217,7 +213,7 @@ def test_what_the_plan_keeps():
         g = Graph("chain")
         x = g.input("x", (4, 6), torch.float32, requires_grad=True)
         y = _layer_norm(g, x)
-        out = ops.sum(ops.linear(activation.gelu(y), g.parameter("w", (3, 6), teeny.init.normal(0.5))))
+        out = ops.sum(ops.linear(activation.gelu(y), g.parameter("w", (3, 6), teeny.core.init.normal(0.5))))
         g.output(out, y) if y_is_output else g.output(out)
         return g
 
@@ -236,7 +232,7 @@ def test_batch_norm_updates_its_running_statistics_once(gen):
     stats = []
     for recompute in (False, True):
         run = {k: v.to(teeny.DEVICE, copy=True) for k, v in feed.items()}  # updated in place where they are
-        _step(lower(g, LoweringMode.TRAINING, recompute=recompute), run)
+        train_step(lower(g, LoweringMode.TRAINING, recompute=recompute), run)
         stats.append((run["running_mean"], run["running_var"]))
     assert not torch.equal(stats[0][0].cpu(), feed["running_mean"])
     torch.testing.assert_close(stats[1], stats[0], rtol=0, atol=0)
@@ -264,13 +260,13 @@ def test_gpt_step_recomputes_every_norm_and_activation_output(dtype, gen):
     assert len(_recomputed(recomputing)) == 7
     saved = sum(recomputing.saved_bytes(p) for p in recomputing.nodes)
     assert saved < sum(kept.saved_bytes(p) for p in kept.nodes)
-    plain, again = _step(kept, feed), _step(recomputing, feed)
-    assert again[3] < plain[3]
-    exact = dtype == torch.float32 and teeny.device.INTERPRETER
+    plain, again = train_step(kept, feed), train_step(recomputing, feed)
+    assert again.saved_bytes < plain.saved_bytes
+    exact = dtype == torch.float32 and teeny.core.device.INTERPRETER
     tol = dict(rtol=0, atol=0) if exact else dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
-    torch.testing.assert_close(again[0], plain[0], **tol)
-    for name in plain[2]:
-        torch.testing.assert_close(again[2][name].float(), plain[2][name].float(), **tol, msg=name)
+    torch.testing.assert_close(again.out, plain.out, **tol)
+    for name in plain.param_grads:
+        torch.testing.assert_close(again.param_grads[name].float(), plain.param_grads[name].float(), **tol, msg=name)
 
 
 def test_training_with_recompute_gives_the_same_losses(tmp_path):
@@ -286,7 +282,7 @@ def test_training_with_recompute_gives_the_same_losses(tmp_path):
         with open(out / "metrics.jsonl") as f:
             losses.append([row["loss"] for row in map(json.loads, f) if "loss" in row])
     assert len(losses[0]) == 3
-    if teeny.device.INTERPRETER:
+    if teeny.core.device.INTERPRETER:
         assert losses[0] == losses[1]
     else:  # the GPU's compiler contracts the norm's maths into FMAs differently in the two kernels
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)

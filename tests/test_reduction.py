@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import teeny
-from teeny.graph import Graph, GraphError, graph_of
-from teeny.interop.torch import apply
-from teeny.kernel import record_launches
-from teeny.kernels.reduction import ReduceOp, SoftmaxOp, plan_reduction
-from teeny.registry import OPS, tolerance
+from teeny.checks.registry import tolerance
+from teeny.checks.samples import OPS
+from teeny.core.graph import Graph, GraphError, graph_of
+from teeny.core.kernel import record_launches
+from teeny.ops.reduction import ReduceOp, SoftmaxOp, plan_reduction
+from teeny.torch import apply
 
 
 def _grad(fn, x, *args, **kwargs):
@@ -102,7 +103,7 @@ def test_split_reduction_several_outputs_leading_axis():
 
 
 def test_plan_large_scalar_reduction_uses_partials(monkeypatch):
-    from teeny.kernels import reduction
+    from teeny.ops import reduction
 
     monkeypatch.setattr(reduction, "TILE", 2048)  # the GPU's plan (the interpreter's aims at few programs)
     monkeypatch.setattr(reduction, "SPLIT_TARGET", 256)
@@ -431,8 +432,8 @@ def test_sum_of_partials_in_one_or_two_steps(monkeypatch, splits, m, dtype):
     """``sum_partials``: out[t] = sum over s of partials[s, t]. With a small tile the many-row
     cases take two steps (ranges summed into their first rows, then those rows): the same sums
     as torch, and as the one-step pass at the default tile, to float rounding."""
-    from teeny.kernels import common
-    from teeny.runtime import launch_kernel
+    from teeny.core import common
+    from teeny.core.runtime import launch_kernel
 
     gen = torch.Generator().manual_seed(splits * 31 + m)
     partials = torch.randn(splits, m, generator=gen, dtype=dtype).to(teeny.DEVICE)
@@ -455,8 +456,8 @@ def test_two_sums_of_partials_in_one_launch(monkeypatch, splits, m, dtype):
     norm's dw and db) summed into two tensors by one launch, tiles that straddle the halves
     included (37 targets a half); where either sum would take two steps (a small tile and
     many rows), each takes its own."""
-    from teeny.kernels import common
-    from teeny.runtime import launch_kernel
+    from teeny.core import common
+    from teeny.core.runtime import launch_kernel
 
     gen = torch.Generator().manual_seed(splits * 7 + m)
     both = torch.randn(2, splits, m, generator=gen, dtype=dtype).to(teeny.DEVICE)
@@ -485,8 +486,8 @@ def test_few_partials_take_one_pass_of_narrower_columns(monkeypatch, splits, ste
     """With a 256-element tile and 64-wide column blocks, 40 partial rows of 64 targets would take
     two steps (10 tiles for one program to loop over); 16-wide blocks take them in one pass of 4
     programs, 3 tiles each. 300 rows are too many even for 16 columns: two steps, 64 wide."""
-    from teeny.kernels import common
-    from teeny.runtime import launch_kernel
+    from teeny.core import common
+    from teeny.core.runtime import launch_kernel
 
     for name, value in (("_SUM_TILE", 256), ("_SUM_WIDTH", 64), ("_SUM_MIN_WIDTH", 16)):
         monkeypatch.setattr(common, name, value)

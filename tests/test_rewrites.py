@@ -1,4 +1,4 @@
-"""Graph rewrites (teeny.rewrites): each fused program against the same graph lowered with
+"""Graph rewrites (teeny.fusions): each fused program against the same graph lowered with
 ``rewrites=()`` (outputs and every gradient), a float64 gradcheck of the fused graph, PyTorch
 on the same maths, what ``Program.summary()`` reports, and when a rewrite must not fire."""
 
@@ -9,25 +9,27 @@ import torch
 import torch.nn.functional as F
 
 import teeny
-from teeny import Graph, LoweringMode, lower, ops, rewrites
-from teeny.executor import Executor
-from teeny.graph import Tensor
-from teeny.kernels import loss, norm
-from teeny.kernels.linear import MLPOp, SharedInputLinearOp, TransposedWeightLinearOp
-from teeny.kernels.loss import LinearCrossEntropyOp
-from teeny.kernels.norm import AddNormOp, TakenInOp, layer_norm, rms_norm
-from teeny.models import GPT
-from teeny.rewrites import fuse_residual_norm
+from helpers import compile_for_sm90, train_step
+from teeny import Graph, LoweringMode, fusions, lower, ops
+from teeny.core.graph import Tensor
+from teeny.fusions import fuse_residual_norm
+from teeny.fusions.chunked_loss import LinearCrossEntropyOp
+from teeny.fusions.mlp_chain import MLPOp
+from teeny.fusions.qkv_products import SharedInputLinearOp
+from teeny.fusions.residual_norm import AddNormOp, TakenInOp
+from teeny.fusions.transposed_weights import TransposedWeightLinearOp
+from teeny.ops.norm import layer_norm, rms_norm
+from teeny.ops.norm import tiling as norm_tiling
+from teeny.program.executor import Executor
+from teeny.training.models import GPT
 
 
 def _run(graph, feed, rewrites=None, seed=0, **lower_options):
     """(outputs, input gradients, parameter gradients, program) of one training step."""
     options = {} if rewrites is None else {"rewrites": rewrites}
     program = lower(graph, LoweringMode.TRAINING, **options, **lower_options)
-    ex = Executor(program, seed=seed)
-    out, cache = ex.forward_train(feed)
-    grads = ex.backward(cache)
-    return out, grads, {k: v.clone() for k, v in ex.grads.items()}, program
+    step = train_step(program, feed, seed=seed)
+    return step.out, step.grads, step.param_grads, program
 
 
 def _ops(program):
@@ -41,7 +43,7 @@ def _forward_launches(program):
 def _assert_same_numbers(fused, plain, msg=None):
     """Bit for bit under the interpreter; on a GPU within float rounding: the compiler contracts
     a multiply and an add into one FMA differently in the fused kernel and in the unfused two."""
-    if teeny.device.INTERPRETER:
+    if teeny.core.device.INTERPRETER:
         assert torch.equal(fused, plain), msg
     else:
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6, msg=msg)
@@ -53,9 +55,9 @@ def _residual_graph(dtype=torch.float32, shape=(4, 5, 8)):
     g = Graph("residual")
     x = g.input("x", shape, dtype, requires_grad=True)
     d = shape[-1]
-    p = g.parameter("p", shape[1:], init=teeny.init.normal(1.0), dtype=dtype)
-    w = g.parameter("w", (d,), init=teeny.init.normal(1.0), dtype=dtype)
-    b = g.parameter("b", (d,), init=teeny.init.normal(1.0), dtype=dtype)
+    p = g.parameter("p", shape[1:], init=teeny.core.init.normal(1.0), dtype=dtype)
+    w = g.parameter("w", (d,), init=teeny.core.init.normal(1.0), dtype=dtype)
+    b = g.parameter("b", (d,), init=teeny.core.init.normal(1.0), dtype=dtype)
     h = x + p
     y = layer_norm(h, (d,), w, b)
     z = h + y * y
@@ -100,7 +102,7 @@ def test_an_upcast_sublayer_output_added_to_the_stream_is_read_in_place(gen, low
     g = Graph("upcast")
     h = g.input("h", (3, 5, 8), requires_grad=True)
     a = g.input("a", (3, 5, 8), low, requires_grad=True)
-    w = g.parameter("w", (8,), init=teeny.init.normal(1.0))
+    w = g.parameter("w", (8,), init=teeny.core.init.normal(1.0))
     a32 = ops.to(ops.mul(a, a), torch.float32)  # the sublayer: its output in half precision
     s = ops.add(a32, h) if upcast_first else ops.add(h, a32)
     y = layer_norm(s, (8,), w, None, out_dtype=low)
@@ -126,8 +128,8 @@ def _conv1d_graph(dtype=torch.float32, rows=(3, 5), fin=7, fout=9, bias=True, w_
     Conv1D computes it; ``w_read_again``: the transpose is also summed into the loss."""
     g = Graph("conv1d")
     x = g.input("x", (*rows, fin), dtype, requires_grad=True)
-    w = g.parameter("w", (fin, fout), init=teeny.init.normal(0.3), dtype=dtype)
-    b = g.parameter("b", (fout,), init=teeny.init.normal(1.0), dtype=dtype) if bias else None
+    w = g.parameter("w", (fin, fout), init=teeny.core.init.normal(0.3), dtype=dtype)
+    b = g.parameter("b", (fout,), init=teeny.core.init.normal(1.0), dtype=dtype) if bias else None
     wt = ops.transpose(w, 0, 1)
     y = ops.linear(x, wt, b)
     loss = ops.sum(ops.mul(y, y))
@@ -213,7 +215,7 @@ def test_residual_norm_half_precision_rounds_the_sum_like_the_add(gen):
 
 
 def test_residual_norm_rows_longer_than_one_block(monkeypatch, gen):
-    monkeypatch.setattr(norm, "MAX_BLOCK", 16)  # rows of 40: three column blocks, the sum re-read per block
+    monkeypatch.setattr(norm_tiling, "MAX_BLOCK", 16)  # rows of 40: three column blocks, the sum re-read per block
     g = _residual_graph(shape=(3, 2, 40))
     feed = {"x": torch.randn(3, 2, 40, generator=gen)}
     fused, plain = _run(g, feed), _run(g, feed, rewrites=())
@@ -235,7 +237,7 @@ def test_residual_norm_needs_the_norm_and_a_repeating_residual():
     g = Graph()
     x = g.input("x", (4, 8))
     r = g.input("r", (4, 1))  # broadcast along the row: not a residual the norm kernel can read
-    w = g.parameter("w", (8,), init=teeny.init.ones())
+    w = g.parameter("w", (8,), init=teeny.core.init.ones())
     s = x + r
     y = layer_norm(s, (8,), w)
     g.output(y)
@@ -300,7 +302,7 @@ def test_rewrites_leave_the_counted_flops_as_they_were(gpt_case):
     chunked head computes its gradients' products in the forward, so only the total is the same."""
     g, _ = gpt_case
     plain = lower(g, LoweringMode.TRAINING, rewrites=()).flops()
-    fused = lower(g, LoweringMode.TRAINING, rewrites=rewrites.DEFAULT_REWRITES + (rewrites.fuse_mlp,))
+    fused = lower(g, LoweringMode.TRAINING, rewrites=fusions.DEFAULT_REWRITES + (fusions.fuse_mlp,))
     assert {type(op).__name__ for op in _ops(fused)} >= {"SharedInputLinearOp", "MLPOp", "LinearCrossEntropyOp"}
     assert sum(fused.flops()) == sum(plain) and plain[0] > 0 and plain[1] > plain[0]
     assert lower(g, LoweringMode.INFERENCE).flops() == (plain[0], 0)
@@ -334,20 +336,20 @@ def _head_feed(gen, rows=(3, 5), d=8, classes=11, dtype=torch.float32):
 @pytest.fixture(autouse=True)
 def small_logits_chunked(monkeypatch):
     """The samples' logits are tiny: chunk them anyway."""
-    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 0)
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 0)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 4 rows: the 15-row samples take four, the last one short."""
-    monkeypatch.setattr(loss, "CHUNK_ROW_MULTIPLE", 4)
-    monkeypatch.setattr(loss, "LOGITS_CHUNK_BYTES", 1)
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNK_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(fusions.chunked_loss, "LOGITS_CHUNK_BYTES", 1)
 
 
 def test_small_logits_are_not_chunked(monkeypatch):
-    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4 + 1)
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4 + 1)
     assert not _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
-    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4)
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 15 * 11 * 4)
     assert _fused_ops(lower(_head_graph(), LoweringMode.TRAINING))
 
 
@@ -400,76 +402,12 @@ def test_linear_cross_entropy_pads_the_logits_rows_to_16_elements(dtype, classes
     assert args["x_ptr"].stride() == (padded, 1) and args["grad_ptr"] is args["x_ptr"]
 
 
-# Compiles the chunked head's loss kernel for sm_90 in a fresh process with the interpreter off
-# (as test_attention's compile check does: lowering's dry run packs the launch, which is then
-# compiled with the signature and alignment hints Triton's launcher would give it) and counts
-# its global loads and stores by width.
-_LOSS_PTX_CHECK = r"""
-import json, os, re, sys, types
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ["TEENY_TUNING"] = "0"
-import torch
-torch.cuda.is_available = lambda: True
-torch.cuda.current_device = lambda: 0
-torch.cuda.get_device_capability = lambda *a: (9, 0)
-torch.cuda.get_device_properties = lambda *a: types.SimpleNamespace(multi_processor_count=132)
-import triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend, GPUTarget
-from triton.compiler import ASTSource
-import teeny
-from teeny import Graph, LoweringMode, lower, ops, rewrites, runtime
-
-rewrites.CHUNKED_LOGITS_MIN_BYTES = 0
-recorded = []
-run_launch = runtime.run_launch
-
-
-def record(launch, instance, *args, **kwargs):
-    recorded.append(launch)
-    return run_launch(launch, instance, *args, **kwargs)
-
-
-runtime.run_launch = record
-out = {}
-for classes in json.loads(sys.argv[1]):
-    recorded.clear()
-    g = Graph("head")
-    x = g.input("x", (64, 16), torch.bfloat16, requires_grad=True)
-    y = g.input("y", (64,), torch.int64)
-    g.output(ops.cross_entropy(teeny.nn.Linear(16, classes, bias=False, dtype=torch.bfloat16)(x), y))
-    lower(g, LoweringMode.TRAINING)
-    (launch,) = [r for r in recorded if r.kernel.name == "class_loss_forward"]
-    values = runtime.check_packing(launch.kernel, launch.args, "ptx check", 128)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, (p, value) in enumerate(zip(launch.kernel.params, values)):
-        if p.kind == "constexpr" or value is None:
-            signature[p.name], constexprs[p.name] = "constexpr", 1 if p.name == "ROWS" else value
-            continue
-        ty, key = native_specialize_impl(BaseBackend, value, False, not isinstance(value, float), True)
-        if ty == "constexpr":
-            signature[p.name], constexprs[p.name] = "constexpr", key
-            continue
-        signature[p.name] = ty
-        if key == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    try:
-        source = ASTSource(launch.kernel.jit, signature, constexprs, attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    except Exception as exc:
-        print("SKIP " + json.dumps(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:300]))
-        sys.exit(0)
-    ptx = compiled.asm["ptx"]
-    out[classes] = {kind: sorted(set(re.findall(kind + r"\.global[.\w]*", ptx))) for kind in ("ld", "st")}
-print("RESULTS " + json.dumps(out))
-"""
-
-
-def test_linear_cross_entropy_loss_kernel_moves_padded_rows_in_wide_vectors(compile_check):
+@pytest.mark.slow
+def test_linear_cross_entropy_loss_kernel_moves_padded_rows_in_wide_vectors():
     """GPT-2's vocabulary of 50,257: the chunk's loss kernel, compiled for the H200, loads and
     stores the padded logits rows 16 bytes at a time, as it does GPT-2 small's 50,304 (v16: with
     masks at 50,257 it moved one bf16 a load, 436 against 87 us a chunk)."""
-    widths = compile_check("loss_ptx_check", _LOSS_PTX_CHECK, [50257, 50304], timeout=600)
+    widths = compile_for_sm90("loss_ptx_check", [50257, 50304], timeout=600)
     for classes in ("50257", "50304"):
         assert "ld.global.v4.b32" in widths[classes]["ld"] and "st.global.v4.b32" in widths[classes]["st"], widths
         assert "st.global.b16" not in widths[classes]["st"], widths  # no element-by-element stores of the rows
@@ -537,7 +475,7 @@ def test_linear_cross_entropy_needs_logits_nobody_else_reads(gen):
 
 
 def test_linear_cross_entropy_reports_bad_class_indices(monkeypatch, gen):
-    monkeypatch.setattr(teeny.config, "check_indices", True)  # off by default on a GPU; read at tracing
+    monkeypatch.setattr(teeny.core.config, "check_indices", True)  # off by default on a GPU; read at tracing
     g = _head_graph()
     feed = _head_feed(gen)
     feed["y"][4] = 11
@@ -586,7 +524,7 @@ def test_gpt_attention_reads_and_writes_its_heads_in_place(gpt_case):
     """Each layer's q, k, v head splits and the merge after the attention are gone (no
     strided_copy launch is left); the step is the same bit for bit."""
     g, feed = gpt_case
-    in_place, plain = _run(g, feed, rewrites=(rewrites.attention_in_place,)), _run(g, feed, rewrites=())
+    in_place, plain = _run(g, feed, rewrites=(fusions.attention_in_place,)), _run(g, feed, rewrites=())
     layouts = [op.layout for op in _ops(in_place[3]) if op.name == "scaled_dot_product_attention"]
     assert layouts == ["blhd", "blhd"]
     assert _strided_copies(plain[3]) == 8 and _strided_copies(in_place[3]) == 0
@@ -645,7 +583,7 @@ def test_attention_in_place_matches_the_transposes(name, gen):
     where the output is also read as (batch, heads, length, dim), one transpose back stays."""
     case, feed = _heads_feed(CASES[name], gen)
     g = _heads_graph(**case, mask=feed.get("mask"))
-    in_place, plain = _run(g, feed, rewrites=(rewrites.attention_in_place,)), _run(g, feed, rewrites=())
+    in_place, plain = _run(g, feed, rewrites=(fusions.attention_in_place,)), _run(g, feed, rewrites=())
     assert [op.layout for op in _ops(in_place[3]) if op.name == "scaled_dot_product_attention"] == ["blhd"]
     left = 1 if case.get("read_output") else 0  # a one-head transpose is a view: it copies nothing
     assert _strided_copies(in_place[3]) == left < _strided_copies(plain[3])
@@ -658,12 +596,12 @@ def test_attention_in_place_matches_the_transposes(name, gen):
 def test_attention_on_length_heads_layout_gradcheck_float64(mask, gen):
     """The blhd op itself against central differences (one key/value head for two query heads;
     with a bool mask)."""
-    from teeny.kernels.attention import AttentionOp
+    from teeny.ops.attention.ops import AttentionOp
 
     _, feed = _heads_feed(dict(b=1, lq=3, lk=4, h=2, hkv=1, d=3, dv=2, mask=mask), gen)
 
     def attend(q, k, v, *m):
-        op = AttentionOp(bool(m), False, None, False, layout="blhd")
+        op = AttentionOp(has_mask=bool(m), is_causal=False, scale=None, enable_gqa=False, layout="blhd")
         return q.graph.apply(op, [q, k, v, *m])
 
     args = [feed["q"], feed["k"], feed["v"]] + ([feed["mask"]] if mask else [])
@@ -676,7 +614,7 @@ def test_attention_in_place_needs_transposes_that_nothing_else_reads(gen):
     qt = ops.transpose(q, 1, 2)
     y = ops.scaled_dot_product_attention(qt, qt, qt)
     g.output(ops.add(ops.sum(y), ops.sum(qt)))  # the transposed q is read again: nothing to save
-    program = lower(g, LoweringMode.TRAINING, rewrites=(rewrites.attention_in_place,))
+    program = lower(g, LoweringMode.TRAINING, rewrites=(fusions.attention_in_place,))
     assert [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"] == ["bhld"]
 
 
@@ -701,7 +639,7 @@ def _qkv_graph(b, length, heads, dim, dtype=torch.float64, bias=True, mask=None,
     return g
 
 
-QKV_REWRITES = (rewrites.attention_in_place, rewrites.fuse_qkv_products)
+QKV_REWRITES = (fusions.attention_in_place, fusions.fuse_qkv_products)
 
 
 def _assert_qkv_side_by_side(ex, kinds):
@@ -770,13 +708,13 @@ def test_qkv_weights_cast_by_mixed_precision_as_one(gen):
     the weights and one of the biases (``StackedCastOp``), read by one plain product; no cast
     or copy per part either way. The loss and every gradient agree with the unfused bf16-mixed
     graph (bf16 rounding), and a second backward without zero_grad adds the same gradients."""
-    from teeny.kernels.cast import CastOp, StackedCastOp
-    from teeny.kernels.linear import LinearOp
+    from teeny.ops.cast import CastOp, StackedCastOp
+    from teeny.ops.products.ops import LinearOp
 
     g = _qkv_graph(b=2, length=5, heads=3, dim=4, dtype=torch.float32, is_causal=True)
     feed = {"x": torch.randn(2, 5, 12, generator=gen)}
     fused, plain = (
-        _run(g, feed, rewrites=r, precision="bf16-mixed") for r in (QKV_REWRITES, (rewrites.attention_in_place,))
+        _run(g, feed, rewrites=r, precision="bf16-mixed") for r in (QKV_REWRITES, (fusions.attention_in_place,))
     )
     nodes = fused[3].nodes
     stacked = [p for p in nodes if isinstance(p.op, StackedCastOp)]
@@ -819,7 +757,7 @@ def test_qkv_products_fused_gradcheck_float64(gen):
 
 
 def test_gpt_fuses_every_layers_qkv_products(gpt_case):
-    """teeny.models.GPT under the default rewrites: one q/k/v product per layer, the same loss
+    """teeny.training.models.GPT under the default rewrites: one q/k/v product per layer, the same loss
     and gradients as without any rewrite (within float32 rounding)."""
     g, feed = gpt_case
     fused, plain = _run(g, feed), _run(g, feed, rewrites=())
@@ -850,7 +788,7 @@ def test_qkv_products_need_one_input_and_no_other_reader(gen):
 def test_qkv_products_fused_match_pytorch(dtype, gen):
     """The fused graph against torch (three F.linear, head split, causal SDPA) on odd shapes:
     loss, dx and every weight and bias gradient, within the registry's tolerance rule."""
-    from teeny.registry import tolerance
+    from teeny.checks.registry import tolerance
 
     b, length, heads, dim = 3, 7, 3, 5
     g = _qkv_graph(b, length, heads, dim, dtype=dtype, is_causal=True)
@@ -903,7 +841,7 @@ def _mlp_graph(layers, shape=(2, 5, 7), dtype=torch.float64, frozen=()):
     return g
 
 
-MLP_REWRITES = (rewrites.fuse_mlp,)
+MLP_REWRITES = (fusions.fuse_mlp,)
 
 
 def _mlp_ops(program):
@@ -981,11 +919,11 @@ def test_mlp_needs_activations_and_linears_nothing_else_reads(gen):
 
 
 def test_gpt_fuses_every_layers_mlp_when_asked(gpt_case):
-    """teeny.models.GPT with fuse_mlp added to the default rewrites (it is not one: on the H200
+    """teeny.training.models.GPT with fuse_mlp added to the default rewrites (it is not one: on the H200
     the epilogue's GELU costs more than its own pass): each block's fc, gelu, proj is one node."""
     g, feed = gpt_case
     assert not _mlp_ops(lower(g, LoweringMode.TRAINING))
-    fused, plain = _run(g, feed, rewrites=(*rewrites.DEFAULT_REWRITES, rewrites.fuse_mlp)), _run(g, feed, rewrites=())
+    fused, plain = _run(g, feed, rewrites=(*fusions.DEFAULT_REWRITES, fusions.fuse_mlp)), _run(g, feed, rewrites=())
     assert len(_mlp_ops(fused[3])) == 2
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
     for name in plain[2]:
@@ -996,7 +934,7 @@ def test_gpt_fuses_every_layers_mlp_when_asked(gpt_case):
 def test_mlp_fused_matches_pytorch(dtype, gen):
     """The fused chain against torch (F.linear, F.gelu tanh, F.silu, F.linear) on odd shapes:
     loss, dx and every weight and bias gradient, within the registry's tolerance rule."""
-    from teeny.registry import tolerance
+    from teeny.checks.registry import tolerance
 
     layers = MLP_LAYERS["three-layers"]
     g = _mlp_graph(layers, shape=(3, 7, 13), dtype=dtype)

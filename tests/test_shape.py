@@ -8,23 +8,11 @@ import pytest
 import torch
 
 import teeny
-import teeny.config
+import teeny.core.config
 import teeny.ops as O
-from teeny.facts import op_facts
-from teeny.interop.torch import apply, clear_cache
-
-
-def _run(fn, *tensors, mode=None):
-    """Trace fn on graph inputs shaped like ``tensors`` and run it forwards; returns
-    (output, executor, program)."""
-    g = teeny.Graph()
-    xs = [g.input(f"x{i}", tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
-    g.output(fn(*xs))
-    program = teeny.lower(g, mode or teeny.LoweringMode.INFERENCE)
-    ex = teeny.Executor(program)
-    feed = {f"x{i}": t.to(teeny.DEVICE) for i, t in enumerate(tensors)}
-    return ex.forward(feed), ex, program
-
+from helpers import run_teeny
+from teeny.checks.facts import op_facts
+from teeny.torch import apply, clear_cache
 
 _VIEWS = {
     "reshape": (lambda x: O.reshape(x, (7, -1)), lambda x: x.reshape(7, -1)),
@@ -44,7 +32,7 @@ _VIEWS = {
 def test_views_do_not_copy(name):
     fn, ref = _VIEWS[name]
     x = torch.randn(2, 1, 7).to(teeny.DEVICE)
-    out, _, _ = _run(fn, x)
+    out, _, _ = run_teeny(fn, x)
     assert x.data_ptr() <= out.data_ptr() < x.data_ptr() + x.numel() * x.element_size()
     assert torch.equal(out, ref(x))
 
@@ -69,7 +57,7 @@ def test_integer_and_bool_tensors(dtype):
         (lambda a, b: a.reshape(5, 6), lambda a, b: a.reshape(5, 6)),
     ]
     for fn, ref in cases:
-        out, _, _ = _run(fn, x, y)
+        out, _, _ = run_teeny(fn, x, y)
         assert out.dtype == dtype
         assert torch.equal(out.cpu(), ref(x, y))
 
@@ -218,10 +206,10 @@ def test_shape_op_facts_include_integer_and_bool_dtypes():
 def test_advanced_indexing_and_promoting_concat_on_integer_and_bool_tensors(dtype):
     x = (torch.arange(4 * 5 * 3).reshape(4, 5, 3) % 3).to(dtype)
     i = torch.tensor([[3, -1], [0, 0]])
-    out, _, _ = _run(lambda a, b: a[b, :, [2, 0]], x, i)
+    out, _, _ = run_teeny(lambda a, b: a[b, :, [2, 0]], x, i)
     assert out.dtype == dtype and torch.equal(out.cpu(), x[i, :, [2, 0]])
     y = torch.tensor([[7, 1, 2]], dtype=torch.int32)
-    out, _, _ = _run(lambda a, b: O.concat([a[0], b]), x, y)
+    out, _, _ = run_teeny(lambda a, b: O.concat([a[0], b]), x, y)
     assert out.dtype == torch.promote_types(dtype, torch.int32)
     assert torch.equal(out.cpu(), torch.cat([x[0], y]))
 
@@ -253,7 +241,7 @@ def _index_cases():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_advanced_indexing_follows_pytorch(deterministic, monkeypatch):
-    monkeypatch.setattr(teeny.config, "deterministic", deterministic)
+    monkeypatch.setattr(teeny.core.config, "deterministic", deterministic)
     x = torch.randn(5, 6, 7, dtype=torch.float64, requires_grad=True)
     gen = torch.Generator().manual_seed(4)
     for index in _index_cases():
@@ -268,7 +256,7 @@ def test_advanced_indexing_follows_pytorch(deterministic, monkeypatch):
 
 
 def test_advanced_indexing_deterministic_backward_is_bit_reproducible(monkeypatch):
-    monkeypatch.setattr(teeny.config, "deterministic", True)
+    monkeypatch.setattr(teeny.core.config, "deterministic", True)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 7, requires_grad=True)
     index = (torch.randint(0, 3, (200,), generator=gen), slice(None))  # every row named ~67 times
@@ -282,7 +270,7 @@ def test_advanced_indexing_deterministic_backward_is_bit_reproducible(monkeypatc
 
 @pytest.mark.parametrize("checked", [True, False])
 def test_out_of_range_index_tensor(checked, monkeypatch):
-    monkeypatch.setattr(teeny.config, "check_indices", checked)
+    monkeypatch.setattr(teeny.core.config, "check_indices", checked)
     clear_cache()
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([[0, 6], [-7, 5]])

@@ -1,4 +1,4 @@
-"""Calls recorded once and replayed (``teeny.tape``): every registered op gives the same outputs
+"""Calls recorded once and replayed (``teeny.torch.tape``): every registered op gives the same outputs
 and gradients replayed as through the full host path; what cannot be replayed is not, and says
 why; a call that does not fit the recording (alignment, strides) takes the full path; checks,
 in-place updates, launch records and repeated backwards behave as without replay."""
@@ -12,11 +12,11 @@ import triton.language as tl
 from tests.test_torch_library import OVERLOADS, REGISTERED, _calls, _flat, _torch_args
 
 import teeny
-from teeny import config, tuning
-from teeny.kernel import kernel, record_launches
-from teeny.registry import OPS
-from teeny.tape import Replayed
+from teeny.checks.samples import OPS
+from teeny.core import config, tuning
+from teeny.core.kernel import kernel, record_launches
 from teeny.torch import bridge, library
+from teeny.torch.tape import Replayed
 
 
 def _run(packet, sample, calls: int):
@@ -40,6 +40,7 @@ def _replays():
         (entry.label, way): (run.replays, run.not_recorded)
         for entry in bridge._ENTRIES.values()
         for way, run in (("forward", entry._forward_replay), ("backward", entry._backward_replay))
+        if way == "forward" or entry.training  # (an entry lowered for inference never runs a backward)
     }
 
 
@@ -173,7 +174,7 @@ def test_retain_graph_backward_twice_replays_the_backward():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter has no compiled launcher")
 def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
-    from teeny.tape import _LaunchStep
+    from teeny.torch.tape import _LaunchStep
 
     bridge.clear_cache()
     x = torch.randn(7, 9, device="cuda", requires_grad=True)
@@ -207,7 +208,7 @@ def test_direct_launches_share_one_scratch_buffer_per_stream_and_allocate_afresh
     import importlib
     from types import SimpleNamespace
 
-    kernel_module = importlib.import_module("teeny.kernel")  # (``teeny.kernel`` is also the decorator)
+    kernel_module = importlib.import_module("teeny.core.kernel")  # (``teeny.core.kernel`` is also the decorator)
     allocated, threads, capturing, synced = [], [], [False], []
 
     def allocate(size, alignment, stream):
@@ -279,7 +280,7 @@ def test_device_descriptor_kernels_replay_with_one_shared_scratch_buffer_and_cap
     """A kernel that makes TMA descriptors on the device (``device_scratch=True``), launched
     directly: its programs' descriptors live in the stream's one shared scratch buffer, kept
     across launches; a CUDA graph captured over it replays right after its input changed."""
-    from teeny.kernel import _SCRATCH, direct_launcher
+    from teeny.core.kernel import _SCRATCH, direct_launcher
 
     n, block = 1000, 128
     x = torch.randn(n, device="cuda")
@@ -314,8 +315,8 @@ def test_tma_products_replay_directly_and_capture_into_a_cuda_graph(monkeypatch)
     """matmul_tma's descriptors are made on the host at each launch (``Kernel(arguments=...)``):
     replayed products launch straight through Triton's C launcher with no scratch memory, give
     right results, and a CUDA graph captured over one replays right after its input changed."""
-    from teeny.kernels.linear import matmul_tma
-    from teeny.tape import _LaunchStep
+    from teeny.ops.products.kernels import matmul_tma
+    from teeny.torch.tape import _LaunchStep
 
     monkeypatch.setenv("TEENY_TUNING", "0")  # the heuristic's TMA configuration: timing them all takes minutes
     bridge.clear_cache()
@@ -342,7 +343,7 @@ def test_tma_products_replay_directly_and_capture_into_a_cuda_graph(monkeypatch)
 def test_tma_products_under_torch_compile_cuda_graphs(monkeypatch):
     """torch.compile(mode="reduce-overhead") warms its CUDA graphs up and records them with this
     thread's allocations routed into the graphs' pool, and then refuses a pool holding a live
-    tensor it did not hand out (bench/NOTES.md, version 16); the products' TMA descriptors,
+    tensor it did not hand out (docs/archive/bench-journal.md, version 16); the products' TMA descriptors,
     made on the host at recording, hold the graphs' addresses."""
     monkeypatch.setenv("TEENY_TUNING", "0")
     bridge.clear_cache()
@@ -374,3 +375,43 @@ def test_replay_can_be_switched_off(monkeypatch):
     run = _entry("teeny op gelu")._forward_replay
     assert run.tape is None and run.replays == 0
     assert library.registered_ops()  # the ops themselves are untouched
+
+
+def test_a_tape_recorded_on_one_tensor_given_twice_is_not_replayed_on_two():
+    """A first call ``mul(x, x)`` numbers ``x`` once; replaying its tape on ``(a, b)`` read ``b``
+    twice. Each aliasing pattern has its own tape, both orders, and each is replayed."""
+    bridge.clear_cache()
+    x, a, b = (torch.randn(4, 5, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for first, second in (((x, x), (a, b)), ((a, b), (x, x))):
+        bridge.clear_cache()
+        for _ in range(2):
+            for p, q in (first, second):
+                torch.testing.assert_close(torch.ops.teeny.mul(p, q), p * q, rtol=0, atol=0)
+        assert _entry("teeny op mul")._forward_replay.replays == 2
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    bridge.clear_cache()
+    torch.ops.teeny.scaled_dot_product_attention(q, q, q)
+    got = torch.ops.teeny.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_a_replay_keeps_the_aliasing_of_the_gradients_it_was_recorded_with():
+    """Backward given the same tensor as the gradient of both outputs, then distinct ones."""
+    bridge.clear_cache()
+    x = torch.randn(3, 5, requires_grad=True)
+    g1, g2 = torch.randn(3, 5), torch.randn(3, 5)
+    for grads in ((g1, g1), (g1, g2), (g1, g1), (g1, g2)):
+        a, b = teeny.torch.apply(lambda t: (teeny.ops.mul(t, 2.0), teeny.ops.mul(t, 3.0)), x)
+        (got,) = torch.autograd.grad((a, b), x, grads)
+        torch.testing.assert_close(got, 2 * grads[0] + 3 * grads[1])
+
+
+def test_apply_given_one_tensor_twice_then_two():
+    bridge.clear_cache()
+    x, a, b = torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5)
+
+    def product(p, q):
+        return teeny.ops.mul(p, q)
+
+    for p, q in ((x, x), (a, b), (x, x), (a, b)):
+        torch.testing.assert_close(teeny.torch.apply(product, p, q), p * q, rtol=0, atol=0)

@@ -48,7 +48,7 @@ def test_executor_names_the_input_behind_a_saved_view():
 def test_executor_refuses_a_backward_after_a_parameter_changed_in_place():
     g = Graph()
     x = g.input("x", (4,))
-    w = g.parameter("w", (4,), init=teeny.init.constant(0.5))
+    w = g.parameter("w", (4,), init=teeny.core.init.constant(0.5))
     g.output(ops.sum(x * w))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
     _, cache = ex.forward_train({"x": torch.ones(4)})
@@ -272,6 +272,50 @@ def test_lambdas_differing_in_a_closed_over_value_are_not_confused():
         results.append(apply(lambda t: ops.mul(t, scale), x))
     torch.testing.assert_close(results[0], 2 * x.detach())
     torch.testing.assert_close(results[1], 3 * x.detach())
+
+
+def test_a_method_reading_an_attribute_is_traced_again_when_it_changes():
+    """An object is keyed by identity and by the plain values it holds: ``self.training``
+    read by a method after ``eval()``, ``self.scale`` after it changed."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = 2.0
+            self.inner = torch.nn.Linear(3, 3)  # held by reference: not part of the key
+
+        def step(self, t):
+            return ops.mul(t, self.scale) if self.training else ops.exp(t)
+
+    block, x = Block(), _x(3, grad=False)
+    for _ in range(2):
+        block.train()
+        torch.testing.assert_close(apply(block.step, x), 2 * x)
+        block.eval()
+        torch.testing.assert_close(apply(block.step, x), x.exp())
+    block.train()
+    block.scale = 5.0
+    torch.testing.assert_close(apply(block.step, x), 5 * x)
+    block.inner.weight.data.add_(1.0)  # no retrace for what the key does not read
+    before = bridge.cache_size()
+    apply(block.step, x)
+    assert bridge.cache_size() == before
+
+
+def test_a_dict_a_lambda_closes_over_is_keyed_by_its_contents():
+    x = _x(3, grad=False)
+    settings = {"scale": 2.0, "activation": "exp"}
+
+    def fn(t):
+        y = ops.mul(t, settings["scale"])
+        return ops.exp(y) if settings["activation"] == "exp" else ops.sin(y)
+
+    torch.testing.assert_close(apply(fn, x), (2 * x).exp())
+    settings["scale"] = 3.0
+    torch.testing.assert_close(apply(fn, x), (3 * x).exp())
+    settings["activation"] = "sin"
+    torch.testing.assert_close(apply(fn, x), (3 * x).sin())
+    torch.testing.assert_close(apply(lambda t: ops.mul(t, settings["scale"]), x), 3 * x)
 
 
 def test_cache_is_bounded(monkeypatch):

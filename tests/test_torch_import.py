@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 import teeny
 from teeny import LoweringMode, lower
-from teeny.kernels.shape import ViewOp
-from teeny.registry import tolerance
+from teeny.checks.registry import tolerance
+from teeny.ops.shape.ops import ViewOp
 from teeny.torch import UnsupportedError, from_torch, to_torch
 
 VOCAB, LENGTH, BATCH = 24, 6, 2
@@ -262,7 +262,7 @@ def test_float64_gradients_and_twenty_adamw_steps_match_torch_and_load_back_stri
     executor = teeny.Executor(lower(graph, LoweringMode.TRAINING))
     # weight decay 0 with BatchNorm: teeny's optimizers also decay non-trainable arenas (issue 11 item 1)
     decay = 0.0 if case.name == "resnet" else 0.01
-    optimizer = teeny.optim.AdamW(executor, lr=1e-2, weight_decay=decay)
+    optimizer = teeny.training.optim.AdamW(executor, lr=1e-2, weight_decay=decay)
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=decay)
     atol, rtol = _tol(case, dtype)
     for step in range(20):
@@ -412,13 +412,13 @@ def test_train_and_eval_behaviour_is_the_modules_mode_at_import():
 
 
 def test_a_teeny_checkpoint_loads_into_the_torch_module(tmp_path):
-    from teeny.train import save_checkpoint
+    from teeny.training.loop import save_checkpoint
 
     torch.manual_seed(0)
     model = NanoGPT().double()
     graph = from_torch(model, (_tokens(0), _tokens(1)))
     ex = teeny.Executor(lower(graph, LoweringMode.TRAINING))
-    optimizer = teeny.optim.AdamW(ex, lr=0.1)
+    optimizer = teeny.training.optim.AdamW(ex, lr=0.1)
     _, cache = ex.forward_train(dict(zip([v.name for v in graph.inputs], (_tokens(0), _tokens(1)))))
     ex.backward(cache)
     optimizer.step()
@@ -454,7 +454,7 @@ def make_model():
 
 def test_a_make_model_factory_trains_with_the_training_loop(tmp_path):
     from teeny.torch import torch_model_task
-    from teeny.train import TrainConfig, load_checkpoint, train
+    from teeny.training.loop import TrainConfig, load_checkpoint, train
 
     (tmp_path / "model.py").write_text(FACTORY)
     task = torch_model_task(f"{tmp_path / 'model.py'}:make_model")
@@ -485,7 +485,70 @@ def test_teeny_train_torch_model_trains_and_writes_the_torch_checkpoint(tmp_path
     argv = ["train", "--torch-model", f"{tmp_path / 'model.py'}:make_model", "--steps", "3", "--batch-size", "16"]
     assert main([*argv, "--epochs", "1", "--no-progress", "--out", str(out)]) == 0
     state = torch.load(out / "torch_model.pt")
-    params, _, _ = teeny.train.load_checkpoint(out / "checkpoint.safetensors")
+    params, _, _ = teeny.training.loop.load_checkpoint(out / "checkpoint.safetensors")
     torch.testing.assert_close(state["fc.weight"], params["fc.weight"])
     assert main(["train", "mlp", "--torch-model", "x.py:f"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- models as users bring them
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # a branch on a tensor's value
+            return self.fc(x)
+        return -self.fc(x)
+
+
+class _MaskBuffer(nn.Module):
+    """A causal mask kept as a float buffer (as older attention code does): a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.triu(torch.full((6, 6), float("-inf")), 1))
+
+    def forward(self, x):
+        q = self.fc(x).view(2, 6, 2, 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=self.mask).sum()
+
+
+def test_example_inputs_that_do_not_fit_forward_are_named():
+    with pytest.raises(teeny.TeenyError, match=r"do not fit Linear.forward\(input.*too many positional"):
+        from_torch(nn.Linear(4, 3), (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def test_data_dependent_control_flow_is_said_in_one_line_naming_the_line():
+    with pytest.raises(teeny.TeenyError, match=r"data-dependent control flow.*test_torch_import.py:\d+ \(if x.sum"):
+        from_torch(_Branchy(), (torch.randn(2, 4),))
+
+
+def test_a_float_mask_buffer_read_only_by_attention_is_a_constant():
+    model = _MaskBuffer()
+    x = torch.randn(2, 6, 8)
+    graph = from_torch(model, (x,))
+    assert [v.name for v in graph.params] == ["fc.weight", "fc.bias"]
+    ex = teeny.Executor(lower(graph, LoweringMode.INFERENCE))
+    torch.testing.assert_close(ex.forward({"x": x}).cpu(), model(x).detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_hugging_face_models_import_with_their_default_config_and_plain_keywords():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0
+    )
+    assert config.use_cache  # the default: the model would return a cache torch.export cannot flatten
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 50, (2, 8))
+    default = from_torch(model, {"input_ids": ids, "labels": ids})
+    keywords = from_torch(model, {"input_ids": ids, "labels": ids, "use_cache": False, "return_dict": True})
+    assert [v.name for v in default.inputs] == [v.name for v in keywords.inputs] == ["input_ids", "labels"]
+    ex = teeny.Executor(lower(default, LoweringMode.INFERENCE))
+    loss = ex.forward({"input_ids": ids, "labels": ids})
+    loss = loss[0] if isinstance(loss, (list, tuple)) else loss
+    torch.testing.assert_close(loss.cpu(), model(input_ids=ids, labels=ids).loss.detach(), atol=1e-4, rtol=1e-4)

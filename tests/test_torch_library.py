@@ -3,14 +3,16 @@ autograd registration, fake tensors, AOT dispatch) and ``torch.autograd.gradchec
 on one registry sample; ``torch.compile(fullgraph=True)`` with no graph break; autocast;
 double backward refused by name; mixed ``requires_grad``; user ops registered with one call."""
 
+import math
+
 import pytest
 import torch
 
 from teeny import ops
-from teeny.facts import op_facts
-from teeny.registry import OPS
-from teeny.runtime import ArgVisitor, CustomOp
-from teeny.torch import library
+from teeny.checks.facts import op_facts
+from teeny.checks.samples import OPS
+from teeny.core.runtime import ArgVisitor, CustomOp
+from teeny.torch import bridge, library
 
 REGISTERED = library.registered_ops()
 BY_NAME = {reg.name: reg for reg in REGISTERED.values() if not reg.overload}
@@ -179,6 +181,7 @@ print("ran")
 """
 
 
+@pytest.mark.slow
 def test_a_graph_compiled_against_other_teeny_code_is_compiled_again(tmp_path):
     """torch.compile's on-disk caches know a graph by its code, where teeny's operators appear
     by name only: teeny's source digest in ``torch.compiler.config.cache_key_tag`` keeps a
@@ -206,7 +209,7 @@ def test_a_graph_compiled_against_other_teeny_code_is_compiled_again(tmp_path):
 
 def test_a_wrong_argument_is_named_as_the_schema_names_it():
     """The op's error names the tensor by its argument name, not by its place in the trace."""
-    from teeny.graph import GraphError
+    from teeny.core.graph import GraphError
 
     with pytest.raises(GraphError, match=r"parameter 'weight' has shape \(4,\), expected \(5,\)"):
         torch.ops.teeny.rms_norm(torch.randn(3, 5), [5], torch.randn(4), 1e-6)
@@ -249,7 +252,7 @@ def test_torch_func_transforms_are_refused_by_name_and_vmap_works():
     """torch.func's differentiating transforms hand the op wrapped tensors: a TeenyError naming
     the op says so (before: torch's note about an autograd.Function's setup_context). vmap of a
     registered op runs it once per sample, backward included; vmap over ``apply`` is refused."""
-    from teeny.runtime import TeenyError
+    from teeny.core.errors import TeenyError
     from teeny.torch import apply
     from teeny.torch.nn import Linear
 
@@ -305,7 +308,7 @@ def test_meta_tensors_give_shapes_forwards_and_backwards():
 def test_an_inference_tensor_in_a_call_that_records_a_gradient_is_named():
     """Under inference mode the op runs; a tensor made there and fed to a call that saves it for
     the backward is named (before: "Inference tensors do not track version counter")."""
-    from teeny.runtime import TeenyError
+    from teeny.core.errors import TeenyError
 
     with torch.inference_mode():
         x = torch.randn(4, 5)
@@ -402,6 +405,59 @@ def test_a_keyed_call_with_values_tells_them_apart(monkeypatch):
     monkeypatch.setattr(library, "_encode", lambda *a: pytest.fail("a known call was keyed again"))
     torch.ops.teeny.gelu(x, "tanh")
     torch.ops.teeny.layer_norm(x, [8], eps=0.5)
+
+
+def _number_of(key: str, slot: int) -> float:
+    """The Python number an elementwise op's compiled entry holds in operand ``slot``."""
+    (node,) = [p for p in bridge.lookup(key).executor.program.nodes if hasattr(p.op, "slots")]
+    return node.op.slots[slot].number
+
+
+def test_a_negative_zero_scalar_is_keyed_apart_from_zero():
+    """-0.0 == 0.0 (and hashes alike): a call with -0.0 after one with 0.0 reused its key."""
+    bridge.clear_cache()
+    x = torch.ones(3)
+    for _ in range(2):  # the second round answers from the one-hit keys of the first
+        for zero in (0.0, -0.0):
+            torch.ops.teeny.div.Scalar(x, zero)
+            (key,) = [k for k in bridge._ENTRIES if k.endswith(f" {zero!r})))")]
+            assert math.copysign(1.0, _number_of(key, 1)) == math.copysign(1.0, zero)
+    assert len(bridge._ENTRIES) == 2
+
+
+def test_a_negative_zero_scalar_keeps_its_sign():
+    """On the GPU -0.0 is a float32 argument; the interpreter would make it +0.0, so it travels there
+    as a one-element tensor."""
+    x = torch.tensor([1.0, -2.0, 0.0])
+    for zero in (0.0, -0.0, 0.0):
+        torch.testing.assert_close(torch.ops.teeny.div.Scalar(x, zero), x / zero, equal_nan=True)
+        torch.testing.assert_close(torch.ops.teeny.add(x * 0, zero), x * 0 + zero)  # -0.0 + -0.0 is -0.0
+        assert torch.equal(torch.ops.teeny.add(x * 0, zero).signbit(), (x * 0 + zero).signbit())
+
+
+def test_split_chunk_and_stop_gradient_run_the_ops_not_their_registry_samples():
+    """The registry checks split/chunk/stop_gradient through wrappers (the parts concatenated in
+    reverse); the registered operators are the ops themselves, and match torch's."""
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    calls = [
+        (lambda t: torch.ops.teeny.chunk(t, 3), lambda t: torch.chunk(t, 3)),
+        (lambda t: torch.ops.teeny.chunk(t, 2, 1), lambda t: torch.chunk(t, 2, 1)),
+        (lambda t: torch.ops.teeny.split(t, 3), lambda t: torch.split(t, 3)),
+        (lambda t: torch.ops.teeny.split(t, 3, dim=-1), lambda t: torch.split(t, 3, dim=-1)),
+        (lambda t: torch.ops.teeny.split.sizes(t, [2, 5]), lambda t: torch.split(t, [2, 5])),
+        (lambda t: [torch.ops.teeny.stop_gradient(t) * t], lambda t: [t.detach() * t]),
+    ]
+    for teeny_call, torch_call in calls:
+        got, want = teeny_call(x), torch_call(x)
+        assert [tuple(g.shape) for g in got] == [tuple(w.shape) for w in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        weights = [torch.randn(w.shape, dtype=w.dtype) for w in want]
+        (got_grad,) = torch.autograd.grad(got, x, weights)
+        (want_grad,) = torch.autograd.grad(want, x, weights)
+        torch.testing.assert_close(got_grad, want_grad)
+    for name in ("split", "chunk", "stop_gradient"):
+        assert library.registered_ops()[f"teeny::{name}"].fn is getattr(ops, name)
 
 
 def test_direct_calls_skip_the_dispatcher_only_in_plain_eager_mode():

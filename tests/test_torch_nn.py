@@ -4,12 +4,16 @@ gives the same output and gradients; and the goal test of issue 12: a ``torch.nn
 from ``teeny.torch.nn`` layers, compiled with ``fullgraph=True``, trains like the torch model
 (every loss and parameter gradient, float32 tolerance and float64 tight)."""
 
+import pickle
+from copy import deepcopy
+
 import pytest
 import torch
 from torch import nn
 
 import teeny.torch.nn as tnn
-from teeny.registry import tolerance
+from teeny.checks.registry import tolerance
+from teeny.checks.samples import activation as activation_samples
 
 
 def _randn(*shape, dtype=torch.float64, seed=0, low=None):
@@ -43,28 +47,6 @@ CASES = [
     (tnn.Dropout, (0.0,), lambda: [_randn(3, 5)]),
     (tnn.MaxPool2d, (2,), lambda: [_randn(1, 2, 6, 6)]),
     (tnn.AvgPool2d, (3, 2, 1), lambda: [_randn(1, 2, 7, 7)]),
-    (tnn.ReLU, (), lambda: [_randn(3, 5)]),
-    (tnn.GELU, (), lambda: [_randn(3, 5)]),
-    (tnn.GELU, ("tanh",), lambda: [_randn(3, 5)]),
-    (tnn.SiLU, (), lambda: [_randn(3, 5)]),
-    (tnn.Mish, (), lambda: [_randn(3, 5)]),
-    (tnn.LeakyReLU, (0.2,), lambda: [_randn(3, 5)]),
-    (tnn.ELU, (0.7,), lambda: [_randn(3, 5)]),
-    (tnn.SELU, (), lambda: [_randn(3, 5)]),
-    (tnn.CELU, (0.5,), lambda: [_randn(3, 5)]),
-    (tnn.Softplus, (2.0, 5.0), lambda: [_randn(3, 5)]),
-    (tnn.Hardtanh, (-0.5, 0.5), lambda: [_randn(3, 5)]),
-    (tnn.ReLU6, (), lambda: [_randn(3, 5) * 4]),
-    pytest.param(tnn.Hardsigmoid, (), lambda: [_randn(3, 5) * 2], marks=FLOAT32_SCALARS),
-    (tnn.Hardswish, (), lambda: [_randn(3, 5) * 2]),
-    (tnn.LogSigmoid, (), lambda: [_randn(3, 5)]),
-    (tnn.Softsign, (), lambda: [_randn(3, 5)]),
-    (tnn.Tanhshrink, (), lambda: [_randn(3, 5)]),
-    (tnn.Softshrink, (0.3,), lambda: [_randn(3, 5)]),
-    (tnn.Hardshrink, (0.3,), lambda: [_randn(3, 5)]),
-    (tnn.Threshold, (0.1, -1.0), lambda: [_randn(3, 5)]),
-    (tnn.Sigmoid, (), lambda: [_randn(3, 5)]),
-    (tnn.Tanh, (), lambda: [_randn(3, 5)]),
     (tnn.GLU, (-1,), lambda: [_randn(3, 6)]),
     (tnn.Softmax, (1,), lambda: [_randn(3, 5)]),
     (tnn.LogSoftmax, (-1,), lambda: [_randn(3, 5)]),
@@ -90,6 +72,30 @@ CASES = [
 ]
 
 
+def _in_domain(declaration):
+    """Inputs spread over the activation's sample domain (its kinks inside it)."""
+    low, high = declaration.domain
+    return lambda: [_randn(3, 5) * (high - low) / 4 + (high + low) / 2]
+
+
+# the activations' drop-ins, from their declarations: each keyword set of their test cases
+CASES += [
+    pytest.param(
+        getattr(tnn, d.layer),
+        kwargs,
+        _in_domain(d),
+        marks=[FLOAT32_SCALARS] if d.layer == "Hardsigmoid" else [],
+    )
+    for d, kwargs in activation_samples.cases()
+    if d.layer is not None
+]
+
+
+def _construct(cls, args):
+    """``cls(*args)``, or ``cls(**args)`` for keyword arguments."""
+    return cls(**args) if isinstance(args, dict) else cls(*args)
+
+
 def _values(case):
     return case.values if hasattr(case, "values") else case
 
@@ -103,13 +109,26 @@ def test_every_drop_in_has_a_case():
     assert {_values(case)[0] for case in CASES} == set(tnn.DROP_INS.values())
 
 
+def test_generated_activations_are_module_level_and_pickle():
+    """The drop-ins and functional entries generated from the activations' declarations are
+    globals of their modules: they import by qualified name, pickle and deep-copy."""
+    for name in tnn.ACTIVATION_LAYERS:
+        cls = getattr(tnn, name)
+        assert (cls.__module__, cls.__qualname__) == ("teeny.torch.nn", name)
+        layer = cls(**next(kw for d, kw in activation_samples.cases() if d.layer == name))
+        for copy in (pickle.loads(pickle.dumps(layer)), deepcopy(layer)):
+            assert type(copy) is cls and repr(copy) == repr(layer)
+    for route in tnn.functional.ROUTED.values():
+        assert pickle.loads(pickle.dumps(route)) is route
+
+
 @pytest.mark.parametrize("cls,args,inputs", CASES, ids=[_name(c) for c in CASES])
 def test_drop_in_matches_torch_nn(cls, args, inputs):
     torch_cls = next(k for k, v in tnn.DROP_INS.items() if v is cls)
     torch.manual_seed(0)
-    ref = torch_cls(*args).double()
+    ref = _construct(torch_cls, args).double()
     torch.manual_seed(0)
-    layer = cls(*args).double()
+    layer = _construct(cls, args).double()
     assert list(layer.state_dict()) == list(ref.state_dict())
     layer.load_state_dict(ref.state_dict(), strict=True)
     ref.load_state_dict(layer.state_dict(), strict=True)

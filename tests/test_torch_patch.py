@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import teeny.torch as tt
 import teeny.torch.nn as tnn
-from teeny.registry import tolerance
+from teeny.checks.registry import tolerance
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -117,11 +117,13 @@ def test_head_and_loss_are_one_chunked_op_in_training_and_the_logits_stay_in_eva
     and every gradient of the unpatched model, and no logits (as Liger's fused linear
     cross-entropy); ``num_items_in_batch`` (the Trainer's token count) divides the summed loss.
     In eval mode the logits are computed and the loss is transformers' own."""
-    from teeny import rewrites
-    from teeny.kernels.loss import LinearCrossEntropyOp
+    from teeny import fusions
+    from teeny.fusions.chunked_loss import LinearCrossEntropyOp
     from teeny.torch import bridge
 
-    monkeypatch.setattr(rewrites, "CHUNKED_LOGITS_MIN_BYTES", 0)  # the tiny model's logits: chunk them anyway
+    monkeypatch.setattr(
+        fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 0
+    )  # the tiny model's logits: chunk them anyway
     bridge.clear_cache()
     ref = _gpt2(torch.float32)
     model = copy.deepcopy(ref)

@@ -13,9 +13,7 @@ import torch.nn.functional as F
 
 import teeny
 from teeny import Graph, LoweringMode, lower, nn, ops
-from teeny.models import MLP
-from teeny.optim import SGD, AdamW
-from teeny.train import (
+from teeny.training.loop import (
     CallableTask,
     CheckpointError,
     DivergedError,
@@ -25,6 +23,8 @@ from teeny.train import (
     save_checkpoint,
     train,
 )
+from teeny.training.models import MLP
+from teeny.training.optim import SGD, AdamW
 
 
 class TorchMLP(torch.nn.Module):
@@ -120,7 +120,7 @@ def _config(tmp_path, name, **kw):
 
 
 def test_kill_and_resume_gives_the_same_parameters(tmp_path):
-    from teeny.models import make_task
+    from teeny.training.models import make_task
 
     full = train(make_task("mlp"), _config(tmp_path, "full"), log=lambda *_: None)
     # "killed" after 7 steps (mid-epoch), then resumed from its checkpoint
@@ -382,12 +382,12 @@ def test_readme_python_example_runs_as_written():
 
 def test_train_step_refuses_to_capture_per_run_state():
     """A CUDA graph would freeze dropout's per-run seed: such a step is never captured."""
-    from teeny.optim import SGD
-    from teeny.train import TrainStep
+    from teeny.training.loop import TrainStep
+    from teeny.training.optim import SGD
 
     g = Graph()
     x = g.input("x", (4, 6))
-    w = g.parameter("w", (6,), init=teeny.init.ones())
+    w = g.parameter("w", (6,), init=teeny.core.init.ones())
     g.output(ops.sum(ops.dropout(ops.mul(x, w), p=0.5)))
     ex = teeny.Executor(lower(g, LoweringMode.TRAINING))
     with pytest.warns(UserWarning, match="dropout_.* change per run"):
@@ -402,7 +402,7 @@ def test_train_step_queues_without_waiting_for_the_gpu():
     """Steps with a changing learning rate, replayed as a CUDA graph: lr and the step counts
     reach the kernels every step without a host synchronisation (CUDA's sync debug mode raises
     on one), and the losses are PyTorch's SGD's. On the CPU the same steps run uncaptured."""
-    from teeny.train import TrainStep
+    from teeny.training.loop import TrainStep
 
     on_gpu = teeny.DEVICE.type == "cuda"
     ex, ref = _pair(torch.float32)
@@ -431,7 +431,7 @@ def test_train_step_queues_without_waiting_for_the_gpu():
 def test_a_batch_written_into_the_captured_inputs_is_read_without_a_copy():
     """Feeding ``step.inputs`` themselves (a loader writing each batch into them) trains as
     feeding fresh tensors does, less the step's two copies of the batch."""
-    from teeny.train import TrainStep
+    from teeny.training.loop import TrainStep
 
     batches = [(x.to(teeny.DEVICE), y.to(teeny.DEVICE)) for x, y in _data(torch.float32, 5)]
     losses, copies = {}, {}

@@ -1,4 +1,4 @@
-"""teeny.tuning: the choice of a launch configuration per static shape, its disk cache, and the
+"""teeny.core.tuning: the choice of a launch configuration per static shape, its disk cache, and the
 ops choosing at lowering. The cache logic runs on the CPU with a fake timing function."""
 
 import json
@@ -7,8 +7,12 @@ import pytest
 import torch
 
 import teeny
-import teeny.kernels.linear as linear_module
-from teeny import Graph, LoweringMode, lower, tuning
+from teeny import Graph, LoweringMode, lower
+from teeny.core import tuning
+from teeny.ops.products import kernels as products_kernels
+from teeny.ops.products import launches as products_launches
+from teeny.ops.products import tuning as products_tuning
+from teeny.ops.products.ops import LinearOp
 
 CANDIDATES = [{"BLOCK": 64, "num_warps": 4}, {"BLOCK": 128, "num_warps": 8}, {"BLOCK": 256, "num_warps": 8}]
 DEFAULT = {"BLOCK": 32, "num_warps": 4}
@@ -136,10 +140,12 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
         return small
 
     monkeypatch.setattr(tuning, "choose", choose)
-    monkeypatch.setattr(linear_module, "TUNE_MIN_MACS", 0)  # time even these tiny products
+    monkeypatch.setattr(products_tuning, "TUNE_MIN_MACS", 0)  # time even these tiny products
     g = Graph()
     x = g.input("x", (37, 5), requires_grad=True)
-    g.output(teeny.ops.linear(x, g.parameter("w", (6, 5), teeny.init.kaiming_uniform(5)), g.parameter("b", (6,))).sum())
+    g.output(
+        teeny.ops.linear(x, g.parameter("w", (6, 5), teeny.core.init.kaiming_uniform(5)), g.parameter("b", (6,))).sum()
+    )
     program = lower(g, LoweringMode.TRAINING)
     # forward (37 x 6, K 5, bias), dX (37 x 5, K 6), dW (6 x 5, K 37): each chosen once, at lowering
     assert sorted(seen) == sorted(
@@ -157,38 +163,47 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
 
 
 def test_heuristic_splits_few_output_tiles_stream_k_or_into_smaller_tiles(monkeypatch):
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
     # untimed (under TUNE_MIN_MACS): 8 tiles of 128 x 256 over 2,048 rows, shared out stream-K
-    dw_small = linear_module.LinearOp.products([(2048, 512), (512, 512)])["grad_weight"]
-    config = linear_module.default_config(dw_small, torch.bfloat16, "tf32", False, row_sums=True)
+    dw_small = LinearOp.products([(2048, 512), (512, 512)])["grad_weight"]
+    config = products_tuning.default_config(
+        dw_small, dtype=torch.bfloat16, precision="tf32", has_bias=False, row_sums=True
+    )
     assert config["kernel"] == "tma" and config["STREAM_K"] and config["FUSED_SUMS"]
-    plan = linear_module.schedule(dw_small, config)
+    plan = products_launches.schedule(dw_small, config)
     assert plan.programs == 64 and plan.dp_tiles == 0 and plan.sk_tiles == 8 and plan.slots > 1  # 4 K tiles each
     # one the tuning pass would time: 18 tiles of 128 x 256, so whole 128 x 128 tiles (v17's sweep)
-    dw = linear_module.LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]
-    config = linear_module.default_config(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    dw = LinearOp.products([(8192, 768), (768, 768)])["grad_weight"]
+    config = products_tuning.default_config(dw, dtype=torch.bfloat16, precision="tf32", has_bias=False, row_sums=True)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["STREAM_K"], config["FUSED_SUMS"]) == (128, 128, 0, True)
-    fwd = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: all whole
-    assert linear_module.default_config(fwd, torch.bfloat16, "tf32", True)["STREAM_K"] == 0
-    options = linear_module.candidates(dw, torch.bfloat16, "tf32", False, row_sums=True)
+    fwd = LinearOp.products([(8192, 768), (3072, 768)])["forward"]  # 768 tiles: all whole
+    assert products_tuning.default_config(fwd, dtype=torch.bfloat16, precision="tf32", has_bias=True)["STREAM_K"] == 0
+    options = products_tuning.candidates(dw, dtype=torch.bfloat16, precision="tf32", has_bias=False, row_sums=True)
     assert {c["FUSED_SUMS"] for c in options} == {True, False} and any(c["OCCUPANCY"] == 2 for c in options)
     for dtype, precision in ((torch.float32, "tf32x3"), (torch.bfloat16, "tf32")):
-        for c in linear_module.candidates(dw, dtype, precision, False, row_sums=True):
-            budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
-            assert linear_module._shared_bytes(c, dtype, row_sums=True) <= budget
+        for c in products_tuning.candidates(dw, dtype=dtype, precision=precision, has_bias=False, row_sums=True):
+            budget = (
+                products_tuning.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else products_tuning.SHARED_MEMORY_PER_PAIR
+            )
+            assert products_tuning._shared_bytes(c, dtype, row_sums=True) <= budget
     # float32: dW reads both operands MN-major, so K-major copies are among the candidates
-    assert any(c["K_MAJOR"] for c in linear_module.candidates(dw, torch.float32, "tf32x3", False))
-    assert not any(c["K_MAJOR"] for c in linear_module.candidates(fwd, torch.float32, "tf32x3", True))
+    assert any(
+        c["K_MAJOR"] for c in products_tuning.candidates(dw, dtype=torch.float32, precision="tf32x3", has_bias=False)
+    )
+    assert not any(
+        c["K_MAJOR"] for c in products_tuning.candidates(fwd, dtype=torch.float32, precision="tf32x3", has_bias=True)
+    )
 
 
 def test_stream_k_schedule_gives_every_program_its_share():
     """The host's schedule and the kernels' owners agree: every K tile of the shared tiles is
     taken by exactly one program, the programs' shares differ by at most one K tile."""
-    p = linear_module.LinearOp.products([(8192, 768), (3072, 768)])["grad_weight"]
-    config = linear_module._cfg(128, 256, 64, 8, 3, stream_k=1)
-    plan = linear_module.schedule(p, config)  # 72 tiles on the interpreter's 4 "multiprocessors"
+    p = LinearOp.products([(8192, 768), (3072, 768)])["grad_weight"]
+    config = products_tuning._cfg(128, 256, 64, 8, 3, stream_k=1)
+    plan = products_launches.schedule(p, config)  # 72 tiles on the interpreter's 4 "multiprocessors"
     k_tiles = 8192 // 64
     total = plan.sk_tiles * k_tiles
     shares = [(q + 1) * total // plan.programs - q * total // plan.programs for q in range(plan.programs)]
@@ -204,9 +219,11 @@ def test_stream_k_schedule_gives_every_program_its_share():
 def test_small_products_take_the_heuristic_without_timing(monkeypatch):
     calls = []
     monkeypatch.setattr(tuning, "choose", lambda *args: calls.append(args))
-    p = linear_module.LinearOp.products([(128, 256), (784, 256)])["forward"]  # 2.6e7 multiply-adds
-    config = linear_module.choose_config(p, torch.float32, "ieee", True)
-    assert calls == [] and config == linear_module.default_config(p, torch.float32, "ieee", True)
+    p = LinearOp.products([(128, 256), (784, 256)])["forward"]  # 2.6e7 multiply-adds
+    config = products_tuning.choose_config(p, dtype=torch.float32, precision="ieee", has_bias=True)
+    assert calls == [] and config == products_tuning.default_config(
+        p, dtype=torch.float32, precision="ieee", has_bias=True
+    )
 
 
 def test_a_derivative_epilogue_leaves_room_for_the_box_it_loads(monkeypatch):
@@ -214,22 +231,54 @@ def test_a_derivative_epilogue_leaves_room_for_the_box_it_loads(monkeypatch):
     in 3 stages with it: 272 KiB of 227): the candidates leave room for it, taking half-tile
     stores where that makes a configuration fit, and so does the heuristic's pick; an activation
     epilogue stores h through Z's staging tile and keeps every plain candidate of matmul_tma."""
-    monkeypatch.setattr(linear_module, "INTERPRETER", False)
+    monkeypatch.setattr(products_kernels, "INTERPRETER", False)  # tl.dot precisions as on the GPU
+    monkeypatch.setattr(products_tuning, "INTERPRETER", False)  # and configurations
     monkeypatch.setattr(tuning, "has_tma", lambda: True)
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
-    products = linear_module.LinearOp.products([(8192, 3072), (768, 3072)])
-    plain = linear_module.candidates(products["grad_input"], torch.bfloat16, "tf32", False)
-    loads = linear_module.candidates(products["grad_input"], torch.bfloat16, "tf32", False, epilogue="derivative")
+    products = LinearOp.products([(8192, 3072), (768, 3072)])
+    plain = products_tuning.candidates(products["grad_input"], dtype=torch.bfloat16, precision="tf32", has_bias=False)
+    loads = products_tuning.candidates(
+        products["grad_input"], dtype=torch.bfloat16, precision="tf32", has_bias=False, epilogue="derivative"
+    )
     for c in loads:
-        budget = linear_module.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else linear_module.SHARED_MEMORY_PER_PAIR
+        budget = products_tuning.SHARED_MEMORY_BUDGET if c["OCCUPANCY"] == 1 else products_tuning.SHARED_MEMORY_PER_PAIR
         store_n = c["BLOCK_N"] // 2 if c["SUBTILE"] else c["BLOCK_N"]
-        assert linear_module._shared_bytes(c, torch.bfloat16) + c["BLOCK_M"] * store_n * 2 <= budget
+        assert products_tuning._shared_bytes(c, torch.bfloat16) + c["BLOCK_M"] * store_n * 2 <= budget
         assert c in plain or {**c, "SUBTILE": False} in plain  # a plain candidate, or it with half-tile stores
     big = [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], c["SUBTILE"]) for c in loads]
     assert (128, 256, 3, True) in big and (128, 256, 3, False) not in big
     forward = products["forward"]
-    plain_forward = linear_module.candidates(forward, torch.bfloat16, "tf32", True)
+    plain_forward = products_tuning.candidates(forward, dtype=torch.bfloat16, precision="tf32", has_bias=True)
     assert plain_forward[-1]["kernel"] == "ws"  # matmul_ws has no activation epilogue
-    assert linear_module.candidates(forward, torch.bfloat16, "tf32", True, epilogue="activation") == plain_forward[:-1]
-    pick = linear_module.default_config(products["grad_input"], torch.bfloat16, "tf32", False, epilogue="derivative")
+    assert (
+        products_tuning.candidates(
+            forward, dtype=torch.bfloat16, precision="tf32", has_bias=True, epilogue="activation"
+        )
+        == plain_forward[:-1]
+    )
+    pick = products_tuning.default_config(
+        products["grad_input"], dtype=torch.bfloat16, precision="tf32", has_bias=False, epilogue="derivative"
+    )
     assert pick == loads[0]
+
+
+def test_parallel_writers_keep_each_others_entries(cache, monkeypatch):
+    """Two ranks tuning at once, each adding its entry: the one whose write fell between the
+    other's read and write used to be lost (the other wrote back the file as it had read it).
+    Here rank 1 writes while rank 0 is between its read and its write; with the lock it waits."""
+    import threading
+
+    read = tuning._read
+    rank1 = threading.Thread(target=tuning._write, args=(cache, "rank 1", {"config": {"BLOCK": 128}}))
+
+    def read_then_let_rank1_write(path):
+        entries = read(path)
+        if rank1.ident is None:  # rank 0's read, inside its write
+            rank1.start()
+            rank1.join(timeout=1.0)  # done at once without a lock; waiting on rank 0's with one
+        return entries
+
+    monkeypatch.setattr(tuning, "_read", read_then_let_rank1_write)
+    tuning._write(cache, "rank 0", {"config": {"BLOCK": 64}})
+    rank1.join()
+    assert set(json.loads(cache.read_text())["entries"]) == {"rank 0", "rank 1"}

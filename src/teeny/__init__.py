@@ -4,7 +4,7 @@ trace -> Graph -> lower(graph, mode) -> Program -> Executor.forward_train -> Act
 -> Executor.backward -> gradients -> optimizer step.
 
 Names are imported on first use, so that a program (like the ``teeny`` command) can choose the
-device (``TEENY_DEVICE``) before the first kernel is defined; ``teeny.device`` is always
+device (``TEENY_DEVICE``) before the first kernel is defined; ``teeny.core.device`` is always
 imported before any kernel module.
 """
 
@@ -15,75 +15,54 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DEVICE": "device",
-    "Kernel": "kernel",
-    "built_instances": "kernel",
-    "kernel": "kernel",
-    "kernel_from_source": "kernel",
-    "ArgVisitor": "runtime",
-    "CustomOp": "runtime",
-    "GridError": "runtime",
-    "MissingBackwardError": "runtime",
-    "NoGradientError": "runtime",
-    "OpContext": "runtime",
-    "PackingError": "runtime",
-    "RuntimeOp": "runtime",
-    "TeenyError": "runtime",
-    "Launch": "runtime",
-    "Block": "runtime",
-    "KernelLaunchError": "runtime",
-    "record_launches": "kernel",
-    "Graph": "graph",
-    "GraphError": "graph",
-    "Tensor": "graph",
-    "Module": "module",
-    "Parameter": "module",
-    "LoweringMode": "lowering",
-    "Program": "lowering",
-    "lower": "lowering",
-    "ActivationCache": "executor",
-    "Executor": "executor",
-    "GradcheckError": "gradcheck",
-    "gradcheck": "gradcheck",
-    "gradcheck_graph": "gradcheck",
-    "OpInfo": "registry",
-    "Sample": "registry",
-    "register": "registry",
+    "DEVICE": "core.device",
+    "Kernel": "core.kernel",
+    "built_instances": "core.kernel",
+    "kernel": "core.kernel",
+    "kernel_from_source": "core.kernel",
+    "record_launches": "core.kernel",
+    "ArgVisitor": "core.runtime",
+    "CustomOp": "core.runtime",
+    "OpContext": "core.runtime",
+    "RuntimeOp": "core.runtime",
+    "Launch": "core.runtime",
+    "Block": "core.runtime",
+    "TeenyError": "core.errors",
+    "GridError": "core.errors",
+    "MissingBackwardError": "core.errors",
+    "NoGradientError": "core.errors",
+    "PackingError": "core.errors",
+    "KernelLaunchError": "core.errors",
+    "Graph": "core.graph",
+    "GraphError": "core.graph",
+    "Tensor": "core.graph",
+    "Module": "core.module",
+    "Parameter": "core.module",
+    "LoweringMode": "program.lowering",
+    "Program": "program.lowering",
+    "lower": "program.lowering",
+    "ActivationCache": "program.executor",
+    "Executor": "program.executor",
+    "GradcheckError": "checks.gradcheck",
+    "gradcheck": "checks.gradcheck",
+    "gradcheck_graph": "checks.gradcheck",
+    "OpInfo": "checks.registry",
+    "Sample": "checks.registry",
+    "register": "checks.registry",
     "load": "aot",
 }
-_SUBMODULES = {
-    "device",
-    "init",
-    "nn",
-    "ops",
-    "optim",
-    "interop",
-    "models",
-    "data",
-    "train",
-    "registry",
-    "kernels",
-    "graph",
-    "lowering",
-    "executor",
-    "runtime",
-    "module",
-    "config",
-    "aot",
-    "distributed",
-    "torch",
-}
+# the folders, bottom layer first: each imports only from those before it
+_SUBMODULES = ("core", "ops", "nn", "fusions", "program", "checks", "training", "torch", "aot")
 
 _TORCH_EXPORTS = {"from_torch", "to_torch"}  # teeny.torch.export: loaded only when asked for
 
-__all__ = sorted(_EXPORTS) + sorted(_TORCH_EXPORTS) + sorted(_SUBMODULES)
+__all__ = sorted(_EXPORTS) + sorted(_TORCH_EXPORTS) + list(_SUBMODULES)
 
 
 def _load() -> None:
     """Import the device choice, every op family and the exported names (once)."""
-    importlib.import_module(f"{__name__}.device")
-    importlib.import_module(f"{__name__}.ops")
-    importlib.import_module(f"{__name__}.interop.torch")
+    importlib.import_module(f"{__name__}.core.device")
+    importlib.import_module(f"{__name__}.checks.samples")
     for module in set(_EXPORTS.values()):
         importlib.import_module(f"{__name__}.{module}")
     # set after every import: importing a submodule named like a function (kernel, gradcheck)
@@ -94,15 +73,12 @@ def _load() -> None:
 
 def __getattr__(name: str):
     if name in _TORCH_EXPORTS:
-        importlib.import_module(f"{__name__}.device")
+        importlib.import_module(f"{__name__}.core.device")
         return getattr(importlib.import_module(f"{__name__}.torch.export"), name)
     if name in _EXPORTS:
         _load()
         return globals()[name]
-    if name in _SUBMODULES:  # also reached by `from . import init` inside the package: import only that
-        importlib.import_module(f"{__name__}.device")
-        module = importlib.import_module(f"{__name__}.{name}")
-        if name == "interop":
-            importlib.import_module(f"{__name__}.interop.torch")
-        return module
+    if name in _SUBMODULES:  # also reached by `from . import ops` inside the package: import only that
+        importlib.import_module(f"{__name__}.core.device")
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'teeny' has no attribute {name!r}")

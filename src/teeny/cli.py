@@ -6,8 +6,11 @@ Triton interpreter must be switched on before any kernel is defined. Each subcom
 
 ``teeny train`` runs data-parallel when started by torchrun (``torchrun --nproc-per-node N -m
 teeny train MODEL ...``); ``teeny train MODEL --nproc N`` starts torchrun itself. Exit codes: 0
-done, 1 training failed (the loss diverged, a process died or hung), 2 bad input (arguments,
-checkpoint, output folder), 130 interrupted, 141 output closed early (``teeny ops | head``).
+done, 1 failed (``gradcheck``: an op failed; ``train``: the loss diverged, a process died or hung,
+a file could not be written), 2 bad input (arguments, checkpoint, output folder or one in use,
+a model file or task that breaks its contract), 130 interrupted, 141 output closed early
+(``teeny ops | head``). Every failure teeny expects ends in one line on stderr (``_exit_code``
+maps errors to codes); a traceback means a bug in teeny.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import os
 import sys
 
-MODELS = ("mlp", "cnn", "gpt")  # teeny.models.make_task knows each; kept here so parsing imports no kernel
+MODELS = ("mlp", "cnn", "gpt")  # teeny.training.models.make_task knows each; kept here so parsing imports no kernel
 DEVICES = ("auto", "cpu", "cuda")
 SIZES = ("small", "large", "gpt2")  # the gpt sizes make_task knows
 
@@ -89,6 +92,29 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the final flush at exit must not fail again
         return 141
+    except Exception as exc:
+        code = _exit_code(exc)
+        if code is None:  # not a failure teeny expects: a bug, shown with its traceback
+            raise
+        print(f"teeny {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return code
+
+
+def _exit_code(exc: BaseException) -> int | None:
+    """The exit code of a failure teeny expects, or None for a bug. teeny's errors carry theirs
+    (``exit_code``: 2 bad input, 1 the run failed); any other ``OSError`` is a file that could not
+    be read or written (a full disk, a folder taken away): 1."""
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    return 1 if isinstance(exc, OSError) else None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's message on one line (an ``OSError`` as its file and reason)."""
+    if isinstance(exc, OSError) and exc.strerror and not hasattr(exc, "exit_code"):
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return " ".join(str(exc).split())
 
 
 def _choose_device(device: str | None) -> str | None:
@@ -137,8 +163,8 @@ def add_ops(sub) -> None:
 
 
 def cmd_ops(args) -> int:
-    from .facts import op_facts
-    from .ops import all_ops
+    from .checks.facts import op_facts
+    from .checks.samples import all_ops
 
     rows = []
     for info in all_ops():
@@ -175,9 +201,9 @@ def add_gradcheck(sub) -> None:
 def cmd_gradcheck(args) -> int:
     import torch
 
-    from .facts import op_facts
-    from .gradcheck import gradcheck
-    from .ops import all_ops
+    from .checks.facts import op_facts
+    from .checks.gradcheck import gradcheck
+    from .checks.samples import all_ops
 
     infos = {i.name: i for i in all_ops()}
     unknown = [name for name in args.ops if name not in infos]
@@ -270,7 +296,8 @@ def add_train(sub) -> None:
     p.add_argument(
         "--out",
         help="folder for checkpoint, metrics.jsonl and loss.png (default: the resumed checkpoint's folder, else "
-        "runs/latest); a run that does not resume replaces an earlier run's files there",
+        "runs/latest); a run that does not resume replaces an earlier run's files there; one run at a time "
+        "(a second is refused while the first holds DIR/.lock)",
     )
     p.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint file")
     p.add_argument(
@@ -316,7 +343,7 @@ def cmd_train(args) -> int:
         return start_torchrun(args.nproc, _without_nproc(args.argv))
     world = None
     if _under_torchrun():
-        from .distributed import DistributedError, init
+        from .training.distributed import DistributedError, init
 
         if args.nproc and args.nproc != int(os.environ["WORLD_SIZE"]):
             started = os.environ["WORLD_SIZE"]
@@ -331,11 +358,11 @@ def cmd_train(args) -> int:
         code = _train(args, world)
     finally:
         if world is not None:
-            from .distributed import shutdown
+            from .training.distributed import shutdown
 
             shutdown()
     if world is not None:
-        from .distributed import exit_after_failure
+        from .training.distributed import exit_after_failure
 
         exit_after_failure(code)  # a peer died or hung: end now, not through the group's teardown
     return code
@@ -344,19 +371,19 @@ def cmd_train(args) -> int:
 def _train(args, world) -> int:
     lead = world is None or world.rank == 0
     say = print if lead else (lambda *a, **k: None)
-    from . import device
-    from .distributed import DistributedError
-    from .models import make_task
-    from .train import CheckpointError, DivergedError, TrainConfig, train
+    from .core import device
+    from .training.distributed import DistributedError
+    from .training.loop import TrainConfig, train
+    from .training.models import make_task
 
     if args.torch_model:
-        from .runtime import TeenyError
+        from .core.errors import TeenyError
         from .torch.task import torch_model_task
 
         try:
             task = torch_model_task(args.torch_model, data=args.data)
         except (ValueError, OSError, TeenyError) as exc:  # a factory that cannot be loaded or imported
-            print(f"teeny train: --torch-model {args.torch_model}: {exc}", file=sys.stderr)
+            print(f"teeny train: --torch-model {args.torch_model}: {_one_line(exc)}", file=sys.stderr)
             return 2
     else:
         task = make_task(args.model, args.size)
@@ -396,17 +423,13 @@ def _train(args, world) -> int:
     allow = [name.strip() for item in args.allow_change for name in item.split(",") if name.strip()]
     try:
         result = train(task, config, resume=args.resume, allow_change=allow, world=world, log=say)
-    except (CheckpointError, ValueError) as exc:
-        if lead:
-            print(f"teeny train: {exc}", file=sys.stderr)
-        return 2
-    except DivergedError as exc:
-        if lead:
-            print(f"teeny train: {exc}", file=sys.stderr)
-        return 1
-    except DistributedError as exc:
-        print(f"teeny train: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        code = 2 if isinstance(exc, ValueError) else _exit_code(exc)  # ValueError: a setting TrainConfig refused
+        if code is None:
+            raise
+        if lead or isinstance(exc, DistributedError):  # the others raise what rank 0 found; a lost peer, their own
+            print(f"teeny train: {_one_line(exc)}", file=sys.stderr)
+        return code
     if result.get("nothing_to_do"):
         return 0
     objects = ("executor", "optimizer")

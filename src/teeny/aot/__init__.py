@@ -21,7 +21,7 @@ Bundle format, version 1: a zip archive (``.teeny``) holding
 * ``manifest.json``: ``format`` ("teeny-bundle"), ``format_version`` (1), ``teeny_version``,
   ``triton_version``, ``torch_version``, ``created``, ``name``, ``mode`` (training | inference),
   ``source`` (``{"kind": "model", "model", "size", "batch_size"}`` or ``{"kind": "graph",
-  "file": "graph.pkl"}``), ``config`` (the ``teeny.config`` switches the graph was traced with),
+  "file": "graph.pkl"}``), ``config`` (the ``teeny.core.config`` switches the graph was traced with),
   ``train`` (optimizer, lr, weight_decay, momentum, clip, schedule, warmup_steps; training
   only), ``seed``, ``params`` (``"params.safetensors"`` or null), ``targets`` (per target:
   ``name`` "cuda:90", ``arch``, ``sm_count``, ``plan`` file, counts);
@@ -37,8 +37,10 @@ Bundle format, version 1: a zip archive (``.teeny``) holding
   num_stages, shared memory, files), ``warnings`` (specialised integers that change between
   runs), ``compile_seconds``;
 * ``targets/<cuda90>/kernels/k<N>.cubin | .ptx | .json``: the binary, its PTX, Triton's metadata;
-* ``graph.pkl``: a stored graph (kernels and Triton functions by reference; a pickle: load
-  bundles you trust); ``params.safetensors``: the parameters, when stored.
+* ``graph.pkl``: a stored graph (kernels and Triton functions by reference), read back by an
+  unpickler that resolves only teeny's own classes, torch dtypes and plain containers, so loading
+  a bundle you did not build runs none of its code (``load(..., trusted=True)`` also resolves
+  other modules' ops, such as your ``CustomOp``); ``params.safetensors``: the parameters, when stored.
 
 A bundle is refused (``BundleError``) when its format version, teeny version or Triton version
 differ from the loading process's, or when it holds no kernels for the GPU's compute capability.
@@ -120,7 +122,7 @@ def _run_worker(request: dict) -> dict:
 def _source(graph_or_model: Any, size: str, batch_size: int | None) -> tuple[dict, bytes | None, str, list[str]]:
     """(source, graph pickle, name, parameters whose values must be stored)."""
     if isinstance(graph_or_model, str):
-        from ..models import NAMES
+        from ..training.models import NAMES
 
         if graph_or_model not in NAMES:
             raise BundleError(f"unknown model {graph_or_model!r}; choose from {', '.join(NAMES)} or pass a Graph")
@@ -130,7 +132,7 @@ def _source(graph_or_model: Any, size: str, batch_size: int | None) -> tuple[dic
             graph_or_model,
             [],
         )
-    from ..graph import Graph
+    from ..core.graph import Graph
     from .program import store_graph
 
     if not isinstance(graph_or_model, Graph):
@@ -145,12 +147,12 @@ def _params_bytes(params: Any, graph: Any, seed: int) -> bytes | None:
     from safetensors.torch import save
 
     if params is None and graph is not None:
-        from ..executor import Executor
-        from ..lowering import lower
+        from ..program.executor import Executor
+        from ..program.lowering import lower
 
         params = Executor(lower(graph), seed=seed, device="cpu").state_dict()
     if isinstance(params, (str, os.PathLike)):
-        from ..train import CheckpointError, load_checkpoint
+        from ..training.loop import CheckpointError, load_checkpoint
 
         try:
             params, _, _ = load_checkpoint(params)
@@ -181,7 +183,7 @@ def build(
     the initial ones); without, the loader initialises them with ``seed`` as the JIT path does
     (a graph whose initialisers cannot be stored always stores them). ``train`` overrides the
     optimizer settings a training bundle compiles for (optimizer, lr, weight_decay, momentum,
-    clip, ...; default the model's); ``config`` the ``teeny.config`` switches a model is traced
+    clip, ...; default the model's); ``config`` the ``teeny.core.config`` switches a model is traced
     with (default the GPU's)."""
     options = dict(target=target, mode=mode, batch_size=batch_size, size=size, params=params, seed=seed)
     return build_many([(graph_or_model, path, {**options, "train": train, "config": config})])[0]
@@ -224,6 +226,7 @@ def build_many(items: list[tuple[Any, Any, dict]]) -> list[Path]:
             }
         )
         outs.append(Path(path) if path is not None else Path(f"{name}-{mode}.teeny"))
+        _check_out(outs[-1], f"{name}-{mode}.teeny")  # before minutes of compiling, not after
     started = time.perf_counter()
     worker_jobs = [{k: v for k, v in job.items() if k not in ("stored", "name")} for job in jobs]
     result = _run_worker({"command": "build", "jobs": worker_jobs, "targets": [vars(t) for t in all_targets]})
@@ -231,6 +234,26 @@ def build_many(items: list[tuple[Any, Any, dict]]) -> list[Path]:
     return [
         _write(out, job, job_result, all_targets, seconds) for out, job, job_result in zip(outs, jobs, result["jobs"])
     ]
+
+
+def _check_out(out: Path, default_name: str) -> None:
+    """Refuse a bundle path that cannot be written: a folder, a path under a file, or a place
+    where no file can be made (a read-only mount, /proc). Creates nothing."""
+    if out.is_dir():
+        raise BundleError(f"cannot write the bundle to {out}: it is a folder (name a file, e.g. {out / default_name})")
+    existing = out.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BundleError(f"cannot write the bundle to {out}: it lies under {existing}, which is a file")
+    try:  # os.access says yes to root anywhere; making a file is the test that holds
+        fd, probe = tempfile.mkstemp(prefix=".teeny-build-", dir=existing)
+    except OSError as exc:
+        raise BundleError(
+            f"cannot write the bundle to {out}: no file can be made in {existing} ({exc.strerror})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _write(out: Path, job: dict, result: dict, targets: list[Target], seconds: float) -> Path:
@@ -277,7 +300,10 @@ def _write(out: Path, job: dict, result: dict, targets: list[Target], seconds: f
         "targets": entries,
         "build_seconds": seconds,
     }
-    return write_bundle(out, manifest, files)
+    try:
+        return write_bundle(out, manifest, files)
+    finally:  # write_bundle's temporary file, left where the write or the rename failed (a full disk)
+        out.with_name(out.name + ".tmp").unlink(missing_ok=True)
 
 
 def _json_bytes(obj: Any) -> bytes:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
+from ..core import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
 
 # isort: split
 import triton
@@ -42,9 +42,9 @@ from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITCallable, compute_cache_key, create_function_from_signature
 
-from ..executor import Executor
-from ..kernel import REGISTRY, KernelInstance, dtype_name, intercept_launches
-from ..lowering import LoweringMode, Program
+from ..core.kernel import REGISTRY, KernelInstance, dtype_name, intercept_launches
+from ..program.executor import Executor
+from ..program.lowering import LoweringMode, Program
 from .bundle import Target
 
 KEPT_FILES = ("json", "cubin", "ptx")  # Triton's metadata, the binary, and its PTX (for reading)
@@ -66,7 +66,7 @@ class Captured:
 def launch_site() -> str:
     """The ``where`` of the ``run_launch`` call on the stack ("op linear (node 'fc1', forward)",
     "optimizer AdamW", ...): every launch passes through it."""
-    from ..runtime import run_launch
+    from ..core.runtime import run_launch
 
     frame = sys._getframe(1)
     while frame is not None:
@@ -103,7 +103,7 @@ def run_program(program: Program, train: dict | None, seed: int = 0):
     optimizer = None
     with intercept_launches(intercept):
         if program.mode is LoweringMode.TRAINING:
-            from ..train import TrainConfig, TrainStep, make_optimizer
+            from ..training.loop import TrainConfig, TrainStep, make_optimizer
 
             settings = {k: train[k] for k in ("optimizer", "lr", "weight_decay", "momentum") if k in train}
             optimizer = make_optimizer(executor, TrainConfig(**settings))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
+from ..core import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
 
 # isort: split
 import triton
@@ -33,10 +33,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime import driver as triton_driver
 
 from .. import __version__
-from ..device import DEVICE
-from ..executor import Executor
-from ..kernel import REGISTRY, Kernel
-from ..lowering import LoweringMode, lower
+from ..core.device import DEVICE
+from ..core.kernel import REGISTRY, Kernel
+from ..program.executor import Executor
+from ..program.lowering import LoweringMode, lower
 from .bundle import Bundle, BundleError, check_versions, select_target
 from .capture import launch_site
 from .program import check_same_program, make_graph
@@ -156,7 +156,7 @@ def prepare_launchers(compiled: list[CompiledKernel], threads: int | None = None
 
 class LoadedBundle:
     """A bundle's program, ready on the GPU: ``forward(inputs)``, and for training bundles
-    ``step(feed)`` (one training step, as ``teeny.train.TrainStep``) with ``optimizer``.
+    ``step(feed)`` (one training step, as ``teeny.training.loop.TrainStep``) with ``optimizer``.
 
     ``executor`` is the program's ``Executor``; ``task`` the built-in model's task (data)
     when the bundle was built from one; ``plan`` the target's plan; ``kernels`` its binaries.
@@ -208,13 +208,16 @@ def load(
     device: torch.device | str | None = None,
     cuda_graph: bool | None = None,
     prepare: bool = True,
+    trusted: bool = False,
 ) -> LoadedBundle:
     """Load the bundle ``path`` for this process's GPU and return its program, ready to run
     with zero JIT compilations. Refused (``BundleError``) when the bundle holds no kernels for
     this GPU's compute capability, or was built by another teeny or Triton. Parameters come
     from ``params``, else the bundle, else the initialisers with ``seed`` (default: the build's).
     ``cuda_graph`` captures training steps as CUDA graphs (default: on the GPU); ``prepare``
-    builds Triton's host launchers of all kernels up front, in parallel (``prepare_launchers``)."""
+    builds Triton's host launchers of all kernels up front, in parallel (``prepare_launchers``).
+    A stored graph resolves only teeny's own classes, so a bundle from elsewhere runs no code of
+    its own while it loads; ``trusted=True`` also resolves other modules' ops (your ``CustomOp``)."""
     bundle = Bundle(path)
     where = f"bundle {bundle.path}"
     manifest = bundle.manifest
@@ -232,7 +235,7 @@ def load(
     plan = bundle.plan(entry["name"])
     mode = manifest["mode"]
     graph_pickle = bundle.read(manifest["source"]["file"]) if manifest["source"]["kind"] == "graph" else None
-    graph, task, _ = make_graph(manifest["source"], mode, manifest["config"], graph_pickle)
+    graph, task, _ = make_graph(manifest["source"], mode, manifest["config"], graph_pickle, trusted)
     program = lower(graph, LoweringMode(mode))
     if params is None and manifest.get("params"):
         from safetensors.torch import load as load_safetensors
@@ -250,7 +253,7 @@ def load(
         prepare_launchers(compiled)
     optimizer = train_step = None
     if program.mode is LoweringMode.TRAINING:
-        from ..train import TrainConfig, TrainStep, make_optimizer
+        from ..training.loop import TrainConfig, TrainStep, make_optimizer
 
         train = manifest["train"]
         settings = {k: train[k] for k in ("optimizer", "lr", "weight_decay", "momentum") if k in train}

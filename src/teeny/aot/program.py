@@ -2,7 +2,7 @@
 
 The build's worker and the loader both turn a bundle's *source* into a ``Graph``: a built-in
 model (``make_task(model, size)`` at a batch size) traced under the bundle's switches
-(``teeny.config``), or a user ``Graph`` stored as a pickle in which kernels and Triton
+(``teeny.core.config``), or a user ``Graph`` stored as a pickle in which kernels and Triton
 functions are references (resolved to the loading process's own objects, so a graph traced
 under the interpreter loads with the GPU's kernels) and parameter initialisers that are not
 importable are replaced by the bundle's stored parameters.
@@ -20,25 +20,25 @@ from typing import Any
 
 import torch
 
-from .. import config as teeny_config
-from ..graph import Graph
-from ..kernel import REGISTRY, Kernel, dtype_name
+from ..core import config as teeny_config
+from ..core.graph import Graph
+from ..core.kernel import REGISTRY, Kernel, dtype_name
 from .bundle import BundleError
 
 CONFIG_SWITCHES = ("allow_tf32", "deterministic", "check_indices")
 
 
 def current_config() -> dict[str, bool]:
-    """The ``teeny.config`` switches as they are now."""
+    """The ``teeny.core.config`` switches as they are now."""
     return {name: bool(getattr(teeny_config, name)) for name in CONFIG_SWITCHES}
 
 
 @contextlib.contextmanager
 def switches(values: dict[str, bool]) -> Iterator[None]:
-    """``teeny.config`` set to ``values`` inside the block (read when a graph is traced)."""
+    """``teeny.core.config`` set to ``values`` inside the block (read when a graph is traced)."""
     unknown = sorted(set(values) - set(CONFIG_SWITCHES))
     if unknown:
-        raise BundleError(f"unknown teeny.config switches {unknown}; known: {', '.join(CONFIG_SWITCHES)}")
+        raise BundleError(f"unknown teeny.core.config switches {unknown}; known: {', '.join(CONFIG_SWITCHES)}")
     old = current_config()
     for name, value in values.items():
         setattr(teeny_config, name, bool(value))
@@ -53,15 +53,17 @@ _TASKS: dict = {}
 TRAIN_SETTINGS = ("optimizer", "lr", "weight_decay", "momentum", "clip", "schedule", "warmup_steps")
 
 
-def make_graph(source: dict, mode: str, config: dict[str, bool], graph_pickle: bytes | None = None):
+def make_graph(
+    source: dict, mode: str, config: dict[str, bool], graph_pickle: bytes | None = None, trusted: bool = False
+):
     """``(graph, task, source)`` for a bundle's source: ``task`` is the built-in model's task
     (data, defaults) or ``None`` for a stored graph; ``source`` has its defaults filled in (the
     model's batch size)."""
     if source["kind"] == "graph":
         if graph_pickle is None:
             raise BundleError("the bundle's source is a stored graph, but graph.pkl is missing")
-        return load_graph(graph_pickle), None, dict(source)
-    from ..models import make_task
+        return load_graph(graph_pickle, trusted), None, dict(source)
+    from ..training.models import make_task
 
     with switches(config):
         size = source.get("size") or "small"
@@ -83,7 +85,7 @@ def make_graph(source: dict, mode: str, config: dict[str, bool], graph_pickle: b
 def train_settings(task, overrides: dict) -> dict:
     """The optimizer and clipping a training bundle is built for: ``TrainConfig``'s defaults,
     then the model's, then ``overrides`` (``None`` values ignored)."""
-    from ..train import TrainConfig
+    from ..training.loop import TrainConfig
 
     unknown = sorted(set(overrides) - set(TRAIN_SETTINGS))
     if unknown:
@@ -124,6 +126,19 @@ def _module_attr(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _triton_function(module: str, name: str) -> Any:
+    """A stored graph's reference to a ``@triton.jit`` function: only such a function resolves
+    (a reference to any other attribute would let a bundle call it while loading)."""
+    found = _module_attr(module, name)
+    if not _is_triton_function(found):
+        raise BundleError(f"the stored graph refers to {module}.{name}, which is not a Triton function")
+    return found
+
+
+def _is_triton_function(obj: Any) -> bool:
+    return inspect.isfunction(getattr(obj, "fn", None)) and not inspect.isfunction(obj)
+
+
 def _importable(obj: Any) -> bool:
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
     if not module or "<" in name:
@@ -143,16 +158,15 @@ class _GraphPickler(pickle.Pickler):
                     "cannot be stored; keep such kernels on the op's class (CustomOp does)"
                 )
             return _registered_kernel, (obj.name,)
-        fn = getattr(obj, "fn", None)  # a @triton.jit function (compiled or interpreted): by reference
-        if inspect.isfunction(fn) and not inspect.isfunction(obj):
-            module, name = fn.__module__, fn.__qualname__
+        if _is_triton_function(obj):  # a @triton.jit function (compiled or interpreted): by reference
+            module, name = obj.fn.__module__, obj.fn.__qualname__
             try:
                 found = _module_attr(module, name)
             except (ImportError, AttributeError):
                 found = None
             if found is not obj:
                 raise BundleError(f"Triton function {module}.{name} is not a module attribute, so it cannot be stored")
-            return _module_attr, (module, name)
+            return _triton_function, (module, name)
         return NotImplemented
 
 
@@ -180,12 +194,58 @@ def store_graph(graph: Graph) -> tuple[bytes, list[str]]:
     return buffer.getvalue(), [v.name for v in graph.params if v.id in replaced]
 
 
-def load_graph(data: bytes) -> Graph:
-    """A graph from ``store_graph``'s bytes. A pickle: load bundles you trust."""
+_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "slice", "complex", "bytearray"}
+
+
+class _GraphUnpickler(pickle.Unpickler):
+    """Resolves only what a stored graph is made of, so that loading a bundle runs no code of the
+    bundle's choosing: teeny's own classes (ops, the graph's parts, enums), torch dtypes and
+    sizes, plain containers, kernels by registered name and Triton functions by reference. With
+    ``trusted``, classes and Triton functions of other modules (a user's ``CustomOp``) resolve
+    too: that is a pickle of code the loading process imports, to be used only on bundles you
+    built or trust."""
+
+    def __init__(self, file: io.BytesIO, trusted: bool):
+        super().__init__(file)
+        self.trusted = trusted
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _BUILTINS:
+            return _module_attr(module, name)
+        if module == "collections" and name == "OrderedDict":
+            return _module_attr(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, type(torch.Size))):
+            found = getattr(torch, name)
+            if isinstance(found, torch.dtype) or found is torch.Size:
+                return found
+        if module == __name__ and name in ("_registered_kernel", "_triton_function", "StoredParameter"):
+            return globals()[name]
+        own = module == "teeny" or module.startswith("teeny.")
+        if own or self.trusted:
+            try:
+                found = _module_attr(module, name.split(".")[0])
+                for part in name.split(".")[1:]:
+                    found = getattr(found, part)
+            except (ImportError, AttributeError) as exc:
+                raise BundleError(
+                    f"the stored graph needs {module}.{name}, which this process cannot import: {exc}"
+                ) from None
+            if isinstance(found, type) and found.__module__ == module:
+                return found  # a class (an op, a part of the graph, an enum); its instances carry no code
+        where = "outside teeny" if not own else "not a class"
+        hint = " (load(..., trusted=True) if you built this bundle or trust it)" if not own and not self.trusted else ""
+        raise BundleError(f"the stored graph refers to {module}.{name}, {where}: refused{hint}")
+
+
+def load_graph(data: bytes, trusted: bool = False) -> Graph:
+    """A graph from ``store_graph``'s bytes, resolving only a graph's own parts (see
+    ``_GraphUnpickler``): a bundle from elsewhere cannot run code while it loads."""
     try:
-        graph = pickle.loads(data)
+        graph = _GraphUnpickler(io.BytesIO(data), trusted).load()
     except (ImportError, AttributeError) as exc:
         raise BundleError(f"the stored graph needs code this process cannot import: {exc}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise BundleError(f"the stored graph is damaged: {exc}") from None
     if not isinstance(graph, Graph):
         raise BundleError(f"graph.pkl holds a {type(graph).__name__}, not a teeny Graph")
     return graph

@@ -29,10 +29,10 @@ _EMULATED: dict = {}  # the target teeny sees now: arch, sm_count, device index
 
 
 def emulate_cuda(arch: int, sm_count: int) -> None:
-    """Make torch, and so ``teeny.device``, see a CUDA device of compute capability ``arch``
+    """Make torch, and so ``teeny.core.device``, see a CUDA device of compute capability ``arch``
     with ``sm_count`` SMs. Must run before teeny is imported; no CUDA call reaches a driver.
     ``use_target`` switches to another target later in the same process."""
-    if "teeny.device" in sys.modules:
+    if "teeny.core.device" in sys.modules:
         raise RuntimeError("emulate_cuda must run before teeny chooses its device")
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TEENY_DEVICE"] = "cuda"
@@ -120,14 +120,15 @@ def build_job(job: dict, targets: list) -> dict:
     import torch
     import triton
 
-    from ..executor import Executor
-    from ..lowering import LoweringMode, lower
+    from ..program.executor import Executor
+    from ..program.lowering import LoweringMode, lower
     from .capture import plan_target
     from .program import current_config, make_graph, train_settings
 
     mode = LoweringMode(job["mode"])
     config = {**current_config(), **job["config"]}  # the GPU's defaults, then the job's
-    graph, task, source = make_graph(job["source"], job["mode"], config, job.get("graph_pickle"))
+    # the graph the building process stored a moment ago: its own code, trusted
+    graph, task, source = make_graph(job["source"], job["mode"], config, job.get("graph_pickle"), trusted=True)
     train = train_settings(task, job.get("train") or {}) if mode is LoweringMode.TRAINING else None
     result = {
         "plans": [],
@@ -165,8 +166,8 @@ def verify_target(path: str, entry: dict, device: int) -> dict:
     import torch
     from triton.runtime import driver as triton_driver
 
-    from ..kernels.accumulate import accumulate
-    from ..runtime import TeenyError
+    from ..core.errors import TeenyError
+    from ..program.accumulate import accumulate
     from . import loader
 
     use_target(entry["arch"], entry["sm_count"], device)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from .. import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
+from ..core import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
 from . import library  # noqa: F401  (registers torch.ops.teeny.<name> for every op)
 from .bridge import apply, cache_size, clear_cache
 from .library import register, register_all, registered_ops

@@ -33,7 +33,12 @@ autograd graph keeps alive.
 ``apply(fn, *args)`` runs any teeny function on torch tensors. It keys its cache on what ``fn``
 computes (its code, the values its closure, defaults and the globals it reads hold, and the
 arguments' shapes, dtypes and values), so an inline lambda is traced once, not per call, and
-the cache is bounded (least recently used entries go first).
+the cache is bounded (least recently used entries go first). Dicts are keyed by their contents;
+other objects by identity and the plain values they hold as attributes (a bound method's
+``self.training``), one level deep. The trace gives each tensor argument its own input, so one
+tensor passed twice shares the entry of two; the entry's replay (``teeny.torch.tape``) tells
+the two apart. Dropout here draws each mask from torch's RNG (``teeny.ops.masks``), so
+``torch.utils.checkpoint`` recomputes the forward's mask.
 """
 
 from __future__ import annotations
@@ -50,11 +55,11 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..executor import ActivationCache, Executor, inference_tensor_error
-from ..graph import Graph, Tensor, Value
-from ..lowering import LoweringMode, lower
-from ..runtime import NoGradientError, TeenyError
-from ..tape import Replayed, check_replayable
+from ..core.errors import NoGradientError, TeenyError
+from ..core.graph import Graph, Tensor, Value
+from ..program.executor import ActivationCache, Executor, inference_tensor_error
+from ..program.lowering import LoweringMode, lower
+from .tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
 
@@ -139,7 +144,7 @@ class Compiled:
             (node_id, [placed(k) for k in ins], placed(out), {n: placed(k) for n, k in saved.items()})
             for node_id, ins, out, saved in pool_slots
         ]
-        blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.tape)
+        blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.torch.tape)
         self._forward_replay = Replayed(self._run_forward, blocked)
         self._backward_replay = Replayed(self._run_backward, blocked)
 
@@ -165,7 +170,7 @@ class Compiled:
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the program: its outputs, the extras, then the new values of the inputs it
         updates in place (``mutated``; the inputs themselves are left alone). Nothing returned
-        aliases an input. Recorded on the first call and replayed after (``teeny.tape``)."""
+        aliases an input. Recorded on the first call and replayed after (``teeny.torch.tape``)."""
         return self._forward_replay(tensors)
 
     def backward(self, grads: Sequence[torch.Tensor | None], saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -216,7 +221,7 @@ class Compiled:
             for op in view_ops:
                 t = op.view([t])
             pool.append(t)
-        cache = ActivationCache()
+        cache = ActivationCache(ex)
         for node_id, in_slots, out_slot, saved_slots in self._pool_slots:
             cache.entries[node_id] = {
                 "inputs": [None if k is None else pool[k] for k in in_slots],
@@ -279,6 +284,16 @@ def compile_function(*args: Any, **kwargs: Any) -> Compiled:
         return _compile(*args, **kwargs)
 
 
+def _is_torch_callable(fn: Any) -> bool:
+    """Whether ``fn`` is PyTorch's own (``torch.sin``, ``F.gelu``, a ``torch.nn`` module)."""
+    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+    return (
+        module.split(".")[0] == "torch"
+        or isinstance(fn, torch.nn.Module)
+        or type(fn).__name__ == "builtin_function_or_method"
+    )
+
+
 def _compile(
     fn: Callable,
     args: tuple,
@@ -304,7 +319,15 @@ def _compile(
             return type(a)(symbolic(b) for b in a)
         return a
 
-    result = fn(*[symbolic(a) for a in args], **{k: symbolic(v) for k, v in kwargs.items()})
+    try:
+        result = fn(*[symbolic(a) for a in args], **{k: symbolic(v) for k, v in kwargs.items()})
+    except TypeError as exc:
+        if "Tensor" not in str(exc) or not _is_torch_callable(fn):
+            raise
+        raise TeenyError(
+            f"apply: {getattr(fn, '__name__', type(fn).__name__)} is PyTorch's, which cannot run on teeny's "
+            "symbolic tensors: pass a function of teeny ops (teeny.ops.sin, ...), or call it on the torch tensors"
+        ) from None
     container = type(result) if isinstance(result, (tuple, list)) else None
     outs = list(result) if container is not None else [result]
     for i, o in enumerate(outs):
@@ -323,6 +346,9 @@ def _compile(
     if program is None:
         program = lower(graph, LoweringMode.INFERENCE)
     executor = Executor(program)
+    for p in program.nodes:  # dropout's masks from torch's RNG, which torch.utils.checkpoint restores
+        if hasattr(p.op, "torch_rng"):
+            p.op.torch_rng = True
     consts = executor._consts  # the executor's own constants: what its kernels read
     input_names = [v.name for v in graph.inputs]
     labels = list(input_labels) if input_labels is not None else [f"argument {i}" for i in range(len(flat))]
@@ -494,14 +520,14 @@ def _fake_outputs(entry: Compiled, device: torch.device) -> list[torch.Tensor]:
 
 
 def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
-    from ..device import DEVICE
+    from ..core.device import DEVICE
 
     return tensors[0].device if tensors else DEVICE
 
 
 # Defined with the low-level Library API rather than torch.library.custom_op: the same schema,
 # fake and autograd registrations, without custom_op's Python wrapper around each call (in the
-# H200 run's profile, torch 2.11's custom_ops.backend_impl took 470 us per call, bench/NOTES.md).
+# H200 run's profile, torch 2.11's custom_ops.backend_impl took 470 us per call, docs/archive/bench-journal.md).
 _LIB.define("run_forward(str key, Tensor[] tensors) -> Tensor[]")
 _LIB.define("run_backward(str key, Tensor?[] grads, Tensor[] saved) -> Tensor[]")
 
@@ -556,14 +582,14 @@ def _save_for_backward(ctx, entry: Compiled, flat: Sequence[torch.Tensor], outpu
             ctx.input_versions = []
 
 
-def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None] | None:
-    """The gradients of the flat inputs (``None`` for an entry lowered for inference), through
+def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None]:
+    """The gradients of the flat inputs (``None`` each for an entry lowered for inference), through
     the backward operator, or straight through the entry when ``eager``."""
     entry: Compiled = ctx.entry
     if entry.key not in _ENTRIES:  # evicted since the forward: the autograd graph kept it alive
         remember(entry)
-    if not entry.training:
-        return None
+    if not entry.training:  # lowered for inference (stop_gradient): no gradient, one None per input
+        return [None] * len(entry.input_names)
     try:
         saved = ctx.saved_tensors
     except RuntimeError as exc:
@@ -661,7 +687,7 @@ def _run_backward_flops(key, grads, saved, out_val=None) -> int:
 class _EagerRun(torch.autograd.Function):
     """``run_forward`` and ``run_backward`` for plain tensors in eager mode: the same entry,
     context and gradients, without the two operators' dispatch and autograd wrappers (on the
-    H200's host they cost more than the launches themselves, bench/NOTES.md)."""
+    H200's host they cost more than the launches themselves, docs/archive/bench-journal.md)."""
 
     @staticmethod
     def forward(ctx, entry, *tensors):  # ctx in forward: apply() binds no signature per call then
@@ -708,10 +734,13 @@ def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]
         _refuse_functorch_wrappers(entry, tensors)
     if not _eager(tensors):
         results = torch.ops.teeny.run_forward(entry.key, list(tensors))
-    elif entry.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        results = list(_EagerRun.apply(entry, *tensors))
-    else:
+    elif not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         results = entry.forward(list(tensors))
+    elif entry.training:
+        results = list(_EagerRun.apply(entry, *tensors))
+    else:  # lowered for inference, as no gradient reaches an output (stop_gradient): its copies record none
+        with torch.no_grad():
+            results = entry.forward(list(tensors))
     if entry.mutated:  # the operator is functional: it returns the new values, written back here
         n = len(results) - len(entry.mutated)
         with torch.no_grad():
@@ -751,12 +780,15 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 def _value_key(v: Any, refs: list, depth: int) -> Any:
     """A hashable description of what ``v`` contributes to a traced function: plain values by
-    value, functions by what they compute, anything else by identity (kept alive in ``refs``
-    so that the identity cannot be reused while the key exists)."""
+    value, containers (dicts too) by their contents, functions by what they compute, anything
+    else by identity (kept alive in ``refs`` so that the identity cannot be reused while the key
+    exists) together with the plain values it holds as attributes (``_plain_attributes``)."""
     if isinstance(v, _PLAIN):
         return (type(v).__name__, repr(v) if isinstance(v, float) else v)
     if isinstance(v, (tuple, list, frozenset)) and depth < 4:
         return (type(v).__name__, tuple(_value_key(b, refs, depth + 1) for b in v))
+    if isinstance(v, dict) and depth < 4:
+        return ("dict", tuple((_value_key(k, refs, depth + 1), _value_key(b, refs, depth + 1)) for k, b in v.items()))
     if isinstance(v, types.FunctionType) and depth < 4:
         return _function_key(v, refs, depth + 1)
     if isinstance(v, types.MethodType) and depth < 4:
@@ -764,7 +796,22 @@ def _value_key(v: Any, refs: list, depth: int) -> Any:
     if isinstance(v, types.ModuleType):
         return ("module", v.__name__)
     refs.append(v)
-    return ("id", id(v))
+    return ("id", id(v), _plain_attributes(v))
+
+
+def _plain_attributes(v: Any) -> tuple:
+    """The attributes of an object keyed by identity that hold plain values (a module's
+    ``training``, a layer's ``p``; tuples of them), by value: a function reading ``self.training``
+    is traced again after ``model.eval()``. One level only, and nothing it holds by reference
+    (submodules, parameters, buffers), so a big model's key costs its own attributes, not its tree."""
+    attributes = getattr(v, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(v, type):  # a class: by identity alone
+        return ()
+    return tuple(
+        (name, _value_key(a, [], 0))
+        for name, a in attributes.items()
+        if isinstance(a, _PLAIN) or (type(a) is tuple and all(isinstance(b, _PLAIN) for b in a))
+    )
 
 
 def _function_key(fn: types.FunctionType, refs: list, depth: int) -> Any:

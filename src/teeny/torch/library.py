@@ -4,16 +4,17 @@
     torch.compile(model, fullgraph=True)                # no graph break: the ops are opaque
     teeny.torch.register(my_teeny_function)             # your CustomOp or @kernel pair, the same way
 
-Each op has a schema written from its ``teeny.ops`` signature (tensors, ``Tensor?`` for an
+Each op runs its ``teeny.ops`` function itself (never the registry's test wrapper around it)
+and has a schema written from its ``teeny.ops`` signature (tensors, ``Tensor?`` for an
 optional one, ``int[]`` shapes and dims, ``Scalar`` overloads where a number may take a tensor's
 place) and a ``CompositeImplicitAutograd`` implementation that describes the call in a key
-(shapes, dtypes, ``requires_grad`` flags and the other arguments) and runs it through the
-bridge's two generic operators (``teeny::run_forward`` / ``teeny::run_backward``, see
-``teeny.torch.bridge``). Those carry the fake implementations (shapes, on meta or fake tensors,
-without a launch) and the autograd formula, whose backward is teeny's backward kernels fed
-exactly what the op's pair declares it saves. A model that calls these ops compiles with
-``torch.compile(fullgraph=True)``: the ops reach the graph as opaque custom operators, on the
-CPU (the Triton interpreter) as on the GPU.
+(shapes, dtypes, ``requires_grad`` flags and the other arguments, floats exactly: ``-0.0`` is
+not ``0.0``) and runs it through the bridge's two generic operators (``teeny::run_forward`` /
+``teeny::run_backward``, see ``teeny.torch.bridge``). Those carry the fake implementations
+(shapes, on meta or fake tensors, without a launch) and the autograd formula, whose backward is
+teeny's backward kernels fed exactly what the op's pair declares it saves. A model that calls
+these ops compiles with ``torch.compile(fullgraph=True)``: the ops reach the graph as opaque
+custom operators, on the CPU (the Triton interpreter) as on the GPU.
 
 Autocast: under ``torch.autocast`` the products (``linear``, ``matmul``, ``conv2d``,
 ``scaled_dot_product_attention``) run in the autocast dtype; every other op runs in the dtype
@@ -38,8 +39,9 @@ from typing import Any
 
 import torch
 
-from ..kernel import dtype_name
-from ..runtime import RuntimeOp, TeenyError
+from ..core.errors import TeenyError
+from ..core.kernel import dtype_name
+from ..core.runtime import RuntimeOp
 from . import bridge
 
 NAMESPACE = "teeny"
@@ -154,10 +156,13 @@ _OVERRIDES: dict[str, list[tuple[str, str]]] = {
             "bool count_include_pad=True, int? divisor_override=None",
         ),
     ],
-    "split": [("", "Tensor x, int s, int dim=0"), ("sizes", "Tensor x, int[] s, int dim=0")],
+    "split": [
+        ("", "Tensor x, int split_size_or_sections, int dim=0"),
+        ("sizes", "Tensor x, int[] split_size_or_sections, int dim=0"),
+    ],
     "clamp": [
-        ("", "Tensor x, Scalar? min=None, Scalar? max=None"),
-        ("Tensor", "Tensor x, Tensor? min=None, Tensor? max=None"),
+        ("", "Tensor input, Scalar? min=None, Scalar? max=None"),
+        ("Tensor", "Tensor input, Tensor? min=None, Tensor? max=None"),
     ],
     "logsumexp": [("", "Tensor x, int[1] dim, bool keepdim=False")],
     "squeeze": [("", "Tensor x, int[1]? dim=None")],
@@ -438,9 +443,9 @@ def _call_signature(args: tuple, kwargs: dict, grad: bool) -> tuple | None:
         if kind in _PLAIN_TENSORS:
             parts.append((a.shape, a.dtype, grad and a.requires_grad))
         elif kind in _PLAIN_VALUES and a == a:
-            parts.append((kind, a))
+            parts.append((kind, a.hex() if kind is float else a))  # -0.0 == 0.0, but not in hex
         elif kind in (list, tuple) and all(type(e) in (int, float, bool) and e == e for e in a):
-            parts.append((kind, tuple(a), tuple(map(type, a))))
+            parts.append((kind, tuple(e.hex() if type(e) is float else e for e in a), tuple(map(type, a))))
         else:
             return None
     if kwargs:
@@ -448,6 +453,16 @@ def _call_signature(args: tuple, kwargs: dict, grad: bool) -> tuple | None:
     if torch._C._is_any_autocast_enabled():
         parts.append(autocast_dtype([a for a in (*args, *kwargs.values()) if type(a) in _PLAIN_TENSORS]))
     return tuple(parts)
+
+
+def _exact(value: Any) -> Any:
+    """``value`` (a call's description) with each float as its hex text: -0.0 and 0.0 are equal
+    and hash alike, but a kernel given one or the other gives inf or -inf (``1 / x``)."""
+    if type(value) is float:
+        return (float, value.hex())
+    if isinstance(value, tuple):
+        return tuple(_exact(v) for v in value)
+    return value
 
 
 def _implementation(reg: Registered) -> Callable:
@@ -479,9 +494,10 @@ def _implementation(reg: Registered) -> Callable:
                 value = None
             encoded.append(_encode(value, tensors, labels, name))
         call = (reg.name, reg.overload, (), tuple(zip(given, encoded)))
-        key = _KEYS.get(call)
+        exact = _exact(call)
+        key = _KEYS.get(exact)
         if key is None:  # the key text once per signature, not per call
-            key = _KEYS[call] = _PREFIX + repr(call)
+            key = _KEYS[exact] = _PREFIX + repr(call)
         if signature is not None:
             positions = {n: i for i, n in enumerate(names[: len(args)])}
             known_calls[signature] = (
@@ -506,7 +522,7 @@ class _Direct:
     """``torch.ops.teeny`` for teeny's own layers (``teeny.torch.nn``, ``teeny.torch.patch``):
     the same operators, but a call in plain eager mode goes straight to the operator's Python
     implementation instead of through the dispatcher, whose round trip into Python costs about
-    as much as the rest of the call (bench/bench_host.py). Plain eager: nothing is compiling,
+    as much as the rest of the call (bench/host.py). Plain eager: nothing is compiling,
     no dispatch mode, no functorch transform, no function mode but ones that pass teeny's
     operators through unchanged (a class attribute ``passes_teeny_ops = True``: patch's
     router), and the arguments are plain tensors and values. Any other call goes through the
@@ -596,7 +612,7 @@ def register(
         arg_names = [f"x{i}" for i in range(count)]
 
         def apply_op(**named):
-            from ..graph import graph_of
+            from ..core.graph import graph_of
 
             xs = [named[n] for n in arg_names]
             return graph_of(*xs).apply(op, xs)
@@ -614,18 +630,17 @@ def register(
 
 
 def register_all() -> dict[str, Registered]:
-    """Register every op of teeny's registry (``teeny.ops.all_ops()``) once."""
+    """Register every op of teeny's registry (``teeny.checks.samples.all_ops()``) once."""
     from .. import ops
+    from ..checks.samples import all_ops
 
-    for info in ops.all_ops():
+    for info in all_ops():
         if info.name in _SKIPPED or _qualname(info.name, "") in _REGISTERED:
             continue
-        fn = info.op
-        if _takes_var_keywords(fn):  # a registry variant wrapping the functional op: register the op itself
-            fn = getattr(ops, info.name, None)
-            if fn is None or _takes_var_keywords(fn):
-                _SKIPPED[info.name] = "a registry variant with fixed arguments (its **kwargs have no schema)"
-                continue
+        fn = _functional(info, ops)
+        if fn is None:
+            _SKIPPED[info.name] = "a registry variant with fixed arguments (its **kwargs have no schema)"
+            continue
         overloads = _OVERRIDES.get(info.name)
         if overloads is None:
             overloads = [("", schema_arguments(fn, info.name))]
@@ -638,8 +653,21 @@ def register_all() -> dict[str, Registered]:
     return dict(_REGISTERED)
 
 
-def _takes_var_keywords(fn: Callable) -> bool:
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+def _functional(info, ops) -> Callable | None:
+    """What ``torch.ops.teeny.<info.name>`` runs: the ``teeny.ops`` function of that name where a
+    schema can describe its arguments, never the registry's test wrapper around it (``chunk``'s
+    sample concatenates the parts); else the registry's op (a variant such as ``gelu_tanh``, or
+    ``view``'s, which takes the sizes ``*shape`` spreads as one list); None when neither has a schema."""
+    fn = getattr(ops, info.name, None)
+    if fn is not None and not _takes_var_arguments(fn):
+        return fn
+    return None if _takes_var_arguments(info.op, positional=False) else info.op
+
+
+def _takes_var_arguments(fn: Callable, positional: bool = True) -> bool:
+    """Whether ``fn`` takes ``**kwargs`` (or ``*args`` too, when ``positional``)."""
+    kinds = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)[: 2 if positional else 1]
+    return any(p.kind in kinds for p in inspect.signature(fn).parameters.values())
 
 
 def _with_scalar(arguments: str, name: str) -> str:

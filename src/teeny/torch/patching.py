@@ -29,7 +29,7 @@ Two things happen, both in place and both reversible only by rebuilding the mode
 * **The language-model head and its loss**: a causal LM of ``transformers`` (``GPT2LMHeadModel``,
   ``*ForCausalLM`` with a plain ``lm_head``) called in training mode with ``labels=`` computes
   head and loss as one teeny call, which lowers to the chunked head + cross-entropy
-  (``teeny.rewrites.chunk_linear_cross_entropy``): the (tokens x vocabulary) logits are never
+  (``teeny.fusions.chunk_linear_cross_entropy``): the (tokens x vocabulary) logits are never
   stored, and the output's ``logits`` is ``None``, as Liger-Kernel's fused linear cross-entropy
   does. In eval mode, under ``no_grad`` or without labels the logits are computed as before.
   ``patch(model, fused_loss=False)`` keeps them always.
@@ -104,6 +104,8 @@ def _unsupported_option(module: nn.Module) -> str | None:
         return "return_indices=True"
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
         return "momentum=None"
+    if isinstance(module, (nn.Softmax, nn.LogSoftmax, nn.Softmin)) and module.dim is None:
+        return "dim=None (torch's implicit, deprecated choice of the dimension)"
     return None
 
 
@@ -632,6 +634,8 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     """Swap the supported submodules of ``model`` for teeny's, fuse a causal LM's head and loss
     (``fused_loss``) and route its functional calls to teeny while it runs (see the module
     docstring); returns what was done."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch(model): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}")
     report = PatchReport(functional=sorted({getattr(f, "__name__", str(f)) for f in TF.ROUTED}))
     for path, module in model.named_modules():
         cls = type(module)

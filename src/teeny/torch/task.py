@@ -7,8 +7,8 @@
         y = torch.zeros(32, dtype=torch.long)
         return model, {"x": x, "y": y}, torch.nn.CrossEntropyLoss()     # loss optional
 
-    task = teeny.torch.torch_model_task("my_model.py:make_model")      # a teeny.train.CallableTask
-    teeny.train.train(task, teeny.train.TrainConfig(epochs=2))
+    task = teeny.torch.torch_model_task("my_model.py:make_model")      # a teeny.training.loop.CallableTask
+    teeny.training.loop.train(task, teeny.training.loop.TrainConfig(epochs=2))
 
 ``make_model()`` returns ``(module, example_inputs)`` or ``(module, example_inputs, loss)``.
 ``example_inputs`` is a dict of two named tensors, samples and targets, batch first. Without
@@ -34,24 +34,25 @@ from typing import Any
 
 import torch
 
-from ..runtime import TeenyError
+from ..core.errors import TeenyError
 from .export import from_torch
 
 _DATA_SETS = ("digits", "digits-image", "chars")
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """The function ``name`` of the Python file in ``"path/to/file.py:name"``."""
+    """The function ``name`` of the Python file in ``"path/to/file.py:name"``. A spec that names
+    no such file or function raises ``ValueError`` (or ``FileNotFoundError``) saying which."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
-        raise ValueError(f"--torch-model expects path/to/file.py:function, got {spec!r}")
+        raise ValueError(f"expected path/to/file.py:function, got {spec!r}")
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"--torch-model: no file {file}")
+        raise FileNotFoundError(f"no file {file}")
     module_name = f"teeny_torch_model_{abs(hash(str(file.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, file)
     if loader_spec is None or loader_spec.loader is None:
-        raise ImportError(f"--torch-model: cannot import {file}")
+        raise ValueError(f"cannot import {file} (not a Python file?)")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     sys.path.insert(0, str(file.resolve().parent))  # the file may import its neighbours
@@ -61,7 +62,11 @@ def load_factory(spec: str) -> Callable[[], Any]:
         sys.path.pop(0)
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise AttributeError(f"--torch-model: {file} defines no function {name!r}")
+        defined = sorted(
+            k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", "") == module_name
+        )
+        known = f" (it defines {', '.join(defined)})" if defined else ""
+        raise ValueError(f"{file} defines no function {name!r}{known}")
     return factory
 
 
@@ -84,7 +89,7 @@ class _Data:
     """A bundled data set as (x, y) batches for the first two example inputs."""
 
     def __init__(self, name: str, example: dict[str, torch.Tensor]):
-        from .. import data
+        from ..training import data
 
         self.name = name
         (self.x_name, x_example), (self.y_name, y_example) = list(example.items())[:2]
@@ -145,11 +150,11 @@ class _Data:
 
 
 def torch_model_task(spec: str | Callable[[], Any], data: str | None = None, name: str | None = None):
-    """A ``teeny.train.CallableTask`` training the PyTorch model that ``spec`` makes (a
+    """A ``teeny.training.loop.CallableTask`` training the PyTorch model that ``spec`` makes (a
     ``"file.py:make_model"`` string or the function itself); see the module docstring."""
-    from ..executor import Executor
-    from ..lowering import LoweringMode, lower
-    from ..train import CallableTask
+    from ..program.executor import Executor
+    from ..program.lowering import LoweringMode, lower
+    from ..training.loop import CallableTask
 
     factory = load_factory(spec) if isinstance(spec, (str, os.PathLike)) else spec
     module, example, loss = _unpack(factory())

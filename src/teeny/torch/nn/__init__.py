@@ -7,7 +7,9 @@ Each class subclasses its ``torch.nn`` counterpart and replaces only ``forward``
 ``torch.ops.teeny.*``, see ``teeny.torch.library``; in plain eager mode straight into the
 operators' implementation, ``library.direct``): construction, initialisation, parameters,
 buffers, ``state_dict`` keys and ``repr`` are PyTorch's own, so a checkpoint loads either way
-and ``teeny.torch.patch`` can turn a torch layer into its teeny one in place. ``SwiGLUMLP`` and
+and ``teeny.torch.patch`` can turn a torch layer into its teeny one in place. The element-wise
+activations' drop-ins (``ReLU``, ``LeakyReLU``, ``GELU``, ...) are generated from their declarations
+in ``teeny.ops.activation.ACTIVATIONS``, as their ``functional`` entries are. ``SwiGLUMLP`` and
 ``ScaledDotProductAttention`` have no ``torch.nn`` class; they follow Llama's naming
 (``gate_proj``/``up_proj``/``down_proj``) and ``F.scaled_dot_product_attention``'s arguments.
 Arguments teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``, attention
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...ops.activation.declarations import ACTIVATIONS, Activation
 from . import functional as F
 from .functional import Unsupported
 
-__all__ = [
+__all__ = [  # and the activations' drop-ins
     "Linear",
     "LayerNorm",
     "RMSNorm",
@@ -33,27 +36,6 @@ __all__ = [
     "Conv2d",
     "MaxPool2d",
     "AvgPool2d",
-    "ReLU",
-    "GELU",
-    "SiLU",
-    "Mish",
-    "LeakyReLU",
-    "ELU",
-    "SELU",
-    "CELU",
-    "Softplus",
-    "Hardtanh",
-    "ReLU6",
-    "Hardsigmoid",
-    "Hardswish",
-    "LogSigmoid",
-    "Softsign",
-    "Tanhshrink",
-    "Softshrink",
-    "Hardshrink",
-    "Threshold",
-    "Sigmoid",
-    "Tanh",
     "PReLU",
     "GLU",
     "Softmax",
@@ -72,7 +54,7 @@ __all__ = [
     "DROP_INS",
     "Unsupported",
     "functional",
-]
+] + [d.layer for d in ACTIVATIONS if d.layer is not None]
 functional = F
 
 
@@ -209,111 +191,6 @@ class AvgPool2d(nn.AvgPool2d):
         )
 
 
-class ReLU(nn.ReLU):
-    def forward(self, input):
-        return F.relu(input)
-
-
-class GELU(nn.GELU):
-    def forward(self, input):
-        return F.gelu(input, self.approximate)
-
-
-class SiLU(nn.SiLU):
-    def forward(self, input):
-        return F.silu(input)
-
-
-class Mish(nn.Mish):
-    def forward(self, input):
-        return F.mish(input)
-
-
-class LeakyReLU(nn.LeakyReLU):
-    def forward(self, input):
-        return F.leaky_relu(input, self.negative_slope)
-
-
-class ELU(nn.ELU):
-    def forward(self, input):
-        return F.elu(input, self.alpha)
-
-
-class SELU(nn.SELU):
-    def forward(self, input):
-        return F.selu(input)
-
-
-class CELU(nn.CELU):
-    def forward(self, input):
-        return F.celu(input, self.alpha)
-
-
-class Softplus(nn.Softplus):
-    def forward(self, input):
-        return F.softplus(input, self.beta, self.threshold)
-
-
-class Hardtanh(nn.Hardtanh):
-    def forward(self, input):
-        return F.hardtanh(input, self.min_val, self.max_val)
-
-
-class ReLU6(nn.ReLU6):
-    def forward(self, input):
-        return F.relu6(input)
-
-
-class Hardsigmoid(nn.Hardsigmoid):
-    def forward(self, input):
-        return F.hardsigmoid(input)
-
-
-class Hardswish(nn.Hardswish):
-    def forward(self, input):
-        return F.hardswish(input)
-
-
-class LogSigmoid(nn.LogSigmoid):
-    def forward(self, input):
-        return F.logsigmoid(input)
-
-
-class Softsign(nn.Softsign):
-    def forward(self, input):
-        return F.softsign(input)
-
-
-class Tanhshrink(nn.Tanhshrink):
-    def forward(self, input):
-        return F.tanhshrink(input)
-
-
-class Softshrink(nn.Softshrink):
-    def forward(self, input):
-        return F.softshrink(input, self.lambd)
-
-
-class Hardshrink(nn.Hardshrink):
-    def forward(self, input):
-        return F.hardshrink(input, self.lambd)
-
-
-class Threshold(nn.Threshold):
-    def forward(self, input):
-        return F.threshold(input, self.threshold, self.value)
-
-
-class Sigmoid(nn.Sigmoid):
-    def forward(self, input):
-        return F.sigmoid(input)
-
-
-class Tanh(nn.Tanh):
-    def forward(self, input):
-        return F.tanh(input)
-
-
 class GLU(nn.GLU):
     def forward(self, input):
         return F.glu(input, self.dim)
@@ -327,6 +204,35 @@ class Softmax(nn.Softmax):
 class LogSoftmax(nn.LogSoftmax):
     def forward(self, input):
         return F.log_softmax(input, self.dim)
+
+
+def _activation_drop_in(declaration: Activation) -> type:
+    """``torch.nn.<layer>`` of a declared activation (``teeny.ops.activation``) with its forward
+    on ``functional.<name>``, passed the layer's attributes named like the activation's
+    arguments (torch's layers keep them under those names; ``inplace`` is left out). A class of
+    this module, its global of its name: it imports, pickles and deep-copies like a written one."""
+    base = getattr(nn, declaration.layer)
+    call = getattr(F, declaration.name)
+    attributes = tuple(p for p in declaration.params if p != "inplace")
+
+    def forward(self, input):
+        return call(input, *[getattr(self, a) for a in attributes])
+
+    forward.__qualname__ = f"{declaration.layer}.forward"
+    namespace = {
+        "forward": forward,
+        "__module__": __name__,
+        "__qualname__": declaration.layer,
+        "__doc__": f"``torch.nn.{declaration.layer}`` on teeny's kernels (``functional.{declaration.name}``).",
+    }
+    return type(declaration.layer, (base,), namespace)
+
+
+ACTIVATION_LAYERS = [d.layer for d in ACTIVATIONS if d.layer is not None]
+for _declaration in ACTIVATIONS:
+    if _declaration.layer is not None:
+        globals()[_declaration.layer] = _activation_drop_in(_declaration)
+del _declaration
 
 
 # ---------------------------------------------------------------------------- losses
@@ -396,27 +302,6 @@ DROP_INS: dict[type, type] = {  # torch.nn class -> its teeny drop-in (patch() s
         Dropout,
         MaxPool2d,
         AvgPool2d,
-        ReLU,
-        GELU,
-        SiLU,
-        Mish,
-        LeakyReLU,
-        ELU,
-        SELU,
-        CELU,
-        Softplus,
-        Hardtanh,
-        ReLU6,
-        Hardsigmoid,
-        Hardswish,
-        LogSigmoid,
-        Softsign,
-        Tanhshrink,
-        Softshrink,
-        Hardshrink,
-        Threshold,
-        Sigmoid,
-        Tanh,
         GLU,
         Softmax,
         LogSoftmax,
@@ -429,5 +314,6 @@ DROP_INS: dict[type, type] = {  # torch.nn class -> its teeny drop-in (patch() s
         BCELoss,
         BCEWithLogitsLoss,
         KLDivLoss,
+        *(globals()[name] for name in ACTIVATION_LAYERS),
     )
 }

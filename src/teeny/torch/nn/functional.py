@@ -13,8 +13,11 @@ catches it and lets PyTorch run that call (and reports it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ...ops.activation.declarations import ACTIVATIONS, Activation
 from .. import library
 
 T = library.direct
@@ -38,109 +41,33 @@ def _floating(*tensors) -> None:
 # ---------------------------------------------------------------------------- activations
 
 
-def relu(input, inplace=False):
-    _floating(input)
-    return T.relu(input)
+def _activation(declaration: Activation) -> Callable:
+    """The ``torch.nn.functional`` spelling of a declared activation (``teeny.ops.activation``):
+    torch's arguments and defaults (``inplace`` accepted: the result is a new tensor), numbers
+    passed to ``torch.ops.teeny.<name>`` as floats. Assigned to this module's global of its name,
+    so it imports and pickles by name."""
+    name = declaration.name
+    passed = [
+        (i, float if annotation == "float" else None)
+        for i, (p, annotation) in enumerate(declaration.annotations().items(), 1)
+        if p != "inplace"
+    ]
+
+    def call(*args, **kwargs):
+        values = declaration.bind(args, kwargs, "input")
+        _floating(values[0])
+        return getattr(T, name)(values[0], *[values[i] if cast is None else cast(values[i]) for i, cast in passed])
+
+    call.__name__ = call.__qualname__ = name
+    call.__module__ = __name__
+    call.__doc__ = f"``torch.nn.functional.{name}`` on teeny's kernels: {declaration.doc}"
+    call.__signature__ = declaration.signature("input")
+    return call
 
 
-def gelu(input, approximate="none"):
-    _floating(input)
-    return T.gelu(input, approximate)
-
-
-def silu(input, inplace=False):
-    _floating(input)
-    return T.silu(input)
-
-
-def mish(input, inplace=False):
-    _floating(input)
-    return T.mish(input)
-
-
-def leaky_relu(input, negative_slope=0.01, inplace=False):
-    _floating(input)
-    return T.leaky_relu(input, float(negative_slope))
-
-
-def elu(input, alpha=1.0, inplace=False):
-    _floating(input)
-    return T.elu(input, float(alpha))
-
-
-def selu(input, inplace=False):
-    _floating(input)
-    return T.selu(input)
-
-
-def celu(input, alpha=1.0, inplace=False):
-    _floating(input)
-    return T.celu(input, float(alpha))
-
-
-def softplus(input, beta=1.0, threshold=20.0):
-    _floating(input)
-    return T.softplus(input, float(beta), float(threshold))
-
-
-def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    _floating(input)
-    return T.hardtanh(input, float(min_val), float(max_val))
-
-
-def relu6(input, inplace=False):
-    _floating(input)
-    return T.relu6(input)
-
-
-def hardsigmoid(input, inplace=False):
-    _floating(input)
-    return T.hardsigmoid(input)
-
-
-def hardswish(input, inplace=False):
-    _floating(input)
-    return T.hardswish(input)
-
-
-def logsigmoid(input):
-    _floating(input)
-    return T.logsigmoid(input)
-
-
-def softsign(input):
-    _floating(input)
-    return T.softsign(input)
-
-
-def tanhshrink(input):
-    _floating(input)
-    return T.tanhshrink(input)
-
-
-def softshrink(input, lambd=0.5):
-    _floating(input)
-    return T.softshrink(input, float(lambd))
-
-
-def hardshrink(input, lambd=0.5):
-    _floating(input)
-    return T.hardshrink(input, float(lambd))
-
-
-def threshold(input, threshold, value, inplace=False):
-    _floating(input)
-    return T.threshold(input, float(threshold), float(value))
-
-
-def sigmoid(input):
-    _floating(input)
-    return T.sigmoid(input)
-
-
-def tanh(input):
-    _floating(input)
-    return T.tanh(input)
+for _declaration in ACTIVATIONS:
+    globals()[_declaration.name] = _activation(_declaration)
+del _declaration
 
 
 def prelu(input, weight):
@@ -296,10 +223,10 @@ def _packed_source(query, key, value) -> torch.Tensor | None:
 def _packed_attention(qkv, heads: int, is_causal: bool = False, scale: float | None = None):
     """softmax(q k^T * scale) v over q, k, v packed in qkv (batch, length, 3 * heads * dim);
     the output is (batch, length, heads, dim)."""
-    from ...graph import graph_of
-    from ...kernels.attention import AttentionOp
+    from ...core.graph import graph_of
+    from ...ops.attention.ops import AttentionOp
 
-    op = AttentionOp(False, is_causal, scale, False, layout="packed", heads=heads)
+    op = AttentionOp(has_mask=False, is_causal=is_causal, scale=scale, enable_gqa=False, layout="packed", heads=heads)
     return graph_of(qkv).apply(op, [qkv])
 
 
@@ -376,26 +303,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
 
 
 ROUTED = {  # torch.nn.functional / torch functions -> their teeny spelling (what patch() reroutes)
-    torch.nn.functional.relu: relu,
-    torch.relu: relu,
-    torch.nn.functional.gelu: gelu,
-    torch.nn.functional.silu: silu,
-    torch.nn.functional.mish: mish,
-    torch.nn.functional.leaky_relu: leaky_relu,
-    torch.nn.functional.elu: elu,
-    torch.nn.functional.selu: selu,
-    torch.nn.functional.celu: celu,
-    torch.nn.functional.softplus: softplus,
-    torch.nn.functional.hardtanh: hardtanh,
-    torch.nn.functional.relu6: relu6,
-    torch.nn.functional.hardsigmoid: hardsigmoid,
-    torch.nn.functional.hardswish: hardswish,
-    torch.nn.functional.logsigmoid: logsigmoid,
-    torch.nn.functional.softsign: softsign,
-    torch.nn.functional.tanhshrink: tanhshrink,
-    torch.nn.functional.softshrink: softshrink,
-    torch.nn.functional.hardshrink: hardshrink,
-    torch.nn.functional.threshold: threshold,
+    **{route: globals()[d.name] for d in ACTIVATIONS for route in d.routes},
     torch.nn.functional.prelu: prelu,
     torch.nn.functional.glu: glu,
     torch.nn.functional.softmax: softmax,

@@ -1,0 +1,41 @@
+"""teeny's switches, in one place. Each is read when a graph is traced (so a program keeps the
+behaviour it was built with) unless its description says otherwise.
+
+    teeny.core.config.allow_tf32 = True          # float32 products on TF32 tensor cores (default False)
+    teeny.core.config.deterministic = True       # bit-reproducible backward passes (no atomics)
+    teeny.core.config.check_indices = False      # device-side range checks of index inputs
+    teeny.core.config.replay = False             # registered ops' calls take the full host path
+    teeny.core.config.pdl = True                 # programmatic dependent launch on Hopper (default False)
+
+``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
+precision by default, float64 is always exact.
+``deterministic``: ops whose fastest backward adds with atomics (embedding, getitem with index
+tensors) use a sort-based, bit-reproducible one instead.
+``check_indices``: embedding indices, getitem index tensors and the class indices of
+cross_entropy / nll_loss are checked against their range inside the kernels, and an
+out-of-range index raises an error naming the op and the index instead of reading garbage
+(with the check off, an out-of-range embedding or getitem index reads 0 and gets no gradient,
+and an out-of-range class gives a NaN loss). On by default under the interpreter (CPU), off on the GPU, where the check
+costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
+``replay`` (read at each call, not at tracing): a call of a registered op or of ``apply`` is
+recorded once and replayed (``teeny.torch.tape``) instead of running the executor's host path each
+time; ``TEENY_REPLAY=0`` sets the default off.
+``pdl`` (read at launch: set it before a program first runs): kernels declared ``@kernel(pdl=True)``
+(the products and attention, which wait for the kernel before them inside) are launched with
+programmatic dependent launch on Hopper GPUs, so each may start before the one ahead of it has
+signalled its end. Off by default: teeny's captured training steps idle ~0.1 ms between their
+kernels, and PDL did not make GPT 6L's step faster (docs/archive/bench-journal.md, version 27);
+``TEENY_PDL=1`` sets the default on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .device import INTERPRETER
+
+allow_tf32: bool = False
+deterministic: bool = False
+check_indices: bool = os.environ.get("TEENY_CHECK_INDICES", "1" if INTERPRETER else "0").strip() not in ("0", "")
+replay: bool = os.environ.get("TEENY_REPLAY", "1").strip() not in ("0", "")
+pdl: bool = os.environ.get("TEENY_PDL", "0").strip() not in ("0", "")

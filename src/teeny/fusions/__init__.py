@@ -1,0 +1,48 @@
+"""Fusions: the graph rewrites that ``lower`` runs before it plans a program, one module each.
+
+A rewrite is a function ``(graph, outputs, training) -> (graph, outputs, report)``: it returns a
+graph that computes the same ``outputs`` (the values the program returns, first the loss) with
+fewer launches or less memory, and a line saying what it changed (empty: nothing, and the graph
+it was given). The rewritten graph is a copy made node by node (``Rebuild``); the caller's graph
+stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in order,
+``rewrites=()`` runs none, and ``Program.summary()`` lists what each one did.
+
+Each module holds one rewrite and says what it changes; ``pipeline`` has what they share
+(``Rebuild``, ``RewriteReport``, ``apply_rewrites``). Default order: ``DEFAULT_REWRITES`` below;
+``fuse_mlp`` is asked for; ``precision=`` adds ``mixed_precision`` last.
+"""
+
+from .attention_layout import attention_in_place
+from .chunked_loss import CHUNKED_LOGITS_MIN_BYTES, chunk_linear_cross_entropy
+from .mixed_precision import PRECISIONS, mixed_precision, precision_rewrites
+from .mlp_chain import fuse_mlp
+from .pipeline import Rebuild, RewriteFn, RewriteReport, apply_rewrites
+from .qkv_products import fuse_qkv_products
+from .residual_norm import fuse_residual_norm
+from .transposed_weights import read_transposed_weights
+
+DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
+    read_transposed_weights,
+    fuse_residual_norm,
+    chunk_linear_cross_entropy,
+    attention_in_place,
+    fuse_qkv_products,
+)
+
+__all__ = [
+    "CHUNKED_LOGITS_MIN_BYTES",
+    "DEFAULT_REWRITES",
+    "PRECISIONS",
+    "Rebuild",
+    "RewriteFn",
+    "RewriteReport",
+    "apply_rewrites",
+    "attention_in_place",
+    "chunk_linear_cross_entropy",
+    "fuse_mlp",
+    "fuse_qkv_products",
+    "fuse_residual_norm",
+    "mixed_precision",
+    "precision_rewrites",
+    "read_transposed_weights",
+]

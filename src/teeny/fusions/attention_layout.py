@@ -1,0 +1,94 @@
+"""``attention_in_place``: the transposes that split the heads of q, k and v before an attention,
+and merge them after it, are left out: the attention reads and writes (batch, length, heads,
+dim) tensors through strides (``ops.attention.ops.AttentionOp(layout="blhd")``, whose strides
+``ops.attention.layout.attention_layout_blhd`` computes).
+"""
+
+from __future__ import annotations
+
+from ..core.graph import Graph, Node, Value
+from ..ops.attention.ops import AttentionOp
+from ..ops.shape.ops import PermuteOp
+from .pipeline import Rebuild, ancestors, mib, nbytes, readers
+
+_SWAP_LENGTH_AND_HEADS = (0, 2, 1, 3)
+
+
+def _transposed_source(value: Value, read_by, kept: set[int]) -> Value | None:
+    """x when ``value`` is x.transpose(1, 2) of a 4-D x, read by one node and not an output."""
+    node = value.producer
+    if node is None or type(node.op) is not PermuteOp or node.op.dims != _SWAP_LENGTH_AND_HEADS:
+        return None
+    if value.id in kept or len(read_by[value.id]) != 1:
+        return None
+    return node.inputs[0]
+
+
+def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """scaled_dot_product_attention of q, k, v that are transposes (batch, length, heads, dim)
+    -> (batch, heads, length, dim), as a multi-head layer splits its heads, becomes an attention
+    that reads the untransposed tensors through strides (``AttentionOp(layout="blhd")``) and
+    writes its output as (batch, length, heads, dim), which the transpose after it (the merge of
+    the heads) made: per layer four copies fewer forwards and four backwards. Where something
+    else reads the output, one transpose back stays for it."""
+    needed, read_by = ancestors(outputs), readers(graph)
+    kept = {v.id for v in outputs}
+    matches: dict[int, list[Value]] = {}  # attention node id -> its untransposed q, k, v
+    for node in graph.nodes:
+        if type(node.op) is not AttentionOp or node.op.layout != "bhld" or node.output.id not in needed:
+            continue
+        sources = [_transposed_source(v, read_by, kept) for v in node.inputs[:3]]
+        if any(s is None for s in sources) or len({s.shape[0] for s in sources}) != 1:
+            continue
+        matches[node.id] = sources
+    if not matches:
+        return graph, outputs, ""
+    skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
+    merges: dict[int, list[Node]] = {}  # per matched attention: the transposes of its output (head merges)
+    others: set[int] = set()  # matched attentions whose output something else reads too
+    for node in graph.nodes:
+        if node.id in matches:
+            for reader, _ in read_by[node.output.id]:
+                if type(reader.op) is PermuteOp and reader.op.dims == _SWAP_LENGTH_AND_HEADS:
+                    merges.setdefault(node.id, []).append(reader)
+                    skipped.add(reader.id)
+                else:
+                    others.add(node.id)
+            if node.output.id in kept:
+                others.add(node.id)
+    rebuild = Rebuild(graph)
+
+    def fuse(node: Node, sources: list[Value]) -> None:
+        op = node.op
+        in_place = AttentionOp(
+            has_mask=op.has_mask,
+            is_causal=op.is_causal,
+            scale=op.user_scale,
+            enable_gqa=op.enable_gqa,
+            dropout_p=op.dropout_p,
+            seed=op.seed,
+            fixed_mask=op.fixed_mask,
+            layout="blhd",
+        )
+        out = rebuild.apply(in_place, [rebuild[v] for v in sources + node.inputs[3:]], node.name)
+        for merge in merges.get(node.id, []):
+            rebuild.new[merge.output.id] = out
+        if node.id in others:  # the (batch, heads, length, dim) output for its other readers
+            rebuild.new[node.output.id] = rebuild.apply(
+                PermuteOp("transpose", _SWAP_LENGTH_AND_HEADS), [out], node.name + "_heads_second"
+            )
+
+    rebuild.replace(skipped, matches, fuse)
+    copies = 0
+    for node in graph.nodes:
+        if node.id in matches:  # the head splits, the merges, less the transpose back that stays
+            copies += sum(nbytes(v) for v in node.inputs[:3])
+            copies += (len(merges.get(node.id, [])) - (node.id in others)) * nbytes(node.output)
+    graph, outputs = rebuild.finish(outputs)
+    transposes = 3 * len(matches) + sum(len(m) for m in merges.values()) - len(others)
+    return (
+        graph,
+        outputs,
+        f"attention on (batch, length, heads, dim) in place: {len(matches)}, {transposes} transposes "
+        f"({mib(copies)} of copies) fewer per forward, as many per backward",
+    )

@@ -1,0 +1,122 @@
+"""``lower(graph, mode, precision="bf16-mixed")`` adds this last rewrite: the program computes in half
+precision while the parameters stay float32 (``mixed_precision``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..core.graph import Graph, Value
+from ..core.kernel import dtype_name
+from ..core.runtime import RuntimeOp
+from ..ops.cast import CastOp, StackedCastOp
+from ..ops.lookup import EmbeddingOp
+from ..ops.loss.ops import ClassLossOp, PointwiseLossOp
+from ..ops.norm.ops import BatchNormOp
+from ..ops.products.ops import LinearOp
+from .chunked_loss import LinearCrossEntropyOp
+from .pipeline import Rebuild, RewriteFn
+from .qkv_products import SharedInputLinearOp
+
+
+def _keeps_float32(op: RuntimeOp) -> bool:
+    """Ops a mixed-precision program runs on float32 inputs: losses (a float32 loss, as
+    autocast computes them), and ops that update a parameter in place (batch_norm's running
+    statistics, embedding's max_norm renormalisation), which must see the float32 parameter."""
+    if isinstance(op, EmbeddingOp):
+        return op.max_norm is not None
+    return isinstance(op, (ClassLossOp, PointwiseLossOp, BatchNormOp))
+
+
+def mixed_precision(dtype: torch.dtype) -> RewriteFn:
+    """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16; float16 for
+    ``"fp16-mixed"``, whose training also scales the loss: ``optim.GradScaler``): the program
+    computes in ``dtype`` while the parameters stay float32 in the arena (master weights: the
+    optimizer and its state update float32, one launch per arena as before).
+
+    Each float32 parameter is cast to ``dtype`` once, just before its first reader (the cast's
+    backward brings its gradient back to the float32 gradient arena); the fused q/k/v product's
+    parameters, side by side in the arena, are cast as one stacked weight and one stacked bias
+    (``StackedCastOp``) that a plain linear reads. float32 inputs are cast the same way and
+    float32 constants converted. Every op is re-applied to the cast values,
+    so its output dtype follows. Losses and in-place updaters (``_keeps_float32``) get float32
+    inputs instead; the chunked head + loss (``LinearCrossEntropyOp``) computes its products in
+    ``dtype`` and writes the loss in float32. Outputs keep the dtypes the graph gave them (a
+    cast back at the end where one changed): the loss is float32, its seed too."""
+
+    def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+
+        rebuild = Rebuild(graph)
+        casts: dict[tuple[int, torch.dtype], Value] = {}
+        counts: Counter = Counter()
+
+        def cast(v: Value, to: torch.dtype) -> Value:
+            if v.dtype == to or not v.dtype.is_floating_point:
+                return v
+            key = (v.id, to)
+            if key not in casts:
+                counts[v.kind] += 1
+                if v.kind == "const":
+                    casts[key] = rebuild.graph.constant(v.data.to(to), to, f"{v.name}.{dtype_name(to)}").value
+                else:
+                    casts[key] = rebuild.apply(CastOp(to), [v], f"{v.name}.{dtype_name(to)}")
+            return casts[key]
+
+        for node in graph.nodes:
+            op = node.op
+            if isinstance(op, SharedInputLinearOp) and op.adjacent and node.inputs[1].dtype == torch.float32:
+                # float32 parameters side by side in the arena: each group cast as one stacked tensor,
+                # then one product of the stacked casts (no cast or copy per part)
+                stacked = [
+                    rebuild.apply(
+                        StackedCastOp(dtype, op.parts), [rebuild[node.inputs[i]] for i in group], f"{node.name}.{what}"
+                    )
+                    for group, what in zip(op.adjacent_params, ("weight", "bias"))
+                ]
+                n_stacked = sum(len(group) for group in op.adjacent_params)
+                counts["param"] += n_stacked
+                counts["stacked"] += n_stacked
+                counts["stacks"] += len(stacked)
+                inputs, op = [cast(rebuild[node.inputs[0]], dtype), *stacked], LinearOp(op.has_bias)
+            elif _keeps_float32(op):
+                inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
+                counts["float32 op"] += 1
+            elif isinstance(op, CastOp):  # an explicit cast in the model stays what it says
+                inputs = [rebuild[v] for v in node.inputs]
+            else:
+                inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
+            if isinstance(op, LinearCrossEntropyOp):
+                op = LinearCrossEntropyOp(
+                    op.linear, op.loss, out_dtype=node.output.dtype, with_grads=op.with_grads, chunk_rows=op.chunk_rows
+                )
+            rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
+        for v in outputs:
+            rebuild.new[v.id] = cast(rebuild[v], v.dtype)
+        if not casts and not counts["stacks"]:
+            return graph, outputs, ""
+        graph, outputs = rebuild.finish(outputs)
+        names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
+        parts = [f"{dtype_name(dtype)} compute, float32 master weights"]
+        parts += [f"{n} {names[kind]}{'s' if n != 1 else ''} cast" for kind, n in counts.items() if kind in names]
+        if counts["stacks"]:
+            parts.append(f"{counts['stacked']} of the parameters side by side in {counts['stacks']} stacked casts")
+        if counts["float32 op"]:
+            parts.append(f"{counts['float32 op']} loss or in-place ops on float32")
+        return graph, outputs, ", ".join(parts)
+
+    rewrite.__name__ = f"mixed_precision_{dtype_name(dtype)}"
+    return rewrite
+
+
+PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def precision_rewrites(precision: str | None) -> list[RewriteFn]:
+    """The rewrites ``lower(..., precision=...)`` adds after the others (None: none)."""
+    if precision is None:
+        return []
+    if precision not in PRECISIONS:
+        choices = ", ".join(PRECISIONS)
+        raise ValueError(f"unknown precision {precision!r}; choose None (the graph's dtypes) or {choices}")
+    return [mixed_precision(PRECISIONS[precision])]

@@ -1,0 +1,120 @@
+"""What every rewrite shares: its type (``RewriteFn``), its report (``RewriteReport``), the
+node-by-node copy it makes of the graph (``Rebuild``), who reads each value (``readers``), and
+``apply_rewrites``, which runs a list of them in order (what a rewrite is: ``teeny.fusions``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.graph import Graph, Node, Tensor, Value
+from ..core.runtime import RuntimeOp
+
+RewriteFn = Callable[[Graph, list[Value], bool], tuple[Graph, list[Value], str]]
+
+
+@dataclass(frozen=True)
+class RewriteReport:
+    """What one rewrite changed in a program, as ``Program.summary()`` prints it."""
+
+    rewrite: str
+    changed: str
+
+    def __str__(self) -> str:
+        return f"{self.rewrite}: {self.changed}"
+
+
+class Rebuild:
+    """A copy of ``graph`` made node by node: ``copy(node)`` re-applies a node as it is,
+    ``apply(op, inputs, name)`` adds a new one, ``self[old]`` is the new value of an old one.
+    Inputs, parameters and constants are copied first, in their order (so the parameter arena
+    is laid out as before)."""
+
+    def __init__(self, graph: Graph):
+        self.source, self.graph = graph, Graph(graph.name)
+        self.new: dict[int, Value] = {}
+        for v in graph.values:
+            if v.kind == "input":
+                copy = self.graph.input(v.name, v.shape, v.dtype, v.requires_grad)
+            elif v.kind == "param":
+                copy = self.graph.parameter(v.name, v.shape, v.init, v.dtype, v.requires_grad)
+            elif v.kind == "const":
+                copy = self.graph.constant(v.data, v.dtype, v.name)
+            else:
+                continue
+            self.new[v.id] = copy.value
+
+    def __getitem__(self, old: Value) -> Value:
+        return self.new[old.id]
+
+    def apply(self, op: RuntimeOp, inputs: Sequence[Value], name: str) -> Value:
+        """A new node ``op(inputs)`` (new values), its shape and dtype inferred and checked."""
+        return self.graph.apply(op, [Tensor(self.graph, v) for v in inputs], name=name).value
+
+    def copy(self, node: Node) -> Value:
+        """``node`` re-applied to the new values of its inputs."""
+        out = self.apply(node.op, [self[v] for v in node.inputs], node.name)
+        self.new[node.output.id] = out
+        return out
+
+    def replace(self, skipped: set[int], fused: Mapping[int, Any], fuse: Callable[[Node, Any], None]) -> None:
+        """Every node of the source graph in order: those in ``skipped`` left out, each one in
+        ``fused`` handed to ``fuse(node, fused[node.id])`` (which applies what replaces it and
+        sets ``self.new`` for the values it stands for), the others copied."""
+        for node in self.source.nodes:
+            if node.id in skipped:
+                continue
+            if node.id in fused:
+                fuse(node, fused[node.id])
+            else:
+                self.copy(node)
+
+    def finish(self, outputs: Sequence[Value]) -> tuple[Graph, list[Value]]:
+        """The new graph, with the new values of ``outputs`` as its outputs."""
+        outs = [self[v] for v in outputs]
+        self.graph.output(*[Tensor(self.graph, v) for v in outs])
+        return self.graph, outs
+
+
+def ancestors(outputs: Sequence[Value]) -> set[int]:
+    """Ids of the values ``outputs`` are computed from (themselves included)."""
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        v = stack.pop()
+        if v.id not in seen:
+            seen.add(v.id)
+            if v.producer is not None:
+                stack.extend(v.producer.inputs)
+    return seen
+
+
+def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
+    """Per value id, the nodes that read it and at which input position."""
+    out: dict[int, list[tuple[Node, int]]] = {v.id: [] for v in graph.values}
+    for node in graph.nodes:
+        for index, v in enumerate(node.inputs):
+            out[v.id].append((node, index))
+    return out
+
+
+def nbytes(value: Value) -> int:
+    return value.numel * value.dtype.itemsize
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def apply_rewrites(
+    graph: Graph, outputs: list[Value], training: bool, rewrites: Sequence[RewriteFn]
+) -> tuple[Graph, list[Value], list[RewriteReport]]:
+    """Run ``rewrites`` in order; the final graph, its outputs and what each rewrite changed."""
+    reports = []
+    for rewrite in rewrites:
+        graph, outputs, changed = rewrite(graph, outputs, training)
+        if changed:
+            reports.append(RewriteReport(getattr(rewrite, "__name__", str(rewrite)), changed))
+    return graph, outputs, reports

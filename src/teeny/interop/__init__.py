@@ -1,1 +1,0 @@
-"""Bridges between teeny and other frameworks."""

@@ -1,0 +1,661 @@
+"""``Executor``: runs a ``Program`` forwards, keeps what the backward kernels need, runs the
+chain rule backwards, and owns the parameters and their gradients.
+
+Parameters live in one flat arena per dtype and their gradients in another, so zeroing the
+gradients or an optimizer step is one launch whatever the number of parameters;
+``executor.params[name]`` and ``executor.grads[name]`` are views into the arenas. An arena
+holds first the parameters the backward writes, in the order it finishes their gradients, then
+the other trainable ones, then the non-trainable ones (``arena_order``): an optimizer updates
+the prefix ``grad_numel[dtype]`` and never touches the rest.
+
+``forward_train`` returns the outputs and an ``ActivationCache`` holding, per node, only the
+tensors its op declared it needs (``saves_inputs``, ``saves_output``, ``extra_outputs``).
+``backward`` walks the nodes in reverse, hands each op its saved tensors and the gradient of
+its output, sums the gradients of values used several times, adds parameter gradients into
+the gradient arena (they accumulate until ``zero_grad``), and drops each node's cache entry
+as soon as its backward has run.
+
+A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
+changed in place between ``forward_train`` and ``backward`` would silently give a wrong
+gradient: the cache records each saved tensor's PyTorch version counter, and ``backward``
+refuses to run when one moved, naming the input. (Kernels write through pointers and move no
+counter: only PyTorch in-place operations are seen, which is what a user can do.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..core.device import DEVICE
+from ..core.errors import TeenyError
+from ..core.graph import Value
+from ..core.runtime import ARENA_ALIGN, OpContext, capturing, raise_failed_checks, raise_not_capturable
+from .accumulate import accumulate
+from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, node_context
+
+
+def gradient_final_node(program: Program) -> dict[int, int]:
+    """For each parameter the backward writes (value id), the index of the node whose backward
+    writes its gradient last: the first node that uses it, since the backward runs in reverse."""
+    final: dict[int, int] = {}
+    for index, p in enumerate(program.nodes):
+        for v, wanted in zip(p.node.inputs, p.grad_mask):
+            if wanted and v.kind == "param":
+                final.setdefault(v.id, index)
+    return final
+
+
+def arena_order(program: Program) -> list[Value]:
+    """The parameters in arena order: first those the backward writes, in reverse order of first
+    use (the order in which the backward finishes their gradients, so that the finished gradients
+    grow as a prefix of the arena and data-parallel buckets are contiguous ranges), then trainable
+    parameters the loss does not reach, then non-trainable ones (BatchNorm's running statistics,
+    frozen weights). An optimizer updates the first group only, in one launch per arena."""
+    final = gradient_final_node(program)
+    params = program.params
+    written = sorted((v for v in params if v.id in final), key=lambda v: -final[v.id])  # stable: ties keep graph order
+    order = [
+        *written,
+        *(v for v in params if v.id not in final and v.requires_grad),
+        *(v for v in params if not v.requires_grad),
+    ]
+    groups = {}  # value id -> the parameters an op wants side by side (RuntimeOp.adjacent_params), in order
+    for p in program.nodes:
+        for positions in p.op.adjacent_params:
+            members = [p.node.inputs[i] for i in positions]
+            if any(v.kind != "param" for v in members):
+                raise TeenyError(
+                    f"op {p.op.name} (node '{p.name}') asks for inputs {list(positions)} side by side in the arena, "
+                    f"but {', '.join(repr(v.name) for v in members if v.kind != 'param')} are not parameters"
+                )
+            groups.update((v.id, members) for v in members)
+    if not groups:
+        return order
+    category = {v.id: (v.id in final, v.requires_grad, v.dtype) for v in params}
+    laid, placed = [], set()
+    for v in order:  # a group at its first member's place
+        for member in groups.get(v.id, [v]):
+            if member.id not in placed:
+                if category[member.id] != category[v.id]:
+                    raise TeenyError(f"parameters {member.name!r} and {v.name!r} cannot lie side by side in the arena")
+                laid.append(member)
+                placed.add(member.id)
+    return laid
+
+
+class ActivationCache:
+    """What the forward pass kept for the backward pass: per node, the saved inputs, output
+    and extra tensors. Entries are dropped once their node's backward has run."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = weakref.ref(executor)  # the executor whose backward may read it
+        self.entries: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.used = False
+        self.versions: list[tuple[torch.Tensor, int, str]] = []  # saved tensor, its version, what it is
+
+    def tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for entry in self.entries.values():
+            for t in [*entry["inputs"], entry["output"], *entry["saved"].values()]:
+                if isinstance(t, torch.Tensor):
+                    seen[id(t)] = t
+        return list(seen.values())
+
+    def num_tensors(self) -> int:
+        return len(self.tensors())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def inference_tensor_error(described: str) -> TeenyError:
+    """The error for an inference tensor that a backward would keep: it has no version counter,
+    so a change to it before the backward would go unseen."""
+    return TeenyError(
+        f"{described} is an inference tensor (made under torch.inference_mode()), which the backward cannot "
+        "keep: make it under torch.no_grad() instead, or pass a clone made outside inference mode"
+    )
+
+
+class Executor:
+    def __init__(
+        self,
+        program: Program,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ):
+        if not isinstance(program, Program):
+            raise TypeError(
+                f"Executor takes a Program, got {type(program).__name__}: lower it first, "
+                "Executor(lower(graph, LoweringMode.TRAINING))"
+            )
+        self.program = program
+        self.device = DEVICE if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.training = program.mode is LoweringMode.TRAINING
+        self._build_arenas(seed)
+        if params is not None:
+            self.load_params(params)
+        self.live_values = 0  # after forward: how many intermediate buffers were still alive at the end
+        self._consts = {v.id: v.data.to(self.device) for v in program.graph.values if v.kind == "const"}
+        self._zeroed: set[int] = set(self._grad_by_id)  # the gradient arena starts at zero
+        self._plan_runs()
+
+    def _plan_runs(self) -> None:
+        """What every run does the same: the graph's inputs, which buffers each node frees after
+        it, and how a saved tensor that belongs to an input or parameter is named."""
+        program = self.program
+        self._inputs = program.inputs
+        self._input_names = {v.name for v in self._inputs}
+        keep = {v.id for v in program.outputs}
+        self._intermediates = {v.id for v in program.graph.values if v.kind == "node" and v.id not in keep}
+        self._frees = [
+            tuple(v.id for v in p.node.inputs if program.last_use.get(v.id) == index and v.id in self._intermediates)
+            for index, p in enumerate(program.nodes)
+        ]
+        self._sources = [
+            (v.id, f"{'input' if v.kind == 'input' else 'parameter'} '{v.name}'")
+            for v in program.graph.values
+            if v.kind in ("input", "param")
+        ]
+        self._nodes_by_id = {node.id: node for node in program.graph.nodes}
+        self._first_recompute_reader: dict[
+            int, int
+        ] = {}  # value id -> the first node recomputing it (its last backward)
+        for index, p in enumerate(program.nodes):
+            for i in p.recomputed:
+                self._first_recompute_reader.setdefault(p.node.inputs[i].id, index)
+
+    # --- parameters ----------------------------------------------------------------------
+    def _build_arenas(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        by_dtype: dict[torch.dtype, list[Value]] = {}
+        for v in arena_order(self.program):
+            by_dtype.setdefault(v.dtype, []).append(v)
+        self.param_arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.grad_arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self._param_by_id: dict[int, torch.Tensor] = {}
+        self._grad_by_id: dict[int, torch.Tensor] = {}
+        # the layout: each arena's parameters in order with their offsets, and how long the prefix of
+        # parameters the backward writes is (all an optimizer updates; the rest it never touches)
+        self.arena_params: dict[torch.dtype, list[tuple[Value, int]]] = {}
+        self.grad_numel: dict[torch.dtype, int] = {}
+        written = gradient_final_node(self.program)
+        self.spans: dict[int, int] = {}  # value id -> elements it occupies in its arena (padded)
+        for dtype, values in by_dtype.items():
+            for v in values:
+                self.spans[v.id] = _aligned_numel(v.numel, dtype)
+            total = sum(self.spans[v.id] for v in values)
+            arena = torch.zeros(total, dtype=dtype, device=self.device)
+            grads = torch.zeros(total, dtype=dtype, device=self.device) if self.training else None
+            offset = 0
+            self.arena_params[dtype] = []
+            for v in values:
+                self.params[v.name] = arena[offset : offset + v.numel].view(v.shape)
+                self._param_by_id[v.id] = self.params[v.name]
+                if grads is not None:
+                    gview = grads[offset : offset + v.numel].view(v.shape)
+                    self.grads[v.name] = gview
+                    self._grad_by_id[v.id] = gview
+                self.arena_params[dtype].append((v, offset))
+                offset += self.spans[v.id]
+            self.grad_numel[dtype] = sum(self.spans[v.id] for v in values if v.id in written)
+            self.param_arenas[dtype] = arena
+            if grads is not None:
+                self.grad_arenas[dtype] = grads
+        for v in self.program.params:  # initialise in graph order: a value does not depend on the layout
+            init = v.init(tuple(v.shape), generator, v.dtype)
+            if tuple(init.shape) != tuple(v.shape):
+                raise TeenyError(
+                    f"initialiser of parameter '{v.name}' returned shape {tuple(init.shape)}, expected {v.shape}"
+                )
+            self._param_by_id[v.id].copy_(init)
+
+    def span(self, v: Value) -> int:
+        """Elements parameter ``v`` occupies in its arena: its size rounded up so that the next
+        parameter starts 16-byte aligned (the padding stays zero, gradient and all)."""
+        return self.spans[v.id]
+
+    def load_params(self, params: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy values into the parameters (e.g. from a checkpoint or a PyTorch model)."""
+        unknown = sorted(set(params) - set(self.params))
+        missing = sorted(set(self.params) - set(params))
+        if strict and (unknown or missing):
+            raise KeyError(f"load_params: unknown parameters {unknown}, missing parameters {missing}")
+        for name, value in params.items():
+            if name not in self.params:
+                continue
+            target = self.params[name]
+            value = torch.as_tensor(value).detach()
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_params: parameter '{name}' has shape {tuple(target.shape)}, got {tuple(value.shape)}"
+                )
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self.params.items()}
+
+    def zero_grad(self) -> None:
+        """Zero every parameter gradient (one fill per arena). Until the next backward writes
+        them, teeny knows they are zero and lets that backward write them in place instead of
+        adding into them; write into ``grads`` yourself only after a backward."""
+        for arena in self.grad_arenas.values():
+            arena.zero_()
+        self._zeroed = set(self._grad_by_id)  # gradients known to be zero: a backward may write them directly
+
+    # --- forward -------------------------------------------------------------------------
+    def _bind_inputs(self, inputs: Any, kwargs: dict) -> dict[int, torch.Tensor]:
+        graph_inputs = self._inputs
+        if inputs is None:
+            given: dict[str, Any] = {}
+        elif isinstance(inputs, Mapping):
+            given = dict(inputs)
+        elif isinstance(inputs, torch.Tensor):
+            given = {graph_inputs[0].name: inputs} if graph_inputs else {"?": inputs}
+        elif isinstance(inputs, Sequence):
+            if len(inputs) != len(graph_inputs):
+                names = ", ".join(v.name for v in graph_inputs)
+                raise TypeError(f"expected {len(graph_inputs)} inputs ({names}), got {len(inputs)}")
+            given = {v.name: t for v, t in zip(graph_inputs, inputs)}
+        else:
+            raise TypeError(f"inputs must be a dict, a list or a tensor, got {type(inputs).__name__}")
+        given.update(kwargs)
+        names = self._input_names
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise KeyError(f"unknown inputs {unknown}; the graph's inputs are {sorted(names)}")
+        bound: dict[int, torch.Tensor] = {}
+        for v in graph_inputs:
+            if v.name not in given:
+                raise KeyError(f"missing input '{v.name}' (shape {v.shape}, {str(v.dtype).replace('torch.', '')})")
+            t = given[v.name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input '{v.name}' must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"input '{v.name}' has shape {tuple(t.shape)}, but the program was lowered for {v.shape} "
+                    "(shapes are static: lower again for another shape)"
+                )
+            if t.dtype != v.dtype:
+                raise TypeError(
+                    f"input '{v.name}' has dtype {str(t.dtype).replace('torch.', '')}, expected "
+                    f"{str(v.dtype).replace('torch.', '')}"
+                )
+            if t.device != self.device:
+                if t.device.type != "cpu":
+                    raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
+                t = t.to(self.device)
+            t = t.contiguous()
+            if t.data_ptr() % ARENA_ALIGN and t.numel():  # the plan assumes aligned buffers (TMA loads)
+                t = t.clone()
+            bound[v.id] = t
+        bound.update(self._consts)
+        bound.update(self._param_by_id)
+        return bound
+
+    def _alloc(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
+        program = self.program
+        values = self._bind_inputs(inputs, kwargs)
+        checks: list = []
+        for index, p in enumerate(program.nodes):
+            node = p.node
+            args = [values[v.id] for v in node.inputs]
+            saved = extra_buffers(p, self._alloc)
+            out = node.op.view(args)
+            if out is not None and not out.is_contiguous():
+                raise TeenyError(
+                    f"op {node.op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
+                    "kernels read contiguous buffers, so return None and copy with a kernel instead"
+                )
+            if out is None:
+                out = self._alloc(node.output.shape, node.output.dtype)
+                ctx = OpContext.for_forward(
+                    **node_context(program, p, dry_run=False), inputs=args, output=out, saved=saved, checks=checks
+                )
+                if not node.op.capturable and capturing():
+                    raise_not_capturable(node.op, node.name)
+                ctx.run(node.op.forward_launches(ctx))
+            values[node.output.id] = out
+            if cache is not None and p.needs_backward:
+                cache.entries[node.id] = {
+                    "inputs": [a if s else None for a, s in zip(args, p.saved_inputs)],
+                    "output": out if node.op.saves_output else None,
+                    "saved": saved,
+                }
+            for value_id in self._frees[index]:  # free what no later node reads
+                values.pop(value_id, None)
+        raise_failed_checks(checks)
+        if cache is not None:
+            cache.versions = self._saved_versions(cache, values)
+        self.live_values = len(self._intermediates.intersection(values))
+        outs = tuple(values[v.id] for v in program.outputs)
+        if cache is not None:
+            cache.outputs = {v.id: values[v.id] for v in program.outputs}
+        return outs[0] if len(outs) == 1 else outs
+
+    def forward(self, inputs: Any = None, **kwargs: torch.Tensor):
+        """Run the program; returns its output (a tuple if it has several)."""
+        return self._run_forward(inputs, kwargs, cache=None)
+
+    __call__ = forward
+
+    def forward_train(self, inputs: Any = None, **kwargs: torch.Tensor):
+        """Run the program keeping what the backward needs: ``(outputs, ActivationCache)``."""
+        if not self.training:
+            raise TeenyError("this program was lowered for INFERENCE: lower it with LoweringMode.TRAINING to train")
+        cache = ActivationCache(self)
+        return self._run_forward(inputs, kwargs, cache), cache
+
+    # --- backward ------------------------------------------------------------------------
+    def backward(self, cache: ActivationCache, grad_output=None) -> dict[str, torch.Tensor]:
+        """Backpropagate from the loss (the first output). ``grad_output`` defaults to 1 for a
+        scalar loss. A program lowered with ``seeded=n`` (n > 1) takes a list of n gradients,
+        one per seeded output (None: nothing flows back from that output). Parameter gradients
+        are added into ``self.grads``; returns the gradients of the inputs that were marked
+        ``requires_grad``. The seeds are the caller's: never written over."""
+        if not isinstance(cache, ActivationCache):
+            raise TypeError("backward(cache): pass the ActivationCache returned by forward_train")
+        if cache.executor() is not self:
+            raise TeenyError(
+                "this ActivationCache was made by another Executor's forward_train: pass the cache of this "
+                "executor's own forward_train"
+            )
+        if cache.used:
+            raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
+        program = self.program
+        grads = self._seeds(program, grad_output)
+        _check_versions(cache)
+        cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
+        cache.used = True
+        seeds = frozenset(_storage_id(g) for g in grads.values())
+        recomputed: dict[int, torch.Tensor] = {}  # value id -> written again, until its last reader's backward
+        for index in range(len(program.nodes) - 1, -1, -1):
+            p = program.nodes[index]
+            if not p.needs_backward:
+                continue
+            node = p.node
+            entry = cache.entries.pop(node.id)
+            grad_out = grads.pop(node.output.id, None)
+            if grad_out is None:
+                continue  # the output does not reach the loss through differentiable ops
+            if p.recomputed:
+                self._recompute(p, entry=entry, cache=cache, recomputed=recomputed, index=index)
+            if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
+                grad_out = grad_out.contiguous()
+            buffer, addend = self._input_grad_buffer(
+                p, index=index, entry=entry, grad_out=grad_out, seeds=seeds, grads=grads
+            )
+            self._node_backward(p, entry, grad_out, grads, buffer, addend)  # positional: a hook (training.distributed)
+        result = {}
+        for v in self._inputs:
+            if v.requires_grad:
+                g = grads.get(v.id)
+                result[v.name] = g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device)
+        cache.entries.clear()
+        return result
+
+    def _saved_versions(self, cache: ActivationCache, values: dict[int, torch.Tensor]) -> list:
+        """(tensor, version, description) for every tensor the backward will read."""
+        sources = {}  # storage -> the input or parameter it belongs to (views of inputs name the input)
+        for value_id, description in self._sources:
+            t = values.get(value_id)
+            if t is not None and t.numel():
+                sources[t.untyped_storage().data_ptr()] = description
+        by_node = self._nodes_by_id
+        seen: set[int] = set()
+        recorded = []
+        for node_id, entry in cache.entries.items():
+            node = by_node[node_id]
+            named = [*zip(entry["inputs"], node.inputs), (entry["output"], node.output)]
+            named += [(t, None) for t in entry["saved"].values()]
+            for t, value in named:
+                if not isinstance(t, torch.Tensor) or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                source = sources.get(t.untyped_storage().data_ptr()) if t.numel() else None
+                if source is None and value is not None and value.kind == "node":
+                    source = f"the output '{value.name}' of node '{value.producer.name}'"
+                described = source or f"a tensor saved by node '{node.name}'"
+                try:
+                    version = t._version
+                except RuntimeError:
+                    if not t.is_inference():
+                        raise
+                    raise inference_tensor_error(described) from None
+                recorded.append((t, version, described))
+        return recorded
+
+    def _seeds(self, program, grad_output) -> dict[int, torch.Tensor]:
+        """value id -> the gradient the backward starts from there (see ``backward``)."""
+        starts = program.seeded_outputs
+        if len(starts) == 1:
+            given = [grad_output]
+        elif isinstance(grad_output, (list, tuple)) and len(grad_output) == len(starts):
+            given = list(grad_output)
+        else:
+            raise ValueError(
+                f"this program starts its backward from {len(starts)} outputs "
+                f"({', '.join(repr(v.name) for v in starts)}): give backward a list of {len(starts)} gradients"
+            )
+        grads: dict[int, torch.Tensor] = {}
+        for v, g in zip(starts, given):
+            if len(starts) > 1 and g is None:
+                continue
+            g = self._seed(v, g)
+            if not program.requires_grad[v.id]:
+                continue  # an output no gradient source reaches: nothing to start from
+            if v.id in grads:  # one value returned twice: its gradients add
+                total = self._alloc(v.shape, v.dtype)
+                accumulate(grads[v.id].contiguous(), g.contiguous(), total)
+                g = total
+            grads[v.id] = g
+        return grads
+
+    def _seed(self, out: Value, grad_output: torch.Tensor | None) -> torch.Tensor:
+        if grad_output is None:
+            if out.numel != 1:
+                raise ValueError(
+                    f"backward() without grad_output needs a scalar loss, but '{out.name}' has shape {out.shape}"
+                )
+            return torch.ones(out.shape, dtype=out.dtype, device=self.device)
+        if tuple(grad_output.shape) != tuple(out.shape):
+            raise ValueError(
+                f"grad_output has shape {tuple(grad_output.shape)}, but the output '{out.name}' has shape {out.shape}"
+            )
+        if grad_output.dtype != out.dtype:
+            raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{out.name}' is {out.dtype}")
+        return grad_output.to(self.device)
+
+    def _recompute(
+        self, p: PlannedNode, *, entry: dict, cache: ActivationCache, recomputed: dict[int, torch.Tensor], index: int
+    ) -> None:
+        """Put into ``entry`` the inputs of ``p`` the forward did not keep (``p.recomputed``):
+        each written again by its producer's ``recompute_launches`` from the producer's cache
+        entry, once, and kept in ``recomputed`` until the last node reading it (``index`` is
+        ``p``'s) has had its backward."""
+        for i, producer_index in p.recomputed.items():
+            v = p.node.inputs[i]
+            if v.id not in recomputed:
+                producer = self.program.nodes[producer_index]
+                saved = cache.entries[producer.node.id]
+                out = self._alloc(v.shape, v.dtype)
+                ctx = OpContext.for_recompute(
+                    **node_context(self.program, producer, dry_run=False),
+                    inputs=saved["inputs"],
+                    output=out,
+                    saved=saved["saved"],
+                )
+                ctx.run(producer.op.recompute_launches(ctx))
+                recomputed[v.id] = out
+            entry["inputs"][i] = recomputed[v.id]
+            if self._first_recompute_reader[v.id] == index:
+                del recomputed[v.id]
+
+    def _input_grad_buffer(
+        self,
+        p: PlannedNode,
+        *,
+        index: int,
+        entry: dict,
+        grad_out: torch.Tensor,
+        seeds: frozenset[int],
+        grads: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(buffer, addend) for input 0's gradient. buffer: one nothing else needs that it may be
+        written into, or None: ``grad_out`` for an op with ``grad_in_place``, when nothing else
+        holds it; input 0 itself for an op with ``grad_over_input``, when it was recomputed for
+        this node (``index``) and this is its last reader's backward; for an op with
+        ``grad_accumulates``, the gradient input 0's other readers left, when nothing else holds
+        it. addend (``grad_accumulates``): that waiting gradient (contiguous: an expanded one is
+        copied), which the op adds to its own, in place (it is the buffer) or not (a seed, or a
+        gradient something else still reads)."""
+        node = p.node
+        v = node.inputs[0] if node.inputs else None
+        if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
+            return None, None
+        if p.op.grad_in_place and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
+            return (grad_out if _held_only_here(grad_out, seeds, grads) else None), None
+        if p.op.grad_over_input and 0 in p.recomputed and self._first_recompute_reader[v.id] == index:
+            return entry["inputs"][0], None
+        waiting = grads.get(v.id)
+        if p.op.grad_accumulates and waiting is not None and (waiting.shape, waiting.dtype) == (v.shape, v.dtype):
+            if not waiting.is_contiguous():  # an expanded seed: the op reads a contiguous copy, its own
+                waiting = grads[v.id] = waiting.contiguous()
+            others = {k: g for k, g in grads.items() if k != v.id}
+            others[node.output.id] = grad_out  # read by this backward: not to be written over
+            if _held_only_here(waiting, seeds, others):
+                return waiting, waiting
+            return self._alloc(v.shape, v.dtype), waiting
+        return None, None
+
+    def _node_backward(
+        self,
+        p: PlannedNode,
+        entry: dict,
+        grad_out: torch.Tensor,
+        grads: dict[int, torch.Tensor],
+        input_grad_buffer: torch.Tensor | None = None,
+        addend: torch.Tensor | None = None,
+    ) -> None:
+        """``p``'s backward launches; input 0's gradient is written into ``input_grad_buffer``
+        when one is given, with the waiting gradient ``addend`` added (see ``_input_grad_buffer``)."""
+        node = p.node
+        buffers = []
+        for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
+            if not wanted:
+                buffers.append(None)
+            elif i == 0 and input_grad_buffer is not None:
+                buffers.append(input_grad_buffer)  # one buffer of the input's size fewer
+            elif v.kind == "param" and v.id in self._zeroed and node.inputs.count(v) == 1:
+                buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
+            else:
+                buffers.append(self._alloc(v.shape, v.dtype))
+        for positions in node.op.adjacent_params:  # side by side: the arena's views, or one block of their own
+            group = [buffers[i] for i in positions]
+            in_arena = all(g is self._grad_by_id[node.inputs[i].id] for i, g in zip(positions, group))
+            if all(g is not None for g in group) and not in_arena:
+                block = self._alloc((sum(g.numel() for g in group),), group[0].dtype)
+                offsets = itertools.accumulate([0] + [g.numel() for g in group])
+                for i, g, start in zip(positions, group, offsets):
+                    buffers[i] = block[start : start + g.numel()].view(g.shape)
+        ctx = OpContext.for_backward(
+            **node_context(self.program, p, dry_run=False),
+            inputs=entry["inputs"],
+            output=entry["output"],
+            saved=entry["saved"],
+            grad_output=grad_out,
+            grads=buffers,
+            grad_input_addend=addend,  # the op adds the gradient waiting to its own: no sum launch after
+        )
+        ctx.run(node.op.backward_launches(ctx))
+        produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
+        for i, (v, wanted, g) in enumerate(zip(node.inputs, p.grad_mask, produced)):
+            if not wanted:
+                continue
+            if g is None or tuple(g.shape) != tuple(v.shape):
+                raise TeenyError(
+                    f"op {node.op.name} (node '{node.name}') backward left the gradient of '{v.name}' "
+                    f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}"
+                )
+            if v.kind == "param":
+                target = self._grad_by_id[v.id]
+                if g is not target:
+                    accumulate(target, g.contiguous(), target)
+                self._zeroed.discard(v.id)
+            elif v.id in grads:
+                if i == 0 and addend is not None:  # the op added the gradient waiting to its own
+                    grads[v.id] = g
+                else:
+                    total = self._alloc(v.shape, v.dtype)
+                    accumulate(grads[v.id].contiguous(), g.contiguous(), total)  # a seed may be expanded
+                    grads[v.id] = total
+            else:
+                grads[v.id] = g
+
+
+def _aligned_numel(n: int, dtype: torch.dtype) -> int:
+    step = max(1, ARENA_ALIGN // torch.empty((), dtype=dtype).element_size())
+    return -(-n // step) * step
+
+
+def _rows_with_one_stride(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (rows, last dim) with unit stride along the last dim and one stride
+    between rows (what a kernel reading dy by rows through ``grad_output_row_stride`` needs)."""
+    if t.dim() < 2:
+        return t.is_contiguous()
+    if t.stride(-1) != 1 and t.size(-1) > 1:
+        return False
+    expected = t.stride(-2)
+    for dim in range(t.dim() - 3, -1, -1):
+        expected *= t.size(dim + 1)
+        if t.size(dim) > 1 and t.stride(dim) != expected:
+            return False
+    return True
+
+
+def _held_only_here(grad_out: torch.Tensor, seeds: frozenset[int], grads: dict[int, torch.Tensor]) -> bool:
+    """Whether the backward may write over ``grad_out``: a contiguous buffer of its own, neither
+    a seed (a caller's tensor; ``seeds`` are storage ids) nor sharing storage with a gradient
+    still waiting in ``grads`` (a backward may hand one ``dy`` to several inputs as views)."""
+    if (
+        not grad_out.is_contiguous()
+        or grad_out.untyped_storage().nbytes() != grad_out.numel() * grad_out.element_size()
+    ):
+        return False
+    storage = _storage_id(grad_out)
+    return storage not in seeds and all(_storage_id(g) != storage for g in grads.values())
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of: the same for every view of one storage, on meta tensors
+    too (whose addresses are all 0), so that a program captured on meta (``teeny.aot``) takes
+    the decisions it takes on the GPU."""
+    return t.untyped_storage()._cdata
+
+
+def _check_versions(cache: ActivationCache) -> None:
+    """Refuse a backward whose saved tensors were changed in place since the forward."""
+    changed = sorted({what for t, version, what in cache.versions if t._version != version})
+    if changed:
+        raise TeenyError(
+            f"{', '.join(changed)} was modified in place between forward_train and backward: the backward kernels "
+            "would read the new values and give a wrong gradient (clone before changing it, or run forward_train again)"
+        )

@@ -1,0 +1,435 @@
+"""A run of teeny's host path recorded once and replayed: a call cut down to its launches.
+
+A registered op's call (``teeny.torch``) runs the executor's host path: inputs bound and
+checked, one ``OpContext`` per node, the op's launches built and their packing checked,
+Triton's arguments bound. For one call signature all of that comes out the same every time;
+only the tensors differ. ``Replayed(fn)`` runs ``fn(tensors) -> list[Tensor]`` normally once,
+recording what it does to the device as a ``Tape``: each ATen call (allocations, views,
+zeroing, copies) through a ``TorchDispatchMode``, each kernel launch through
+``kernel.intercept_launches``, over numbered slots (the inputs, then every tensor the run
+made; a tensor it read but did not make, such as an executor's constant, is kept as it is).
+Later calls on tensors of the same shapes, strides, dtypes, device and 16-byte alignment, and with
+the same aliasing among them (which inputs are one tensor, which share memory: a run given
+``(x, x)`` reads one slot twice, so a ``Replayed`` keeps a tape per aliasing pattern), replay
+that tape: the ATen calls again, each launch straight through Triton's C launcher
+(``kernel.direct_launcher``; a TMA kernel's descriptors in one scratch buffer per stream) on a
+GPU, and the flags ops asked to have checked (``OpContext.check_after``) read as the executor
+reads them.
+
+The full path runs instead (``Replayed.not_recorded`` says why) when the run handed a value
+from the device to the host (``.item()``: a branch may depend on it), when ``fn``'s program
+has an op that is not ``capturable`` (dropout's per-run seed) or trainable parameters of its
+own (the executor accumulates their gradients), under a dispatch mode or another launch
+interceptor (opcheck, an ahead-of-time capture), and with ``teeny.core.config.replay`` off
+(``TEENY_REPLAY=0``). While launches are being recorded (``kernel.record_launches``) a replay
+launches through the full ``KernelInstance.launch``, so every launch is still seen.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ..core import config
+from ..core.kernel import _INTERCEPTORS, _RECORDERS, KernelInstance, direct_launcher, intercept_launches
+from ..core.runtime import _CHECK_SINKS, raise_failed_checks
+
+ALIGN = 16  # bytes: the alignment Triton specialises pointers on and TMA needs
+MAX_PATTERNS = 4  # tapes kept per function, one per aliasing pattern of its inputs; others take the full path
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors as they are (no subclass, no fake tensor)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor of the tape, by number."""
+
+    index: int
+
+
+def _template(value: Any, slots: dict[int, int], unknown: list) -> Any:
+    """``value`` with every tensor the run knows replaced by its ``_Slot``; the tensors it does
+    not know are kept as they are and listed in ``unknown``."""
+    if isinstance(value, torch.Tensor):
+        index = slots.get(id(value))
+        if index is None:
+            unknown.append(value)
+            return value
+        return _Slot(index)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_template(v, slots, unknown) for v in value)
+    if isinstance(value, dict):
+        return {k: _template(v, slots, unknown) for k, v in value.items()}
+    return value
+
+
+def _slots_in(template: Any) -> set[int]:
+    """The slots a template reads (empty: it holds no tensor of the run)."""
+    if isinstance(template, _Slot):
+        return {template.index}
+    if isinstance(template, (list, tuple)):
+        return set().union(*(_slots_in(v) for v in template)) if template else set()
+    if isinstance(template, dict):
+        return _slots_in(list(template.values()))
+    return set()
+
+
+def _fill(template: Any, slots: list) -> Any:
+    if isinstance(template, _Slot):
+        return slots[template.index]
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(v, slots) for v in template)
+    if isinstance(template, dict):
+        return {k: _fill(v, slots) for k, v in template.items()}
+    return template
+
+
+def _filler(template: Any) -> Callable[[list], Any]:
+    """A function of the slots giving ``template`` filled in (the template itself when it
+    holds no slot); top-level slots of a flat list are filled by position, the common case."""
+    if not _slots_in(template):
+        return lambda slots: template
+    if isinstance(template, (list, tuple)) and not any(
+        isinstance(v, (list, tuple, dict)) and _slots_in(v) for v in template
+    ):
+        positions = [(i, v.index) for i, v in enumerate(template) if isinstance(v, _Slot)]
+        base = list(template)
+
+        def flat(slots: list) -> list:
+            out = base.copy()
+            for i, k in positions:
+                out[i] = slots[k]
+            return out
+
+        return flat
+    return lambda slots: _fill(template, slots)
+
+
+def _tensors(value: Any) -> list[torch.Tensor] | None:
+    """The tensors of an ATen call's result (None when it holds something else: a host value)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            inner = _tensors(v)
+            if inner is None:
+                return None
+            out.extend(inner)
+        return out
+    return None
+
+
+class _AtenStep:
+    """One ATen call; the tensors of its result that are new become the slots in ``made``."""
+
+    def __init__(self, func, args: list, kwargs: dict, made: list[tuple[int, int]]):
+        self.templates = (args, kwargs)
+        self.call = _caller(func, args, kwargs)
+        self.made = made  # (position among the result's tensors, slot)
+        self.writes = func._schema.is_mutable  # changes a tensor it was given: never dropped
+
+    def reads(self) -> set[int]:
+        return _slots_in(self.templates)
+
+    def run(self, slots: list, stream: int | None) -> None:
+        out = self.call(slots)
+        if self.made:
+            tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out) or []
+            for position, index in self.made:
+                slots[index] = tensors[position]
+
+
+_aten = torch.ops.aten
+_PLAIN_FACTORY = {
+    "layout": (None, torch.strided),
+    "pin_memory": (None, False),
+    "memory_format": (None, torch.contiguous_format),
+}
+
+
+def _caller(func, args: list, kwargs: dict) -> Callable[[list], Any]:
+    """``slots -> func(args, kwargs)`` filled in; the calls every run makes (allocations, views,
+    clones, zeroing) through torch's Python functions, which cost a fraction of an operator
+    call's dispatch from Python."""
+    plain = all(kwargs.get(k) in ok for k, ok in _PLAIN_FACTORY.items())
+    if func in (_aten.empty.memory_format, _aten.zeros.default) and plain and not _slots_in(args):
+        make = torch.empty if func is _aten.empty.memory_format else torch.zeros
+        size, dtype, device = tuple(args[0]), kwargs.get("dtype"), kwargs.get("device")
+        return lambda slots: make(size, dtype=dtype, device=device)
+    if args and isinstance(args[0], _Slot) and not _slots_in(args[1:]) and not _slots_in(kwargs):
+        k, rest = args[0].index, args[1:]
+        if func is _aten.view.default:
+            return lambda slots: slots[k].view(rest[0])
+        if func is _aten.zero_.default:
+            return lambda slots: slots[k].zero_()
+        if func is _aten.clone.default and plain:
+            return lambda slots: slots[k].clone(memory_format=torch.contiguous_format)
+    fill_args, fill_kwargs = _filler(args), _filler(kwargs)
+    return lambda slots: func(*fill_args(slots), **fill_kwargs(slots))
+
+
+class _LaunchStep:
+    """One kernel launch; on a GPU straight through Triton's compiled launcher."""
+
+    made: tuple = ()
+    writes = True
+
+    def __init__(self, instance: KernelInstance, jit, grid: tuple, args: list, options: dict, compiled: Any):
+        self.instance, self.jit, self.grid, self.options = instance, jit, grid, options
+        self.template = args
+        self.args = _filler(args)
+        self.direct = direct_launcher(compiled, grid, instance.kernel.device_scratch, instance.kernel.arguments)
+
+    def reads(self) -> set[int]:
+        return _slots_in(self.template)
+
+    def run(self, slots: list, stream: int | None) -> None:
+        args = self.args(slots)
+        if stream is None:  # launches are being recorded or intercepted: the full path
+            self.instance.launch(self.grid, args, **self.options)
+        elif self.direct is not None:
+            self.direct(stream, args)
+        else:
+            self.instance.run_jit(self.jit, self.grid, args, self.options)
+
+
+def _live(steps: list, needed: set[int]) -> list:
+    """``steps`` without the ATen calls whose results nothing later reads (the host-side helper
+    tensors of launch building: element sizes, meta shapes); calls that write stay."""
+    needed = set(needed)
+    kept = []
+    for step in reversed(steps):
+        if step.writes or any(index in needed for _, index in step.made):
+            needed |= step.reads()
+            kept.append(step)
+    return kept[::-1]
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What a recorded run's choices may depend on in an input tensor."""
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % ALIGN)
+
+
+def aliasing(tensors: Sequence[torch.Tensor]) -> tuple | None:
+    """Which inputs are one tensor and which share a storage: per input, the first input that is
+    the same object and the first that shares its storage; None when all are apart (the common
+    case). A run given ``(x, x)`` numbers ``x`` once, and one given a view of another input may
+    decide by their shared memory (the executor's in-place gradients): its tape fits only calls
+    aliased alike."""
+    ids = [id(t) for t in tensors]
+    storages = [_storage_of(t) for t in tensors]
+    if len(set(ids)) == len(set(storages)) == len(tensors):
+        return None
+    first: dict[int, int] = {}
+    first_storage: dict[int, int] = {}
+    pairs = enumerate(zip(ids, storages))
+    return tuple((first.setdefault(a, i), first_storage.setdefault(b, i)) for i, (a, b) in pairs)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of (its own number for a tensor without one: sparse)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return -id(t)
+
+
+@dataclass
+class Tape:
+    """The steps of one recorded run over its slots, what its inputs looked like, which
+    slots it returned and which flags it checks after the launches."""
+
+    signatures: list[tuple]
+    steps: list
+    n_slots: int
+    outputs: list[int]
+    checks: list[tuple[int, str, Callable]]
+    device: torch.device
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if len(tensors) != len(self.signatures):
+            return False
+        for t, (shape, stride, dtype, device, residue) in zip(tensors, self.signatures):
+            if (
+                type(t) not in _PLAIN
+                or t.data_ptr() % ALIGN != residue
+                or t.stride() != stride
+                or t.shape != shape
+                or t.dtype != dtype
+                or t.get_device() != device
+            ):
+                return False
+        # a GPU tape launches kernels loaded on its device, on that device's current stream
+        return self.device.type != "cuda" or torch.cuda.current_device() == self.device.index
+
+    def replay(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        slots: list = [*tensors, *([None] * (self.n_slots - len(tensors)))]
+        if _RECORDERS or _INTERCEPTORS:
+            stream = None
+        elif self.device.type == "cuda":
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        else:
+            stream = 0
+        for step in self.steps:
+            step.run(slots, stream)
+        if self.checks:
+            raise_failed_checks([(slots[k], where, describe) for k, where, describe in self.checks])
+        return [slots[k] for k in self.outputs]
+
+
+_ALIASES = (_aten.detach.default, _aten.alias.default)
+
+
+class _Recording(TorchDispatchMode):
+    """Records the ATen calls and the launches of one run (see the module docstring)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]):
+        super().__init__()
+        self.slots: dict[int, int] = {}
+        for i, t in enumerate(inputs):  # a tensor given twice is its first slot; the later ones go unread
+            self.slots.setdefault(id(t), i)
+        self.alive: list = list(inputs)  # every tensor seen stays alive, so no id is reused
+        self.storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel() and t.device.type != "meta"}
+        self.steps: list = []
+        self.failure: str | None = None
+        self.thread = threading.get_ident()  # launches from other threads are theirs, not recorded
+
+    def _new_slot(self, t: torch.Tensor) -> int:
+        index = len(self.alive)
+        self.slots[id(t)] = index
+        self.alive.append(t)
+        if t.numel() and t.device.type != "meta":
+            self.storages.add(t.untyped_storage().data_ptr())
+        return index
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.failure is not None:
+            return out
+        tensors = _tensors(out)
+        if tensors is None:
+            self.failure = f"{func} handed a value to the host ({type(out).__name__})"
+            return out
+        if func in _ALIASES and id(args[0]) in self.slots:  # the same data, no autograd history: the same slot
+            self.slots[id(out)] = self.slots[id(args[0])]
+            self.alive.append(out)
+            return out
+        template = (self._template(list(args)), self._template(kwargs))
+        made = [(position, self._new_slot(t)) for position, t in enumerate(tensors) if id(t) not in self.slots]
+        self.steps.append(_AtenStep(func, *template, made))
+        return out
+
+    def launch(self, instance: KernelInstance, jit, grid: tuple, args: list, options: dict) -> None:
+        if threading.get_ident() != self.thread:
+            instance.run_jit(jit, grid, args, options)
+            return
+        with _disable_current_modes():  # the launch itself (the interpreter's ATen calls) is not recorded
+            compiled = instance.run_jit(jit, grid, args, options)
+        if self.failure is None:
+            self.steps.append(_LaunchStep(instance, jit, grid, self._template(args), options, compiled))
+
+    def _template(self, value: Any) -> Any:
+        """``_template`` of an argument; a tensor the run did not make (through ATen) is kept as
+        a constant, unless it shares memory with one the run did make or was given: a view made
+        without ATen (``.data``, ``from_numpy``) would then be frozen to this run's memory."""
+        unknown: list = []
+        template = _template(value, self.slots, unknown)
+        for t in unknown:
+            if t.numel() and t.device.type != "meta" and t.untyped_storage().data_ptr() in self.storages:
+                self.failure = "a tensor made outside ATen shares memory with one of the run's"
+        return template
+
+
+def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Tensor]):
+    """``(fn(tensors), tape)``: ``fn`` run once with its device work recorded; ``tape`` is a
+    ``Tape`` replaying it, or the reason (a string) why the run cannot be replayed."""
+    recording = _Recording(tensors)
+    checks: list = []
+    _CHECK_SINKS[recording.thread] = checks
+    try:
+        with intercept_launches(recording.launch), recording:
+            result = fn(list(tensors))
+    finally:
+        del _CHECK_SINKS[recording.thread]
+    raise_failed_checks(checks)  # the recorded run's own flags, now that its kernels have run
+    tape: Tape | str
+    outputs = [recording.slots.get(id(t)) for t in result]
+    flags = [recording.slots.get(id(flag)) for flag, _, _ in checks]
+    if recording.failure is not None:
+        tape = recording.failure
+    elif any(k is None for k in outputs):
+        tape = "an output is not a tensor the run made or was given"
+    elif any(k is None for k in flags):
+        tape = "a checked flag is not a tensor the run made"
+    else:
+        # the device the launches run on (a GPU program may be given CPU index tensors)
+        device = next((t.device for t in recording.alive if t.is_cuda), torch.device("cpu"))
+        tape = Tape(
+            signatures=[_signature(t) for t in tensors],
+            steps=_live(recording.steps, {*outputs, *flags}),
+            n_slots=len(recording.alive),
+            outputs=outputs,
+            checks=[(k, where, describe) for k, (_, where, describe) in zip(flags, checks)],
+            device=device,
+        )
+    return result, tape
+
+
+class Replayed:
+    """``fn(tensors) -> list[Tensor]``, recorded on its first call and replayed after (see the
+    module docstring). ``blocked`` names why ``fn`` may never be replayed (None: it may). Each
+    aliasing pattern of the inputs (``aliasing``) has its own tape, recorded on its first call:
+    a tape recorded on ``(x, x)`` is never replayed on ``(a, b)``, nor one of ``(a, b)`` on ``(x, x)``."""
+
+    def __init__(self, fn: Callable[[list], list[torch.Tensor]], blocked: str | None = None):
+        self.fn = fn
+        self.tapes: dict[tuple | None, Tape] = {}  # by aliasing pattern
+        self.not_recorded: str | None = blocked
+        self.replays = 0  # how many calls a tape answered (tests and benches read it)
+
+    @property
+    def tape(self) -> Tape | None:
+        """The tape of inputs that are all apart, else the first recorded (None: none yet)."""
+        return self.tapes.get(None) or next(iter(self.tapes.values()), None)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if not config.replay or not _recordable_now() or any(type(t) not in _PLAIN for t in tensors):
+            return self.fn(list(tensors))
+        pattern = aliasing(tensors)
+        tape = self.tapes.get(pattern)
+        if tape is not None:
+            if tape.fits(tensors):
+                self.replays += 1
+                return tape.replay(tensors)
+            return self.fn(list(tensors))
+        if self.not_recorded is not None or len(self.tapes) >= MAX_PATTERNS:
+            return self.fn(list(tensors))
+        result, recorded = record(self.fn, tensors)
+        if isinstance(recorded, str):
+            self.not_recorded = recorded
+        else:
+            self.tapes[pattern] = recorded
+        return result
+
+
+def _recordable_now() -> bool:
+    """No dispatch mode, no other launch interceptor (their view of the run must be the full one)."""
+    return torch._C._len_torch_dispatch_stack() == 0 and not _INTERCEPTORS
+
+
+def check_replayable(program) -> str | None:
+    """Why a program's runs may not be replayed, or None (see the module docstring)."""
+    blockers = [p.node.name for p in program.nodes if not p.op.capturable]
+    if blockers:
+        return f"nodes {', '.join(blockers)} take host state that changes per run"
+    if any(v.kind == "param" for v in program.graph.values):
+        return "the program has parameters of its own"
+    return None
