@@ -18,6 +18,7 @@ from teeny import LoweringMode, lower
 from teeny.checks.registry import tolerance
 from teeny.ops.shape.ops import ViewOp
 from teeny.torch import UnsupportedError, from_torch, to_torch
+from teeny.training.optim import AdamW
 
 VOCAB, LENGTH, BATCH = 24, 6, 2
 
@@ -262,7 +263,7 @@ def test_float64_gradients_and_twenty_adamw_steps_match_torch_and_load_back_stri
     executor = teeny.Executor(lower(graph, LoweringMode.TRAINING))
     # weight decay 0 with BatchNorm: teeny's optimizers also decay non-trainable arenas (issue 11 item 1)
     decay = 0.0 if case.name == "resnet" else 0.01
-    optimizer = teeny.training.optim.AdamW(executor, lr=1e-2, weight_decay=decay)
+    optimizer = AdamW(executor, lr=1e-2, weight_decay=decay)
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=decay)
     atol, rtol = _tol(case, dtype)
     for step in range(20):
@@ -484,7 +485,10 @@ def test_teeny_train_torch_model_trains_and_writes_the_torch_checkpoint(tmp_path
     out = tmp_path / "run"
     argv = ["train", "--torch-model", f"{tmp_path / 'model.py'}:make_model", "--steps", "3", "--batch-size", "16"]
     assert main([*argv, "--epochs", "1", "--no-progress", "--out", str(out)]) == 0
-    state = torch.load(out / "torch_model.pt")
+    from safetensors.torch import load_file
+
+    assert not (out / "torch_model.pt").exists()  # safetensors, not a pickle
+    state = load_file(out / "torch_model.safetensors")
     params, _, _ = teeny.training.loop.load_checkpoint(out / "checkpoint.safetensors")
     torch.testing.assert_close(state["fc.weight"], params["fc.weight"])
     assert main(["train", "mlp", "--torch-model", "x.py:f"]) == 2
@@ -552,3 +556,18 @@ def test_hugging_face_models_import_with_their_default_config_and_plain_keywords
     loss = ex.forward({"input_ids": ids, "labels": ids})
     loss = loss[0] if isinstance(loss, (list, tuple)) else loss
     torch.testing.assert_close(loss.cpu(), model(input_ids=ids, labels=ids).loss.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_patched_model_imports_its_teeny_operators_as_the_ops_they_run():
+    """A patched model calls torch.ops.teeny.<op>: the import applies the teeny function itself."""
+    import teeny.torch as tt
+
+    x = torch.randn(4, 16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32))
+    expected = model(x).detach()
+    tt.patch(model)
+    graph = from_torch(model, (x,))
+    assert [node.op.name for node in graph.nodes] == ["linear", "gelu", "layer_norm"]
+    ex = teeny.Executor(lower(graph, LoweringMode.INFERENCE))
+    (name,) = [v.name for v in graph.inputs]
+    torch.testing.assert_close(ex.forward({name: x}).cpu(), expected, atol=1e-5, rtol=1e-5)

@@ -55,12 +55,12 @@ def _milliseconds(fn) -> float:
 
 def _cases():
     """(name, build(dtype) -> (graph, batches), optimizer kwargs, clip)."""
-    import teeny
     from teeny import Graph, ops
+    from teeny.training.models import MLP
 
     def mlp(batch=128):
         def build():
-            model = teeny.training.models.MLP(784, 256, 10)
+            model = MLP(784, 256, 10)
             g = Graph("mlp")
             x, y = g.input("x", (batch, 784)), g.input("y", (batch,), torch.int64)
             g.output(ops.cross_entropy(model(x), y))

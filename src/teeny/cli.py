@@ -1,4 +1,5 @@
-"""The ``teeny`` command: ``teeny ops``, ``teeny gradcheck [OP ...]``, ``teeny train MODEL``.
+"""The ``teeny`` command: ``teeny ops``, ``teeny gradcheck [OP ...]``, ``teeny train MODEL``,
+``teeny bench FILE.py:make_model``, ``teeny export-hf CHECKPOINT -o DIR``.
 
 The device is chosen before teeny is imported (``--device`` sets TEENY_DEVICE), because the
 Triton interpreter must be switched on before any kernel is defined. Each subcommand is one
@@ -6,11 +7,11 @@ Triton interpreter must be switched on before any kernel is defined. Each subcom
 
 ``teeny train`` runs data-parallel when started by torchrun (``torchrun --nproc-per-node N -m
 teeny train MODEL ...``); ``teeny train MODEL --nproc N`` starts torchrun itself. Exit codes: 0
-done, 1 failed (``gradcheck``: an op failed; ``train``: the loss diverged, a process died or hung,
-a file could not be written), 2 bad input (arguments, checkpoint, output folder or one in use,
-a model file or task that breaks its contract), 130 interrupted, 141 output closed early
-(``teeny ops | head``). Every failure teeny expects ends in one line on stderr (``_exit_code``
-maps errors to codes); a traceback means a bug in teeny.
+done, 1 failed (``gradcheck``: an op failed; ``bench``: a variant failed; ``train``: the loss
+diverged, a process died or hung, a file could not be written), 2 bad input (arguments,
+checkpoint, output folder or one in use, a model file or task that breaks its contract), 130
+interrupted, 141 output closed early (``teeny ops | head``). Every failure teeny expects ends in
+one line on stderr (``_exit_code`` maps errors to codes); a traceback means a bug in teeny.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gradcheck(sub)
     add_train(sub)
     add_build(sub)
+    add_bench(sub)
+    add_export_hf(sub)
     return parser
 
 
@@ -258,6 +261,51 @@ def cmd_gradcheck(args) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------------- teeny bench
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time your model's training step: eager, torch.compile, teeny, Liger-Kernel (see teeny.torch.bench)",
+    )
+    p.add_argument("spec", metavar="FILE.py:FUNCTION", help="returns (model, batch[, loss_fn]); see teeny.torch.bench")
+    p.add_argument("--steps", type=_positive_int, default=10, help="timed steps per variant (default 10)")
+    p.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed steps after the first (default 3)")
+    p.add_argument(
+        "--variants",
+        default="all",
+        help="comma-separated, in order: eager, compile (every mode) or compile-default, compile-reduce-overhead, "
+        "compile-max-autotune-no-cudagraphs, teeny-patch, teeny-patch+compile, liger; default all",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(  # teeny.torch.bench.PRECISIONS, named here so that parsing imports no kernel
+        "--precision", choices=["fp32", "bf16-autocast"], help="default: bf16-autocast on CUDA, fp32 on the CPU"
+    )
+    p.add_argument("--lr", type=_positive_float, default=1e-4, help="AdamW's learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-on-cpu", action="store_true", help="run the torch.compile variants on the CPU too")
+    p.add_argument("--traceback", action="store_true", help="print a failed variant's traceback to stderr")
+    p.add_argument("--device", dest="train_device", choices=DEVICES, default=None, help="same as the global --device")
+    p.set_defaults(run=cmd_bench)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def cmd_bench(args) -> int:
+    from .torch.bench import cmd_bench as bench
+
+    return bench(args)
+
+
 # ---------------------------------------------------------------------------- teeny train
 
 
@@ -295,7 +343,7 @@ def add_train(sub) -> None:
     p.add_argument("--checkpoint-every", type=_positive_int, metavar="STEPS", help="default: every epoch")
     p.add_argument(
         "--out",
-        help="folder for checkpoint, metrics.jsonl and loss.png (default: the resumed checkpoint's folder, else "
+        help="folder for the checkpoint and the --log files (default: the resumed checkpoint's folder, else "
         "runs/latest); a run that does not resume replaces an earlier run's files there; one run at a time "
         "(a second is refused while the first holds DIR/.lock)",
     )
@@ -307,6 +355,12 @@ def add_train(sub) -> None:
         metavar="SETTING",
         help="resume although SETTING (e.g. batch_size, lr; comma-separated or repeated; 'all') differs from the "
         "checkpoint's, which breaks exactness",
+    )
+    p.add_argument(
+        "--log",
+        metavar="WRITERS",
+        help="where metrics go, comma-separated: jsonl (metrics.jsonl), png (loss.png), tensorboard (event files; "
+        "needs the tensorboard package); default jsonl,png",
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--nproc", type=_positive_int, help="train data-parallel on N processes (starts torchrun)")
@@ -405,6 +459,8 @@ def _train(args, world) -> int:
             settings[key] = value
     if args.bucket_mb is not None:
         settings["bucket_mb"] = args.bucket_mb
+    if args.log is not None:  # TrainConfig refuses an unknown name
+        settings["log_to"] = tuple(name.strip() for name in args.log.split(",") if name.strip())
     out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else "runs/latest")
     config = TrainConfig(
         **settings,
@@ -437,15 +493,42 @@ def _train(args, world) -> int:
     say("final:", json.dumps(shown))
     if args.model == "gpt" and lead:
         say("sample:\n" + task.sample(result["executor"].params))
-    if args.torch_model and lead:  # the trained weights back in the torch module, as a torch checkpoint too
-        import torch
-
+    if args.torch_model and lead:  # the trained weights back in the torch module, and its state_dict as safetensors
         from .torch import to_torch
+        from .torch.task import TORCH_STATE_NAME, save_torch_state
 
         to_torch(result["executor"], task.torch_module)
-        torch.save(task.torch_module.state_dict(), os.path.join(config.out, "torch_model.pt"))
-        say(f"torch state_dict in {os.path.join(config.out, 'torch_model.pt')}")
-    say(f"checkpoint, metrics.jsonl and loss.png in {config.out}")
+        save_torch_state(task.torch_module, os.path.join(config.out, TORCH_STATE_NAME))
+        say(f"torch state_dict in {os.path.join(config.out, TORCH_STATE_NAME)}")
+    from .training.callbacks import WRITERS
+
+    written = ["checkpoint", *(WRITERS[name].files for name in config.log_to)]
+    say(f"{', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]} in {config.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------ teeny export-hf
+
+
+def add_export_hf(sub) -> None:
+    p = sub.add_parser(
+        "export-hf", help="write a `teeny train gpt` checkpoint as a transformers model folder (GPT2LMHeadModel)"
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.safetensors of `teeny train gpt`")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="the folder for config.json and model.safetensors")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--force", action="store_true", help="write into DIR although it is not empty")
+    p.set_defaults(run=cmd_export_hf)
+
+
+def cmd_export_hf(args) -> int:
+    import torch
+
+    from .training.hf_export import ARCHITECTURE, export_hf
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export_hf(args.checkpoint, args.out, dtype=dtype, force=args.force)
+    print(f"{ARCHITECTURE} in {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

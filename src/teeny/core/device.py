@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from .extras import optional
+
 _CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -102,11 +104,9 @@ def _single_threaded_blas() -> None:
     """Under the interpreter tl.dot is numpy's matmul on small tiles, which multi-threaded OpenBLAS
     made 100-200x slower on a loaded 2-core machine (10-20 ms for a 256x256x16 product against
     0.1 ms on one thread): pin the BLAS libraries of this process to one thread."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - scikit-learn, a dependency, brings it
-        return
-    threadpool_limits(1, user_api="blas")
+    threadpoolctl = optional("threadpoolctl")  # the [train] extra brings it; without it, slower (extras.DEGRADED)
+    if threadpoolctl is not None:
+        threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 if INTERPRETER:

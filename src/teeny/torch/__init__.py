@@ -20,10 +20,11 @@ import importlib
 
 from ..core import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
 from . import library  # noqa: F401  (registers torch.ops.teeny.<name> for every op)
-from .bridge import apply, cache_size, clear_cache
+from .bridge import cache_size, clear_cache
 from .library import register, register_all, registered_ops
 
 _LAZY = {
+    "apply": "bridge",  # its torch.compiler.disable imports torch._dynamo (1 s): on first use
     "patch": "patching",
     "PatchReport": "patching",
     "from_torch": "export",
@@ -35,7 +36,6 @@ _LAZY = {
 _SUBMODULES = {"bridge", "library", "nn", "patching", "export", "task"}
 
 __all__ = [
-    "apply",
     "cache_size",
     "clear_cache",
     "register",

@@ -835,8 +835,7 @@ def _describe(fn: Callable) -> str:
     return f"apply({getattr(fn, '__qualname__', type(fn).__name__)})"
 
 
-@torch.compiler.disable  # keys are built from Python objects; under torch.compile use the registered ops
-def apply(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+def _apply(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` (a function of teeny symbolic tensors) on torch tensors, differentiably.
 
     Tensors among ``args``/``kwargs`` (nested lists too) become the function's inputs; other
@@ -867,6 +866,19 @@ def apply(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         _ENTRIES.move_to_end(key)
         _APPLY_KEYS.move_to_end(struct)
     return entry.unpack(call(entry, flat))
+
+
+_apply.__name__ = _apply.__qualname__ = "apply"
+
+
+def __getattr__(name: str) -> Any:
+    """``apply`` is ``_apply`` under ``torch.compiler.disable`` (its keys are built from Python objects;
+    under torch.compile use the registered ops), made on first use: ``torch.compiler.disable``
+    imports torch._dynamo, 1.0 of the 2.7 s that ``import teeny.torch`` took when it ran at import."""
+    if name == "apply":
+        globals()["apply"] = disabled = torch.compiler.disable(_apply)
+        return disabled
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_key(key: str, prefix: str) -> Any:

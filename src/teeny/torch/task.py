@@ -20,7 +20,9 @@ the batch dim, integer or float): ``digits`` ((64,) float images, class labels),
 chooses one, otherwise the first that fits is taken. The graph is imported (``from_torch``,
 positionally: its inputs take the names of ``forward``'s arguments) for the loop's batch size
 in training mode; evaluation imports it again in eval mode and reports the mean loss on
-held-out data. ``task.torch_module`` is the module, for ``to_torch`` after training.
+held-out data. ``task.torch_module`` is the module, for ``to_torch`` after training;
+``save_torch_state`` writes its ``state_dict`` as safetensors (``teeny train --torch-model``:
+``DIR/torch_model.safetensors``).
 """
 
 from __future__ import annotations
@@ -215,3 +217,15 @@ def torch_model_task(spec: str | Callable[[], Any], data: str | None = None, nam
     task.torch_module = module
     task.data_set = data_set.name
     return task
+
+
+TORCH_STATE_NAME = "torch_model.safetensors"  # what `teeny train --torch-model` writes beside its checkpoint
+
+
+def save_torch_state(module: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Write ``module.state_dict()`` to ``path`` as safetensors, not a pickle. Tensors that share
+    memory (a head tied to the embedding) are stored once (``safetensors.torch.save_model``), so
+    read it back with ``safetensors.torch.load_model(module, path)``, which ties them again."""
+    from safetensors.torch import save_model
+
+    save_model(module, os.fspath(path), metadata={"format": "pt"}, force_contiguous=True)

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.extras import require
+
 
 def shard(feed: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s rows of a global batch: the ``rank``-th of ``world_size`` equal slices along
@@ -49,9 +51,7 @@ class ArrayDataset:
 def digits(split_seed: int = 0, test_fraction: float = 0.2, image: bool = False) -> tuple[ArrayDataset, ArrayDataset]:
     """The 1,797 8x8 handwritten digits of scikit-learn, scaled to [0, 1], split train/test.
     ``image=True`` gives (N, 1, 8, 8) tensors, otherwise (N, 64)."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    bunch = require("sklearn.datasets", "the digits data set").load_digits()
     x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     if image:

@@ -1,6 +1,7 @@
 """The training loop: batches -> forward_train -> backward -> (clip) -> optimizer step, with
-evaluation, a progress bar, metrics as JSON lines, a loss curve PNG, and checkpoints that
-resume exactly.
+evaluation, a progress bar, callbacks that hear of every step, evaluation and checkpoint (the
+metrics writers among them: JSON lines, a loss curve PNG, TensorBoard; ``callbacks``), and
+checkpoints that resume exactly.
 
 A checkpoint (safetensors) holds the parameters, the optimizer state, the position (global
 step), the model's name and the whole training configuration. Data order is a function of
@@ -16,8 +17,8 @@ changed after it was written is refused on load, by name. A checkpoint's mode fo
 A loss that is not finite, or that grows past ``diverge_factor`` times its first value, stops
 training with ``DivergedError`` naming the step; the last checkpoint written is from before it.
 ``metrics.jsonl`` is strict JSON (a non-finite value is written as null). A run that does not
-resume starts a fresh folder: the metrics, checkpoint and plot of an earlier run there are
-replaced. A run owns its folder while it lasts (``RunFolder``: ``<out>/.lock``, holding its PID):
+resume starts a fresh folder: the checkpoint and the writers' files of an earlier run there are
+removed. A run owns its folder while it lasts (``RunFolder``: ``<out>/.lock``, holding its PID):
 a second run into the same folder is refused, naming the first's PID.
 
 A task must yield as many batches per epoch as its ``steps_per_epoch`` says (the schedule and the
@@ -27,8 +28,8 @@ otherwise ``TaskError`` names the task and what it did.
 Under ``torch.distributed`` (``teeny.training.distributed.init()``, e.g. started by torchrun), ``train``
 runs data-parallel: the batch size is the global batch, split evenly over the processes; each
 sees its rows of every batch (a disjoint shard, fixed by seed, epoch and rank); gradients are
-averaged through ``teeny.training.distributed.DataParallel``; only rank 0 prints, writes metrics, plots and
-checkpoints.
+averaged through ``teeny.training.distributed.DataParallel``; only rank 0 prints, calls the callbacks (writes
+metrics) and checkpoints.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.extras import optional
 from ..core.graph import Graph
 from ..fusions import PRECISIONS
 from ..program.executor import Executor
 from ..program.lowering import LoweringMode, lower
+from .callbacks import WRITERS, Callback, CallbackList, Run
 from .data import shard
 from .optim import OPTIMIZERS, GradScaler, Optimizer, clip_grad_norm, constant_schedule, cosine_schedule
 
@@ -125,6 +128,7 @@ class TrainConfig:
     diverge_factor: float | None = 1e4  # stop at a loss over this times max(|first loss|, 1); None: non-finite only
     zero: bool = False  # data-parallel: shard the optimizer state over the processes (ZeRO stage 1)
     bucket_mb: float = 25.0  # data-parallel: gradient all-reduce bucket size in MiB
+    log_to: tuple[str, ...] = ("jsonl", "png")  # the built-in writers of metrics (callbacks.WRITERS), by name
 
     def validate(self) -> None:
         def finite(x) -> bool:
@@ -158,6 +162,10 @@ class TrainConfig:
                 self.precision is None or self.precision in PRECISIONS,
                 f"unknown precision {self.precision!r}; choose {', '.join(PRECISIONS)} (or none)",
             ),
+            *(
+                (name in WRITERS, f"unknown metrics writer {name!r}; choose from {', '.join(WRITERS)}")
+                for name in self.log_to
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -167,6 +175,7 @@ class TrainConfig:
         """The configuration as JSON-ready values (stored in checkpoints)."""
         values = asdict(self)
         values["dtype"] = str(self.dtype).replace("torch.", "")
+        values["log_to"] = list(self.log_to)
         return values
 
 
@@ -550,39 +559,9 @@ class TrainStep:
 # ------------------------------------------------------------------------------ loop
 
 
-def _strict(value: Any) -> Any:
-    """JSON has no NaN or Infinity: non-finite floats become null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-class MetricsLog:
-    """Rows of metrics, kept in memory and (when ``out`` is set) appended to ``metrics.jsonl``
-    as strict JSON. ``keep_until``: resuming at that step, keep the earlier rows of the file and
-    drop any written after it (by a run that went on past its last checkpoint); otherwise the
-    file starts afresh."""
-
-    def __init__(self, out: Path | None, keep_until: int | None = None):
-        self.path = out / "metrics.jsonl" if out else None
-        self.rows: list[dict] = []
-        if self.path is None:
-            return
-        if keep_until is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a crash
-                if isinstance(row, dict) and row.get("step", 0) <= keep_until:
-                    self.rows.append(row)
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in self.rows)
-
-    def write(self, **row) -> None:
-        row = {k: _strict(v) for k, v in row.items()}
-        self.rows.append(row)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
+def _row(**values: Any) -> dict[str, Any]:
+    """A metrics row as strict JSON values: JSON has no NaN or Infinity, so non-finite floats become None."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
 
 
 def _batch_count_error(task, epoch: int, batch_size: int, yielded: str, declared: int) -> TaskError:
@@ -609,28 +588,6 @@ def _metrics(task, returned: Any) -> dict[str, float]:
     )
 
 
-def plot_losses(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([s for s, _ in points], [v for _, v in points], label="train loss")
-    evals = [r for r in rows if r.get("val_loss") is not None]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss")
-        if "unigram_entropy" in evals[-1]:
-            ax.axhline(evals[-1]["unigram_entropy"], color="gray", linestyle="--", label="unigram entropy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def check_out_dir(out: Path) -> None:
     """Raise ``RunDirError`` unless ``out`` is (or can be made) a writable folder; creates nothing."""
     if out.exists() and not out.is_dir():
@@ -645,7 +602,9 @@ def check_out_dir(out: Path) -> None:
 
 
 def _run_dir_files(out: Path) -> list[str]:
-    return [name for name in (CHECKPOINT_NAME, "metrics.jsonl", "loss.png") if (out / name).exists()]
+    """The files of a run in ``out``: its checkpoint and what any writer writes (whatever that run logged)."""
+    checkpoint = [CHECKPOINT_NAME] if (out / CHECKPOINT_NAME).exists() else []
+    return checkpoint + [p.name for writer in WRITERS.values() for p in sorted(out.glob(writer.files))]
 
 
 LOCK_NAME = ".lock"
@@ -754,19 +713,36 @@ def train(
     log=print,
     allow_change: Iterable[str] = (),
     world: World | None = None,
+    callbacks: Iterable[Callback] = (),
 ) -> dict:
     """Train ``task``'s model; returns the final metrics (and writes logs and checkpoints to
     ``config.out`` when set). ``resume``: a checkpoint to continue from; ``allow_change``: settings
     the resumed run may change although that breaks exactness (``"all"`` for any). ``world``: the
     data-parallel process group (default: ``teeny.training.distributed.current()``, None outside one).
-    A resume with nothing left to do returns ``{"step": ..., "nothing_to_do": True}``. The run
-    holds ``config.out`` (``RunFolder``) until it returns or raises."""
+    ``callbacks`` (``teeny.training.callbacks``) hear of every step, evaluation and checkpoint on
+    rank 0, after the writers ``config.log_to`` names. A resume with nothing left to do returns
+    ``{"step": ..., "nothing_to_do": True}``. The run holds ``config.out`` (``RunFolder``) until it
+    returns or raises."""
+    from . import distributed
+
+    config.validate()
+    world = distributed.current() if world is None else world
+    lead = world is None or world.rank == 0
+    writers = [WRITERS[name]() for name in config.log_to] if lead and config.out else []  # imports what they need
+    hooks = CallbackList([*writers, *callbacks] if lead else [])
     folder = RunFolder(Path(config.out)) if config.out else None
+    error = None
     try:
-        return _train(task, config, resume, log, allow_change, world, folder)
+        return _train(task, config, resume, log, allow_change, world, folder, hooks)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        if folder is not None:
-            folder.release()
+        try:
+            hooks.end(error)  # while the folder is still this run's
+        finally:
+            if folder is not None:
+                folder.release()
 
 
 def _train(
@@ -777,11 +753,10 @@ def _train(
     allow_change: Iterable[str],
     world: World | None,
     folder: RunFolder | None,
+    hooks: CallbackList,
 ) -> dict:
     from . import distributed
 
-    config.validate()
-    world = distributed.current() if world is None else world
     size, rank = (world.size, world.rank) if world is not None else (1, 0)
     lead = rank == 0
     say = log if lead else (lambda *args, **kwargs: None)
@@ -859,14 +834,13 @@ def _train(
                 (out / name).unlink()
     if continuing:
         last_saved = step
-    metrics = MetricsLog(out if lead else None, keep_until=step if continuing else None)
+    run = Run(out=out, config=config, model=task.name, start_step=step, continues=continuing)
+    hooks.on_train_start(run)
     meta = {"model": task.name, "model_spec": spec, "config": settings}
 
     def stop(at: int, why: str) -> None:
-        """Training went bad at step ``at``: log it (strict JSON), plot, and raise."""
-        metrics.write(step=at, event="diverged", detail=why)
-        if out and lead and metrics.rows:
-            plot_losses(metrics.rows, out / "loss.png")
+        """Training went bad at step ``at``: raise (the callbacks learn why from ``run.diverged``)."""
+        run.diverged = (at, why)
         kept = (
             f"the last good checkpoint, from step {last_saved}, is {out / CHECKPOINT_NAME}"
             if last_saved is not None
@@ -884,6 +858,7 @@ def _train(
         path = out / CHECKPOINT_NAME
         distributed.agree(world, lambda: save_checkpoint(path, executor, optimizer, step, meta, optimizer_state=state))
         last_saved = step
+        hooks.on_checkpoint(path, step)
 
     schedule = cosine_schedule(total_steps, config.warmup_steps) if config.schedule == "cosine" else constant_schedule()
     on_gpu = executor.device.type == "cuda"
@@ -896,9 +871,9 @@ def _train(
     epoch_sum, epoch_count = 0.0, 0
     progress = None
     if config.progress and lead:
-        from tqdm import tqdm
-
-        progress = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
+        tqdm = optional("tqdm")  # the [train] extra brings it; without it, no bar (extras.DEGRADED)
+        if tqdm is not None:
+            progress = tqdm.tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
     t_start, samples = time.perf_counter(), 0
 
     def flush() -> None:
@@ -910,11 +885,10 @@ def _train(
                 first_loss.append(value)
             factor = config.diverge_factor
             limit = factor * max(abs(first_loss[0]), 1.0) if factor and first_loss else None
+            hooks.on_step(s, _row(step=s, epoch=epoch, loss=value, lr=lr))
             if bad or (limit is not None and value > limit):
-                metrics.write(step=s, epoch=epoch, loss=value, lr=lr)
                 grown = f"the loss reached {value:.4g}, over {factor:g} times its first value"
                 stop(s, f"the loss is {value}" if bad else grown)
-            metrics.write(step=s, epoch=epoch, loss=value, lr=lr)
             epoch_sum, epoch_count = epoch_sum + value, epoch_count + 1
             if progress is not None:
                 rate = samples / max(time.perf_counter() - t_start, 1e-9)
@@ -958,7 +932,7 @@ def _train(
             if epoch_batches and finished_epoch:
                 last_eval = _metrics(task, task.evaluate(executor.params))
                 mean_loss = epoch_sum / max(epoch_count, 1)
-                metrics.write(step=step, epoch=epoch, train_loss=mean_loss, **last_eval)
+                hooks.on_eval(epoch, _row(step=step, epoch=epoch, train_loss=mean_loss, **last_eval))
                 shown = ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                 line = f"epoch {epoch + 1}/{config.epochs}: loss {mean_loss:.4f}, {shown}"
                 (progress.write if progress is not None else say)(line)
@@ -973,8 +947,6 @@ def _train(
     elapsed = time.perf_counter() - t_start
     if out and last_saved != step:
         save()
-    if out and lead and metrics.rows:
-        plot_losses(metrics.rows, out / "loss.png")
     result = {"step": step, "seconds": elapsed, "samples_per_s": samples / max(elapsed, 1e-9), **last_eval}
     if getattr(task, "block_size", None):
         result["tokens_per_s"] = result["samples_per_s"] * task.block_size

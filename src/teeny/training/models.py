@@ -307,6 +307,13 @@ def model_defaults(name: str, size: str = "small") -> dict:
     return dict(DEFAULTS[(name, size if name == "gpt" else "small")])
 
 
+# the char GPT's shape per ``--size`` (gpt2: GPT-2 small's shape on the characters)
+GPT_SIZES: dict[str, dict[str, int]] = {
+    "small": dict(block_size=32, d_model=48, n_heads=4, n_layers=2),
+    "large": dict(block_size=128, d_model=256, n_heads=8, n_layers=4),
+    "gpt2": dict(block_size=1024, d_model=768, n_heads=12, n_layers=12),
+}
+
 NAMES = ("mlp", "cnn", "gpt")  # the models make_task builds (teeny.cli lists them too, to parse without kernels)
 
 
@@ -318,12 +325,7 @@ def make_task(name: str, size: str = "small") -> Task:
         return DigitsTask("mlp", MLP(), image=False, defaults=defaults)
     if name == "cnn":
         return DigitsTask("cnn", CNN(), image=True, defaults=defaults)
-    corpus = CharCorpus()
-    if size == "gpt2":  # GPT-2 small's shape (12 layers, d 768, 12 heads, context 1024) on the characters
-        task = CharTask(corpus, block_size=1024, d_model=768, n_heads=12, n_layers=12, defaults=defaults)
-    elif size == "large":
-        task = CharTask(corpus, block_size=128, d_model=256, n_heads=8, n_layers=4, defaults=defaults)
-    else:
-        task = CharTask(corpus, block_size=32, d_model=48, n_heads=4, n_layers=2, defaults=defaults, eval_batches=4)
+    extra = {"eval_batches": 4} if size == "small" else {}
+    task = CharTask(CharCorpus(), **GPT_SIZES[size], defaults=defaults, **extra)
     task.spec = {"size": size}
     return task

@@ -23,6 +23,7 @@ from ... import ops
 from ...core.errors import TeenyError
 from ...core.graph import Graph, Tensor
 from ...ops.cast import to as cast
+from ..library import NAMESPACE, registered_ops
 from .converters import CONVERTERS, Env, Refused, fusion, is_teeny
 
 aten = torch.ops.aten
@@ -331,7 +332,7 @@ class _Import:
         fused = self._swiglu(node)
         if fused is not None:
             return fused
-        converter = CONVERTERS.get(target)
+        converter = CONVERTERS.get(target) or _registered_teeny_op(target)
         try:
             if converter is None:
                 raise Refused("teeny has no op for it")
@@ -409,6 +410,17 @@ class _Import:
             return val
 
         return pytree.tree_map(make, node.meta.get("val"))
+
+
+def _registered_teeny_op(target) -> Callable | None:
+    """The converter of a ``torch.ops.teeny.<name>`` call (a patched model's layer, a registered
+    ``CustomOp``): the teeny function it was registered for, applied to the graph's tensors."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
+        return None
+    registered = registered_ops().get(target.name())
+    if registered is None:
+        return None
+    return lambda env, *args, **kwargs: registered.fn(*args, **kwargs)
 
 
 def _only_attention_mask(node) -> bool:

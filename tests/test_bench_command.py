@@ -1,0 +1,102 @@
+"""`teeny bench FILE.py:make_model`: the factory contract, one row per variant from the same weights,
+a failing variant that leaves the others running, and the errors of a factory that cannot be used."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from teeny.cli import main
+from teeny.torch.bench import BenchModel, bench_model, compute_loss, format_table, parse_variants, run_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+on_cpu = not torch.cuda.is_available()
+
+
+@pytest.mark.slow
+def test_bench_command_runs_eager_and_teeny_patch_from_the_same_weights(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out.json"
+    spec = f"{ROOT / 'examples' / 'bench_llama.py'}:make_model"
+    argv = ["bench", spec, "--steps", "2", "--warmup", "1", "--variants", "eager,teeny-patch", "--json", str(out)]
+    argv += ["--precision", "fp32"]  # the same numbers on a GPU as on the CPU: no autocast
+    done = subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table] == ["variant", "eager", "teeny-patch"], done.stdout
+    report = json.loads(out.read_text())
+    assert report["steps"] == 2 and report["tokens_per_step"] == 2 * 32 and report["parameters"] > 0
+    eager, patched = report["rows"]
+    for row in (eager, patched):
+        assert row["status"] == "ok", row
+        assert row["step_ms"] > 0 and row["first_step_s"] > 0 and row["tokens_per_s"] > 0
+        assert (row["peak_mib"] is None) == on_cpu
+        assert len(row["losses"]) == 1 + 1 + 2 and all(math.isfinite(v) for v in row["losses"])
+        assert row["last_loss"] < row["first_loss"]  # the same batch, learnt for three updates
+    assert "TeenyLlamaMLP" in patched["note"]  # teeny's patch did swap the Llama's layers
+    assert patched["losses"] == pytest.approx(eager["losses"], rel=1e-3)  # same initial weights, same updates
+
+
+def test_a_factory_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys):
+    example = ROOT / "examples" / "bench_llama.py"
+    assert main(["bench", f"{example}:missing"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "defines no function 'missing'" in err and "make_model" in err, err
+    assert main(["bench", f"{tmp_path / 'nowhere.py'}:make_model"]) == 2
+    assert "no file" in capsys.readouterr().err
+    broken = tmp_path / "broken.py"
+    broken.write_text("def make_model():\n    return 3\n")
+    assert main(["bench", f"{broken}:make_model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "must return (model, batch)" in err, err
+    assert main(["bench", f"{broken}:make_model", "--variants", "eager,fast"]) == 2
+    assert "unknown variant 'fast'" in capsys.readouterr().err
+
+
+def test_the_factory_contract_forms_and_default_losses():
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
+    as_tuple = bench_model((model, (x,)))
+    as_dict = bench_model({"model": model, "batch": (x,), "loss_fn": None})
+    assert as_tuple == as_dict == BenchModel(model, (x,))
+    with pytest.raises(TypeError, match="not a torch.nn.Module"):
+        bench_model(("model", (x,)))
+    with pytest.raises(TypeError, match="needs keys model, batch"):
+        bench_model({"model": model})
+    # teeny train --torch-model's contract: a torch.nn loss of (model(samples), targets)
+    expected = nn.functional.cross_entropy(model(x), y)
+    assert torch.equal(compute_loss(model, {"x": x, "y": y}, nn.CrossEntropyLoss()), expected)
+    with pytest.raises(TypeError, match="no scalar loss"):
+        compute_loss(model, (x,), None)  # a (3, 2) output is no loss
+    assert parse_variants("eager,compile") == ["eager"] + [f"compile-{m}" for m in ("default", "reduce-overhead",
+                                                           "max-autotune-no-cudagraphs")]  # fmt: skip
+
+
+def test_a_failing_variant_is_a_row_and_the_others_go_on():
+    """The loss refuses teeny's Linear: teeny-patch fails with its one-line error, eager still
+    runs; Liger, absent or unable to patch a plain module, says why; compile on the CPU is skipped."""
+
+    def loss_fn(model, batch):
+        if any(type(m).__module__.startswith("teeny") for m in model.modules()):
+            raise RuntimeError("no teeny here\nsecond line")
+        return model(*batch).square().mean()
+
+    made = BenchModel(nn.Sequential(nn.Linear(4, 2)), (torch.randn(3, 4),), loss_fn)
+    variants = ["liger", "eager", "teeny-patch"] + (["compile-default"] if on_cpu else [])
+    rows, settings = run_bench(made, variants, steps=1, warmup=0)
+    by_name = {r.variant: r for r in rows}
+    assert rows[-1].variant == "liger"  # Liger patches transformers process-wide: always last
+    assert by_name["eager"].status == "ok" and by_name["eager"].tokens_per_s is None  # no input_ids
+    assert by_name["teeny-patch"].status == "failed"
+    assert by_name["teeny-patch"].note == "RuntimeError: no teeny here second line"
+    assert by_name["liger"].status == "skipped" and by_name["liger"].note
+    if on_cpu:
+        assert by_name["compile-default"].status == "skipped" and "--compile-on-cpu" in by_name["compile-default"].note
+    table = format_table(rows)
+    assert "| teeny-patch |" in table and "failed: RuntimeError: no teeny here second line" in table
+    assert settings["parameters"] == 4 * 2 + 2
