@@ -507,3 +507,28 @@ def test_causal_self_attention_matches_torch(gen):
         torch.testing.assert_close(
             ex.grads[name].cpu().double(), p.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_attention_dropout_under_checkpoint_recomputes_the_forwards_mask(reentrant):
+    """On the PyTorch path the dropout seed is drawn from torch's RNG, which checkpointing
+    restores before recomputing: the gradients are those of the forward's mask (the same as a
+    run without checkpointing from the same RNG state)."""
+    from teeny.torch import apply
+
+    def attend(q, k, v):
+        return teeny.ops.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen, requires_grad=True) for _ in range(3))
+    torch.manual_seed(3)
+    plain = apply(attend, q, k, v)
+    expected = torch.autograd.grad(plain.sum(), (q, k, v))
+    torch.manual_seed(3)
+    y = torch.utils.checkpoint.checkpoint(lambda *t: apply(attend, *t) * 1.0, q, k, v, use_reentrant=reentrant)
+    torch.testing.assert_close(y, plain)
+    for t in (q, k, v):
+        t.grad = None
+    y.sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), expected):
+        torch.testing.assert_close(got, want)

@@ -75,6 +75,8 @@ class AttentionOp(RuntimeOp):
         self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
         self.capturable = self.dropout_p == 0.0  # the per-run seed comes from the host
         self.runs = 0  # forward runs so far: the step of the next dropout mask
+        self.seed_chosen = True  # False: ``seed`` came from the trace-time counter
+        self.torch_rng = False  # True: each run's seed comes from torch's RNG (the PyTorch path, as dropout's)
 
     # --- shapes --------------------------------------------------------------------------
     def _layout(self, shapes) -> AttentionLayout:
@@ -170,6 +172,9 @@ class AttentionOp(RuntimeOp):
             seed = self.step_seed(0 if ctx.dry_run else self.runs)
             if not ctx.dry_run:
                 self.runs += 1
+                if self.torch_rng and not self.fixed_mask:  # checkpointing restores torch's RNG: the same mask
+                    drawn = int(torch.randint(1 << 62, (), dtype=torch.int64))
+                    seed = mix_seed(self.seed if self.seed_chosen else -1, drawn)
         args = ArgVisitor().visit(
             **self._common(ctx, layout),
             out_ptr=ctx.output,
@@ -276,6 +281,7 @@ def scaled_dot_product_attention(
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scaled_dot_product_attention: scale must be a float or None, got {type(scale).__name__}")
+    seed_chosen = seed is not None
     if seed is None:
         seed = mix_seed(0xA77E, next(_trace_seeds))
     op = AttentionOp(
@@ -287,5 +293,6 @@ def scaled_dot_product_attention(
         seed=int(seed),
         fixed_mask=fixed_mask,
     )
+    op.seed_chosen = seed_chosen
     inputs = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
     return graph_of(query, key, value).apply(op, inputs)
