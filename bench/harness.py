@@ -259,6 +259,32 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad_to
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median", grad_to_none=grad_to_none))
 
 
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_time(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median seconds of ``fn()`` by the host's clock, synchronised: what a user waits for, host
+    time included (the CUDA-graph timings above leave it out)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def capture(fn: Callable[[], object]):
     """``fn`` captured as a CUDA graph after warm-up runs on a side stream (which compile the
     kernels and fill allocator pools): returns (graph, the outputs of the captured run)."""

@@ -52,7 +52,7 @@ from teeny.program.lowering import extra_buffers, node_context
 from teeny.torch import apply, bridge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import append_results, make_row  # noqa: E402
+from harness import append_results, make_row, sync, wall_time  # noqa: E402
 
 
 class Identity(torch.autograd.Function):
@@ -181,38 +181,18 @@ def profile(calls: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _time(fn, warmup: int, reps: int) -> float:
-    """Median seconds of ``fn()`` (synchronised)."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _time_back_to_back(fn, calls: int, repeats: int = 7) -> float:
     """Seconds per call of ``fn()`` called ``calls`` times in a row, then synchronised once (the
     fastest of ``repeats``): with kernels this small the host is the bottleneck, so this is the
     host time of a call, without the per-call synchronisation's latency and its noise."""
     fn()
-    _sync()
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        _sync()
+        sync()
         best = min(best, (time.perf_counter() - start) / calls)
     return best
 
@@ -297,7 +277,7 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
         ("F.gelu forward+backward (torch eager)", torch_both),
         ("autograd.Function identity forward+backward (torch's floor)", floor_both),
     ]:
-        out[name] = _time(fn, warmup=reps // 10, reps=reps) * 1e6
+        out[name] = wall_time(fn, warmup=reps // 10, reps=reps) * 1e6
     back_to_back = {  # the goal's measure: host time per call, calls issued back to back
         "raw kernel forward": raw_forward,
         "raw kernels forward+backward": raw_both,
@@ -316,7 +296,7 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
         profiler.enable()
         for _ in range(200):
             op_both()
-        _sync()
+        sync()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)

@@ -40,28 +40,8 @@ from teeny import LoweringMode, ops
 from teeny.torch import from_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import add_ratios, append_results, make_row  # noqa: E402
+from harness import add_ratios, append_results, make_row, sync, wall_time  # noqa: E402
 from tools.kernel_gaps import kernel_gaps  # noqa: E402
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _time(fn, warmup: int, reps: int) -> float:
-    """Median seconds of ``fn()`` (synchronised)."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _peak(fn) -> float:
@@ -69,7 +49,7 @@ def _peak(fn) -> float:
         return float("nan")
     torch.cuda.reset_peak_memory_stats()
     fn()
-    _sync()
+    sync()
     return torch.cuda.max_memory_allocated() / 2**20
 
 
@@ -132,7 +112,7 @@ def patched_gpt2(device, tiny: bool, precisions: list[str], variants: list[str],
 
         name = f"{label}, {precision}"
         try:
-            seconds = _time(step, warmup=2 if tiny else 5, reps=reps)
+            seconds = wall_time(step, warmup=2 if tiny else 5, reps=reps)
             results[name] = {"step ms": seconds * 1e3, "peak MiB": _peak(step)}
             if swapped is not None:
                 results[name]["swapped"] = dict(swapped)
@@ -159,7 +139,7 @@ def _profile_step(name: str, step, host: bool = True) -> None:
     with profile(activities=activities) as prof:
         for _ in range(3):
             step()
-        _sync()
+        sync()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"== profile of 3 steps: {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     if torch.cuda.is_available():
@@ -173,7 +153,7 @@ def _profile_step(name: str, step, host: bool = True) -> None:
     profiler.enable()
     for _ in range(3):
         step()
-    _sync()
+    sync()
     profiler.disable()
     print(f"== host functions of 3 steps (cProfile): {name}", flush=True)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
@@ -216,7 +196,7 @@ def imported_gpt2(device, tiny: bool) -> dict:
         executor = teeny.Executor(teeny.lower(graph_, LoweringMode.TRAINING))
         step = TrainStep(executor, AdamW(executor, lr=1e-4), cuda_graph=device.type == "cuda")
         try:
-            seconds = _time(lambda: step(feed), warmup=3, reps=reps)
+            seconds = wall_time(lambda: step(feed), warmup=3, reps=reps)
             results[label] = {"step ms": seconds * 1e3, "peak MiB": _peak(lambda: step(feed))}
         except Exception as exc:
             results[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -211,3 +211,31 @@ def compile_for_sm90(name: str, cases, timeout: float):
     results = [line for line in lines if line.startswith("RESULTS ")]
     assert results, f"{name} crashed:\n{done.stderr[-3000:]}"
     return json.loads(results[0][8:])
+
+
+def regression_task(name: str = "regression", rows: int = 96, steps: int | None = None, evaluate=None):
+    """A user's own graph and data for the training loop: linear regression (mse loss) on ``rows``
+    rows of 7 features. ``steps``: what ``steps_per_epoch`` claims (default: the truth);
+    ``evaluate``: the task's evaluation. Returns the task and the true weight."""
+    from teeny import Graph, nn, ops
+    from teeny.training.loop import CallableTask
+
+    gen = torch.Generator().manual_seed(0)
+    true_w = torch.randn(1, 7, generator=gen)
+    xs = torch.randn(rows, 7, generator=gen)
+    ys = xs @ true_w.T + 0.5
+
+    def build(batch):
+        g = Graph(name)
+        x, y = g.input("x", (batch, 7)), g.input("y", (batch, 1))
+        g.output(ops.mse_loss(nn.Linear(7, 1)(x), y))
+        return g
+
+    def batches(epoch, batch, seed):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for i in range(0, rows - batch + 1, batch):
+            yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
+
+    declared = (lambda batch: rows // batch) if steps is None else (lambda batch: steps)
+    task = CallableTask(name, build, batches, declared, **({"evaluate": evaluate} if evaluate else {}))
+    return task, true_w

@@ -7,32 +7,16 @@ import json
 import sys
 
 import pytest
-import torch
 
-from teeny import Graph, nn, ops
+from helpers import regression_task
 from teeny.cli import main
 from teeny.training.callbacks import Callback
-from teeny.training.loop import CHECKPOINT_NAME, CallableTask, DivergedError, TrainConfig, train
+from teeny.training.loop import CHECKPOINT_NAME, DivergedError, TrainConfig, train
 
 
-def _task(rows=96):
-    """Linear regression on 96 rows (6 steps an epoch at batch 16), with a validation loss."""
-    gen = torch.Generator().manual_seed(0)
-    xs = torch.randn(rows, 7, generator=gen)
-    ys = xs @ torch.randn(7, 1, generator=gen) + 0.5
-
-    def build(batch):
-        g = Graph("regression")
-        x, y = g.input("x", (batch, 7)), g.input("y", (batch, 1))
-        g.output(ops.mse_loss(nn.Linear(7, 1)(x), y))
-        return g
-
-    def batches(epoch, batch, seed):
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        for i in range(0, rows - batch + 1, batch):
-            yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
-
-    return CallableTask("regression", build, batches, lambda batch: rows // batch, lambda params: {"val_loss": 0.25})
+def _task():
+    task, _ = regression_task(evaluate=lambda params: {"val_loss": 0.25})
+    return task
 
 
 def _config(out, **kw):

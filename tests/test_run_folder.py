@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from teeny import Graph, nn, ops
+from helpers import regression_task
 from teeny.cli import main
 from teeny.training.loop import (
     CHECKPOINT_NAME,
-    CallableTask,
     CheckpointError,
     RunDirError,
     RunFolder,
@@ -30,25 +29,9 @@ from teeny.training.loop import (
 )
 
 
-def _task(name="regression", rows=96, steps=None, evaluate=None):
-    """Linear regression on 96 rows; ``steps``: what ``steps_per_epoch`` claims (default: the truth)."""
-    gen = torch.Generator().manual_seed(0)
-    xs = torch.randn(rows, 7, generator=gen)
-    ys = xs @ torch.randn(7, 1, generator=gen) + 0.5
-
-    def build(batch):
-        g = Graph(name)
-        x, y = g.input("x", (batch, 7)), g.input("y", (batch, 1))
-        g.output(ops.mse_loss(nn.Linear(7, 1)(x), y))
-        return g
-
-    def batches(epoch, batch, seed):
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        for i in range(0, rows - batch + 1, batch):
-            yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
-
-    declared = (lambda batch: rows // batch) if steps is None else (lambda batch: steps)
-    return CallableTask(name, build, batches, declared, **({"evaluate": evaluate} if evaluate else {}))
+def _task(**options):
+    task, _ = regression_task(**options)
+    return task
 
 
 def _config(out, **kw):

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import teeny
-from teeny import Graph, LoweringMode, lower, nn, ops
+from helpers import regression_task
+from teeny import Graph, LoweringMode, lower, ops
 from teeny.training.loop import (
-    CallableTask,
     CheckpointError,
     DivergedError,
     RunDirError,
@@ -210,33 +210,12 @@ def test_cli_unreadable_checkpoint(tmp_path, capsys):
     assert "unreadable" in capsys.readouterr().err
 
 
-def _regression(name="regression", rows=96):
-    """A user's own graph (linear regression, mse loss) and data."""
-    gen = torch.Generator().manual_seed(0)
-    true_w = torch.randn(1, 7, generator=gen)
-    xs = torch.randn(rows, 7, generator=gen)
-    ys = xs @ true_w.T + 0.5
-
-    def build(batch):
-        g = Graph("regression")
-        x, y = g.input("x", (batch, 7)), g.input("y", (batch, 1))
-        g.output(ops.mse_loss(nn.Linear(7, 1)(x), y))
-        return g
-
-    def batches(epoch, batch, seed):
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        for i in range(0, rows - batch + 1, batch):
-            yield {"x": xs[order[i : i + batch]], "y": ys[order[i : i + batch]]}
-
-    return CallableTask(name, build, batches, lambda batch: rows // batch), true_w
-
-
 def _quiet(*args, **kwargs):
     pass
 
 
 def test_train_your_own_graph_and_data(tmp_path):
-    task, true_w = _regression()
+    task, true_w = regression_task()
     config = TrainConfig(epochs=30, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
     result = train(task, config, log=_quiet)
     params = result["executor"].params
@@ -256,7 +235,7 @@ def _strict_rows(path: Path) -> list[dict]:
 def test_diverging_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, lr, why):
     """--lr 1e30 overflows to inf/nan; a large lr grows the loss geometrically: both stop (they
     used to run on, exit 0 and save an all-NaN checkpoint), the checkpoint stays the last good one."""
-    task, _ = _regression()
+    task, _ = regression_task()
     config = TrainConfig(
         epochs=20, batch_size=16, lr=lr, optimizer="sgd", momentum=0.0, out=str(tmp_path), progress=False
     )
@@ -273,7 +252,7 @@ def test_diverging_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(t
 
 
 def test_checkpoint_keeps_the_model_and_the_whole_configuration(tmp_path):
-    task, _ = _regression()
+    task, _ = regression_task()
     config = TrainConfig(epochs=1, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
     train(task, config, log=_quiet)
     _, _, meta = load_checkpoint(tmp_path / "checkpoint.safetensors")
@@ -291,7 +270,7 @@ def _resume(tmp_path, task, allow_change=(), **changes):
 
 
 def test_resume_refuses_a_change_that_breaks_exactness(tmp_path):
-    task, _ = _regression()
+    task, _ = regression_task()
     first = TrainConfig(
         epochs=2, batch_size=16, lr=0.05, optimizer="sgd", schedule="cosine", out=str(tmp_path / "run"), progress=False
     )
@@ -304,7 +283,7 @@ def test_resume_refuses_a_change_that_breaks_exactness(tmp_path):
     ]:
         with pytest.raises(CheckpointError, match=rf"with {setting}=.*--allow-change {setting}"):
             _resume(tmp_path, task, **change)
-    other, _ = _regression(name="other")
+    other, _ = regression_task(name="other")
     with pytest.raises(CheckpointError, match="of model 'regression', not 'other'"):
         _resume(tmp_path, other)
     result = _resume(tmp_path, task, allow_change=["lr"], lr=0.01)  # deliberately
@@ -314,7 +293,7 @@ def test_resume_refuses_a_change_that_breaks_exactness(tmp_path):
 
 def test_resume_may_add_epochs_under_a_constant_schedule(tmp_path):
     """With a constant schedule more epochs continue the same run: 2 then 4 epochs equal 4."""
-    task, _ = _regression()
+    task, _ = regression_task()
 
     def config(name, **kw):
         return TrainConfig(batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path / name), progress=False, **kw)
@@ -329,7 +308,7 @@ def test_resume_may_add_epochs_under_a_constant_schedule(tmp_path):
 
 
 def test_resume_drops_log_rows_written_after_the_checkpoint(tmp_path):
-    task, _ = _regression()
+    task, _ = regression_task()
     config = TrainConfig(epochs=1, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
     config.checkpoint_every = 2
     train(task, dataclasses_replace(config, max_steps=2), log=_quiet)
@@ -341,7 +320,7 @@ def test_resume_drops_log_rows_written_after_the_checkpoint(tmp_path):
 
 
 def test_a_new_run_into_the_same_folder_starts_a_fresh_log(tmp_path):
-    task, _ = _regression()
+    task, _ = regression_task()
     config = TrainConfig(epochs=1, batch_size=32, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
     train(task, config, log=_quiet)
     said = []
@@ -351,7 +330,7 @@ def test_a_new_run_into_the_same_folder_starts_a_fresh_log(tmp_path):
 
 
 def test_unusable_out_folder_is_refused_before_training(tmp_path):
-    task, _ = _regression()
+    task, _ = regression_task()
     file = tmp_path / "a_file"
     file.write_text("x")
 
