@@ -37,7 +37,7 @@ def test_an_exported_gpt_gives_the_same_logits_in_transformers(tmp_path):
     model = GPT(VOCAB, block_size=8, d_model=16, n_heads=2, n_layers=2)
     ex = _logits_executor(model, batch=2)
     gen = torch.Generator().manual_seed(0)  # away from the initial ln weight 1 and biases 0: every term counts
-    ex.load_params({k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in ex.params.items()})
+    ex.load_params({k: v + 0.2 * torch.randn(v.shape, generator=gen).to(v.device) for k, v in ex.params.items()})
     tokens = torch.randint(0, VOCAB, (2, 8), generator=gen)
     assert export_hf(ex, tmp_path / "hf", spec={"n_heads": 2}) == tmp_path / "hf"
     config = json.loads((tmp_path / "hf" / CONFIG_NAME).read_text())
