@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import teeny
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import add_ratios, append_results, make_row  # noqa: E402
+from harness import add_ratios, append_results, capture, make_row  # noqa: E402
 from teeny import LoweringMode, lower, ops
 from teeny.core import runtime
 from teeny.core.graph import Graph
@@ -340,15 +340,7 @@ def torch_row(case, mode, x, y, steps, precision=None):
 
     run = torch_step
     if mode == "cudagraph":  # the eager step captured by hand as one CUDA graph (the anchor)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                torch_step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch_step()
+        graph, _ = capture(torch_step)
         run = graph.replay
     t0 = time.perf_counter()
     run()

@@ -42,6 +42,9 @@ import sys
 import time
 
 HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # bench/: the shared harness
+from harness import capture  # noqa: E402
+
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a slow smoke test of the check and warm logic
 
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")  # or "float32"
@@ -126,24 +129,6 @@ def teeny_executor(q, k, v, kwargs):
         feed["mask"] = m
     g.output(ops.scaled_dot_product_attention(*ins, **kw))
     return teeny.Executor(lower(g, LoweringMode.TRAINING)), feed
-
-
-def capture(fn):
-    """fn captured in a CUDA graph (after warm-up runs on a side stream): (graph, outputs)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    torch.cuda.synchronize()
-    return graph, outs
 
 
 def bench_ms(fn) -> float:

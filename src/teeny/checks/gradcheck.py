@@ -27,6 +27,7 @@ from ..core.errors import TeenyError
 from ..core.graph import Graph, Tensor, trace_function
 from ..fusions import DEFAULT_REWRITES
 from ..program.lowering import LoweringMode, lower
+from .registry import flat_tensors
 
 DEFAULTS = {
     torch.float64: dict(eps=1e-6, atol=1e-5, rtol=1e-4),
@@ -192,22 +193,11 @@ def _compare(
         )
 
 
-def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
-    """The tensors among ``values``, in lists and tuples too (concat's list of inputs)."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(_tensors(v))
-    return out
-
-
 def gradcheck(fn: Callable[..., Tensor], *args: Any, requires_grad=None, **options: Any) -> GradcheckResult:
     """Gradcheck a function of symbolic tensors at the given torch tensors, e.g.
     ``gradcheck(teeny.ops.gelu, torch.randn(3, 37, dtype=torch.float64))``."""
     kwargs = options.pop("kwargs", None)
-    tensors = _tensors([*args, *(kwargs or {}).values()])
+    tensors = flat_tensors([*args, *(kwargs or {}).values()])
     if not any(t.is_floating_point() for t in tensors):
         dtypes = ", ".join(str(t.dtype).replace("torch.", "") for t in tensors) or "no tensor"
         raise GradcheckError(

@@ -27,7 +27,7 @@ class Sample:
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors among the arguments (nested lists too), in the order gradcheck numbers them."""
-        return _flat(list(self.args) + list(self.kwargs.values()))
+        return flat_tensors(list(self.args) + list(self.kwargs.values()))
 
     def wants_grad(self, index: int, tensor: torch.Tensor) -> bool:
         """Whether tensor number ``index`` is differentiated in checks."""
@@ -37,13 +37,14 @@ class Sample:
         return any(self.wants_grad(i, t) and t.numel() for i, t in enumerate(self.tensors()))
 
 
-def _flat(args) -> list[torch.Tensor]:
+def flat_tensors(args) -> list[torch.Tensor]:
+    """The tensors among ``args``, in nested lists and tuples too, in order."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple)):
-            out.extend(_flat(a))
+            out.extend(flat_tensors(a))
     return out
 
 
