@@ -152,6 +152,8 @@ def _graph_input(shape, dtype=torch.float32):
         (lambda: ops.hardtanh(_graph_input((3,)), 2.0, 1.0), "min_val cannot be greater than max_val"),
         (lambda: ops.gelu(_graph_input((3,)), approximate="fast"), "approximate must be 'none' or 'tanh'"),
         (lambda: ops.softplus(_graph_input((3,)), beta=0.0), "beta cannot be 0"),
+        (lambda: ops.softcap(_graph_input((3,)), -30.0), "softcap: cap must be positive, got -30.0"),
+        (lambda: ops.geglu(_graph_input((3,)), _graph_input((3,)), "fast"), "approximate must be 'tanh' or 'none'"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, message):
@@ -171,6 +173,8 @@ def test_shape_errors_name_the_node():
         ops.prelu(x, g.input("w2", (1, 3)))
     with pytest.raises(GraphError, match="different float dtypes"):
         ops.swiglu(a, g.input("h", (3, 4), torch.float16))
+    with pytest.raises(GraphError, match=r"geglu \(node .*gate and up must have the same shape"):
+        ops.geglu(a, b)
 
 
 def _prelu_executor(x_shape, w_shape, x_grad=True, w_init=None):

@@ -39,7 +39,7 @@ def test_every_optional_package_is_in_its_extra_of_pyproject():
     listed = {extra: {re.split(r"[<>=\[ ;]", dep)[0] for dep in deps} for extra, deps in extras_of.items()}
     for package, (distribution, extra) in extras.PACKAGES.items():
         assert distribution in listed[extra], f"{package}: pyproject.toml's [{extra}] lacks {distribution}"
-    assert "teeny-triton[train]" in extras_of["test"]  # make test runs the training tests too
+    assert "teeny-triton[train,examples]" in extras_of["test"]  # make test runs the training tests and the examples
 
 
 def test_require_names_the_feature_and_the_extra(monkeypatch):

@@ -138,7 +138,7 @@ def test_layers_train_like_torch(layer, torch_layer, shape, gen):
         torch.testing.assert_close(ex.grads[f"bn.{name}"], p.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
+@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "rms_norm (1 + w)", "group_norm", "batch_norm"])
 def test_rows_longer_than_one_block(case, monkeypatch, gen):
     """Rows are looped over in column blocks: force a 16-wide block on 37-93-long rows."""
     monkeypatch.setattr(tiling, "MAX_BLOCK", 16)
@@ -157,6 +157,10 @@ def test_rows_longer_than_one_block(case, monkeypatch, gen):
     elif case == "rms_norm":
         w = torch.rand(6, 31, generator=gen).add(0.5).requires_grad_()
         fn, ref_fn, args = (lambda x, w: norm.rms_norm(x, (6, 31), w)), (lambda x, w: F.rms_norm(x, (6, 31), w)), (x, w)
+    elif case == "rms_norm (1 + w)":
+        w = torch.randn(6, 31, generator=gen).requires_grad_()
+        fn = lambda x, w: norm.rms_norm(x, (6, 31), w, 1e-6, weight_offset=1.0)  # noqa: E731
+        ref_fn, args = (lambda x, w: F.rms_norm(x, (6, 31), 1 + w, 1e-6)), (x, w)
     elif case == "group_norm":
         fn, ref_fn, args = (
             (lambda x, w, b: norm.group_norm(x, 2, w, b)),
@@ -541,3 +545,57 @@ def test_batch_norm_running_stats_float64_with_momentum_0_1():
     torch.testing.assert_close(ex.params["bn.running_var"].cpu(), ref.running_var.detach(), atol=0, rtol=1e-15)
     (forward,) = {r.kernel: r for r in records}.values()
     assert forward.scalar_types["momentum"] == "fp64" and forward.scalar_types["eps"] == "fp64"
+
+
+# ------------------------------------------------------------- Gemma's RMSNorm: (1 + w)
+
+
+def test_gemma_rms_norm_matches_transformers(gen):
+    """rms_norm(weight_offset=1) against transformers' GemmaRMSNorm: in bfloat16 the same float32
+    value rounded once (to one bf16 ulp: float32 sums may order differently), in float32 the
+    output and both gradients; teeny.nn.RMSNorm(weight_offset=1) starts at Gemma's zero weight."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    x = torch.randn(3, 5, 24, generator=gen) * 3
+    gemma = GemmaRMSNorm(24)
+    with torch.no_grad():
+        gemma.weight.normal_(generator=gen)
+    ours = lambda x, w: norm.rms_norm(x, (24,), w, 1e-6, weight_offset=1.0)  # noqa: E731
+    half = gemma.to(torch.bfloat16)(x.bfloat16()).detach()
+    got = apply(ours, x.bfloat16().to(teeny.DEVICE), gemma.weight.detach().to(teeny.DEVICE))
+    torch.testing.assert_close(got.float(), half.float(), atol=0, rtol=2**-8)
+    gemma.float()
+    xr = x.clone().requires_grad_()
+    dy = torch.randn(x.shape, generator=gen)
+    want = gemma(xr)
+    want_grads = torch.autograd.grad(want, (xr, gemma.weight), dy)
+    xt, wt = (t.detach().clone().to(teeny.DEVICE).requires_grad_() for t in (x, gemma.weight))
+    out = apply(ours, xt, wt)
+    torch.testing.assert_close(out, want.detach(), atol=1e-5, rtol=1e-5)
+    for g, w in zip(torch.autograd.grad(out, (xt, wt), dy.to(teeny.DEVICE)), want_grads):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
+
+    ex, out, _ = _run_layer(_Net(nn.RMSNorm(24, eps=1e-6, weight_offset=1.0)), x, LoweringMode.TRAINING)
+    assert torch.equal(ex.params["bn.weight"].cpu(), torch.zeros(24))
+    torch.testing.assert_close(out.cpu(), GemmaRMSNorm(24)(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_residual_fusion_keeps_the_weight_offset(gen):
+    """A residual add read downstream, then Gemma's norm: fused into one AddNormOp with the offset."""
+    x, r, w = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen), torch.randn(16, generator=gen)
+    g = Graph()
+    xs, rs, ws = (g.input(n, t.shape, requires_grad=True) for n, t in zip("xrw", (x, r, w)))
+    s = xs + rs
+    g.output(norm.rms_norm(s, 16, ws, 1e-6, weight_offset=1.0) + s * 0.5)
+    program = lower(g, LoweringMode.TRAINING)
+    assert [p.op.weight_offset for p in program.nodes if type(p.op) is AddNormOp] == [1.0]
+    out, _ = Executor(program).forward_train({"x": x, "r": r, "w": w})
+    want = F.rms_norm(x + r, (16,), 1 + w, 1e-6) + (x + r) * 0.5
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_offset_needs_a_weight():
+    with pytest.raises(ValueError, match="rms_norm: weight_offset=1.0 offsets a weight, but no weight was given"):
+        _trace(lambda x: norm.rms_norm(x, (3,), weight_offset=1.0), (2, 3))
+    with pytest.raises(ValueError, match="elementwise_affine=False"):
+        nn.RMSNorm(3, elementwise_affine=False, weight_offset=1.0)

@@ -86,6 +86,26 @@ def test_optimizer_updates_float32_master_weights(gen):
     assert lost_in_bf16.float().mean() > 0.5  # most of what moved would not have moved in bfloat16
 
 
+def test_a_models_own_upcast_of_its_logits_is_the_only_cast_of_them(gen):
+    """HF models write ``logits.float()`` before the loss, and view them: under mixed precision
+    the float32 logits feed the view and the loss as they are (no cast back to bfloat16 for the
+    view, none up again for the loss); a cast that undoes a widening one is dropped."""
+    g = Graph("head")
+    x, y = g.input("x", (2, 4, 6)), g.input("y", (8,), torch.int64)
+    head = teeny.nn.Linear(6, 5)
+    logits = ops.to(head(x), torch.float32)  # the model's .float(), a no-op in the float32 graph
+    g.output(ops.cross_entropy(ops.reshape(logits, (8, 5)), y))
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=())
+    casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
+    assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == ["bias", "weight", "x"]
+    (upcast,) = [n for n in casts if n.inputs[0].kind == "node"]  # the logits, once
+    assert upcast.inputs[0].dtype == BF16 and upcast.output.dtype == torch.float32
+    feed = {"x": torch.randn(2, 4, 6, generator=gen), "y": torch.randint(5, (8,), generator=gen)}
+    mixed = train_step(program, feed)
+    full = train_step(lower(g, LoweringMode.TRAINING, rewrites=()), feed)
+    torch.testing.assert_close(mixed.out, full.out, rtol=2e-2, atol=2e-2)
+
+
 def test_losses_and_in_place_updates_run_on_float32(gen):
     class Net(Module):
         def __init__(self):

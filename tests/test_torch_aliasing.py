@@ -51,6 +51,8 @@ class Case:
 def _unary_cases() -> list[Case]:
     special = {
         "swiglu": Case("swiglu", (ROWS, ROWS)),
+        "geglu": Case("geglu", (ROWS, ROWS)),
+        "softcap": Case("softcap", extra=(1.5,)),
         "prelu": Case("prelu", (ROWS, VECTOR)),
         "threshold": Case("threshold", extra=(0.1, 20.0)),
     }

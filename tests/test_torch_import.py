@@ -7,6 +7,7 @@ module with ``strict=True``. Also: one error listing every unsupported call, tra
 buffers as non-trainable parameters, the ``make_model`` factory as a training task."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -136,19 +137,25 @@ def _hf(kind):
             eos_token_id=0,
         )
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=LENGTH,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
     )
+    if kind == "neox":  # a partial rotary: half of each head's 8 columns
+        config = transformers.GPTNeoXConfig(
+            hidden_size=16, intermediate_size=24, num_attention_heads=2, rotary_pct=0.5, **common
+        )
+        return transformers.GPTNeoXForCausalLM(config)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    if kind == "gemma":
+        config = transformers.GemmaConfig(hidden_size=32, intermediate_size=24, head_dim=8, **heads, **common)
+        return transformers.GemmaForCausalLM(config)
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=24, **heads, **common)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -350,14 +357,24 @@ def test_with_blocks_are_converted_inside_and_no_grad_stops_the_gradient():
 
 
 class _Autocasts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
     def forward(self, x):
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-            return torch.tanh(x).sum()
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return torch.log_softmax(self.fc(x), -1) * 2
 
 
-def test_an_enabled_autocast_region_is_listed_as_unsupported():
-    with pytest.raises(UnsupportedError, match=r"torch.autocast at <root>.*an autocast region"):
-        from_torch(_Autocasts(), (torch.randn(3, 4),))
+def test_an_autocast_region_inside_the_model_imports_with_autocasts_casts():
+    torch.manual_seed(0)
+    model = _Autocasts().to(teeny.DEVICE)
+    x = torch.randn(5, 4, device=teeny.DEVICE)
+    graph = from_torch(model, (x,))
+    out = teeny.Executor(lower(graph, LoweringMode.INFERENCE)).forward({"x": x})
+    expected = model(x)
+    assert out.dtype == expected.dtype  # whatever autocast's policy gave each call, teeny gives
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 class _DropNorm(nn.Module):
@@ -571,3 +588,81 @@ def test_a_patched_model_imports_its_teeny_operators_as_the_ops_they_run():
     ex = teeny.Executor(lower(graph, LoweringMode.INFERENCE))
     (name,) = [v.name for v in graph.inputs]
     torch.testing.assert_close(ex.forward({name: x}).cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- runs of calls as one teeny op
+
+
+def _live_ops(graph) -> Counter:
+    """How many nodes of each op the graph's outputs depend on (lowering drops the others)."""
+    counts, seen, stack = Counter(), set(), list(graph.outputs)
+    while stack:
+        node = stack.pop().producer
+        if node is not None and node.id not in seen:
+            seen.add(node.id)
+            counts[node.op.name] += 1
+            stack.extend(node.inputs)
+    return counts
+
+
+FUSED = {  # the one-op blocks of a one-layer model: q's and k's rotary, the MLP, three norms
+    "llama": {"rotary_embedding": 2, "swiglu": 1, "rms_norm": 3},
+    "gemma": {"rotary_embedding": 2, "geglu": 1, "rms_norm": 3},  # RMSNorm scaling by (1 + weight)
+    "neox": {"rotary_embedding": 2},  # the columns past the rotary dim pass through
+}
+
+
+@pytest.mark.parametrize("kind", FUSED)
+def test_hugging_face_blocks_import_as_one_op_each_with_the_models_loss_and_gradients(kind):
+    """apply_rotary_pos_emb, act(gate) * up and the RMSNorms become one teeny op each, and no
+    call of their elementwise runs is left; the loss and every gradient are the model's."""
+    torch.manual_seed(0)
+    model = _hf(kind).train()
+    reference = copy.deepcopy(model)
+    ids = _tokens(0)
+    graph = from_torch(model, {"input_ids": ids, "labels": ids})
+    live = _live_ops(graph)
+    assert {op: live[op] for op in FUSED[kind]} == FUSED[kind]
+    assert live["neg"] == live["rsqrt"] == live["silu"] == live["gelu_tanh"] == 0, live
+    executor = teeny.Executor(lower(graph, LoweringMode.TRAINING))
+    outputs, cache = executor.forward_train({"input_ids": ids, "labels": ids})
+    executor.backward(cache)
+    expected = reference(input_ids=ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(outputs[0], expected.detach(), atol=1e-6, rtol=1e-5)
+    _compare_gradients(graph, executor, reference, atol=1e-6, rtol=1e-5)
+
+
+class _Rotary(nn.Module):
+    """apply_rotary_pos_emb written out on a projection's heads, with the cos table an input or a
+    trainable parameter; rotate_half's result is read twice."""
+
+    def __init__(self, trainable_cos: bool):
+        super().__init__()
+        self.proj = nn.Linear(6, 12)
+        self.cos = nn.Parameter(torch.randn(1, 5, 6)) if trainable_cos else None
+
+    def forward(self, h, cos, sin):
+        x = self.proj(h).view(2, 5, 2, 6).transpose(1, 2)
+        cos = cos if self.cos is None else self.cos
+        half = torch.cat((-x[..., 3:], x[..., :3]), dim=-1)
+        return (x * cos.unsqueeze(1) + half * sin.unsqueeze(1)).square().sum() + half.sum()
+
+
+@pytest.mark.parametrize("trainable_cos", [False, True], ids=["table input", "trainable table"])
+def test_a_rotary_embedding_becomes_one_op_unless_its_table_wants_a_gradient(trainable_cos):
+    """rotary_embedding gives cos and sin no gradient: a trainable table keeps the calls one by
+    one. The rotate_half that something else reads stays computed."""
+    torch.manual_seed(0)
+    model = _Rotary(trainable_cos)
+    h, cos, sin = torch.randn(2, 5, 6), torch.randn(1, 5, 6), torch.randn(1, 5, 6)
+    graph = from_torch(model, (h, cos, sin))
+    live = _live_ops(graph)
+    assert live["rotary_embedding"] == (0 if trainable_cos else 1) and live["concat"] == 1
+    executor = teeny.Executor(lower(graph, LoweringMode.TRAINING))
+    outputs, cache = executor.forward_train(dict(zip([v.name for v in graph.inputs], (h, cos, sin))))
+    executor.backward(cache)
+    expected = model(h, cos, sin)
+    expected.backward()
+    torch.testing.assert_close(_first(outputs), expected.detach(), atol=1e-5, rtol=1e-5)
+    _compare_gradients(graph, executor, model, atol=1e-5, rtol=1e-5)

@@ -15,9 +15,12 @@ from ..ops.lookup import EmbeddingOp
 from ..ops.loss.ops import ClassLossOp, PointwiseLossOp
 from ..ops.norm.ops import BatchNormOp
 from ..ops.products.ops import LinearOp
+from ..ops.shape.ops import StridedViewOp, ViewOp
 from .chunked_loss import LinearCrossEntropyOp
 from .pipeline import Rebuild, RewriteFn
 from .qkv_products import SharedInputLinearOp
+
+_SHAPE_OPS = (ViewOp, StridedViewOp)
 
 
 def _keeps_float32(op: RuntimeOp) -> bool:
@@ -54,6 +57,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         def cast(v: Value, to: torch.dtype) -> Value:
             if v.dtype == to or not v.dtype.is_floating_point:
                 return v
+            if v.producer is not None and isinstance(v.producer.op, CastOp) and v.producer.inputs[0].dtype == to:
+                return v.producer.inputs[0]  # a widening cast undone (the model's logits.float()): exact, so none
             key = (v.id, to)
             if key not in casts:
                 counts[v.kind] += 1
@@ -82,8 +87,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
             elif _keeps_float32(op):
                 inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
                 counts["float32 op"] += 1
-            elif isinstance(op, CastOp):  # an explicit cast in the model stays what it says
-                inputs = [rebuild[v] for v in node.inputs]
+            elif isinstance(op, (CastOp, *_SHAPE_OPS)):  # an explicit cast stays what it says; a view
+                inputs = [rebuild[v] for v in node.inputs]  # moves values in the dtype they have
             else:
                 inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
             if isinstance(op, LinearCrossEntropyOp):

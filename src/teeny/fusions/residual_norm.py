@@ -48,6 +48,7 @@ class AddNormOp(LayerNormOp):
             has_bias=norm.has_bias,
             centred=norm.centred,
             out_dtype=norm.out_dtype,
+            weight_offset=norm.weight_offset,
         )
         self.name = f"add_{norm.name}"
 

@@ -17,10 +17,25 @@ from ..ops import (
     norm,
     products,
     reduction,
+    rotary,
     shape,
 )
 
-_FAMILIES = (activation, attention, cast, conv, elementwise, lookup, loss, masks, norm, products, reduction, shape)
+_FAMILIES = (
+    activation,
+    attention,
+    cast,
+    conv,
+    elementwise,
+    lookup,
+    loss,
+    masks,
+    norm,
+    products,
+    reduction,
+    rotary,
+    shape,
+)
 for _family in _FAMILIES:
     for _name in _family.NN_LAYERS:
         globals()[_name] = getattr(_family, _name)

@@ -18,6 +18,7 @@ from .masks import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
 from .products import *  # noqa: F401,F403
 from .reduction import *  # noqa: F401,F403
+from .rotary import *  # noqa: F401,F403
 from .shape import *  # noqa: F401,F403
 from .unary import *  # noqa: F401,F403
 

@@ -9,6 +9,9 @@
   ``state_dict`` keys as ``torch.nn``) running teeny's kernels.
 * ``teeny.torch.patch(model)``: swap the supported submodules of a model in place (Hugging Face
   GPT-2 and Llama too).
+* ``torch.compile(model, backend="teeny")``: the whole model as teeny programs, trained by an
+  ordinary PyTorch loop (``teeny.torch.backend``; installed, the name is registered through an
+  entry point; from a source tree, ``import teeny.torch.backend`` registers it).
 * ``teeny.torch.from_torch(module, example_inputs)``: a teeny ``Graph`` from a PyTorch module
   (``torch.export``), ``teeny.torch.to_torch(executor, module)`` hands the weights back, and
   ``teeny.torch.torch_model_task("file.py:make_model")`` makes it a training task.
@@ -33,7 +36,7 @@ _LAZY = {
     "torch_model_task": "task",
     "load_factory": "task",
 }
-_SUBMODULES = {"bridge", "library", "nn", "patching", "export", "task"}
+_SUBMODULES = {"backend", "bridge", "library", "nn", "patching", "export", "task"}
 
 __all__ = [
     "cache_size",

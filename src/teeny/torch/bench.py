@@ -18,7 +18,8 @@ first item. A ``torch.nn`` loss module (the ``teeny train --torch-model`` contra
 **The variants.** Each starts from a copy of the same initial weights, on the same batch with
 the same seed: ``eager``; ``compile-<mode>`` (``torch.compile`` in each of ``COMPILE_MODES``;
 ``compile`` names all three); ``teeny-patch`` (``teeny.torch.patch``); ``teeny-patch+compile``
-(patched, then compiled in the default mode); ``liger`` (Liger-Kernel's patch for the model's
+(patched, then compiled in the default mode); ``teeny-backend`` (``torch.compile(model,
+backend="teeny")``: the whole model as teeny programs); ``liger`` (Liger-Kernel's patch for the model's
 transformers type, when installed; it patches transformers' module functions for the whole
 process, so it always runs last). On the CPU the compiled variants are skipped unless asked for
 (inductor builds C++ for minutes there) and Liger, whose kernels need a GPU, is skipped.
@@ -59,12 +60,14 @@ PRECISIONS = ("fp32", "bf16-autocast")
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to run the step: teeny's patch, a torch.compile mode, Liger-Kernel's patch."""
+    """One way to run the step: teeny's patch, a torch.compile mode (inductor), teeny's
+    torch.compile backend, Liger-Kernel's patch."""
 
     name: str
     teeny_patch: bool = False
     compile_mode: str | None = None
     liger: bool = False
+    teeny_backend: bool = False  # torch.compile(model, backend="teeny")
 
 
 VARIANTS: dict[str, Variant] = {
@@ -74,6 +77,7 @@ VARIANTS: dict[str, Variant] = {
         *(Variant(f"compile-{mode}", compile_mode=mode) for mode in COMPILE_MODES),
         Variant("teeny-patch", teeny_patch=True),
         Variant("teeny-patch+compile", teeny_patch=True, compile_mode="default"),
+        Variant("teeny-backend", teeny_backend=True),
         Variant("liger", liger=True),
     )
 }
@@ -247,6 +251,11 @@ def run_variant(
 
         _apply_liger_kernel_to_instance(model=model)
     forward = torch.compile(model, mode=variant.compile_mode) if variant.compile_mode else model
+    if variant.teeny_backend:
+        from . import backend
+
+        forward = torch.compile(model, backend="teeny")
+        regions_before = len(backend.reports())
     graphed = cuda and variant.compile_mode == "reduce-overhead"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda)
     autocast = precision == "bf16-autocast"
@@ -286,6 +295,8 @@ def run_variant(
     mean = sum(seconds) / len(seconds)
     tokens = _tokens(batch)
     values = [float(v) for v in losses]
+    if variant.teeny_backend:
+        note = backend.summary(backend.reports()[regions_before:])
     return Row(
         variant=variant.name,
         status="ok",

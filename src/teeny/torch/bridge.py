@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd import profiler
 from torch.utils.flop_counter import register_flop_formula
 
 from ..core.errors import NoGradientError, TeenyError
@@ -144,9 +145,9 @@ class Compiled:
             (node_id, [placed(k) for k in ins], placed(out), {n: placed(k) for n, k in saved.items()})
             for node_id, ins, out, saved in pool_slots
         ]
-        blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.torch.tape)
-        self._forward_replay = Replayed(self._run_forward, blocked)
-        self._backward_replay = Replayed(self._run_backward, blocked)
+        self._blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.torch.tape)
+        self._forward_replay = Replayed(self._run_forward, self._blocked)
+        self._backward_replays: dict[tuple[bool, ...], Replayed] = {}  # by which seeded outputs have a gradient
 
     @property
     def training(self) -> bool:
@@ -176,10 +177,31 @@ class Compiled:
     def backward(self, grads: Sequence[torch.Tensor | None], saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients of the flat inputs in ``grad_inputs`` from the gradients of the seeded
         outputs (``n_seeded``; None: none flows back from that output). Recorded and replayed
-        as the forward is, when every seeded output has its gradient."""
-        if any(g is None for g in grads):
-            return self._run_backward([*grads, *saved])
-        return self._backward_replay([*grads, *saved])
+        as the forward is, one tape per pattern of the outputs that have a gradient (a model's
+        loss has one, the logits it also returns have none)."""
+        replay = self._backward_replay_of(tuple(g is not None for g in grads))
+        tensors = [*(g for g in grads if g is not None), *saved]
+        if isinstance(saved, list):  # handed over (_input_gradients): a replay frees each after its last use
+            saved.clear()
+            return replay(tensors, consume=True)
+        return replay(tensors)
+
+    @property
+    def _backward_replay(self) -> Replayed:
+        """The backward's replay when every seeded output has its gradient."""
+        return self._backward_replay_of((True,) * self.n_seeded)
+
+    def _backward_replay_of(self, given: tuple[bool, ...]) -> Replayed:
+        replay = self._backward_replays.get(given)
+        if replay is None:
+            run = functools.partial(self._run_backward_given, given)
+            replay = self._backward_replays[given] = Replayed(run, self._blocked)
+        return replay
+
+    def _run_backward_given(self, given: tuple[bool, ...], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``_run_backward`` of the gradients marked in ``given`` (the others None), then the saved tensors."""
+        present = iter(tensors[: sum(given)])
+        return self._run_backward([next(present) if g else None for g in given] + list(tensors[sum(given) :]))
 
     def _run_forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         ex = self.executor
@@ -303,6 +325,7 @@ def _compile(
     label: str,
     input_labels: Sequence[str] | None = None,
     keep_alive: tuple = (),
+    precision: str | None = None,
 ) -> Compiled:
     graph = Graph(getattr(fn, "__name__", "fn"))
     flat: list[torch.Tensor] = []
@@ -340,11 +363,11 @@ def _compile(
     program = None
     if wants_any and floats:
         try:
-            program = lower(graph, LoweringMode.TRAINING, seeded=len(floats))
+            program = lower(graph, LoweringMode.TRAINING, seeded=len(floats), precision=precision)
         except NoGradientError:  # no gradient reaches an output (stop_gradient, integer paths)
             program = None
     if program is None:
-        program = lower(graph, LoweringMode.INFERENCE)
+        program = lower(graph, LoweringMode.INFERENCE, precision=precision)
     executor = Executor(program)
     for p in program.nodes:  # dropout's masks from torch's RNG, which torch.utils.checkpoint restores
         if hasattr(p.op, "torch_rng"):
@@ -591,7 +614,7 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None]:
     if not entry.training:  # lowered for inference (stop_gradient): no gradient, one None per input
         return [None] * len(entry.input_names)
     try:
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
     except RuntimeError as exc:
         if "modified by an inplace operation" not in str(exc):
             raise
@@ -603,7 +626,8 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None]:
         computed = torch.ops.teeny.run_backward(entry.key, seeds, list(saved))
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*seeds, *saved)):
         raise RuntimeError(_double_backward_message(entry))
-    else:
+    else:  # the context lets go of the saved tensors (unless retain_graph), and the backward takes the list
+        ctx.maybe_clear_saved_tensors()
         computed = entry.backward(seeds, saved)
     by_input = dict(zip(entry.grad_inputs, computed))
     return [by_input.get(i) for i in range(len(entry.input_names))]
@@ -698,7 +722,11 @@ class _EagerRun(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        computed = _input_gradients(ctx, grads, eager=True)
+        if profiler._is_profiler_enabled:  # a range named after the op, inside _EagerRunBackward's
+            with profiler.record_function(f"{ctx.entry.label} backward"):
+                computed = _input_gradients(ctx, grads, eager=True)
+        else:
+            computed = _input_gradients(ctx, grads, eager=True)
         return None, *(computed or [None] * (len(ctx.needs_input_grad) - 1))
 
 
@@ -729,18 +757,17 @@ def _refuse_functorch_wrappers(entry: Compiled, tensors: Sequence[torch.Tensor])
 
 def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run ``entry`` through the operators (differentiably where it was lowered for training);
-    in eager mode on plain tensors through ``_EagerRun``, which computes the same."""
+    in eager mode on plain tensors through ``_EagerRun``, which computes the same (under a
+    profiler, in a range named after the op: ``teeny op gelu``, and ``... backward``)."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         _refuse_functorch_wrappers(entry, tensors)
     if not _eager(tensors):
         results = torch.ops.teeny.run_forward(entry.key, list(tensors))
-    elif not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        results = entry.forward(list(tensors))
-    elif entry.training:
-        results = list(_EagerRun.apply(entry, *tensors))
-    else:  # lowered for inference, as no gradient reaches an output (stop_gradient): its copies record none
-        with torch.no_grad():
-            results = entry.forward(list(tensors))
+    elif profiler._is_profiler_enabled:
+        with profiler.record_function(entry.label):
+            results = _call_eager(entry, tensors)
+    else:
+        results = _call_eager(entry, tensors)
     if entry.mutated:  # the operator is functional: it returns the new values, written back here
         n = len(results) - len(entry.mutated)
         with torch.no_grad():
@@ -748,6 +775,15 @@ def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]
                 tensors[i].copy_(new)
         results = results[:n]
     return results
+
+
+def _call_eager(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return entry.forward(list(tensors))
+    if entry.training:
+        return list(_EagerRun.apply(entry, *tensors))
+    with torch.no_grad():  # lowered for inference, as no gradient reaches an output (stop_gradient): no record
+        return entry.forward(list(tensors))
 
 
 # ----------------------------------------------------------------------------- apply

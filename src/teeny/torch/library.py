@@ -101,6 +101,8 @@ _TENSOR_NAMES = {
     "running_var",
     "condition",
     "pos_weight",
+    "cos",
+    "sin",
 }
 _ANNOTATIONS = {
     "bool": "bool",

@@ -3,7 +3,7 @@
     report = teeny.torch.patch(model)      # a Hugging Face GPT-2 or Llama, or your own module
     print(report)                           # what was swapped, what was left to PyTorch and why
 
-Two things happen, both in place and both reversible only by rebuilding the model:
+What happens, in place and reversible only by rebuilding the model:
 
 * **Submodules** whose class teeny has a drop-in for change class (``module.__class__``) to it:
   every ``torch.nn`` layer of ``teeny.torch.nn.DROP_INS``, and, recognised by class name so that
@@ -20,7 +20,8 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   Parameters, buffers and hooks stay the very same objects, so tied weights stay tied, an
   optimizer built before the patch keeps working, and ``state_dict`` keys do not change. A
   layer with an option teeny has no kernel for (``padding_mode="reflect"``, ``max_norm``) is
-  left as it is and reported.
+  left as it is and reported. A transformers block whose forward teeny does not know keeps it
+  (reported), and runs it with its functional calls routed (the last point).
 * **Pre-norms under autocast**: the norms a transformer block hands straight to products
   (GPT-2's ``ln_1``/``ln_2``, Llama-family ``input_layernorm``/``post_attention_layernorm``)
   get ``autocast_output``: under autocast they write autocast's dtype, to which those products
@@ -38,6 +39,28 @@ Two things happen, both in place and both reversible only by rebuilding the mode
   ``teeny.torch.nn.functional.ROUTED``) are routed to teeny while the model's ``forward`` runs,
   through a ``TorchFunctionMode``. A call with arguments teeny cannot run (attention dropout,
   a ``dtype=`` softmax) goes to PyTorch and is counted in ``report.fallbacks``.
+
+The patch is part of the model's classes, not of one instance. Each class patch makes is a
+subclass of the module's own (``_teeny_class``: the model's own class keeps its name, so
+``config.architectures`` stays right; the others are ``Teeny<name>``), whose ``forward`` is one
+of this module's functions. So ``copy.deepcopy(model)`` (a reference or EMA model) is patched
+as the original and computes with its own weights; ``torch.save(model)`` / ``pickle`` round
+trip (the classes pickle as their original class and labels, and are made again on loading);
+``state_dict`` loads either way; ``patch`` of a patched model patches what is new in it (an
+adapter's layers) and returns the same report.
+
+The model's forward turns the router on, and so does each transformer block's (unless it is on
+already): under activation checkpointing (``model.gradient_checkpointing_enable()``, reentrant
+or not) a block runs again in the backward, outside the model's forward, and recomputes on the
+same kernels as its forward ran.
+
+One-call forwards never bypass what wraps a layer: GPT-2's attention and MLP and the fused head
++ loss read their layers' weights, so a layer that is no longer the one patch made (PEFT's LoRA
+puts its own layer in its place) or that has hooks (FSDP's) makes them run the layers' own
+calls instead: reported in ``report.left`` when the adapters come first, counted in
+``report.fallbacks`` when they come after. ``patch`` of a ``PeftModel`` fuses the head and loss
+of the causal LM inside it. Under ``torch.profiler`` every teeny call is a range named after its
+op (``teeny op gpt2_attention``, ``... backward``; ``teeny.torch.bridge.call``).
 """
 
 from __future__ import annotations
@@ -60,7 +83,9 @@ from .nn import functional as TF
 class PatchReport:
     """What ``patch`` did: ``swapped`` (path, old class, new class), ``left`` (path, class,
     why), the functional calls it routes, and at run time ``routed``/``fallbacks`` counts (of
-    eager calls: under ``torch.compile`` a count would be a guard that fails every call)."""
+    eager calls: under ``torch.compile`` a count would be a guard that fails every call).
+    ``fallbacks`` counts, by (name, why), the routed calls PyTorch ran and the one-call forwards
+    that ran as their layers' calls (a PEFT adapter on a layer whose weight they read)."""
 
     swapped: list[tuple[str, str, str]] = field(default_factory=list)
     left: list[tuple[str, str, str]] = field(default_factory=list)
@@ -83,7 +108,9 @@ class PatchReport:
         if self.routed:
             lines.append("  routed so far: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.routed.items())))
         if self.fallbacks:
-            lines.append("  run by PyTorch (no teeny kernel for those arguments):")
+            lines.append(
+                "  run by PyTorch, or as separate calls (teeny has no kernel for that call, or a layer changed):"
+            )
             lines += [f"    {name}: {why} (x{n})" for (name, why), n in sorted(self.fallbacks.items())]
         if self.left:
             lines.append(f"  left {len(self.left)} modules to PyTorch:")
@@ -190,7 +217,7 @@ def _head_forward(self, input):
     """The LM head: its logits, or (inside ``_causal_lm_forward``) its input, the hidden states."""
     if self._teeny_hidden_only:
         return input
-    return type(self).__mro__[1].forward(self, input)
+    return self._teeny_bases["lm_head"].forward(self, input)
 
 
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -198,14 +225,15 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
 
 def _causal_lm_head(model: nn.Module) -> tuple[nn.Module | None, str]:
     """The LM head whose loss ``patch`` fuses, or None; and what the report says about it."""
-    cls = type(model)
+    cls = getattr(type(model), "_teeny_origin", type(model))
     if not cls.__module__.startswith("transformers.") or not (
         cls.__name__.endswith("ForCausalLM") or cls.__name__ == "GPT2LMHeadModel"
     ):
         return None, ""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear):
-        return None, f"left to the model ({cls.__name__}.lm_head is not a linear layer)"
+        what = f"{type(head).__module__}.{type(head).__name__}"
+        return None, f"left to the model ({cls.__name__}.lm_head is a {what}, not a linear layer: an adapter?)"
     config = getattr(model, "config", None)
     for name in _LOGIT_POSTPROCESSING:
         if getattr(config, name, None) not in (None, 1, 1.0):
@@ -248,15 +276,26 @@ _FORWARD_ARGUMENTS = {
 }
 
 
-def _causal_lm_forward(model: nn.Module, head: nn.Module, forward, args: tuple, kwargs: dict):
-    """The model's own forward up to the head (which passes its input through), then head and
-    loss as one teeny call; the output as the model builds it, with the loss and no logits."""
+def _causal_lm_forward(self, *args, **kwargs):
+    """A causal LM's forward. In training with ``labels=`` (``_takes_fused_loss``): the model's own
+    forward up to the head (which passes its input through), then head and loss as one teeny
+    call; the output as the model builds it, with the loss and no logits. The head must still be
+    the one patch made, without hooks: a PEFT adapter put on it since, or a hook (FSDP's), runs
+    the model's own forward, logits and all (counted in ``report.fallbacks``)."""
+    forward = self._teeny_bases["causal_lm"].forward
+    if not _takes_fused_loss(self, kwargs):
+        return forward(self, *args, **kwargs)
+    head = self.lm_head
+    why = _not_plain(self, ("lm_head",), _head_forward)
+    if why is not None:
+        _count_fallback(self, "causal_lm_loss", why)
+        return forward(self, *args, **kwargs)
     kwargs = dict(kwargs)
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
     head._teeny_hidden_only = True
     try:
-        out = forward(*args, **kwargs)
+        out = forward(self, *args, **kwargs)
     finally:
         head._teeny_hidden_only = False
     hidden = out.logits
@@ -268,7 +307,33 @@ def _causal_lm_forward(model: nn.Module, head: nn.Module, forward, args: tuple, 
     return type(out)(loss=loss, **fields)
 
 
+def _not_plain(module: nn.Module, names: tuple[str, ...], forward) -> str | None:
+    """Why a one-call forward of ``module`` may not read its layers ``names``' weights itself, or
+    None: each must still be a layer patch made to run ``forward``, without hooks. A PEFT adapter
+    put on one since the patch replaces it by its own layer, and a hook (FSDP's gathers a
+    sharded weight) runs only when the layer is called: reading the weight would skip either."""
+    for name in names:
+        layer = getattr(module, name)
+        if type(layer).forward is not forward:
+            what = f"{type(layer).__module__}.{type(layer).__name__}"
+            return f"{name} is a {what} (an adapter?): the layers' own calls run"
+        if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+            return f"{name} has hooks: the layers' own calls run"
+    return None
+
+
+def _count_fallback(module: nn.Module, name: str, why: str) -> None:
+    """Count in the report that a one-call forward ran as separate calls (eager calls only, as routed calls)."""
+    report = getattr(module, "_teeny_report", None)
+    if report is not None and not torch.compiler.is_compiling():
+        report.fallbacks[(name, why)] += 1
+
+
 def _gpt2_mlp_forward(self, hidden_states):  # c_fc, act, c_proj, dropout; Conv1D weights are (in, out)
+    why = _not_plain(self, ("c_fc", "c_proj"), _conv1d_forward)
+    if why is not None:
+        _count_fallback(self, "gelu_mlp", why)
+        return self._teeny_bases["gpt2_mlp"].forward(self, hidden_states)
     fc, proj = self.c_fc, self.c_proj
     return self.dropout(library.direct.gelu_mlp(hidden_states, fc.weight, fc.bias, proj.weight, proj.bias))
 
@@ -316,7 +381,7 @@ def _builds_causal_mask_only(args: tuple, kwargs: dict) -> bool:
 def _gpt2_model_forward(self, *args, **kwargs):
     """GPT2Model's forward; under torch.compile it first marks its one-call attention layers
     with whether the mask it is about to build is its causal one alone (``_builds_causal_mask_only``)."""
-    forward = type(self).__mro__[1].forward
+    forward = self._teeny_bases["gpt2_model"].forward
     if not torch.compiler.is_compiling():
         return forward(self, *args, **kwargs)
     causal_only = _builds_causal_mask_only(args, kwargs)
@@ -334,7 +399,11 @@ def _gpt2_attention_forward(self, hidden_states, *args, **kwargs):
     """c_attn, causal attention over its output read in place, c_proj: one teeny call; any other
     use (a cache, a padding mask, cross-attention, attention dropout) runs transformers' code."""
     if not _plain_causal_self_attention(self, args, kwargs):
-        return type(self).__mro__[1].forward(self, hidden_states, *args, **kwargs)
+        return self._teeny_bases["gpt2_attention"].forward(self, hidden_states, *args, **kwargs)
+    why = _not_plain(self, ("c_attn", "c_proj"), _conv1d_forward)
+    if why is not None:
+        _count_fallback(self, "gpt2_attention", why)
+        return self._teeny_bases["gpt2_attention"].forward(self, hidden_states, *args, **kwargs)
     attn, proj = self.c_attn, self.c_proj
     scale = float(self.scaling)
     out = library.direct.gpt2_attention(hidden_states, attn.weight, attn.bias, proj.weight, proj.bias,
@@ -389,6 +458,24 @@ def _junction(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     return library.direct.residual_norm(x, residual, weight, bias, float(eps), centred, out_dtype)
 
 
+def _routes_calls(forward):
+    """``forward`` (a block's) run with teeny's router on, unless it is on already: the model's
+    forward enters it, but under activation checkpointing a block runs again in the backward,
+    outside the model's forward, and must then route the calls it routed the first time (else
+    the recomputation is another computation: ``CheckpointError``, or PyTorch's gradients).
+    Under torch.compile nothing is recomputed in Python, and the model's forward enters it."""
+
+    @functools.wraps(forward)
+    def routed(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or _Router.is_on():
+            return forward(self, *args, **kwargs)
+        with _Router(self._teeny_report):
+            return forward(self, *args, **kwargs)
+
+    return routed
+
+
+@_routes_calls
 def _gpt2_block_forward(
     self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
     use_cache=False, **kwargs,
@@ -398,9 +485,9 @@ def _gpt2_block_forward(
     this transformers version gives it (``_teeny_cache``)."""
     cache = kwargs.pop(self._teeny_cache, cache)
     if encoder_hidden_states is not None:
-        return type(self).__mro__[1].forward(self, hidden_states, cache, attention_mask, encoder_hidden_states,
-                                             encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
-                                             **kwargs)  # fmt: skip
+        forward = self._teeny_bases["gpt2_block"].forward
+        return forward(self, hidden_states, cache, attention_mask, encoder_hidden_states,
+                       encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)  # fmt: skip
     residual = hidden_states
     attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask=attention_mask, use_cache=use_cache,
                                **{self._teeny_cache: cache}, **kwargs)  # fmt: skip
@@ -412,6 +499,7 @@ def _gpt2_block_forward(
     return hidden_states + self.mlp(normed)
 
 
+@_routes_calls
 def _decoder_layer_forward(
     self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
     position_embeddings=None, **kwargs,
@@ -431,6 +519,12 @@ def _decoder_layer_forward(
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
     hidden_states, normed = joined
     return hidden_states + self.mlp(normed)
+
+
+@_routes_calls
+def _block_forward(self, *args, **kwargs):
+    """A transformer block whose forward teeny does not know (``_BLOCK_LEFT``): its own."""
+    return self._teeny_bases["block"].forward(self, *args, **kwargs)
 
 
 # the block forwards patch replaces: the parameters of transformers' own, and its statements
@@ -471,8 +565,8 @@ def _statements(source: str) -> str:
 
 _CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.2x, and before
 _BLOCK_LEFT = (
-    "its forward reads unlike the transformers forwards teeny knows: its own forward runs (the residual add "
-    "and the norm after the attention stay two calls; its layers are swapped)"
+    "its forward reads unlike the transformers forwards teeny knows: its own forward runs, with teeny's "
+    "router on (the residual add and the norm after the attention stay two calls; its layers are swapped)"
 )
 
 
@@ -493,7 +587,7 @@ def _block_swap(cls: type) -> type | None:
         return None
     source = _statements(_source(cls.forward))
     for cache in _CACHE_NAMES:
-        for label, (forward, expected, fragments) in _BLOCKS.items():
+        for label, (_, expected, fragments) in _BLOCKS.items():
             if parameters != tuple(p.replace("{cache}", cache) for p in expected):
                 continue
             at = 0
@@ -502,7 +596,7 @@ def _block_swap(cls: type) -> type | None:
                 if at < 0:
                     break
             else:
-                return _teeny_subclass(cls, forward, label, _teeny_cache=cache)
+                return _teeny_class(cls, label)
     return None
 
 
@@ -511,49 +605,118 @@ def _swiglu_mlp_forward(self, x):
 
 
 _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation", "GELUTanhActivation"}
-_SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
-def _teeny_subclass(cls: type, forward, label: str, **attributes) -> type:
-    """``cls`` with ``forward`` replaced and ``attributes`` added (made once per class)."""
-    key = (cls, label)
-    if key not in _SUBCLASSES:
-        namespace = {"forward": forward, "__module__": __name__, **attributes}
-        _SUBCLASSES[key] = type(f"Teeny{cls.__name__}", (cls,), namespace)
-    return _SUBCLASSES[key]
+def _cache_name(cls: type) -> str | None:
+    """The name ``cls.forward`` gives its cache argument (``_CACHE_NAMES``), or None."""
+    import inspect
+
+    parameters = inspect.signature(cls.forward).parameters
+    return next((name for name in _CACHE_NAMES if name in parameters), None)
 
 
-def _hugging_face_swap(module: nn.Module) -> type | None:
-    """The teeny class for a ``transformers`` module, recognised by name and attributes."""
+def _signed(forward, like):
+    """``forward``, seen by ``inspect.signature`` as ``like``: a model's own forward keeps its
+    parameters' names for the tools that read them (the Trainer keeps the dataset's columns that
+    the forward takes)."""
+
+    @functools.wraps(like)
+    def signed(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return signed
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _teeny_class(base: type, label: str) -> type:
+    """``base`` with the forward of ``_SWAPS[label]``: the class ``patch`` gives a module (made
+    once per base and label). Its forward finds its base in ``_teeny_bases[label]`` (a
+    patched model's own class may be made on top of another of patch's classes); its instances pickle and
+    deep-copy as (the first class that is not patch's, the labels on top of it) and their state
+    (``_reduce_patched``), so ``torch.save(model)`` and ``copy.deepcopy(model)`` work and a
+    fresh process that unpickles a patched model makes the same classes again."""
+    key = (base, label)
+    if key not in _CLASSES:
+        forward, attributes = _SWAPS[label]
+        origin = getattr(base, "_teeny_origin", base)
+        namespace = {
+            "__module__": __name__,
+            "__reduce_ex__": _reduce_patched,
+            "forward": _signed(forward, base.forward) if label in _MODEL_LABELS else forward,
+            "_teeny_bases": {**getattr(base, "_teeny_bases", {}), label: base},  # its forward calls its base's
+            "_teeny_origin": origin,
+            "_teeny_labels": getattr(base, "_teeny_labels", ()) + (label,),
+            **attributes,
+        }
+        if label in _BLOCKS:
+            namespace["_teeny_cache"] = _cache_name(base)
+        name = base.__name__ if label in _MODEL_LABELS else f"Teeny{base.__name__}"
+        _CLASSES[key] = type(name, (base,), namespace)
+    return _CLASSES[key]
+
+
+def _reduce_patched(self, protocol):
+    """``__reduce_ex__`` of patch's classes: as ``object``'s (their state, by ``__getstate__``),
+    with the class made again by ``_new_patched`` from its origin and labels, which pickle by name."""
+    new, (cls, *_), *state = object.__reduce_ex__(self, max(protocol, 2))
+    if "_teeny_labels" not in cls.__dict__:  # a class made from patch's (FSDP's, say): its own way
+        return (new, (cls,), *state)
+    return (_new_patched, (cls._teeny_origin, cls._teeny_labels), *state)
+
+
+def _new_patched(origin: type, labels: tuple[str, ...]) -> nn.Module:
+    """An empty instance of the class ``_teeny_class`` makes from ``origin`` and ``labels`` (unpickling fills it)."""
+    cls = origin
+    for label in labels:
+        cls = _teeny_class(cls, label)
+    return cls.__new__(cls)
+
+
+def _hugging_face_swap(module: nn.Module) -> tuple[type | None, str]:
+    """The teeny class for a ``transformers`` module, recognised by name and attributes; or
+    None, and why a module teeny knows is left as it is ("" for one it does not know)."""
     cls = type(module)
     if not cls.__module__.startswith("transformers."):
-        return None
+        return None, ""
     name = cls.__name__
     if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(module.weight, nn.Parameter):
         if "forward" in cls.__dict__ and "1.0 + self.weight" in _source(cls.forward):
-            return None  # Gemma-style (1 + weight) norms compute something else
-        return _teeny_subclass(cls, _rms_norm_forward, "rms_norm", autocast_output=False)
+            return None, ""  # Gemma-style (1 + weight) norms compute something else
+        return _teeny_class(cls, "rms_norm"), ""
     if name == "Conv1D" and hasattr(module, "nf"):
-        return _teeny_subclass(cls, _conv1d_forward, "conv1d")
+        return _teeny_class(cls, "conv1d"), ""
     if name in _GELU_TANH:
-        return _teeny_subclass(cls, _gelu_tanh_forward, "gelu_tanh")
+        return _teeny_class(cls, "gelu_tanh"), ""
     if all(hasattr(module, a) for a in ("c_fc", "c_proj", "act", "dropout")) and len(list(module.children())) == 4:
-        conv1d = all(type(getattr(module, a)).__name__ == "Conv1D" for a in ("c_fc", "c_proj"))
-        if conv1d and type(module.act).__name__ in _GELU_TANH:
-            return _teeny_subclass(cls, _gpt2_mlp_forward, "gpt2_mlp")
+        if type(module.act).__name__ in _GELU_TANH:
+            why = _not_conv1d(module, ("c_fc", "c_proj"))
+            return (None, why) if why else (_teeny_class(cls, "gpt2_mlp"), "")
     if name == "GPT2Model" and "create_causal_mask(" in _source(cls.forward):
-        return _teeny_subclass(cls, _gpt2_model_forward, "gpt2_model")
-    if name == "GPT2Attention" and all(
-        type(getattr(module, a, None)).__name__ == "Conv1D" for a in ("c_attn", "c_proj")
-    ):
-        if hasattr(module, "scaling") and hasattr(module, "is_cross_attention"):
-            return _teeny_subclass(cls, _gpt2_attention_forward, "gpt2_attention")
+        return _teeny_class(cls, "gpt2_model"), ""
+    if name == "GPT2Attention" and hasattr(module, "scaling") and hasattr(module, "is_cross_attention"):
+        why = _not_conv1d(module, ("c_attn", "c_proj"))
+        return (None, why) if why else (_teeny_class(cls, "gpt2_attention"), "")
     if _is_block(cls):
-        return _block_swap(cls)
+        return _block_swap(cls), ""
     if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         if type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") and len(list(module.children())) == 4:
-            return _teeny_subclass(cls, _swiglu_mlp_forward, "swiglu_mlp")
-    return None
+            return _teeny_class(cls, "swiglu_mlp"), ""
+    return None, ""
+
+
+def _not_conv1d(module: nn.Module, names: tuple[str, ...]) -> str:
+    """Why the one-call forward of GPT-2's attention or MLP cannot read its layers ``names``, or
+    "": one is no Conv1D (a PEFT adapter wraps it, say), which the call would skip."""
+    for name in names:
+        layer = getattr(module, name)
+        if getattr(type(layer), "_teeny_origin", type(layer)).__name__ != "Conv1D":
+            return (
+                f"{name} is a {type(layer).__module__}.{type(layer).__name__}, not a Conv1D (an adapter?): "
+                "its own forward runs, the layers' calls apart"
+            )
+    return ""
 
 
 def _source(fn) -> str:
@@ -593,9 +756,7 @@ def _product_read_norms(block: nn.Module) -> list[str]:
             rf"hidden_states = self\.{norm}\(hidden_states\)\n(?:\s*#.*\n)*"
             rf"\s*[\w, ]+ = self\.{reader}\(\s*(?:hidden_states=)?hidden_states[,)]"
         )
-        cls = type(block)
-        if cls.__module__ == __name__:  # a block patch swapped: transformers' forward says what reads what
-            cls = cls.__mro__[1]
+        cls = getattr(type(block), "_teeny_origin", type(block))  # transformers' forward says what reads what
         if re.search(pattern, _source(cls.forward)):
             names.append(norm)
     return names
@@ -612,6 +773,12 @@ class _Router(TorchFunctionMode):
     def __init__(self, report: PatchReport):
         super().__init__()
         self.report = report
+
+    @staticmethod
+    def is_on() -> bool:
+        """Whether a router is on (in eager mode: the function modes' stack is not traced)."""
+        stack = range(torch._C._len_torch_function_stack())
+        return any(isinstance(torch._C._get_function_stack_at(i), _Router) for i in stack)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -630,57 +797,98 @@ class _Router(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _routed_forward(self, *args, **kwargs):
+    """The patched model's forward: its own, with teeny's router on (unless one is on already,
+    in eager mode: a model patched inside another; torch.compile traces it entering)."""
+    forward = self._teeny_bases["routed"].forward
+    if not torch.compiler.is_compiling() and _Router.is_on():
+        return forward(self, *args, **kwargs)
+    with _Router(self._teeny_report):
+        return forward(self, *args, **kwargs)
+
+
+# label -> (forward, class attributes) of each class patch makes (``_teeny_class``)
+_SWAPS = {
+    "rms_norm": (_rms_norm_forward, {"autocast_output": False}),
+    "conv1d": (_conv1d_forward, {}),
+    "gelu_tanh": (_gelu_tanh_forward, {}),
+    "gpt2_mlp": (_gpt2_mlp_forward, {}),
+    "gpt2_model": (_gpt2_model_forward, {}),
+    "gpt2_attention": (_gpt2_attention_forward, {}),
+    "swiglu_mlp": (_swiglu_mlp_forward, {}),
+    **{label: (forward, {}) for label, (forward, _, _) in _BLOCKS.items()},
+    "block": (_block_forward, {}),
+    "lm_head": (_head_forward, {"_teeny_hidden_only": False}),
+    "causal_lm": (_causal_lm_forward, {}),
+    "routed": (_routed_forward, {}),
+}
+_MODEL_LABELS = ("causal_lm", "routed")  # a model's own class: its name and forward's signature stay
+
+
+def _labels(module: nn.Module) -> tuple[str, ...]:
+    return getattr(type(module), "_teeny_labels", ())
+
+
+def _causal_lm(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None, str]:
+    """The causal LM of ``model`` (itself, or the first inside it: a ``PeftModel`` holds one), its
+    head whose loss ``patch`` fuses or None, and what the report says about it."""
+    for module in model.modules():
+        head, why = _causal_lm_head(module)
+        if why:
+            return module, head, why
+    return None, None, ""
+
+
 def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     """Swap the supported submodules of ``model`` for teeny's, fuse a causal LM's head and loss
     (``fused_loss``) and route its functional calls to teeny while it runs (see the module
-    docstring); returns what was done."""
+    docstring); returns what was done. Patching a patched model again patches what is new in
+    it (a PEFT adapter's layers) and returns the same report."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch(model): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}")
-    report = PatchReport(functional=sorted({getattr(f, "__name__", str(f)) for f in TF.ROUTED}))
+    report = model.__dict__.get("_teeny_report") if "routed" in _labels(model) else None
+    if report is None:
+        report = PatchReport(functional=sorted({getattr(f, "__name__", str(f)) for f in TF.ROUTED}))
+
+    def leave(path: str, cls: type, why: str) -> None:
+        if (path, cls.__name__, why) not in report.left:
+            report.left.append((path, cls.__name__, why))
+
     for path, module in model.named_modules():
         cls = type(module)
-        if cls.__module__ == __name__ or cls in DROP_INS.values():
+        if _labels(module) or cls in DROP_INS.values():
             continue  # already teeny
-        target = DROP_INS.get(cls)
+        target, why = DROP_INS.get(cls), None
         if target is not None:
             why = _unsupported_option(module)
-            if why is not None:
-                report.left.append((path, cls.__name__, f"teeny has no kernel for {why}"))
-                continue
+            target = None if why else target
+            why = why and f"teeny has no kernel for {why}"
         else:
-            target = _hugging_face_swap(module)
+            target, why = _hugging_face_swap(module)
         if target is not None:
             module.__class__ = target
             report.swapped.append((path, cls.__name__, target.__name__))
-        elif _is_block(cls):
-            report.left.append((path, cls.__name__, _BLOCK_LEFT))
+        elif why:
+            leave(path, cls, why)
+        elif _is_block(cls):  # its own forward, under the router (``_routes_calls``)
+            module.__class__ = _teeny_class(cls, "block")
+            leave(path, cls, _BLOCK_LEFT)
         elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-            report.left.append((path, cls.__name__, "no teeny drop-in (its functional calls are still routed)"))
+            leave(path, cls, "no teeny drop-in (its functional calls are still routed)")
     for path, block in model.named_modules():  # under autocast, no cast between these norms and their products
         for name in _product_read_norms(block):
             getattr(block, name).autocast_output = True
-            report.autocast_norms.append(f"{path}.{name}" if path else name)
-    head, report.fused_loss = _causal_lm_head(model) if fused_loss else (None, "")
-    if head is not None and not getattr(head, "_teeny_patched", False):
-        head.__class__ = _teeny_subclass(type(head), _head_forward, "lm_head")
-        head._teeny_hidden_only = False
-        head._teeny_patched = True
-    if not getattr(model, "_teeny_patched", False):
-        original = model.forward
-
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            with _Router(report):
-                if head is not None and _takes_fused_loss(model, kwargs):
-                    return _causal_lm_forward(model, head, original, args, kwargs)
-                return original(*args, **kwargs)
-
-        model.forward = forward
-        model._teeny_patched = True
-        model._teeny_report = report
-    else:
-        previous = model._teeny_report
-        previous.swapped += report.swapped
-        previous.left = report.left
-        report = previous
+            if (norm := f"{path}.{name}" if path else name) not in report.autocast_norms:
+                report.autocast_norms.append(norm)
+    lm, head, report.fused_loss = _causal_lm(model) if fused_loss else (None, None, "")
+    if head is not None:
+        if "lm_head" not in _labels(head):
+            head.__class__ = _teeny_class(type(head), "lm_head")
+        if "causal_lm" not in _labels(lm):
+            lm.__class__ = _teeny_class(type(lm), "causal_lm")
+    if "routed" not in _labels(model):
+        model.__class__ = _teeny_class(type(model), "routed")
+    for module in model.modules():  # where the router and the one-call forwards count
+        if _labels(module):
+            module._teeny_report = report
     return report

@@ -28,6 +28,8 @@ launches through the full ``KernelInstance.launch``, so every launch is still se
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +255,21 @@ class Tape:
     checks: list[tuple[int, str, Callable]]
     device: torch.device
 
+    def __post_init__(self) -> None:
+        """Per step, the slots no later step reads and the caller does not get back: a replay
+        lets go of them right after it, so a tensor lives as long as the run needs it (as the
+        executor's own run frees it), not to the end of the replay."""
+        kept = set(self.outputs) | {k for k, _, _ in self.checks}
+        last: dict[int, int] = {}
+        for i, step in enumerate(self.steps):
+            for k in (*step.reads(), *(k for _, k in step.made)):
+                last[k] = i
+        frees: list[list[int]] = [[] for _ in self.steps]
+        for k, i in last.items():
+            if k not in kept:
+                frees[i].append(k)
+        self.frees = [tuple(f) for f in frees]
+
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         if len(tensors) != len(self.signatures):
             return False
@@ -269,16 +286,22 @@ class Tape:
         # a GPU tape launches kernels loaded on its device, on that device's current stream
         return self.device.type != "cuda" or torch.cuda.current_device() == self.device.index
 
-    def replay(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def replay(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
+        """Run the tape on ``tensors``; with ``consume`` (a list the caller hands over) it is
+        emptied, so each input is freed after its last use too."""
         slots: list = [*tensors, *([None] * (self.n_slots - len(tensors)))]
+        if consume:
+            tensors.clear()
         if _RECORDERS or _INTERCEPTORS:
             stream = None
         elif self.device.type == "cuda":
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         else:
             stream = 0
-        for step in self.steps:
+        for step, done in zip(self.steps, self.frees):
             step.run(slots, stream)
+            for k in done:
+                slots[k] = None
         if self.checks:
             raise_failed_checks([(slots[k], where, describe) for k, where, describe in self.checks])
         return [slots[k] for k in self.outputs]
@@ -292,22 +315,43 @@ class _Recording(TorchDispatchMode):
 
     def __init__(self, inputs: Sequence[torch.Tensor]):
         super().__init__()
-        self.slots: dict[int, int] = {}
+        self.slots: dict[int, int] = {}  # id of a live tensor -> its slot; a tensor's id leaves as it dies
         for i, t in enumerate(inputs):  # a tensor given twice is its first slot; the later ones go unread
             self.slots.setdefault(id(t), i)
-        self.alive: list = list(inputs)  # every tensor seen stays alive, so no id is reused
-        self.storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel() and t.device.type != "meta"}
+        self.n_slots = len(inputs)
+        self.device = next((t.device for t in inputs if t.is_cuda), torch.device("cpu"))
+        self.storages: Counter = Counter()  # the memory of the live tensors the run was given or made
+        for t in inputs:
+            if _memory(t) is not None:
+                self.storages[_memory(t)] += 1
         self.steps: list = []
         self.failure: str | None = None
         self.thread = threading.get_ident()  # launches from other threads are theirs, not recorded
 
     def _new_slot(self, t: torch.Tensor) -> int:
-        index = len(self.alive)
-        self.slots[id(t)] = index
-        self.alive.append(t)
-        if t.numel() and t.device.type != "meta":
-            self.storages.add(t.untyped_storage().data_ptr())
+        index = self.n_slots
+        self.n_slots += 1
+        self._name(t, index)
+        if t.is_cuda:
+            self.device = t.device
         return index
+
+    def _name(self, t: torch.Tensor, index: int) -> None:
+        """``t`` is slot ``index`` while it lives: the run frees what it is done with, as the
+        executor does, and a later tensor given the same id (or memory) is a new one."""
+        key, memory = id(t), _memory(t)
+        self.slots[key] = index
+        if memory is not None:
+            self.storages[memory] += 1
+        weakref.finalize(t, self._forget, key, index, memory)
+
+    def _forget(self, key: int, index: int, memory: int | None) -> None:
+        if self.slots.get(key) == index:
+            del self.slots[key]
+        if memory is not None:
+            self.storages[memory] -= 1
+            if self.storages[memory] <= 0:
+                del self.storages[memory]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -319,8 +363,7 @@ class _Recording(TorchDispatchMode):
             self.failure = f"{func} handed a value to the host ({type(out).__name__})"
             return out
         if func in _ALIASES and id(args[0]) in self.slots:  # the same data, no autograd history: the same slot
-            self.slots[id(out)] = self.slots[id(args[0])]
-            self.alive.append(out)
+            self._name(out, self.slots[id(args[0])])
             return out
         template = (self._template(list(args)), self._template(kwargs))
         made = [(position, self._new_slot(t)) for position, t in enumerate(tensors) if id(t) not in self.slots]
@@ -343,9 +386,14 @@ class _Recording(TorchDispatchMode):
         unknown: list = []
         template = _template(value, self.slots, unknown)
         for t in unknown:
-            if t.numel() and t.device.type != "meta" and t.untyped_storage().data_ptr() in self.storages:
+            if _memory(t) is not None and _memory(t) in self.storages:
                 self.failure = "a tensor made outside ATen shares memory with one of the run's"
         return template
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s memory (None: it has none: empty, or a meta tensor)."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
 
 
 def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Tensor]):
@@ -370,15 +418,13 @@ def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Ten
     elif any(k is None for k in flags):
         tape = "a checked flag is not a tensor the run made"
     else:
-        # the device the launches run on (a GPU program may be given CPU index tensors)
-        device = next((t.device for t in recording.alive if t.is_cuda), torch.device("cpu"))
         tape = Tape(
             signatures=[_signature(t) for t in tensors],
             steps=_live(recording.steps, {*outputs, *flags}),
-            n_slots=len(recording.alive),
+            n_slots=recording.n_slots,
             outputs=outputs,
             checks=[(k, where, describe) for k, (_, where, describe) in zip(flags, checks)],
-            device=device,
+            device=recording.device,  # the device the launches run on (a GPU program may take CPU index tensors)
         )
     return result, tape
 
@@ -400,7 +446,9 @@ class Replayed:
         """The tape of inputs that are all apart, else the first recorded (None: none yet)."""
         return self.tapes.get(None) or next(iter(self.tapes.values()), None)
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
+        """``fn(tensors)``, replayed where a tape fits; ``consume``: ``tensors`` is a list handed
+        over, which a replay empties (``Tape.replay``)."""
         if not config.replay or not _recordable_now() or any(type(t) not in _PLAIN for t in tensors):
             return self.fn(list(tensors))
         pattern = aliasing(tensors)
@@ -408,7 +456,7 @@ class Replayed:
         if tape is not None:
             if tape.fits(tensors):
                 self.replays += 1
-                return tape.replay(tensors)
+                return tape.replay(tensors, consume)
             return self.fn(list(tensors))
         if self.not_recorded is not None or len(self.tapes) >= MAX_PATTERNS:
             return self.fn(list(tensors))

@@ -1,6 +1,6 @@
 """Test samples of the activation family (``teeny.ops.activation``). The element-wise activations'
 come from their declarations (``ACTIVATIONS``: domain, kinks, keyword sets; each variant, such as
-``gelu_tanh``, registered under its kernel's name); PReLU, GLU and SwiGLU have their own."""
+``gelu_tanh``, registered under its kernel's name); PReLU, GLU, SwiGLU and GeGLU have their own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops import activation
-from ...ops.activation import ACTIVATIONS, Activation, glu, prelu, swiglu
+from ...ops.activation import ACTIVATIONS, Activation, geglu, glu, prelu, swiglu
 from ..registry import OpInfo, Sample, away_from, make, register
 
 __all__ = ["SHAPES", "cases"]
@@ -116,9 +116,18 @@ register(
 )
 
 
-def _swiglu_samples(shapes):
+def _gated_samples(shapes, kwargs: tuple[dict, ...] = ({},)):
+    """(gate, up) on ``shapes``, the i-th shape with the i-th keyword set (cyclically)."""
+
     def samples(dtype, gen):
-        return [Sample((make(gen, *s, low=-6, high=6).to(dtype), make(gen, *s).to(dtype)), name=str(s)) for s in shapes]
+        return [
+            Sample(
+                (make(gen, *s, low=-6, high=6).to(dtype), make(gen, *s).to(dtype)),
+                dict(kwargs[i % len(kwargs)]),
+                name=f"{s} {kwargs[i % len(kwargs)]}",
+            )
+            for i, s in enumerate(shapes)
+        ]
 
     return samples
 
@@ -128,8 +137,25 @@ register(
         "swiglu",
         swiglu,
         lambda gate, up: F.silu(gate) * up,
-        _swiglu_samples(SHAPES),
+        _gated_samples(SHAPES),
         family="activation",
-        gradcheck_samples=lambda gen: _swiglu_samples(GRADCHECK_SHAPES)(torch.float64, gen),
+        gradcheck_samples=lambda gen: _gated_samples(GRADCHECK_SHAPES)(torch.float64, gen),
+    )
+)
+
+
+def _geglu(gate, up, approximate="tanh"):
+    return F.gelu(gate, approximate=approximate) * up
+
+
+_GEGLU_KWARGS = ({}, {"approximate": "none"})
+register(
+    OpInfo(
+        "geglu",
+        geglu,
+        _geglu,
+        _gated_samples(SHAPES, _GEGLU_KWARGS),
+        family="activation",
+        gradcheck_samples=lambda gen: _gated_samples(GRADCHECK_SHAPES, _GEGLU_KWARGS)(torch.float64, gen),
     )
 )

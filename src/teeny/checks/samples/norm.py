@@ -36,11 +36,19 @@ def _rms_samples(
 ):
     out = [Sample(s.args[:3], name=s.name, reduction=s.reduction) for s in _layer_samples(dtype, gen, shapes, plain)]
     out.append(Sample(out[0].args, {"eps": 1e-3}, name=f"{out[0].name} eps=1e-3", reduction=out[0].reduction))
+    gemma = {"eps": 1e-6, "weight_offset": 1.0}
+    out.append(Sample(out[1].args, gemma, name=f"{out[1].name} Gemma's (1 + w)", reduction=out[1].reduction))
     return out
 
 
 def _rms_gradcheck(gen):
-    return _rms_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))), plain=(2, 5))[:-1]
+    samples = _rms_samples(torch.float64, gen, shapes=(((3, 7), (7,)), ((2, 2, 3), (2, 3))), plain=(2, 5))
+    return [s for s in samples if s.kwargs.get("eps") != 1e-3]
+
+
+def _rms_norm(x, normalized_shape, weight=None, eps=None, weight_offset=0.0):
+    """PyTorch's rms_norm with the scale weight + weight_offset (Gemma's (1 + w))."""
+    return F.rms_norm(x, normalized_shape, None if weight is None else weight + weight_offset, eps)
 
 
 def _group_samples(dtype, gen, shapes=(((2, 6, 5), 3), ((3, 4), 2), ((2, 4, 3, 2), 4)), plain=(2, 6, 5)):
@@ -95,7 +103,7 @@ def _batch_gradcheck(gen):
 register(
     OpInfo("layer_norm", layer_norm, F.layer_norm, _layer_samples, family="norm", gradcheck_samples=_layer_gradcheck)
 )
-register(OpInfo("rms_norm", rms_norm, F.rms_norm, _rms_samples, family="norm", gradcheck_samples=_rms_gradcheck))
+register(OpInfo("rms_norm", rms_norm, _rms_norm, _rms_samples, family="norm", gradcheck_samples=_rms_gradcheck))
 register(
     OpInfo("group_norm", group_norm, F.group_norm, _group_samples, family="norm", gradcheck_samples=_group_gradcheck)
 )

@@ -14,10 +14,11 @@ its sample domain and kinks). Everything else is generated from that row: the ``
 function, the ``teeny.nn`` layer, the ``teeny.torch.nn`` drop-in and ``functional`` entry, the
 registry's samples (``teeny.checks.samples.activation``) and the tests' cases.
 
-Gated activations (``glu``, ``swiglu``) share a second pair, ``gated_forward``/``gated_backward``:
-y = u * act(g), where (u, g) are the two halves of x along ``dim`` (glu, act = sigmoid) or two
-separate inputs (swiglu: g = gate, u = up, act = silu). ``prelu`` has its own pair, its weight
-gradient reduced per channel with fp32 partials and a second pass.
+Gated activations (``glu``, ``swiglu``, ``geglu``) share a second pair, ``gated_forward`` /
+``gated_backward``: y = u * act(g), where (u, g) are the two halves of x along ``dim`` (glu,
+act = sigmoid) or two separate inputs (g = gate, u = up; swiglu: act = silu, geglu: act = gelu,
+its tanh form by default). ``prelu`` has its own pair, its weight gradient reduced per channel
+with fp32 partials and a second pass.
 
 Files, in the order the data moves:
 
@@ -28,7 +29,7 @@ Files, in the order the data moves:
 ``ops.py``           the RuntimeOps (``ActivationOp``, ``GatedOp``, ``PReLUOp``): launches, partials
 ``declarations.py``  ``Activation`` (one row: maths, PyTorch's arguments, reference, samples),
                      ``define`` (a row's ``teeny.ops`` function) and the table ``ACTIVATIONS``
-``functional.py``    the hand-written functional ops: ``apply_activation``, ``glu``, ``swiglu``, ``prelu``
+``functional.py``    the hand-written functional ops: ``apply_activation``, ``glu``, ``swiglu``, ``geglu``, ``prelu``
 this file            the public surface: the functions generated from ``ACTIVATIONS`` (module
                      globals here, so they import and pickle by name), ``activation_layer`` and
                      the layers
@@ -48,7 +49,7 @@ from ...core.module import Module, Parameter
 
 # what this file uses, and the names importers took from the former module teeny/ops/activation.py
 from .declarations import ACTIVATIONS, REQUIRED, Activation, define  # noqa: F401
-from .functional import apply_activation, glu, prelu, swiglu  # noqa: F401
+from .functional import apply_activation, geglu, glu, prelu, swiglu  # noqa: F401
 from .kernels import (  # noqa: F401
     activation_backward,
     activation_forward,
@@ -117,5 +118,5 @@ class PReLU(Module):
         return prelu(x, self.weight)
 
 
-__all__ = [d.name for d in ACTIVATIONS] + ["prelu", "glu", "swiglu"]
+__all__ = [d.name for d in ACTIVATIONS] + ["prelu", "glu", "swiglu", "geglu"]
 NN_LAYERS = [d.layer for d in ACTIVATIONS if d.layer is not None] + ["PReLU", "GLU"]

@@ -44,6 +44,8 @@ from .maths import (
     _sigmoid_grad,
     _silu,
     _silu_grad,
+    _softcap,
+    _softcap_grad,
     _softplus_fn,
     _softplus_grad,
     _softshrink,
@@ -193,6 +195,11 @@ def define(declaration: Activation, module: str, apply: Callable = _graph_apply)
     return function
 
 
+def _softcap_reference(x, cap):
+    """softcap in PyTorch (which has no function of its own for it)."""
+    return cap * torch.tanh(x / cap)
+
+
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 _INPLACE = {"inplace": False}
@@ -283,6 +290,20 @@ ACTIVATIONS = [
         domain=(-8.0, 8.0),
     ),
     Activation("tanh", "Tanh", _tanh_fn, _tanh_grad, torch.tanh, "tanh(x).", routes=()),
+    Activation(
+        "softcap",
+        None,
+        _softcap,
+        _softcap_grad,
+        _softcap_reference,
+        "cap * tanh(x / cap): Gemma 2's soft-capping of attention scores and final logits.",
+        {"cap": REQUIRED},
+        a="cap",
+        check=lambda cap: None if cap > 0 else f"cap must be positive, got {cap}",
+        routes=(),
+        domain=(-40.0, 40.0),
+        samples=({"cap": 5.0}, {"cap": 30.0}),
+    ),
     Activation(
         "softplus",
         "Softplus",

@@ -1,11 +1,11 @@
 """The hand-written functional ops of the activation family: ``apply_activation`` (any
-element-wise maths pair as a node), ``glu``, ``swiglu`` and ``prelu``. The declared activations'
+element-wise maths pair as a node), ``glu``, ``swiglu``, ``geglu`` and ``prelu``. The declared activations'
 functions are generated from ``declarations.ACTIVATIONS`` in the package, ``teeny.ops.activation``."""
 
 from __future__ import annotations
 
 from ...core.graph import graph_of
-from .maths import _sigmoid_fn, _sigmoid_grad, _silu, _silu_grad
+from .maths import _gelu_erf, _gelu_erf_grad, _gelu_tanh, _gelu_tanh_grad, _sigmoid_fn, _sigmoid_grad, _silu, _silu_grad
 from .ops import ActivationOp, GatedOp, PReLUOp
 
 
@@ -24,6 +24,18 @@ def glu(x, dim: int = -1):
 def swiglu(gate, up):
     """silu(gate) * up (two inputs of the same shape; both get gradients)."""
     return graph_of(gate, up).apply(GatedOp("swiglu", _silu, _silu_grad, None), [gate, up])
+
+
+_GELU = {"tanh": (_gelu_tanh, _gelu_tanh_grad), "none": (_gelu_erf, _gelu_erf_grad)}
+
+
+def geglu(gate, up, approximate: str = "tanh"):
+    """gelu(gate) * up (two inputs of the same shape; both get gradients): Gemma's MLP, with
+    gelu's tanh approximation by default (``approximate="none"``: the erf form)."""
+    if approximate not in _GELU:
+        raise ValueError(f"geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
+    act, act_grad = _GELU[approximate]
+    return graph_of(gate, up).apply(GatedOp("geglu", act, act_grad, None), [gate, up])
 
 
 def prelu(x, weight):

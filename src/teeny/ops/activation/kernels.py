@@ -2,7 +2,7 @@
 
 * ``activation_forward`` / ``activation_backward``: the template of every element-wise activation,
   its maths (``maths.py``) passed as the constexprs ``FN`` / ``GRAD``;
-* ``gated_forward`` / ``gated_backward``: y = u * act(g), for glu and swiglu;
+* ``gated_forward`` / ``gated_backward``: y = u * act(g), for glu, swiglu and geglu;
 * ``prelu_forward`` / ``prelu_backward``: the weight gradient as per-split partial sums, added by
   ``common.sum_partials``.
 

@@ -183,6 +183,17 @@ def _tanh_grad(x, dy, a, b):
 
 
 @triton.jit
+def _softcap(x, a, b):  # a = cap
+    return a * _tanh(x / a)
+
+
+@triton.jit
+def _softcap_grad(x, dy, a, b):
+    t = _tanh(x / a)
+    return dy * (1.0 - t * t)
+
+
+@triton.jit
 def _softplus_fn(x, a, b):  # a = beta, b = threshold: linear where x * beta > threshold
     xb = x * a
     return tl.where(xb > b, x, _softplus(xb) / a)

@@ -49,8 +49,8 @@ class ActivationOp(RuntimeOp):
 
 
 class GatedOp(RuntimeOp):
-    """y = u * act(g): ``glu`` (u, g = the halves of one input along ``dim``) or ``swiglu``
-    (g = gate, u = up: two inputs of one shape)."""
+    """y = u * act(g): ``glu`` (u, g = the halves of one input along ``dim``) or ``swiglu`` /
+    ``geglu`` (g = gate, u = up: two inputs of one shape)."""
 
     kernel = gated_forward
     saves_inputs = True

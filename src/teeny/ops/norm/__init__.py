@@ -1,7 +1,8 @@
 """Normalisation: layer_norm, rms_norm, group_norm, batch_norm.
 
 Every op normalises "statistics rows" of x: y = (x - mean) * rstd * w + b with
-rstd = 1 / sqrt(var + eps) (biased variance; rms_norm: mean = 0, var = mean(x^2)). Where the
+rstd = 1 / sqrt(var + eps) (biased variance; rms_norm: mean = 0, var = mean(x^2); its
+``weight_offset`` makes the scale w + offset, Gemma's (1 + w), and below w stands for that sum). Where the
 rows lie is the op's layout (``tiling.Rows``):
 
 * rows of x (layer_norm, rms_norm, group_norm): row r is contiguous, x[r * row_len + j]; the
@@ -14,7 +15,7 @@ Backward, with xhat = (x - mean) * rstd and g = dy * w, per row of length L:
 
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))      (rms_norm: without mean(g))
     dx = rstd * g                                          (batch_norm on running statistics)
-    dw[c] = sum over the elements of channel c of dy * xhat,   db[c] = sum of dy
+    dw[c] = sum over the elements of channel c of dy * xhat,   db[c] = sum of dy   (an offset changes neither)
 
 A constant row has var = 0: rstd = 1 / sqrt(eps) is large but finite and xhat = 0, so every
 formula stays finite, as in PyTorch (no 0/0 anywhere).
@@ -64,19 +65,26 @@ class LayerNorm(Module):
 
 
 class RMSNorm(Module):
+    """``weight_offset``: the scale is weight + weight_offset (Gemma's RMSNorm: 1, with eps=1e-6);
+    the weight starts at 1 - weight_offset, so the layer starts as a plain rms_norm."""
+
     def __init__(
         self,
         normalized_shape,
         eps: float | None = None,
         elementwise_affine: bool = True,
         dtype: torch.dtype = torch.float32,
+        weight_offset: float = 0.0,
     ):
         super().__init__()
-        self.normalized_shape, self.eps = as_shape(normalized_shape), eps
-        self.weight = Parameter(self.normalized_shape, init.ones(), dtype) if elementwise_affine else None
+        if weight_offset and not elementwise_affine:
+            raise ValueError("RMSNorm: weight_offset offsets the weight, which elementwise_affine=False leaves out")
+        self.normalized_shape, self.eps, self.weight_offset = as_shape(normalized_shape), eps, weight_offset
+        initial = init.constant(1.0 - weight_offset)
+        self.weight = Parameter(self.normalized_shape, initial, dtype) if elementwise_affine else None
 
     def forward(self, x):
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset)
 
 
 class GroupNorm(Module):

@@ -36,9 +36,18 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, o
     return _apply(op, x, weight, bias)
 
 
-def rms_norm(x, normalized_shape, weight=None, eps: float | None = None, out_dtype: torch.dtype | None = None):
-    """x / sqrt(mean(x^2) + eps) * weight over the trailing dims; eps=None: torch.finfo(x.dtype).eps.
-    ``out_dtype`` as for layer_norm."""
+def rms_norm(
+    x,
+    normalized_shape,
+    weight=None,
+    eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
+    weight_offset: float = 0.0,
+):
+    """x / sqrt(mean(x^2) + eps) * (weight + weight_offset) over the trailing dims; eps=None:
+    torch.finfo(x.dtype).eps. ``weight_offset=1`` is Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps)
+    * (1 + weight), computed in float32 (float64) and rounded once, as Gemma does; the weight's
+    gradient is the same as without the offset. ``out_dtype`` as for layer_norm."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     op = LayerNormOp(
         as_shape(normalized_shape),
@@ -47,6 +56,7 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None, out_dty
         has_bias=False,
         centred=False,
         out_dtype=_other_dtype(out_dtype, x),
+        weight_offset=weight_offset,
     )
     return _apply(op, x, weight)
 

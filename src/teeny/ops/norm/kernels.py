@@ -82,6 +82,7 @@ def norm_backward(
     channels_per_group,
     groups,
     dy_row_stride,
+    w_offset,
     ROW_LEN: tl.constexpr,
     INNER: tl.constexpr,
     SPATIAL: tl.constexpr,
@@ -107,7 +108,7 @@ def norm_backward(
         col_offs = (cols // INNER).to(tl.int64) * outer_stride + cols % INNER
     w_cols = tl.zeros([BLOCK], dtype=COMPUTE)
     if w_ptr is not None and CHANNEL == COLUMN_CHANNEL and ROW_LEN <= BLOCK:  # the same for every row: load once
-        w_cols = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(COMPUTE)
+        w_cols = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(COMPUTE) + w_offset
     dw_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)  # PER_PROGRAM sums, reduced over rows at the end
     db_acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)
     for tile in range(0, tiles_per_program):
@@ -129,10 +130,10 @@ def norm_backward(
                 if CHANNEL == COLUMN_CHANNEL:
                     g = dy * w_cols[None, :]
                 elif CHANNEL == ROW_CHANNEL:
-                    g = dy * tl.load(w_ptr + rows[:, None], mask=row_mask[:, None], other=0.0).to(COMPUTE)
+                    g = dy * (tl.load(w_ptr + rows[:, None], mask=row_mask[:, None], other=0.0).to(COMPUTE) + w_offset)
                 else:
                     channel = ((rows % groups) * channels_per_group)[:, None] + (cols // SPATIAL)[None, :]
-                    g = dy * tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE)
+                    g = dy * (tl.load(w_ptr + channel, mask=mask, other=0.0).to(COMPUTE) + w_offset)
             xhat = dy * 0
             if STATS == BATCH_STATS or dw_ptr is not None:
                 xhat = tl.where(mask, (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd, 0.0)
@@ -179,7 +180,7 @@ def norm_backward(
                         else:
                             channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
                             channel_mask = mask
-                        g = dy * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
+                        g = dy * (tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE) + w_offset)
                     sum_g += tl.sum(g, 1)
                     sum_g_xhat += tl.sum(g * xhat, 1)
                     sum_dy += tl.sum(dy, 1)
@@ -208,7 +209,7 @@ def norm_backward(
                         else:
                             channel = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :]
                             channel_mask = mask
-                        g = g * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
+                        g = g * (tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE) + w_offset)
                     if STATS == BATCH_STATS:
                         xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(COMPUTE) - mean) * rstd
                         if mean_ptr is not None:
@@ -328,6 +329,7 @@ def norm_forward(
     eps,
     momentum,
     residual_numel,
+    w_offset,
     ROW_LEN: tl.constexpr,
     INNER: tl.constexpr,
     SPATIAL: tl.constexpr,
@@ -338,7 +340,8 @@ def norm_forward(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One tile of ROWS rows per program: mean (centred: mean_ptr given), rstd (saved), y, and the
+    """One tile of ROWS rows per program: mean (centred: mean_ptr given), rstd (saved), y (its scale
+    is w + w_offset: w_offset is 1 for Gemma's rms_norm, else 0, as in norm_backward), and the
     running statistics (batch statistics with running_mean_ptr given). With residual_ptr (rows of
     x only) the rows normalised are x + residual, written to sum_ptr (``fusions.residual_norm.AddNormOp``).
     SAVED_STATS: y only, from the mean and rstd at mean_ptr / rstd_ptr."""
@@ -424,7 +427,7 @@ def norm_forward(
             else:
                 channel, channel_mask = ((rows % groups) * channels_per_group)[:, None] + (c // SPATIAL)[None, :], mask
             if w_ptr is not None:
-                y = y * tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
+                y = y * (tl.load(w_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE) + w_offset)
             if b_ptr is not None:
                 y = y + tl.load(b_ptr + channel, mask=channel_mask, other=0.0).to(COMPUTE)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -50,6 +50,7 @@ class NormOp(RuntimeOp):
     kernel = norm_forward
     centred = True
     out_dtype: torch.dtype | None = None  # y's dtype when not x's (LayerNormOp's out_dtype)
+    weight_offset = 0.0  # the affine scale is weight + weight_offset (rms_norm's; Gemma's (1 + w): 1)
     strided_grad_output = True  # the backward reads dy in place from a row-strided gradient
     grad_accumulates = True  # dx added to the gradient of x's other readers (a residual stream's)
 
@@ -137,6 +138,7 @@ class NormOp(RuntimeOp):
             running_var_ptr=running_var,
             eps=self.eps,
             momentum=self.momentum(),
+            w_offset=self.weight_offset,
             STATS=stats,
             COMPUTE=tl_acc_dtype(ctx.dtype),
             ROWS=rows_per_tile,
@@ -181,6 +183,7 @@ class NormOp(RuntimeOp):
                 dw_ptr=dw_out,
                 db_ptr=db_out,
                 tiles_per_program=tiles_per_program,
+                w_offset=self.weight_offset,
                 STATS=self.stats_source(),
                 AFFINE_GRAD=target if target is not None else PER_ROW,  # unused without dw_ptr / db_ptr
                 COMPUTE=tl_acc_dtype(ctx.dtype),
@@ -245,13 +248,17 @@ def _sum_partial_rows(dw, db, *, dw_partial, db_partial, both) -> list[Launch]:
 
 class LayerNormOp(NormOp):
     """layer_norm / rms_norm: each row of prod(normalized_shape) trailing elements. ``out_dtype``:
-    y written in that dtype (computed as always in x's float32 or float64), dy read in it."""
+    y written in that dtype (computed as always in x's float32 or float64), dy read in it.
+    ``weight_offset``: the scale is weight + weight_offset (Gemma's RMSNorm: 1)."""
 
-    def __init__(self, normalized_shape, *, eps, has_weight, has_bias, centred=True, out_dtype=None):
+    def __init__(self, normalized_shape, *, eps, has_weight, has_bias, centred=True, out_dtype=None, weight_offset=0.0):
         name = "layer_norm" if centred else "rms_norm"
         super().__init__(name, eps=eps, has_weight=has_weight, has_bias=has_bias)
         self.normalized_shape = tuple(normalized_shape)
         self.centred = centred
+        if weight_offset and not has_weight:
+            raise ValueError(f"{name}: weight_offset={weight_offset} offsets a weight, but no weight was given")
+        self.weight_offset = float(weight_offset)
         if out_dtype is not None and not out_dtype.is_floating_point:
             raise TypeError(f"{self.name}: out_dtype must be a floating-point dtype, got {dtype_name(out_dtype)}")
         self.out_dtype = out_dtype

@@ -1,6 +1,7 @@
 """The import: ``from_torch`` exports the module with ``torch.export``, walks the exported graph
 (placeholders: user inputs, parameters, buffers, constants; calls: converted by ``CONVERTERS``,
-computed now by PyTorch when they depend on no input, or, for a fusable module call, one teeny op),
+computed now by PyTorch when they depend on no input, or one teeny op for a fusable module call or
+for the last call of a run one op computes, such as a rotary embedding: ``converters.patterns``),
 and collects every call it cannot convert into one ``UnsupportedError``; ``to_torch`` loads the
 trained weights back into the module."""
 
@@ -11,6 +12,7 @@ import operator
 import os
 import re
 import traceback
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,7 @@ from ...core.errors import TeenyError
 from ...core.graph import Graph, Tensor
 from ...ops.cast import to as cast
 from ..library import NAMESPACE, registered_ops
-from .converters import CONVERTERS, Env, Refused, fusion, is_teeny
+from .converters import CONVERTERS, Env, Refused, fusion, is_teeny, patterns
 
 aten = torch.ops.aten
 # `with torch.no_grad()` and `with torch.autocast(...)` blocks, as torch.export records them
@@ -33,10 +35,11 @@ _AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 
 
 class UnsupportedError(TeenyError):
-    """The module makes calls teeny cannot import; ``calls`` lists each (op, where, why)."""
+    """The module makes calls teeny cannot import; ``calls`` lists each (op, where, why), and
+    ``nodes`` names their nodes in the exported graph."""
 
-    def __init__(self, calls: list[tuple[str, str, str]]):
-        self.calls = calls
+    def __init__(self, calls: list[tuple[str, str, str]], nodes: frozenset[str] = frozenset()):
+        self.calls, self.nodes = calls, nodes
         lines = [f"{len(calls)} call{'s' if len(calls) != 1 else ''} cannot be imported into teeny:"]
         lines += [f"  {op} at {where}: {why}" for op, where, why in calls]
         super().__init__("\n".join(lines))
@@ -66,7 +69,8 @@ class _Region:
 
     nodes: list
     fuse: Callable
-    module: nn.Module
+    module: nn.Module | None
+    name: str  # the module's class
 
 
 _PASS_THROUGH = {
@@ -92,12 +96,11 @@ def _passes_through(node, source) -> bool:
     )
 
 
-def _regions(ep, root: nn.Module | None) -> dict[str, _Region]:
-    """Fusable module calls, by the name of their first node."""
-    if root is None:
-        return {}
+def _regions(graph: torch.fx.Graph, root: nn.Module | None) -> dict[str, _Region]:
+    """Fusable module calls, by the name of their first node. Without ``root`` (a region
+    torch.compile captured: the modules are not at hand) a module is known by its class alone."""
     runs: list[tuple[str, str, str, list]] = []
-    for node in ep.graph.nodes:
+    for node in graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
         if node.op != "call_function" or not stack:
             runs.append(("", "", "", [node]))
@@ -111,14 +114,16 @@ def _regions(ep, root: nn.Module | None) -> dict[str, _Region]:
     for key, path, cls, nodes in runs:
         if not key:
             continue
-        path = re.sub(r"^L\['self'\]\.?", "", path)
-        try:
-            module = root.get_submodule(path)
-        except AttributeError:
-            continue
-        fuse = fusion(cls.rsplit(".", 1)[-1], module)
+        module = None
+        if root is not None:
+            try:
+                module = root.get_submodule(re.sub(r"^L\['self'\]\.?", "", path))
+            except AttributeError:
+                continue
+        class_path = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        fuse = fusion(class_path, module, nodes)
         if fuse is not None:
-            out[nodes[0].name] = _Region(nodes, fuse, module)
+            out[nodes[0].name] = _Region(nodes, fuse, module, class_path.rsplit(".", 1)[-1])
     return out
 
 
@@ -156,17 +161,25 @@ class _Import:
         input_names=None,
         canonical=None,
         root: nn.Module | None = None,
+        parameter_inputs: frozenset[str] = frozenset(),
     ):
         self.graph, self.ep, self.prefix = graph, ep, prefix
-        self.regions = _regions(ep, root)
+        self.root = root
+        self.regions = _regions(ep.graph, root)
+        self.parameter_inputs = parameter_inputs  # user inputs that are the module's parameters (torch.compile's)
+        self.parameter_values: set[int] = set()  # ids of the graph values they are bound to
         self.fused: set[str] = set()  # nodes a fused module call already computed
         self.canonical = canonical or {}  # storage key -> the module's own name for a tensor (tied weights)
         self.by_storage: dict[tuple, Tensor] = {}
         self.env: dict[str, Any] = {}
         self.unsupported: list[tuple[str, str, str]] = []
+        self.converted: Counter = Counter()  # ATen op -> calls that became teeny ops
+        self.refused_nodes: set[str] = set()  # names of the calls in ``unsupported``
         self.bound = list(bound)  # values for the first user inputs (a loss's model outputs)
         self.input_names = input_names
         self.int_buffers: list[str] = []
+        self.autocast = False  # inside an enabled autocast region
+        self.constants: dict[tuple, tuple[torch.Tensor, Tensor]] = {}  # (id, dtype) -> (constant, graph tensor)
 
     def run(self) -> list[Any]:
         signature = self.ep.graph_signature
@@ -189,6 +202,8 @@ class _Import:
                         value = self.graph.input(name, tuple(val.shape), val.dtype)
                     user_index += 1
                     self.env[node.name] = value
+                    if node.name in self.parameter_inputs and isinstance(value, Tensor):
+                        self.parameter_values.add(value.value.id)
                 elif kind == "PARAMETER":
                     self.env[node.name] = self._parameter(spec.target, state[spec.target], True, node)
                 elif kind == "BUFFER":
@@ -206,16 +221,20 @@ class _Import:
             elif node.op == "get_attr":  # the body of a higher-order call (a `with` block)
                 self.env[node.name] = getattr(self.ep.graph_module, node.target)
             elif node.op == "call_function":
-                if node.name in self.fused:
-                    continue
-                region = self.regions.get(node.name)
-                if region is not None and self._fuse(region):
-                    continue
-                self.env[node.name] = self._call(node)
+                self._visit(node)
             elif node.op == "output":
                 outputs = pytree.tree_map(self._value, node.args[0])
                 return self._user_outputs(outputs)
         raise TeenyError("from_torch: the exported graph has no output")
+
+    def _visit(self, node) -> None:
+        """Convert one call: as part of a fused module call, or on its own."""
+        if node.name in self.fused:
+            return
+        region = self.regions.get(node.name)
+        if region is not None and self._fuse(region):
+            return
+        self.env[node.name] = self._call(node)
 
     def _fuse(self, region: _Region) -> bool:
         """Compute a fusable module call as its one teeny op; False (convert call by call) when
@@ -227,7 +246,7 @@ class _Import:
                 if isinstance(a, torch.fx.Node) and a.name not in inside and a not in inputs:
                     inputs.append(a)
         leaving = [n for n in region.nodes if any(u.name not in inside for u in n.users)]
-        params = [a for a in inputs if a.op == "placeholder" and self._is_state(a)]
+        params = [a for a in inputs if self._is_state(a)]
         activations = [a for a in inputs if a not in params]
         if len(activations) != 1 or not isinstance(self.env.get(activations[0].name), Tensor):
             return False
@@ -248,9 +267,15 @@ class _Import:
         for n in passing:
             self.env[n.name] = self.env[activations[0].name]
         self.fused.update(inside)
+        self.converted[f"{region.name} (one op)"] += 1
         return True
 
     def _is_state(self, node) -> bool:
+        """Whether ``node`` is a parameter or buffer of the module (a graph parameter, or an input
+        that is one: torch.compile lifts the module's state to inputs)."""
+        value = self.env.get(node.name)
+        if isinstance(value, Tensor):
+            return value.value.kind == "param" or value.value.id in self.parameter_values
         spec = next((s for s in self.ep.graph_signature.input_specs if s.arg.name == node.name), None)
         return spec is not None and spec.kind.name in ("PARAMETER", "BUFFER")
 
@@ -310,14 +335,13 @@ class _Import:
             enabled, body, *operands = args
             outputs = self._inline(body, operands)
             return outputs if enabled else [ops.stop_gradient(v) if isinstance(v, Tensor) else v for v in outputs]
-        if target is _AUTOCAST:  # with torch.autocast(..., enabled=False): ... (HF's rotary embeddings)
+        if target is _AUTOCAST:  # with torch.autocast(...): ... (enabled=False: HF's rotary embeddings)
             _device, dtype, enabled, _cache, body, *operands = args
-            if enabled:
-                self.unsupported.append(
-                    ("torch.autocast", _where(node), f"an autocast region ({dtype}) inside the model: run it without")
-                )
-                return self._stand_in(node)
-            return self._inline(body, operands)
+            outer, self.autocast = self.autocast, enabled
+            try:
+                return self._inline(body, operands)
+            finally:
+                self.autocast = outer
         if target is operator.getitem:
             container, index = args
             return None if container is None else container[index]
@@ -328,8 +352,10 @@ class _Import:
         if target in _LIKE:  # new_ones(x, ...), zeros_like(x): only x's shape matters
             dummy = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, Tensor) else a for a in args]
             return _fold(target, dummy, kwargs)
+        if self.autocast:
+            args, kwargs = _autocast_inputs(node, args, kwargs)
         env = Env(self.graph, node)
-        fused = self._swiglu(node)
+        fused = self._pattern(node)
         if fused is not None:
             return fused
         converter = CONVERTERS.get(target) or _registered_teeny_op(target)
@@ -338,12 +364,11 @@ class _Import:
                 raise Refused("teeny has no op for it")
             result = converter(env, *args, **kwargs)
         except Refused as exc:
-            self.unsupported.append((_op_name(target), _where(node), str(exc)))
-            return self._stand_in(node)
+            return self._refuse(node, _op_name(target), str(exc))
         except (ValueError, TypeError, TeenyError) as exc:
-            self.unsupported.append((_op_name(target), _where(node), f"{type(exc).__name__}: {exc}"))
-            return self._stand_in(node)
+            return self._refuse(node, _op_name(target), f"{type(exc).__name__}: {exc}")
         self._check(node, result)
+        self.converted[_op_name(target)] += 1
         if getattr(target, "_schema", None) is not None and target._schema.is_mutable and node.args:
             first = node.args[0]
             if isinstance(first, torch.fx.Node) and isinstance(self.env.get(first.name), Tensor):
@@ -353,7 +378,8 @@ class _Import:
     def _inline(self, body: torch.fx.GraphModule, operands: list[Any]) -> list[Any]:
         """The values of a higher-order call's body graph, converted call by call in a scope of its
         own (its node names are its own), with ``operands`` bound to its placeholders."""
-        outer, self.env = self.env, {}
+        outer = self.env, self.regions, self.fused
+        self.env, self.regions, self.fused = {}, _regions(body.graph, self.root), set()
         try:
             operand = iter(operands)
             for node in body.graph.nodes:
@@ -362,34 +388,45 @@ class _Import:
                 elif node.op == "get_attr":
                     self.env[node.name] = getattr(body, node.target)
                 elif node.op == "call_function":
-                    self.env[node.name] = self._call(node)
+                    self._visit(node)
                 elif node.op == "output":
                     return list(pytree.tree_map(self._value, node.args[0]))
         finally:
-            self.env = outer
+            self.env, self.regions, self.fused = outer
         raise TeenyError("from_torch: the body of a higher-order call has no output")
 
-    def _swiglu(self, node) -> Tensor | None:
-        """silu(gate) * up (a Llama MLP) as one swiglu pair; the silu node is left unread, and
-        lowering drops it."""
-        if node.target is not aten.mul.Tensor or len(node.args) != 2:
+    def _pattern(self, node) -> Tensor | None:
+        """``node`` as the one teeny op that computes the run of calls it ends (``patterns``:
+        a gated MLP, a rotary embedding), or None where the op does not give the node's shape and
+        dtype. The run's calls were converted already; lowering drops those nothing else reads."""
+        found = patterns.match(node)
+        val = node.meta.get("val")
+        if found is None or not isinstance(val, torch.Tensor):
             return None
-        for gate_node, up_node in (node.args, node.args[::-1]):
-            if (
-                isinstance(gate_node, torch.fx.Node)
-                and gate_node.target is aten.silu.default
-                and len(gate_node.users) == 1
-                and isinstance(up_node, torch.fx.Node)
-            ):
-                gate, up = self.env.get(gate_node.args[0].name), self.env.get(up_node.name)
-                if (
-                    isinstance(gate, Tensor)
-                    and isinstance(up, Tensor)
-                    and gate.shape == up.shape == node.meta["val"].shape
-                ):
-                    if gate.dtype == up.dtype == node.meta["val"].dtype:
-                        return ops.swiglu(gate, up)
-        return None
+        values = [self.env.get(n.name) for n in found.inputs]
+        if not all(isinstance(v, (Tensor, torch.Tensor)) and v.dtype.is_floating_point for v in values):
+            return None
+        if any(isinstance(values[i], Tensor) and _may_need_gradient(values[i]) for i in found.no_gradient):
+            return None
+        env, dtype = Env(self.graph, node), val.dtype if found.promote else None
+        try:
+            result = found.fn(*[self._operand(env, v, dtype) for v in values], **found.kwargs)
+        except (ValueError, TypeError, TeenyError):
+            return None
+        if tuple(result.shape) != tuple(val.shape) or result.dtype != val.dtype:
+            return None
+        self.converted[f"{found.name} (one op)"] += 1
+        return result
+
+    def _operand(self, env: Env, value: Any, dtype: torch.dtype | None) -> Tensor:
+        """A teeny tensor for ``value`` (cast to ``dtype``): one graph constant for a constant,
+        however many calls read it (every layer's rotary embedding reads the same two tables)."""
+        if not isinstance(value, torch.Tensor):
+            return env.tensor(value, dtype)
+        key = (id(value), dtype)
+        if key not in self.constants:
+            self.constants[key] = (value, env.tensor(value, dtype))  # holding value keeps its id its own
+        return self.constants[key][1]
 
     def _check(self, node, result) -> None:
         val = node.meta.get("val")
@@ -399,6 +436,12 @@ class _Import:
                     f"from_torch: {_op_name(node.target)} at {_where(node)} became a teeny tensor of shape "
                     f"{tuple(result.shape)} {result.dtype}, but PyTorch computes {tuple(val.shape)} {val.dtype}"
                 )
+
+    def _refuse(self, node, op: str, why: str) -> Any:
+        """Note ``node`` as a call teeny cannot import, and stand in for its value."""
+        self.unsupported.append((op, _where(node), why))
+        self.refused_nodes.add(node.name)
+        return self._stand_in(node)
 
     def _stand_in(self, node) -> Any:
         """A placeholder with the node's shape, so that the walk goes on and finds every unsupported call."""
@@ -410,6 +453,38 @@ class _Import:
             return val
 
         return pytree.tree_map(make, node.meta.get("val"))
+
+
+def _autocast_inputs(node, args, kwargs):
+    """Autocast's casts, made explicit: inside an autocast region torch computed each call's
+    output dtype (``val``) by autocast's policy (products in the low precision, reductions and
+    losses in float32, the rest promoted), so a call whose floating output dtype differs from a
+    floating input's reads that input cast to the output's dtype first, as autocast does."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+        return args, kwargs
+
+    def to_output_dtype(a):
+        if isinstance(a, Tensor) and a.dtype.is_floating_point and a.dtype != val.dtype:
+            return cast(a, val.dtype)
+        return a
+
+    return pytree.tree_map(to_output_dtype, args), pytree.tree_map(to_output_dtype, kwargs)
+
+
+def _may_need_gradient(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is computed from a trainable parameter or an input that wants a gradient."""
+    stack, seen = [tensor.value], set()
+    while stack:
+        value = stack.pop()
+        if value.id in seen:
+            continue
+        seen.add(value.id)
+        if value.requires_grad:
+            return True
+        if value.producer is not None:
+            stack.extend(value.producer.inputs)
+    return False
 
 
 def _registered_teeny_op(target) -> Callable | None:

@@ -121,7 +121,7 @@ def _is_causal_mask(mask: Any) -> bool:
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
         return False
     lq, lk = mask.shape[-2:]
-    causal = torch.ones(lq, lk, dtype=torch.bool).tril()
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:
         return bool(torch.equal(mask, causal.expand_as(mask)))
     if mask.is_floating_point():  # additive: 0 where visible, -inf (or the dtype's min) where not

@@ -1,0 +1,41 @@
+"""The Hugging Face models of the compile-backend issue, for ``teeny bench`` (random weights, no download).
+
+    teeny bench bench/hf_models.py:gpt2_small --variants eager,compile,teeny-patch,teeny-backend
+    teeny bench bench/hf_models.py:qwen2 --variants eager,compile-default,teeny-backend
+
+``gpt2_small``: GPT-2 small (12 layers, d 768, 12 heads, vocabulary 50257, dropout 0), batch 8 x 1024.
+``qwen2``: a Qwen2 of the Llama's shape in ``examples/bench_llama.py`` (8 layers, d 1024, 16 / 4
+heads, ffn 2816, vocabulary 32000; q/k/v biases), batch 8 x 1024.
+"""
+
+import torch
+
+BATCH, SEQ = 8, 1024
+
+
+def _batch(vocab: int):
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def gpt2_small():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False
+    )  # the library's defaults otherwise: 12 layers, d 768, 12 heads, 50257 tokens
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config), _batch(config.vocab_size)
+
+
+def qwen2():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.Qwen2Config(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=SEQ, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config), _batch(config.vocab_size)

@@ -1,0 +1,58 @@
+"""Profile one training step of a Hugging Face model under ``torch.compile(backend="teeny")``
+(bf16 autocast, fused AdamW): GPU time per kernel name, GPU busy vs the step's wall time.
+
+    python3 bench/tools/profile_backend.py examples/bench_llama.py:make_gpu_model [--backend inductor]
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "src")
+import teeny.torch.backend  # noqa: E402,F401  (registers backend="teeny" from the source tree)
+from teeny.torch.task import load_factory  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("--backend", default="teeny")
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    model, batch = load_factory(args.spec)()[:2]
+    model = model.cuda().train()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    compiled = torch.compile(model, backend=args.backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = compiled(**batch).loss
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / 5 * 1e3
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"{args.backend}: step {wall:.2f} ms wall, GPU busy {gpu:.2f} ms ({100 * gpu / wall:.0f}%)")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""``torch.compile(model, backend="teeny")``: the region torch._dynamo captures runs as teeny programs.
+
+    model = torch.compile(model, backend="teeny")     # registered through the torch_dynamo_backends entry point
+    loss = model(input_ids=x, labels=x).loss          # an ordinary training loop: torch's optimizer,
+    loss.backward(); optimizer.step()                 # GradScaler, clipping, accumulation unchanged
+
+Dynamo hands the backend one FX graph per captured region, with every parameter and buffer
+lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns a ``Region``:
+
+1. **Trace.** ``torch.export`` turns the graph into ATen training IR (the importer's vocabulary,
+   ``teeny.torch.export``), in the region's own dtypes. Called under autocast, the program is
+   lowered in teeny's mixed precision of autocast's dtype (half-precision compute, float32
+   parameters cast once per step, float32 losses: ``lower(precision="bf16-mixed")``).
+2. **Import.** The importer's walk turns it into a teeny ``Graph`` whose inputs are the region's
+   inputs (a parameter is an input that wants a gradient), lowered for training when grad mode
+   is on and an input wants a gradient, for inference otherwise.
+3. **Run.** The program runs as **one autograd node** (``teeny.torch.bridge``): its forward
+   keeps what teeny's backward kernels need, its backward runs them, and autograd puts the
+   gradients into ``param.grad`` with torch's own accumulation, so whatever the user does with
+   gradients keeps working. Each call is replayed from a tape of its launches (``teeny.torch.tape``).
+   Inputs the graph writes in place (BatchNorm's running statistics, ``num_batches_tracked``)
+   are written back after the call.
+4. **Partition.** When the region has calls teeny has no op for, the ATen graph is split with
+   torch.fx's ``CapabilityBasedPartitioner``: the runs of calls teeny can import become teeny
+   programs (each a ``Region`` of its own), the rest runs as the ATen calls PyTorch traced, in
+   eager mode. Nothing fails because an op is missing.
+
+Shapes are static per program: a call whose tensors differ in shape, dtype or ``requires_grad``
+from every program the region has builds a new one (kept: a shape seen before is not built
+again), so dynamo's dynamic shapes work too. ``report()`` says what ran where, per region;
+``TEENY_LOG=1`` prints it as each region is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..core.errors import TeenyError
+from ..core.graph import Tensor
+from . import bridge
+from .export.importer import UnsupportedError, _export, _Import
+
+log = logging.getLogger("teeny.backend")
+if os.environ.get("TEENY_LOG", "").strip() not in ("", "0"):
+    log.setLevel(logging.INFO)
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler())
+
+
+@dataclass
+class RegionReport:
+    """What one captured region became: ``programs`` built (one per call signature), the ATen
+    calls each teeny program holds (``teeny_calls``), and the calls left to PyTorch with why."""
+
+    name: str
+    programs: int = 0
+    teeny_calls: Counter = field(default_factory=Counter)  # ATen op (or fused module class) -> calls
+    teeny_nodes: int = 0  # nodes of the teeny programs, after teeny's rewrites
+    entries: list = field(default_factory=list)  # the programs' bridge entries (their replays: ``replayed``)
+    torch_calls: dict[str, str] = field(default_factory=dict)  # ATen op -> why teeny left it
+    build_seconds: float = 0.0
+
+    def replayed(self) -> str:
+        """Whether the programs' calls replay their recorded launches (``teeny.torch.tape``), or why not."""
+        parts = []
+        for entry in self.entries:
+            for way, replays in (("forward", [entry._forward_replay]), ("backward", entry._backward_replays.values())):
+                reasons = {r.not_recorded for r in replays if r.not_recorded}
+                if reasons:
+                    parts.append(f"{way} not replayed: {'; '.join(sorted(reasons))}")
+                elif any(r.replays for r in replays):
+                    parts.append(f"{way} replayed")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        teeny, left = sum(self.teeny_calls.values()), len(self.torch_calls)
+        lines = [
+            f"{self.name}: {self.programs} teeny program{'s' if self.programs != 1 else ''}, "
+            f"{teeny} calls in teeny ({self.teeny_nodes} nodes), {left} kinds left to PyTorch, "
+            f"built in {self.build_seconds:.1f} s"
+        ]
+        fused = [f"{n} x {what}" for what, n in sorted(self.teeny_calls.items()) if what.endswith("(one op)")]
+        if fused:
+            lines.append(f"  runs of calls as one teeny op: {', '.join(fused)}")
+        lines += [f"  PyTorch runs {op}: {why}" for op, why in sorted(self.torch_calls.items())]
+        return "\n".join(lines)
+
+
+_REPORTS: list[RegionReport] = []
+
+
+def reports() -> list[RegionReport]:
+    """The report of every region compiled with ``backend="teeny"`` in this process, in order."""
+    return list(_REPORTS)
+
+
+def report() -> str:
+    """What every region compiled with ``backend="teeny"`` in this process became, as text."""
+    if not _REPORTS:
+        return "teeny backend: no region compiled yet"
+    return "\n".join(str(r) for r in _REPORTS)
+
+
+def summary(regions: Sequence[RegionReport]) -> str:
+    """One line for ``regions``: how many, their programs and nodes, and what PyTorch ran."""
+    left = sorted({op for r in regions for op in r.torch_calls})
+    programs = sum(r.programs for r in regions)
+    nodes = sum(r.teeny_nodes for r in regions)
+    line = f"{len(regions)} regions, {programs} teeny programs of {nodes} nodes"
+    line += f"; PyTorch runs {', '.join(left)}" if left else "; nothing left to PyTorch"
+    replays = sorted({part for r in regions for part in r.replayed().split(", ") if part})
+    return line + (f"; {', '.join(replays)}" if replays else "")
+
+
+def reset() -> None:
+    """Forget the reports (``torch._dynamo.reset()`` forgets the compiled regions)."""
+    _REPORTS.clear()
+
+
+# ----------------------------------------------------------------------------- the region
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    """What a program is built for: each tensor's shape, dtype, device and whether it wants a
+    gradient (with grad mode), each other argument's value, and the autocast state."""
+    grad = torch.is_grad_enabled()
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((tuple(a.shape), a.dtype, a.device.type, grad and a.requires_grad))
+        else:
+            parts.append(a)
+    return (*parts, _autocast_state())
+
+
+def _autocast_state() -> tuple:
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in ("cuda", "cpu") if torch.is_autocast_enabled(device)
+    )
+
+
+_MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
+
+
+def _precision(tensors: Sequence[torch.Tensor]) -> str | None:
+    """The region under autocast on its tensors' device: teeny's mixed precision of that dtype
+    (products and the rest in half precision, float32 parameters read once per step and cast,
+    losses in float32; ``lower(precision=...)``), which is autocast's contract, with teeny's
+    own placement of the casts rather than autocast's op-by-op policy."""
+    device = tensors[0].device.type if tensors else "cpu"
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in _MIXED:
+        raise TeenyError(f"backend 'teeny': autocast to {dtype} is not supported (bfloat16 or float16)")
+    return _MIXED[dtype]
+
+
+def _traced(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """The region's graph as ``torch.export`` traces it: a function of the call's tensors only
+    (the other arguments, dynamo's symbolic sizes and scalars, fixed at this call's values,
+    which the program's signature holds). A graph, not a module around one: export keeps the
+    graph's module paths (``nn_module_stack``), which the module fusions read. Traced outside
+    any autocast: the region's own dtypes, which mixed precision then lowers (``_precision``)."""
+    graph = copy.deepcopy(gm.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, args):
+        if isinstance(value, torch.Tensor):
+            continue
+        for user in list(node.users):
+            swap = lambda a: value if a is node else a  # noqa: B023 (used at once)
+            user.args = pytree.tree_map(swap, user.args)
+            user.kwargs = pytree.tree_map(swap, dict(user.kwargs))
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _scalar_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Inputs that are Python numbers dynamo wrapped in a tensor (a layer norm's eps under
+    ``dynamic=True``) and the graph reads back with ``.item()``: the graph is changed to read
+    the number itself, which the region then passes (a static program fixes its value)."""
+    found = set()
+    for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        users = list(node.users)
+        if users and all(u.op == "call_method" and u.target == "item" for u in users):
+            for user in users:
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+            found.add(index)
+    if found:
+        gm.recompile()
+    return frozenset(found)
+
+
+def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+@dataclass
+class _Program:
+    """One built program of a region: its bridge entry, where each output of the region comes
+    from (``("out", k)`` the entry's k-th output, ``("value", v)`` a constant), and which inputs
+    the graph writes in place (the entry returns their new values after the outputs)."""
+
+    entry: bridge.Compiled
+    outputs: list[tuple[str, Any]]
+    written: list[int]
+
+    def __call__(self, args: Sequence[Any]) -> tuple:
+        tensors = _tensors(args)
+        results = self.entry.unpack(bridge.call(self.entry, tensors))  # the traced function's order
+        n = len(results) - len(self.written)
+        if self.written:
+            with torch.no_grad():
+                for i, new in zip(self.written, results[n:]):
+                    tensors[i].copy_(new)
+        return tuple(results[k] if kind == "out" else k for kind, k in self.outputs)
+
+
+class Region:
+    """One region dynamo captured: built into a teeny program per call signature (``_Program``),
+    or split into teeny programs and ATen calls where teeny lacks an op (``_Split``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, split: bool = True):
+        self.gm, self.name, self.split = gm, name, split
+        self.report = RegionReport(name)
+        _REPORTS.append(self.report)
+        self.programs: dict[tuple, Any] = {}
+        self.names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.scalars = _scalar_inputs(gm)
+
+    def __call__(self, *args: Any) -> tuple:
+        if self.scalars:
+            args = tuple(a.item() if i in self.scalars else a for i, a in enumerate(args))
+        key = _signature(args)
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self._build(list(args))
+        return program(list(args))
+
+    def _build(self, args: list[Any]):
+        precision = _precision(_tensors(args))
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):  # traced as written
+            return self._build_as_written(args, precision)
+
+    def _build_as_written(self, args: list[Any], precision: str | None):
+        start = time.perf_counter()
+        tensors = _tensors(args)
+        ep = _export(_traced(self.gm, args), tuple(tensors), {}, f"the region {self.name}")
+        try:
+            if not tensors:
+                raise UnsupportedError([("<region>", self.name, "no tensor inputs: nothing for teeny to compute")])
+            program = self._program(ep, args, precision)
+        except UnsupportedError as exc:
+            for op, _, why in exc.calls:
+                self.report.torch_calls.setdefault(op, why)
+            program = _Split(self, args, exc) if self.split else _Eager(self.gm)
+        self.report.programs += 1
+        self.report.build_seconds += time.perf_counter() - start
+        log.info("%s", self.report)
+        return program
+
+    def _program(self, ep, args: list[Any], precision: str | None) -> _Program:
+        tensors = _tensors(args)
+        labels = [n for n, a in zip(self.names, args) if isinstance(a, torch.Tensor)]
+        plan: dict[str, Any] = {}
+
+        placeholders = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        parameters = frozenset(name for name, t in zip(placeholders, tensors) if isinstance(t, nn.Parameter))
+
+        def imported(*symbolic):
+            bound = list(symbolic)
+            walk = _Import(symbolic[0].graph, ep, bound=bound, parameter_inputs=parameters)
+            outputs = walk.run()
+            if walk.unsupported:
+                raise UnsupportedError(walk.unsupported, frozenset(walk.refused_nodes))
+            written = [i for i, name in enumerate(placeholders) if walk.env[name] is not bound[i]]
+            results, layout = [], []
+            for value in outputs:
+                if isinstance(value, Tensor):
+                    layout.append(("out", len(results)))
+                    results.append(value)
+                else:
+                    layout.append(("value", value))
+            plan.update(outputs=layout, written=written, calls=walk.converted)
+            return tuple(results + [walk.env[placeholders[i]] for i in written])
+
+        wants = [torch.is_grad_enabled() and t.requires_grad for t in tensors]
+        key = f"region:{self.name}:{len(self.programs)}:{id(self)}"
+        label = f"region {self.name}"
+        entry = bridge.remember(
+            bridge.compile_function(imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision)
+        )
+        self.report.teeny_calls.update(plan["calls"])
+        self.report.teeny_nodes += len(entry.executor.program.nodes)
+        self.report.entries.append(entry)
+        return _Program(entry, plan["outputs"], plan["written"])
+
+
+# ----------------------------------------------------------------------------- partitioning
+
+
+class _Split:
+    """A region with calls teeny has no op for: its ATen graph (``torch.export`` without
+    autocast: the ATen calls PyTorch runs see the caller's autocast themselves) with each
+    run of importable calls fused into a submodule that is a ``Region`` of its own."""
+
+    def __init__(self, region: Region, args: list[Any], refused: UnsupportedError):
+        from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+        from torch.fx.passes.operator_support import OperatorSupportBase
+
+        ep = _export(_traced(region.gm, args), tuple(_tensors(args)), {}, f"the region {region.name}")
+        gm = ep.module()  # the lifted constants (a rotary table) back in as attributes: called with the user inputs
+        names = {n.name for n in gm.graph.nodes}
+        if refused.nodes and refused.nodes <= names:  # the same trace: refuse those very calls
+            is_refused = lambda node: node.name in refused.nodes
+        else:  # traced inside autocast, the names differ: refuse every call of those ops
+            ops = {op for op, _, _ in refused.calls}
+            is_refused = lambda node: str(node.target) in ops or getattr(node.target, "__name__", "") in ops
+
+        class Importable(OperatorSupportBase):
+            def is_node_supported(self, submodules, node) -> bool:
+                if node.op != "call_function":
+                    return False
+                if node.target is operator.getitem:
+                    source = node.args[0]
+                    return isinstance(source, torch.fx.Node) and self.is_node_supported(submodules, source)
+                return not is_refused(node)
+
+        partitioner = CapabilityBasedPartitioner(gm, Importable(), allows_single_node_partition=True)
+        self.gm = partitioner.fuse_partitions(partitioner.propose_partitions())
+        for node in self.gm.graph.nodes:
+            if node.op == "call_module" and node.target.startswith("fused_"):  # not ep.module()'s _guards_fn
+                sub = self.gm.get_submodule(node.target)
+                part = Region(sub, f"{region.name}.{node.target}", split=False)
+                setattr(self.gm, node.target, _RegionModule(part))
+        self.gm.recompile()
+
+    def __call__(self, args: Sequence[Any]) -> tuple:
+        out = self.gm(*_tensors(args))
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+@dataclass
+class _Eager:
+    """A graph teeny cannot import at all: its ATen calls, run by PyTorch."""
+
+    gm: nn.Module
+
+    def __call__(self, args: Sequence[Any]) -> tuple:
+        out = self.gm(*args)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+class _RegionModule(nn.Module):
+    """A partition's ``Region`` as the submodule the partitioned graph calls."""
+
+    def __init__(self, region: Region):
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args):
+        out = self.region(*args)
+        return out if len(out) != 1 else out[0]
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+def teeny_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Region:
+    """The ``torch.compile`` backend: the captured region as teeny programs (module docstring).
+    The program for ``example_inputs`` is built now, so the first step's time includes it."""
+    if options:
+        raise TeenyError(f"backend 'teeny' takes no options, got {sorted(options)}")
+    region = Region(gm, f"region{len(_REPORTS)}")
+    example = list(example_inputs)
+    if all(type(a) in (torch.Tensor, nn.Parameter, int, float, bool) for a in example):  # not dynamic shapes
+        region.programs[_signature(example)] = region._build(example)
+    return region
+
+
+def _register() -> None:
+    """Make ``backend="teeny"`` known to torch._dynamo when teeny runs from a source tree
+    (``PYTHONPATH=src``). Installed, the ``torch_dynamo_backends`` entry point names it and
+    dynamo registers it itself on first use (registering it here too would be a duplicate)."""
+    from importlib.metadata import entry_points
+
+    if entry_points(group="torch_dynamo_backends", name="teeny"):
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "teeny" not in _COMPILER_FNS:
+        register_backend(teeny_backend, name="teeny")
+
+
+_register()

@@ -1,0 +1,195 @@
+"""``teeny.torch.patch`` in the Hugging Face training stack (issue 49): a patched model deep-copies,
+pickles and reloads as itself, recomputes under activation checkpointing as it computed, keeps
+PEFT's LoRA adapters in the computation whichever comes first, and names its ops in the profiler.
+Each case against the same model unpatched: the loss and every gradient, float32 on the CPU."""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import teeny.torch as tt
+from teeny.checks.registry import tolerance
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.set_verbosity_error()
+
+VOCAB = 48
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
+
+
+def _step(model, ids):
+    """The loss of one training call, and the gradient of each trainable parameter, by name."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss, {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_trains_like(model, ref, ids, what=""):
+    loss, grads = _step(model, ids)
+    expected, expected_grads = _step(ref, ids)
+    atol, rtol = tolerance(torch.float32, 64)
+    torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what} loss: {m}")
+    assert grads.keys() == expected_grads.keys()
+    for name, g in expected_grads.items():
+        assert grads[name] is not None, f"{what} {name}: no gradient"
+        torch.testing.assert_close(grads[name], g, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def _shift_weights(*models):
+    """The same change to every parameter of each model (a training step's, as an EMA copy sees)."""
+    for model in models:
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_deep_copy_of_a_patched_model_computes_with_its_own_weights(family):
+    """``copy.deepcopy`` (TRL's reference model, an EMA copy): the copy is patched as the
+    original is, and changing its weights changes its results, not the original's."""
+    ref, ids = _model(family), _ids()
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    twin = copy.deepcopy(model)
+    twin_ref = copy.deepcopy(ref)
+    _shift_weights(twin, twin_ref)
+    assert type(twin) is type(model) and twin._teeny_report is not model._teeny_report
+    _assert_trains_like(twin, twin_ref, ids, "the copy")
+    _assert_trains_like(model, ref, ids, "the original")
+    assert "one chunked teeny op" in twin._teeny_report.fused_loss
+    assert all(m._teeny_report is twin._teeny_report for m in twin.modules() if hasattr(m, "_teeny_report"))
+    assert tt.patch(twin) is twin._teeny_report  # patching the copy again changes nothing
+
+
+def test_a_patched_model_pickles_and_its_state_dict_loads_either_way():
+    """``torch.save(model)`` and ``torch.load``: the same classes (made again where the process
+    has not made them yet), the same results; patching the loaded model again keeps its report;
+    a patched model's ``state_dict`` loads into an unpatched one and back."""
+    from teeny.torch import patching
+
+    ref, ids = _model("llama"), _ids()
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    patching._CLASSES.clear()  # as in a fresh process: unpickling makes the classes again
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded).__name__ == "LlamaForCausalLM" and type(loaded).__module__ == "teeny.torch.patching"
+    assert type(loaded.model.layers[0]).__name__ == "TeenyLlamaDecoderLayer"
+    assert loaded._teeny_report.swapped == report.swapped
+    _assert_trains_like(loaded, ref, ids, "unpickled")
+    assert tt.patch(loaded) is loaded._teeny_report
+    plain = _model("llama")
+    _shift_weights(plain)
+    model.load_state_dict(plain.state_dict())
+    _assert_trains_like(model, plain, ids, "state_dict loaded")
+    again = _model("llama")
+    again.load_state_dict(model.state_dict())
+    _assert_trains_like(again, plain, ids, "state_dict of the patched model")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5.2x renamed it "activation_checkpointing"
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_recomputes_the_blocks_on_teenys_kernels(reentrant):
+    """``activation_checkpointing_enable`` (the Trainer's ``gradient_checkpointing=True``) on a
+    patched Llama: each decoder layer runs again in the backward, outside the model's forward;
+    it routes its attention to teeny again (a recomputation on PyTorch's attention saves other
+    tensors: non-reentrant checkpointing's ``CheckpointError``). Loss and gradients as unpatched."""
+    ref, ids = _model("llama"), _ids()
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})  # the Trainer's
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    _assert_trains_like(model, ref, ids, "checkpointed")
+    assert report.routed["scaled_dot_product_attention"] == 2 * 2  # both layers, forward and recomputation
+    assert not report.fallbacks
+
+
+def _lora(model, targets):
+    """``model`` with LoRA adapters on ``targets`` (initialised non-zero: each one changes the loss)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fan_in_fan_out set for GPT-2's Conv1D; tied lm_head
+        return peft.get_peft_model(model, config)
+
+
+_LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "lm_head"], "llama": ["q_proj", "v_proj", "gate_proj", "lm_head"]}
+
+
+@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_adapters_are_never_bypassed(family, order):
+    """LoRA on the attention, the MLP and the head, added after ``patch`` or patched with the
+    model: the loss and every adapter's gradient of the unpatched PEFT model. A one-call forward
+    that reads a wrapped layer's weight (GPT-2's attention and MLP, the fused head + loss) runs
+    the layers' own calls instead, and the report says so: left at patch time, counted at run time."""
+    targets = _LORA_TARGETS[family]
+    ref, ids = _lora(_model(family), targets), _ids()
+    model = _model(family)
+    if order == "patch_then_lora":
+        report = tt.patch(model)
+        model = _lora(model, targets)
+    else:
+        model = _lora(model, targets)
+        report = tt.patch(model)
+    _assert_trains_like(model, ref, ids, order)
+    if order == "lora_then_patch":
+        assert "lm_head is a peft.tuners.lora.layer.Linear" in report.fused_loss
+        if family == "gpt2":
+            left = {path.split(".")[-1] for path, _, why in report.left if "peft.tuners.lora" in why}
+            assert left == {"attn", "mlp"}
+    else:
+        fallbacks = {name for name, why in report.fallbacks if "peft.tuners.lora" in why}
+        assert fallbacks == (
+            {"gpt2_attention", "gelu_mlp", "causal_lm_loss"} if family == "gpt2" else {"causal_lm_loss"}
+        )
+
+
+def test_a_patched_peft_model_without_an_adapter_on_the_head_keeps_the_fused_loss():
+    """``patch`` of a ``PeftModel`` finds the causal LM inside it: head and loss stay one call."""
+    ref, ids = _lora(_model("llama"), ["q_proj", "v_proj"]), _ids()
+    model = _lora(_model("llama"), ["q_proj", "v_proj"])
+    report = tt.patch(model)
+    assert "one chunked teeny op" in report.fused_loss
+    assert model(input_ids=ids, labels=ids).logits is None
+    _assert_trains_like(model, ref, ids)
+
+
+def test_the_profiler_names_teenys_ops_forward_and_backward():
+    """Under ``torch.profiler`` each teeny call is a range named after its op, and so is its
+    backward (not ``_EagerRun`` / ``_EagerRunBackward`` alone)."""
+    model, ids = _model("gpt2"), _ids()
+    tt.patch(model)
+    _step(model, ids)  # traced and compiled outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _step(model, ids)
+    names = {event.name for event in profile.events()}
+    for op in ("gpt2_attention", "gelu_mlp", "causal_lm_loss"):
+        assert f"teeny op {op}" in names and f"teeny op {op} backward" in names, sorted(names)

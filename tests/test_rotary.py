@@ -1,0 +1,87 @@
+"""rotary_embedding beyond the registry's checks of its samples (``teeny.checks.samples.rotary``:
+tests/test_ops.py, tests/test_torch_library.py): transformers' own rotary tables and
+``apply_rotary_pos_emb``, the errors, and what the backward keeps."""
+
+import pytest
+import torch
+
+from teeny import ops
+from teeny.checks.facts import op_facts
+from teeny.checks.samples.rotary import ROTARY
+from teeny.core.errors import TeenyError
+from teeny.core.graph import Graph, GraphError
+from teeny.program.lowering import LoweringMode, lower
+from teeny.torch import apply
+
+
+def test_the_registrys_checks_run_in_every_dtype_with_the_backward():
+    """tests/test_ops.py (float64 gradcheck, forward and backward against PyTorch) and
+    tests/test_torch_library.py (torch.ops.teeny.rotary_embedding) check ROTARY's samples; they
+    skip a dtype the op lacks, so say here that it lacks none."""
+    facts = op_facts(ROTARY)
+    assert {torch.float32, torch.float16, torch.bfloat16} <= set(facts.dtypes) and facts.has_backward
+
+
+def test_transformers_tables_and_apply_rotary_pos_emb(gen):
+    """q and k of a tiny Llama attention with the tables its rotary module makes (positions that
+    differ per batch row), against transformers' apply_rotary_pos_emb; and a partial rotary as
+    GPT-NeoX applies it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=40, num_attention_heads=4, head_dim=10, rope_theta=500.0)
+    q, k = torch.randn(2, 4, 7, 10, generator=gen), torch.randn(2, 2, 7, 10, generator=gen)
+    positions = torch.stack([torch.arange(7), torch.arange(3, 10)])
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(apply(ops.rotary_embedding, q, cos, sin), want_q)
+    torch.testing.assert_close(apply(ops.rotary_embedding, k, cos, sin), want_k)
+
+    cos, sin = (t[..., :2].repeat(1, 1, 2) for t in (cos, sin))  # the tables of a rotary dim of 4
+    partial_q, _ = apply_rotary_pos_emb(q[..., :4], k[..., :4], cos, sin)
+    got = apply(ops.rotary_embedding, q, cos, sin)
+    torch.testing.assert_close(got, torch.cat((partial_q, q[..., 4:]), dim=-1))
+
+
+def _trace(*shapes, dtypes=None):
+    g = Graph()
+    dtypes = dtypes or [torch.float32] * len(shapes)
+    return ops.rotary_embedding(*(g.input(f"t{i}", s, d) for i, (s, d) in enumerate(zip(shapes, dtypes))))
+
+
+@pytest.mark.parametrize(
+    "shapes, dtypes, message",
+    [
+        (((2, 7, 10), (1, 7, 10), (1, 7, 10)), None, r"x must have shape \(batch, heads, seq, head_dim\)"),
+        (((2, 3, 7, 9), (1, 7, 9), (1, 7, 9)), None, r"rotary dim .*9.* must be even"),
+        (((2, 3, 7, 6), (1, 7, 8), (1, 7, 8)), None, r"at most head_dim \(6\)"),
+        (((2, 3, 7, 6), (1, 7, 6), (1, 7, 4)), None, r"cos and sin must have the same shape, got \(1, 7, 6\)"),
+        (((2, 3, 7, 6), (1, 5, 6), (1, 5, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(1, 5, 6\)"),
+        (((2, 3, 7, 6), (3, 7, 6), (3, 7, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(3, 7, 6\)"),
+        (((2, 3, 7, 6), (7, 6), (7, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(7, 6\)"),
+        (((1, 1, 2, 4),) * 3, [torch.float32, torch.bfloat16, torch.bfloat16], "different float dtypes"),
+        (((1, 1, 2, 4), (1, 2, 4), (1, 2, 4)), [torch.int64] * 3, "floating-point x, cos and sin, got x of int64"),
+    ],
+)
+def test_bad_inputs_name_what_is_wrong(shapes, dtypes, message):
+    with pytest.raises(GraphError, match=r"rotary_embedding \(node .*" + message):
+        _trace(*shapes, dtypes=dtypes)
+
+
+def test_a_gradient_for_cos_is_refused_at_lowering_naming_the_op():
+    g = Graph()
+    x = g.input("x", (1, 2, 3, 4), requires_grad=True)
+    cos, sin = g.input("cos", (1, 3, 4), requires_grad=True), g.input("sin", (1, 3, 4))
+    g.output(ops.sum(ops.rotary_embedding(x, cos, sin)))
+    with pytest.raises(TeenyError, match=r"op rotary_embedding \(node .*backward.*no gradient for cos and sin"):
+        lower(g, LoweringMode.TRAINING)
+
+
+def test_the_backward_keeps_cos_and_sin_only():
+    g = Graph()
+    x = g.input("x", (1, 2, 3, 4), requires_grad=True)
+    y = ops.rotary_embedding(ops.mul(x, x), g.input("cos", (1, 3, 4)), g.input("sin", (1, 3, 4)))
+    g.output(ops.sum(y))
+    program = lower(g, LoweringMode.TRAINING)
+    node = next(p for p in program.nodes if p.op.name == "rotary_embedding")
+    assert node.saved_inputs == [False, True, True]

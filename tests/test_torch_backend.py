@@ -1,0 +1,228 @@
+"""``torch.compile(model, backend="teeny")``: the captured regions run as teeny programs and
+train exactly as the model does in eager mode (losses, every gradient, buffers), with the
+user's optimizer, autocast, gradient accumulation and calls teeny has no op for."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import teeny
+from teeny.torch import backend
+
+transformers = pytest.importorskip("transformers")
+
+DEVICE = teeny.DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    backend.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _assert_same_training(model, reference, grad_rtol=1e-5):
+    """Every parameter's gradient agrees to ``grad_rtol`` of the largest gradient entry of the
+    model (a gradient that is zero in exact arithmetic, a bias before a batch norm, is noise),
+    and every buffer agrees."""
+    grads = [q.grad for q in reference.parameters() if q.grad is not None]
+    scale = max(g.abs().max().item() for g in grads)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= grad_rtol * scale, name
+    for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+def test_the_backend_is_registered_by_name():
+    assert "teeny" in torch._dynamo.list_backends()
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(torch.flatten(nn.functional.max_pool2d(h, 2), 1))
+
+
+def test_a_cnn_with_batch_norm_trains_as_in_eager_mode_with_torchs_optimizer():
+    torch.manual_seed(0)
+    model = _ConvNet().to(DEVICE)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="teeny")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for _ in range(3):
+        x = torch.randn(6, 3, 8, 8, device=DEVICE)
+        y = torch.randint(0, 5, (6,), device=DEVICE)
+        for net, opt in zip((compiled, reference), optimizers):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        _assert_same_training(model, reference, grad_rtol=1e-4)
+        for opt in optimizers:
+            opt.step()
+    assert model.bn.num_batches_tracked.item() == 3  # the integer count ran through PyTorch, in place
+    assert "aten.add_.Tensor: an integer result" in backend.report()
+
+
+def _causal_lm(kind: str):
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=61, n_embd=32, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        return transformers.GPT2LMHeadModel(config)
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_hugging_face_models_give_eagers_loss_and_gradients_accumulated(kind):
+    torch.manual_seed(0)
+    model = _causal_lm(kind).to(DEVICE)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="teeny")
+    for _ in range(2):  # two micro-batches: the gradients accumulate in param.grad
+        ids = torch.randint(0, 61, (2, 11), device=DEVICE)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        expected = reference(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        loss.backward()
+        expected.backward()
+    _assert_same_training(model, reference)
+    assert "left to PyTorch" not in backend.report().replace("0 kinds left to PyTorch", "")
+
+
+def test_a_padding_mask_runs_and_the_report_says_what_pytorch_ran():
+    torch.manual_seed(0)
+    model = _causal_lm("llama").to(DEVICE)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 9), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    loss = torch.compile(model, backend="teeny")(input_ids=ids, attention_mask=mask, labels=ids).loss
+    expected = reference(input_ids=ids, attention_mask=mask, labels=ids).loss
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    _assert_same_training(model, reference)
+    text = backend.report()
+    assert "PyTorch runs" in text and "teeny program" in text
+
+
+def test_autocast_around_the_model_lowers_as_mixed_precision():
+    torch.manual_seed(0)
+    model = _causal_lm("llama").to(DEVICE)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 8), device=DEVICE)
+    with torch.autocast(DEVICE.type, torch.bfloat16):
+        loss = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids).loss
+        expected = reference(input_ids=ids, labels=ids).loss
+    assert loss.dtype == expected.dtype
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
+    loss.backward()
+    expected.backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32  # float32 parameters, bf16 compute
+    _assert_same_training(model, reference, grad_rtol=5e-2)
+    assert ", 0 kinds left to PyTorch" in backend.report()
+
+
+class _Cumulative(nn.Module):
+    """A model with a call teeny has no op for (cumsum) between calls it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(torch.tanh(self.a(x)), dim=1)).square().mean()
+
+
+def test_a_call_teeny_lacks_runs_in_pytorch_between_teeny_programs():
+    torch.manual_seed(0)
+    model = _Cumulative().to(DEVICE)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 5, device=DEVICE)
+    loss = torch.compile(model, backend="teeny")(x)
+    expected = reference(x)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    _assert_same_training(model, reference)
+    text = backend.report()
+    assert "PyTorch runs aten.cumsum.default: teeny has no op for it" in text
+    assert text.count("teeny program") >= 3  # the region, and a program on each side of the cumsum
+
+
+def test_dynamic_shapes_build_a_program_per_shape_and_fullgraph_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8)).to(DEVICE)
+    compiled = torch.compile(model, backend="teeny", fullgraph=True, dynamic=True)
+    for rows in (3, 5, 3, 7):
+        x = torch.randn(rows, 4, device=DEVICE)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert backend.report().startswith("region0: 3 teeny programs")  # one region; the second call of 3 reuses
+
+
+def test_float64_gradcheck_through_the_backend():
+    def f(x, w, b):
+        return torch.tanh(nn.functional.layer_norm(x @ w, (5,)) + b).sum(dim=0)
+
+    compiled = torch.compile(f, backend="teeny")
+    args = [torch.randn(3, 4, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(1)]
+    args += [
+        torch.randn(4, 5, dtype=torch.float64, device=DEVICE, requires_grad=True),
+        torch.randn(5, dtype=torch.float64, device=DEVICE, requires_grad=True),
+    ]
+    assert torch.autograd.gradcheck(compiled, args, eps=1e-6, atol=1e-7)
+
+
+def test_no_grad_runs_an_inference_program_and_dropout_follows_the_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 2)).to(DEVICE)
+    compiled = torch.compile(model, backend="teeny")
+    x = torch.randn(4, 6, device=DEVICE)
+    model.eval()
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, model(x))
+    model.train()
+    first, second = compiled(x), compiled(x)
+    assert not torch.equal(first, second)  # a new mask each call
+    first.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_llamas_rotary_embeddings_norms_and_mlp_run_as_one_teeny_op_each():
+    torch.manual_seed(0)
+    model = _causal_lm("llama").to(DEVICE)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 11), device=DEVICE)
+    loss = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids).loss
+    expected = reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    _assert_same_training(model, reference)
+    text = backend.report()
+    assert "3 x LlamaRMSNorm (one op), 2 x rotary_embedding (one op), 1 x swiglu (one op)" in text, text
