@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 bench/host.py                    # both parts (stubbed runs on the CPU too)
     PYTHONPATH=src python3 bench/host.py --only stubbed     # CPU (interpreter) or GPU
     PYTHONPATH=src python3 bench/host.py --only synced      # the GPU: real launches (bench_torch.py --only overhead)
+    PYTHONPATH=src python3 bench/host.py --only executor    # Executor.forward_train + backward per node
     PYTHONPATH=src python3 bench/host.py --profile          # and cProfile of forward+backward
 
 **stubbed** (the old bench_host.py). The lowest launch call is stubbed to a no-op: Triton's
@@ -28,9 +29,24 @@ disturbs less than the wall clock.
 call synchronised (median), and the main rows also back to back (host time per call, one
 synchronisation).
 
-Case names: ``host stubbed: <row>`` and ``host synced: <row>``, the implementation ``teeny``,
-``torch`` or ``raw``; the ``ms`` column holds ms (us / 1000). On the GPU the rows are appended to
-bench/results/<gpu>.csv unless ``--no-save``.
+**executor** (issue 50: at most 30 us of host time per node, forward + backward). The uncaptured
+``Executor.forward_train`` + ``backward`` of a training program, per node of the program: one
+layer_norm, one attention, one linear, and a small GPT, each after ``zero_grad`` as in a training
+step (and once without it, the parameters' gradients accumulating). With the launches stubbed
+(``kernel.intercept_launches`` with a handler that does nothing, so Triton's own binding is left
+out; CPU or GPU) it is the process's CPU time, forward and backward apart (minimum over repeats
+of the mean of many calls). With real launches (GPU only) it is the host time per step
+(``zero_grad``, ``forward_train``, ``backward``) issued back to back (``_time_back_to_back``),
+next to a synchronised step's wall time and the same step captured in a CUDA graph (the kernels
+alone), both in ms per step. Shapes are GPU-sized on the GPU and small on the CPU, where the
+buffers' allocation would otherwise be the cost, and on the CPU torch runs one thread (its idle
+pool's spinning after ``zero_grad`` would count as CPU time).
+
+Case names: ``host stubbed: <row>``, ``host synced: <row>`` and ``host executor: <case>, <row>``
+(``<row>``: ``stubbed forward``, ``stubbed backward``, ``stubbed both``, ``stubbed both, gradients
+accumulating``, ``real forward+backward`` in us per node; ``real step synchronised``, ``real step
+captured`` in ms), the implementation ``teeny``, ``torch`` or ``raw``; the ``ms`` column holds ms
+(us / 1000). On the GPU the rows are appended to bench/results/<gpu>.csv unless ``--no-save``.
 """
 
 from __future__ import annotations  # noqa: I001  (teeny before triton: it chooses the device)
@@ -40,6 +56,7 @@ import contextlib
 import sys
 import time
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 import teeny
@@ -47,6 +64,7 @@ import teeny.torch
 import torch
 import torch.nn.functional as F
 from teeny import ops
+from teeny.core.kernel import dtype_name
 from teeny.core.runtime import OpContext
 from teeny.program.lowering import extra_buffers, node_context
 from teeny.torch import apply, bridge
@@ -317,6 +335,129 @@ def overhead(device, tiny: bool, profile: bool = False) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- the executor's host path
+
+
+def executor_cases(device: torch.device) -> dict[str, Callable[[], tuple]]:
+    """Case name -> ``make()`` giving (executor, feed, grad_output) of a training program."""
+    from harness import teeny_program
+    from teeny import Graph, LoweringMode, lower
+    from teeny.training.models import GPT
+
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    rows, width, heads, length, head_dim = (8192, 768, 12, 1024, 64) if gpu else (256, 128, 2, 64, 32)
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    def single(fn, *inputs):
+        ex, feed = teeny_program(fn, inputs)
+        return ex, feed, torch.randn(ex.program.outputs[0].shape, device=device, dtype=dtype)
+
+    def gpt():
+        layers, d, ctx, batch, vocab = (4, 256, 128, 16, 512) if gpu else (3, 64, 32, 4, 96)
+        model = GPT(vocab, ctx, d, 4, layers).to(dtype)
+        g = Graph("gpt")
+        idx, targets = g.input("x", (batch, ctx), torch.int64), g.input("y", (batch, ctx), torch.int64)
+        g.output(ops.cross_entropy(ops.reshape(model(idx), (-1, vocab)), ops.reshape(targets, (-1,))))
+        tokens = [torch.randint(0, vocab, (batch, ctx), device=device) for _ in range(2)]
+        return teeny.Executor(lower(g, LoweringMode.TRAINING)), dict(zip("xy", tokens)), None
+
+    q = (8 if gpu else 2, heads, length, head_dim)
+    return {
+        f"layer_norm {dtype_name(dtype)} {rows}x{width}": lambda: single(
+            lambda x, w, b: ops.layer_norm(x, (width,), w, b), randn(rows, width), randn(width), randn(width)
+        ),
+        f"causal attention {dtype_name(dtype)} {'x'.join(map(str, q))}": lambda: single(
+            lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True), randn(*q), randn(*q), randn(*q)
+        ),
+        f"linear {dtype_name(dtype)} {rows}x{width}->{4 * width}": lambda: single(
+            ops.linear, randn(rows, width), randn(4 * width, width), randn(4 * width)
+        ),
+        f"GPT {'4L d256' if gpu else '3L d64'} {dtype_name(dtype)}": gpt,
+    }
+
+
+def executor_host(make: Callable[[], tuple], number: int, repeat: int, real: bool) -> dict[str, float]:
+    """One case's rows (see the module docstring): us per node, and ms per step for the real step."""
+    from harness import bench_ms, capture
+
+    ex, feed, seed = make()
+    nodes = len(ex.program.nodes)
+
+    def step():
+        ex.zero_grad()
+        out, cache = ex.forward_train(feed)
+        ex.backward(cache, seed)
+        return out
+
+    def timed_apart(zero_grad: bool) -> tuple[float, float]:  # (forward, backward) us per node, process CPU time
+        best = (float("inf"), float("inf"))
+        for _ in range(repeat):
+            forward = backward = 0.0
+            for _ in range(number):
+                if zero_grad:  # as a training step: the backward writes the parameters' gradients in place
+                    ex.zero_grad()
+                start = time.process_time()
+                out, cache = ex.forward_train(feed)
+                middle = time.process_time()
+                ex.backward(cache, seed)
+                forward, backward = forward + middle - start, backward + time.process_time() - middle
+            best = min(best, (forward, backward), key=sum)
+        return best[0] / number / nodes * 1e6, best[1] / number / nodes * 1e6
+
+    rows = {"nodes": float(nodes)}
+    step()  # compiles the kernels and records each node's launches
+    with teeny.core.kernel.intercept_launches(lambda *launch: None):
+        step()
+        forward, backward = timed_apart(zero_grad=True)
+        rows.update({"stubbed forward": forward, "stubbed backward": backward, "stubbed both": forward + backward})
+        forward, backward = timed_apart(zero_grad=False)
+        rows["stubbed both, gradients accumulating"] = forward + backward
+    if real:
+        rows["real forward+backward"] = _time_back_to_back(step, calls=number) / nodes * 1e6
+        rows["real step synchronised"] = wall_time(step, warmup=3, reps=max(number, 10)) * 1e3
+        graph, _ = capture(step)
+        rows["real step captured"] = bench_ms(graph.replay)
+    return rows
+
+
+def executor_part(device: torch.device, number: int, repeat: int, profile: bool) -> list[dict]:
+    """Print the executor part's table and return its result rows."""
+    real = device.type == "cuda"
+    print(f"executor: us per node of forward_train + backward (launches stubbed: CPU time, min of {repeat} x {number})")
+    threads = torch.get_num_threads()
+    if not real:  # the process's CPU time would count torch's pool of threads spinning after zero_grad's fill
+        torch.set_num_threads(1)
+    saved = []
+    try:
+        for name, make in executor_cases(device).items():
+            rows = executor_host(make, number, repeat, real)
+            line = ", ".join(f"{row} {value:.1f}" for row, value in rows.items())
+            print(f"  {name}: {line}", flush=True)
+            for row, value in rows.items():
+                if row != "nodes":
+                    ms = value if row.startswith("real step") else value * 1e-3
+                    saved.append(make_row("host", f"host executor: {name}, {row}", "teeny", ms))
+    finally:
+        torch.set_num_threads(threads)
+    if profile:  # where the stubbed host path of the GPT's forward + backward goes
+        import cProfile
+        import pstats
+
+        ex, feed, seed = list(executor_cases(device).values())[-1]()
+        with teeny.core.kernel.intercept_launches(lambda *launch: None):
+            ex.backward(ex.forward_train(feed)[1], seed)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(number):
+                ex.backward(ex.forward_train(feed)[1], seed)
+            profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return saved
+
+
 def impl_of(row: str) -> str:
     """Which side a row times: a raw launch, torch's own (its gelu, its custom-op floor) or teeny's call."""
     row = row.strip()
@@ -329,15 +470,20 @@ def impl_of(row: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", choices=["stubbed", "synced"], help="which part (default: both)")
+    parser.add_argument(
+        "--only", nargs="*", choices=["stubbed", "synced", "executor"], help="which parts (default: all)"
+    )
     parser.add_argument("--number", type=int, default=2000, help="calls per repeat (stubbed)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--tiny", action="store_true", help="few repeats: check that every part runs")
     parser.add_argument("--profile", action="store_true", help="cProfile 2000 forward+backward calls")
     parser.add_argument("--no-save", action="store_true", help="do not append to bench/results/<gpu>.csv")
     args = parser.parse_args()
-    parts = args.only or ["stubbed", "synced"]
+    parts = args.only or ["stubbed", "synced", "executor"]
     saved = []
+    if "executor" in parts:
+        number, repeat = (3, 2) if args.tiny else (max(args.number // 20, 20), args.repeat)
+        saved += executor_part(teeny.DEVICE, number, repeat, args.profile)
     if "synced" in parts and teeny.DEVICE.type == "cuda":
         synced = overhead(teeny.DEVICE, args.tiny, args.profile)
         width = max(len(name) for name in synced)
@@ -348,7 +494,7 @@ def main() -> None:
     elif "synced" in parts:
         print("synced: real launches need the GPU (skipped)")
     if "stubbed" not in parts:
-        if saved and not args.no_save and not args.tiny:
+        if saved and not args.no_save and not args.tiny and torch.cuda.is_available():
             print("results:", append_results(saved))
         return
     if args.tiny:

@@ -46,7 +46,7 @@ import teeny
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_ratios, append_results, capture, make_row  # noqa: E402
 from teeny import LoweringMode, lower, ops
-from teeny.core import runtime
+from teeny.core import config, runtime
 from teeny.core.graph import Graph
 from teeny.fusions import DEFAULT_REWRITES
 from teeny.training.loop import TrainStep
@@ -305,6 +305,7 @@ def print_launches(label, step):
             return original(launch, instance, where, *args, **kwargs)
 
     runtime.run_launch = labelled
+    replay, config.replay = config.replay, False  # every launch through run_launch (a replay skips it)
     try:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
@@ -312,6 +313,7 @@ def print_launches(label, step):
             torch.cuda.synchronize()
     finally:
         runtime.run_launch = original
+        config.replay = replay
     times: dict[str, list] = {}  # label -> [launches, total us]
     for e in prof.events():
         if e.name.startswith("launch: "):

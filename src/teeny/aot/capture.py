@@ -4,7 +4,7 @@ Runs in a process that emulates the target (``teeny.aot.worker``): teeny has cho
 path (compiled kernels, GPU tile sizes, SM-count grids), but no GPU is there. The program is
 executed on **meta** tensors with the launches intercepted (``kernel.intercept_launches``):
 the executor, the ops, the optimizer, clipping and gradient accumulation run their real code,
-so every launch passes through ``runtime.run_launch`` with its packed arguments, and nothing
+so every launch passes through ``runtime.fire`` with its packed arguments, and nothing
 runs. A training program runs
 
 * ``train_step``: one ``TrainStep`` (zero_grad, forward_train, backward, clip, optimizer),
@@ -64,14 +64,14 @@ class Captured:
 
 
 def launch_site() -> str:
-    """The ``where`` of the ``run_launch`` call on the stack ("op linear (node 'fc1', forward)",
+    """The ``where`` of the ``runtime.fire`` call on the stack ("op linear (node 'fc1', forward)",
     "optimizer AdamW", ...): every launch passes through it."""
-    from ..core.runtime import run_launch
+    from ..core.runtime import fire
 
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is run_launch.__code__:
-            return str(frame.f_locals.get("where", "?"))
+        if frame.f_code is fire.__code__:
+            return str(frame.f_locals["checked"].where)
         frame = frame.f_back
     return "?"
 

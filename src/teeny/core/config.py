@@ -4,7 +4,7 @@ behaviour it was built with) unless its description says otherwise.
     teeny.core.config.allow_tf32 = True          # float32 products on TF32 tensor cores (default False)
     teeny.core.config.deterministic = True       # bit-reproducible backward passes (no atomics)
     teeny.core.config.check_indices = False      # device-side range checks of index inputs
-    teeny.core.config.replay = False             # registered ops' calls take the full host path
+    teeny.core.config.replay = False             # every call takes the full host path
     teeny.core.config.pdl = True                 # programmatic dependent launch on Hopper (default False)
 
 ``allow_tf32``: like ``torch.backends.cuda.matmul.allow_tf32``; float32 products are full
@@ -19,7 +19,8 @@ and an out-of-range class gives a NaN loss). On by default under the interpreter
 costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
 ``replay`` (read at each call, not at tracing): a call of a registered op or of ``apply`` is
 recorded once and replayed (``teeny.torch.tape``) instead of running the executor's host path each
-time; ``TEENY_REPLAY=0`` sets the default off.
+time, and the executor fires each node's launches as recorded on its first run
+(``teeny.program.replay``) instead of building them again; ``TEENY_REPLAY=0`` sets the default off.
 ``pdl`` (read at launch: set it before a program first runs): kernels declared ``@kernel(pdl=True)``
 (the products and attention, which wait for the kernel before them inside) are launched with
 programmatic dependent launch on Hopper GPUs, so each may start before the one ahead of it has

@@ -27,13 +27,16 @@ the one launch of the forward kernel (``kernel``) or of its one backward kernel 
 and ``ctx``'s fields of the same names (an input that needs no gradient gets a scratch buffer, so
 that the kernel can write every one). An op overriding the launch lists needs none of them.
 
-Every launch, also the optimizers' and the executor's gradient accumulation, runs through
-``run_launch``, which checks the packing against the kernel's signature (by parameter name where
-the visit names one), refuses an empty grid where there is work, and launches. Lowering runs each
-op once on meta tensors, so packing mistakes and zero grids are reported before any real launch;
-the kernels a program builds are the kernels its launches use (``@kernel(backward=...)`` says which
-kernels are the backward of which). ``OpContext.for_forward`` / ``for_recompute`` / ``for_backward``
-make every context, the dry run's and the executor's alike.
+Every launch, also the optimizers' and the executor's gradient accumulation, is checked by
+``check_launch`` (the packing against the kernel's signature, by parameter name where the visit
+names one; no empty grid where there is work) and launched by ``fire``; ``run_launch`` does both.
+A ``CheckedLaunch`` may be fired again with other argument values of the same kinds (the
+executor's node replay, ``teeny.program.replay``; the gradient accumulation of one size).
+Lowering runs each op once on meta tensors, so packing mistakes and zero grids are reported
+before any real launch; the kernels a program builds are the kernels its launches use
+(``@kernel(backward=...)`` says which kernels are the backward of which).
+``OpContext.for_forward`` / ``for_recompute`` / ``for_backward`` make every context, the dry
+run's and the executor's alike.
 
 The inputs of a node are its activation inputs followed by its parameters: the first
 ``n_activation_inputs`` tensors are ``inputs``, the rest ``params`` (checked against
@@ -290,17 +293,23 @@ class Launch:
     work: int | None = None
 
 
-def run_launch(
-    launch: Launch,
-    instance: KernelInstance,
-    where: str,
-    work: int,
-    *,
-    dry_run: bool = False,
-    input_shapes: Sequence[Shape] = (),
-) -> None:
-    """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the one path every
-    kernel launch in teeny takes. A failing launch's error names ``input_shapes``."""
+@dataclass(frozen=True)
+class CheckedLaunch:
+    """A launch whose packing and grid were checked (``check_launch``): what ``fire`` needs
+    besides its argument values, which are the same every run of a node but for the tensors."""
+
+    instance: KernelInstance
+    grid: tuple[int, ...]
+    block: Block
+    where: str
+    input_shapes: tuple[Shape, ...] = ()
+
+
+def check_launch(
+    launch: Launch, instance: KernelInstance, where: str, work: int, *, input_shapes: Sequence[Shape] = ()
+) -> tuple[CheckedLaunch, list[Any]] | None:
+    """``launch`` checked (packing, grid): the ``CheckedLaunch`` and its argument values in
+    signature order, or ``None`` for an empty grid with no work (nothing to launch)."""
     kernel = launch.kernel
     block = as_block(launch.block)
     values = check_packing(kernel, launch.args, where, block.size)
@@ -311,12 +320,18 @@ def run_launch(
         work = launch.work
     if any(g <= 0 for g in grid):
         if work == 0:
-            return
+            return None
         raise GridError(
             f"{where}: kernel {kernel.name} has grid {grid} with no programs but {work} elements to compute"
         )
-    if dry_run:
-        return
+    return CheckedLaunch(instance, grid, block, where, tuple(input_shapes)), values
+
+
+def fire(checked: CheckedLaunch, values: list[Any]) -> None:
+    """Launch ``checked`` with ``values``: the one call every kernel launch in teeny ends in. A
+    failing launch's error names the launch's place, dtype and input shapes."""
+    instance, block = checked.instance, checked.block
+    kernel = instance.kernel
     options: dict[str, Any] = {}
     if not INTERPRETER:
         options = kernel.options_for(instance.dtype) if kernel.launch_options else {}
@@ -325,24 +340,45 @@ def run_launch(
         if block.num_stages is not None:
             options["num_stages"] = block.num_stages
     try:
-        instance.launch(grid, values, **options)
+        instance.launch(checked.grid, values, **options)
     except TeenyError:
         raise
     except Exception as exc:  # Triton's compile or launch failed: say where, in which dtype, on what
-        shapes = f" on inputs {', '.join(str(tuple(s)) for s in input_shapes)}" if input_shapes else ""
+        shapes = checked.input_shapes
+        on = f" on inputs {', '.join(str(tuple(s)) for s in shapes)}" if shapes else ""
         raise KernelLaunchError(
-            f"{where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed{shapes}: "
+            f"{checked.where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed{on}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
 
 
-def launch_kernel(launch: Launch, dtype: torch.dtype, where: str) -> None:
-    """Launch outside a graph node (optimizer steps, gradient accumulation), checked the same way."""
+def run_launch(
+    launch: Launch,
+    instance: KernelInstance,
+    where: str,
+    work: int,
+    *,
+    dry_run: bool = False,
+    input_shapes: Sequence[Shape] = (),
+) -> tuple[CheckedLaunch, list[Any]] | None:
+    """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the path every
+    launch built from a ``Launch`` takes. Returns what ``check_launch`` returns."""
+    checked = check_launch(launch, instance, where, work, input_shapes=input_shapes)
+    if checked is not None and not dry_run:
+        fire(*checked)
+    return checked
+
+
+def launch_kernel(launch: Launch, dtype: torch.dtype, where: str) -> CheckedLaunch | None:
+    """Launch outside a graph node (optimizer steps, gradient accumulation), checked the same
+    way. Returns the checked launch (``None``: nothing launched), which ``fire`` launches again
+    with other argument values of the same kinds, sizes and alignment, unchecked."""
     try:
         instance = launch.kernel.instance(dtype)
     except TypeError as exc:
         raise TeenyError(f"{where}: {exc}") from None
-    run_launch(launch, instance, where, work=1)
+    checked = run_launch(launch, instance, where, work=1)
+    return None if checked is None else checked[0]
 
 
 # ----------------------------------------------------------------------------- OpContext
@@ -507,20 +543,31 @@ class OpContext:
         self.instances[key] = instance
         return instance
 
-    def run(self, launches: Sequence[Launch]) -> None:
-        """Check and launch each of ``launches`` in order."""
+    def build_launches(self) -> list[Launch]:
+        """The op's launches for this context's phase: ``forward_launches``,
+        ``recompute_launches`` or ``backward_launches``."""
         if self.phase == "backward":
-            ref = self.grad_output
-        else:
-            ref = self.output
+            return self.op.backward_launches(self)
+        if self.phase == "recompute":
+            return self.op.recompute_launches(self)
+        return self.op.forward_launches(self)
+
+    def run(self, launches: Sequence[Launch]) -> list[tuple[CheckedLaunch, list[Any]]]:
+        """Check each of ``launches`` and, unless a dry run, launch it (``run_launch``), in
+        order. Returns the checked launches with their argument values (empty ones left out)."""
+        ref = self.grad_output if self.phase == "backward" else self.output
         work = 1 if ref is None else ref.numel()
         where = self.where
+        checked = []
         for launch in launches:
-            run_launch(
+            ran = run_launch(
                 launch, self.instance(launch.kernel), where, work, dry_run=self.dry_run, input_shapes=self.input_shapes
             )
             if self.launched is not None:
                 self.launched.append(launch)
+            if ran is not None:
+                checked.append(ran)
+        return checked
 
 
 _CHECK_SINKS: dict[int, list] = {}  # thread -> where its checks go while a run is recorded (teeny.torch.tape)

@@ -15,11 +15,19 @@ its output, sums the gradients of values used several times, adds parameter grad
 the gradient arena (they accumulate until ``zero_grad``), and drops each node's cache entry
 as soon as its backward has run.
 
+What every run does the same is worked out once, when the executor is made: per node a
+``NodeRun`` (where its inputs come from, its extra outputs, the fixed arguments of its
+``OpContext``, what it frees). Each node's launches are built, checked and fired the full way on
+its first run and recorded (``replay.NodeReplay``); later runs fire the recorded launches with
+their own tensors, and build an ``OpContext`` only where a node cannot be replayed.
+
 A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
 changed in place between ``forward_train`` and ``backward`` would silently give a wrong
-gradient: the cache records each saved tensor's PyTorch version counter, and ``backward``
-refuses to run when one moved, naming the input. (Kernels write through pointers and move no
-counter: only PyTorch in-place operations are seen, which is what a user can do.)
+gradient: the cache records the PyTorch version counter of each saved tensor the caller can
+reach (inputs, parameters, constants, outputs, and views, which share their base's counter), and
+``backward`` refuses to run when one moved, naming the input. (Kernels write through pointers and
+move no counter: only PyTorch in-place operations are seen, which is what a user can do; the
+intermediate buffers are the executor's own.)
 """
 
 from __future__ import annotations
@@ -27,16 +35,18 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.device import DEVICE
 from ..core.errors import TeenyError
-from ..core.graph import Value
-from ..core.runtime import ARENA_ALIGN, OpContext, capturing, raise_failed_checks, raise_not_capturable
+from ..core.graph import Node, Value
+from ..core.runtime import ARENA_ALIGN, OpContext, Shape, capturing, raise_failed_checks, raise_not_capturable
 from .accumulate import accumulate
-from .lowering import LoweringMode, PlannedNode, Program, extra_buffers, node_context
+from .lowering import LoweringMode, PlannedNode, Program, node_context
+from .replay import NodeReplay, storage_id
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -88,16 +98,46 @@ def arena_order(program: Program) -> list[Value]:
     return laid
 
 
+@dataclass(eq=False)
+class NodeRun:
+    """What every run of one node does the same, worked out once (``Executor._plan_runs``): the
+    value ids of its inputs, its extra outputs, the fixed arguments of its ``OpContext``, the
+    intermediate values it frees, and the replays of its forward, recompute and backward
+    launches (``replay.NodeReplay``)."""
+
+    planned: PlannedNode
+    inputs: tuple[int, ...]
+    extras: tuple[tuple[str, Shape, torch.dtype], ...]  # (name, shape, dtype) of each extra output
+    # the roles the executor allocated (NodeReplay.run): of the forward (inputs other nodes wrote,
+    # output, extra outputs), and of its cache entry's tensors as roles of the recompute and backward
+    # (entries forward_train made, marked "allocated": one rebuilt from elsewhere, as teeny.torch
+    # does, holds tensors whose layout is checked)
+    fresh_forward: int
+    fresh_saved: int
+    context: dict[str, Any]  # lowering.node_context
+    frees: tuple[int, ...]  # intermediate values no later node reads
+    single_use: frozenset[int]  # the positions of the inputs the node reads once
+    # per tensor of its cache entry (inputs, output, extras): the value it holds (None: an extra
+    # output) when the caller can change it in place (an input, parameter or constant, an output
+    # handed to the caller, or a view); None for the others, whose versions are not recorded
+    versioned: tuple[Value | None, ...]
+    forward: NodeReplay
+    recompute: NodeReplay
+    backward: NodeReplay
+
+
 class ActivationCache:
     """What the forward pass kept for the backward pass: per node, the saved inputs, output
     and extra tensors. Entries are dropped once their node's backward has run."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = weakref.ref(executor)  # the executor whose backward may read it
+        # node id -> {"inputs", "output", "saved"} and, where forward_train made it, "allocated"
         self.entries: dict[int, dict[str, Any]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.used = False
-        self.versions: list[tuple[torch.Tensor, int, str]] = []  # saved tensor, its version, what it is
+        self.inputs: dict[int, torch.Tensor] = {}  # value id -> the tensor bound to that graph input
+        self.versions: list[tuple] = []  # (saved tensor, its version, node, value): Executor._saved_versions
 
     def tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -154,26 +194,38 @@ class Executor:
         self._plan_runs()
 
     def _plan_runs(self) -> None:
-        """What every run does the same: the graph's inputs, which buffers each node frees after
-        it, and how a saved tensor that belongs to an input or parameter is named."""
+        """What every run does the same, worked out once: the graph's inputs, and per node a
+        ``NodeRun`` (where its tensors come from, what it frees, its launches' replays)."""
         program = self.program
         self._inputs = program.inputs
         self._input_names = {v.name for v in self._inputs}
         keep = {v.id for v in program.outputs}
         self._intermediates = {v.id for v in program.graph.values if v.kind == "node" and v.id not in keep}
-        self._frees = [
-            tuple(v.id for v in p.node.inputs if program.last_use.get(v.id) == index and v.id in self._intermediates)
-            for index, p in enumerate(program.nodes)
-        ]
-        self._sources = [
-            (v.id, f"{'input' if v.kind == 'input' else 'parameter'} '{v.name}'")
-            for v in program.graph.values
-            if v.kind in ("input", "param")
-        ]
-        self._nodes_by_id = {node.id: node for node in program.graph.nodes}
-        self._first_recompute_reader: dict[
-            int, int
-        ] = {}  # value id -> the first node recomputing it (its last backward)
+        self._runs: dict[int, NodeRun] = {}  # node id -> its plan
+        views = {p.node.output.id for p in program.nodes if p.is_view}  # values that are views of others
+        for index, p in enumerate(program.nodes):
+            node = p.node
+            frees = (v.id for v in node.inputs if program.last_use.get(v.id) == index and v.id in self._intermediates)
+            extras = node.op.extra_outputs([v.shape for v in node.inputs], node.dtype)
+            self._runs[node.id] = NodeRun(
+                planned=p,
+                inputs=tuple(v.id for v in node.inputs),
+                extras=tuple((name, tuple(shape), dtype) for name, (shape, dtype) in extras.items()),
+                fresh_forward=_allocated_bits(node.inputs, views) | ((1 << (1 + len(extras))) - 1) << len(node.inputs),
+                fresh_saved=_allocated_bits([*node.inputs, node.output], views)
+                | (((1 << len(extras)) - 1) << (len(node.inputs) + 1)),
+                context=node_context(program, p, dry_run=False),
+                frees=tuple(dict.fromkeys(frees)),
+                single_use=frozenset(i for i, v in enumerate(node.inputs) if node.inputs.count(v) == 1),
+                versioned=tuple(
+                    v if v.kind != "node" or v.id in keep or v.id in views else None
+                    for v in [*node.inputs, node.output]
+                ),
+                forward=NodeReplay(node.op),
+                recompute=NodeReplay(node.op),
+                backward=NodeReplay(node.op),
+            )
+        self._first_recompute_reader: dict[int, int] = {}  # value id -> the first node recomputing it
         for index, p in enumerate(program.nodes):
             for i in p.recomputed:
                 self._first_recompute_reader.setdefault(p.node.inputs[i].id, index)
@@ -276,8 +328,8 @@ class Executor:
             raise TypeError(f"inputs must be a dict, a list or a tensor, got {type(inputs).__name__}")
         given.update(kwargs)
         names = self._input_names
-        unknown = sorted(set(given) - names)
-        if unknown:
+        if not names.issuperset(given):
+            unknown = sorted(set(given) - names)
             raise KeyError(f"unknown inputs {unknown}; the graph's inputs are {sorted(names)}")
         bound: dict[int, torch.Tensor] = {}
         for v in graph_inputs:
@@ -286,7 +338,7 @@ class Executor:
             t = given[v.name]
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"input '{v.name}' must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != tuple(v.shape):
+            if t.shape != v.shape:
                 raise ValueError(
                     f"input '{v.name}' has shape {tuple(t.shape)}, but the program was lowered for {v.shape} "
                     "(shapes are static: lower again for another shape)"
@@ -300,7 +352,8 @@ class Executor:
                 if t.device.type != "cpu":
                     raise ValueError(f"input '{v.name}' is on {t.device}, but this executor runs on {self.device}")
                 t = t.to(self.device)
-            t = t.contiguous()
+            if not t.is_contiguous():
+                t = t.contiguous()
             if t.data_ptr() % ARENA_ALIGN and t.numel():  # the plan assumes aligned buffers (TMA loads)
                 t = t.clone()
             bound[v.id] = t
@@ -308,43 +361,49 @@ class Executor:
         bound.update(self._param_by_id)
         return bound
 
-    def _alloc(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+    def _alloc(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        if not shape:
+            return torch.empty((), dtype=dtype, device=self.device)
+        return torch.empty(*shape, dtype=dtype, device=self.device)  # sizes one by one: parsed faster than a tuple
 
     def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
         program = self.program
         values = self._bind_inputs(inputs, kwargs)
         checks: list = []
-        for index, p in enumerate(program.nodes):
-            node = p.node
-            args = [values[v.id] for v in node.inputs]
-            saved = extra_buffers(p, self._alloc)
-            out = node.op.view(args)
+        for run in self._runs.values():
+            p = run.planned
+            node, op = p.node, p.op
+            args = [values[i] for i in run.inputs]
+            saved = {name: self._alloc(shape, dtype) for name, shape, dtype in run.extras}
+            out = op.view(args) if p.is_view else None
             if out is not None and not out.is_contiguous():
                 raise TeenyError(
-                    f"op {node.op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
+                    f"op {op.name} (node '{node.name}'): view() returned a non-contiguous tensor; "
                     "kernels read contiguous buffers, so return None and copy with a kernel instead"
                 )
             if out is None:
                 out = self._alloc(node.output.shape, node.output.dtype)
-                ctx = OpContext.for_forward(
-                    **node_context(program, p, dry_run=False), inputs=args, output=out, saved=saved, checks=checks
-                )
-                if not node.op.capturable and capturing():
-                    raise_not_capturable(node.op, node.name)
-                ctx.run(node.op.forward_launches(ctx))
+                if not op.capturable and capturing():
+                    raise_not_capturable(op, node.name)
+
+                def context(run=run, args=args, out=out, saved=saved) -> OpContext:
+                    return OpContext.for_forward(**run.context, inputs=args, output=out, saved=saved, checks=checks)
+
+                run.forward.run([*args, out, *saved.values()], context, checks, run.fresh_forward)
             values[node.output.id] = out
             if cache is not None and p.needs_backward:
                 cache.entries[node.id] = {
                     "inputs": [a if s else None for a, s in zip(args, p.saved_inputs)],
-                    "output": out if node.op.saves_output else None,
+                    "output": out if op.saves_output else None,
                     "saved": saved,
+                    "allocated": True,  # the executor's own buffers (NodeRun.fresh_saved)
                 }
-            for value_id in self._frees[index]:  # free what no later node reads
+            for value_id in run.frees:  # free what no later node reads
                 values.pop(value_id, None)
         raise_failed_checks(checks)
         if cache is not None:
-            cache.versions = self._saved_versions(cache, values)
+            cache.inputs = {v.id: values[v.id] for v in self._inputs}
+            cache.versions = self._saved_versions(cache)
         self.live_values = len(self._intermediates.intersection(values))
         outs = tuple(values[v.id] for v in program.outputs)
         if cache is not None:
@@ -382,10 +441,10 @@ class Executor:
             raise TeenyError("this ActivationCache was already consumed by a backward pass; run forward_train again")
         program = self.program
         grads = self._seeds(program, grad_output)
-        _check_versions(cache)
+        self._check_versions(cache)
         cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
         cache.used = True
-        seeds = frozenset(_storage_id(g) for g in grads.values())
+        seeds = frozenset(storage_id(g) for g in grads.values())
         recomputed: dict[int, torch.Tensor] = {}  # value id -> written again, until its last reader's backward
         for index in range(len(program.nodes) - 1, -1, -1):
             p = program.nodes[index]
@@ -412,36 +471,56 @@ class Executor:
         cache.entries.clear()
         return result
 
-    def _saved_versions(self, cache: ActivationCache, values: dict[int, torch.Tensor]) -> list:
-        """(tensor, version, description) for every tensor the backward will read."""
-        sources = {}  # storage -> the input or parameter it belongs to (views of inputs name the input)
-        for value_id, description in self._sources:
-            t = values.get(value_id)
-            if t is not None and t.numel():
-                sources[t.untyped_storage().data_ptr()] = description
-        by_node = self._nodes_by_id
+    def _saved_versions(self, cache: ActivationCache) -> list[tuple[torch.Tensor, int, Node, Value]]:
+        """(tensor, version, node, value) for every tensor the backward will read that the caller
+        can change in place (``NodeRun.versioned``): the node that saved it and the value it
+        holds. Described only if it changes."""
         seen: set[int] = set()
         recorded = []
         for node_id, entry in cache.entries.items():
-            node = by_node[node_id]
-            named = [*zip(entry["inputs"], node.inputs), (entry["output"], node.output)]
-            named += [(t, None) for t in entry["saved"].values()]
-            for t, value in named:
-                if not isinstance(t, torch.Tensor) or id(t) in seen:
+            run = self._runs[node_id]
+            node = run.planned.node
+            for t, value in zip([*entry["inputs"], entry["output"]], run.versioned):
+                if value is None or t is None or id(t) in seen:
                     continue
                 seen.add(id(t))
-                source = sources.get(t.untyped_storage().data_ptr()) if t.numel() else None
-                if source is None and value is not None and value.kind == "node":
-                    source = f"the output '{value.name}' of node '{value.producer.name}'"
-                described = source or f"a tensor saved by node '{node.name}'"
                 try:
                     version = t._version
                 except RuntimeError:
                     if not t.is_inference():
                         raise
-                    raise inference_tensor_error(described) from None
-                recorded.append((t, version, described))
+                    raise inference_tensor_error(self._describe_saved(cache, t, node, value)) from None
+                recorded.append((t, version, node, value))
         return recorded
+
+    def _describe_saved(self, cache: ActivationCache, t: torch.Tensor, node: Node, value: Value) -> str:
+        """What a saved tensor is, for an error: the input or parameter whose memory it is (views
+        of inputs name the input), else the node output it holds, else the node that saved it."""
+        if t.numel():
+            storage = storage_id(t)
+            for v in self._inputs:
+                source = cache.inputs[v.id]
+                if source.numel() and storage_id(source) == storage:
+                    return f"input '{v.name}'"
+            for v in self.program.params:  # views of one arena: the parameter whose elements these are
+                source = self._param_by_id[v.id]
+                start = source.data_ptr()
+                if source.numel() and start <= t.data_ptr() < start + source.numel() * source.element_size():
+                    return f"parameter '{v.name}'"
+        if value.kind == "node":
+            return f"the output '{value.name}' of node '{value.producer.name}'"
+        return f"a tensor saved by node '{node.name}'"
+
+    def _check_versions(self, cache: ActivationCache) -> None:
+        """Refuse a backward whose saved tensors were changed in place since the forward."""
+        moved = [(t, node, value) for t, version, node, value in cache.versions if t._version != version]
+        changed = sorted({self._describe_saved(cache, t, node, value) for t, node, value in moved})
+        if changed:
+            raise TeenyError(
+                f"{', '.join(changed)} was modified in place between forward_train and backward: the backward "
+                "kernels would read the new values and give a wrong gradient (clone before changing it, or run "
+                "forward_train again)"
+            )
 
     def _seeds(self, program, grad_output) -> dict[int, torch.Tensor]:
         """value id -> the gradient the backward starts from there (see ``backward``)."""
@@ -476,13 +555,13 @@ class Executor:
                     f"backward() without grad_output needs a scalar loss, but '{out.name}' has shape {out.shape}"
                 )
             return torch.ones(out.shape, dtype=out.dtype, device=self.device)
-        if tuple(grad_output.shape) != tuple(out.shape):
+        if grad_output.shape != out.shape:
             raise ValueError(
                 f"grad_output has shape {tuple(grad_output.shape)}, but the output '{out.name}' has shape {out.shape}"
             )
         if grad_output.dtype != out.dtype:
             raise TypeError(f"grad_output has dtype {grad_output.dtype}, but the output '{out.name}' is {out.dtype}")
-        return grad_output.to(self.device)
+        return grad_output if grad_output.device == self.device else grad_output.to(self.device)
 
     def _recompute(
         self, p: PlannedNode, *, entry: dict, cache: ActivationCache, recomputed: dict[int, torch.Tensor], index: int
@@ -494,16 +573,18 @@ class Executor:
         for i, producer_index in p.recomputed.items():
             v = p.node.inputs[i]
             if v.id not in recomputed:
-                producer = self.program.nodes[producer_index]
-                saved = cache.entries[producer.node.id]
+                producer = self._runs[self.program.nodes[producer_index].node.id]
+                saved = cache.entries[producer.planned.node.id]
                 out = self._alloc(v.shape, v.dtype)
-                ctx = OpContext.for_recompute(
-                    **node_context(self.program, producer, dry_run=False),
-                    inputs=saved["inputs"],
-                    output=out,
-                    saved=saved["saved"],
-                )
-                ctx.run(producer.op.recompute_launches(ctx))
+
+                def context(producer=producer, saved=saved, out=out) -> OpContext:
+                    return OpContext.for_recompute(
+                        **producer.context, inputs=saved["inputs"], output=out, saved=saved["saved"]
+                    )
+
+                roles = [*saved["inputs"], out, *saved["saved"].values()]
+                fresh = (producer.fresh_saved if saved.get("allocated") else 0) | 1 << len(saved["inputs"])
+                producer.recompute.run(roles, context, fresh=fresh)
                 recomputed[v.id] = out
             entry["inputs"][i] = recomputed[v.id]
             if self._first_recompute_reader[v.id] == index:
@@ -529,7 +610,7 @@ class Executor:
         gradient something else still reads)."""
         node = p.node
         v = node.inputs[0] if node.inputs else None
-        if v is None or v.kind == "param" or not p.grad_mask[0] or node.inputs.count(v) != 1:
+        if v is None or v.kind == "param" or not p.grad_mask[0] or 0 not in self._runs[node.id].single_use:
             return None, None
         if p.op.grad_in_place and (v.shape, v.dtype) == (node.output.shape, grad_out.dtype):
             return (grad_out if _held_only_here(grad_out, seeds, grads) else None), None
@@ -558,16 +639,20 @@ class Executor:
         """``p``'s backward launches; input 0's gradient is written into ``input_grad_buffer``
         when one is given, with the waiting gradient ``addend`` added (see ``_input_grad_buffer``)."""
         node = p.node
+        run = self._runs[node.id]
+        first_buffer = len(node.inputs) + 2 + len(run.extras)  # its position among the roles below
         buffers = []
+        fresh = run.fresh_saved if entry.get("allocated") else 0  # and the buffers allocated here (NodeReplay.run)
         for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
             elif i == 0 and input_grad_buffer is not None:
                 buffers.append(input_grad_buffer)  # one buffer of the input's size fewer
-            elif v.kind == "param" and v.id in self._zeroed and node.inputs.count(v) == 1:
+            elif v.kind == "param" and v.id in self._zeroed and i in run.single_use:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
             else:
                 buffers.append(self._alloc(v.shape, v.dtype))
+                fresh |= 1 << (first_buffer + i)
         for positions in node.op.adjacent_params:  # side by side: the arena's views, or one block of their own
             group = [buffers[i] for i in positions]
             in_arena = all(g is self._grad_by_id[node.inputs[i].id] for i, g in zip(positions, group))
@@ -576,21 +661,25 @@ class Executor:
                 offsets = itertools.accumulate([0] + [g.numel() for g in group])
                 for i, g, start in zip(positions, group, offsets):
                     buffers[i] = block[start : start + g.numel()].view(g.shape)
-        ctx = OpContext.for_backward(
-            **node_context(self.program, p, dry_run=False),
-            inputs=entry["inputs"],
-            output=entry["output"],
-            saved=entry["saved"],
-            grad_output=grad_out,
-            grads=buffers,
-            grad_input_addend=addend,  # the op adds the gradient waiting to its own: no sum launch after
-        )
-        ctx.run(node.op.backward_launches(ctx))
-        produced = list(ctx.grad_inputs) + list(ctx.grad_params)  # an op may replace a buffer by a view
+                    fresh &= ~(1 << (first_buffer + i))
+        roles = [*entry["inputs"], entry["output"], *entry["saved"].values(), grad_out, *buffers, addend]
+
+        def context() -> OpContext:
+            return OpContext.for_backward(
+                **run.context,
+                inputs=entry["inputs"],
+                output=entry["output"],
+                saved=entry["saved"],
+                grad_output=grad_out,
+                grads=buffers,
+                grad_input_addend=addend,  # the op adds the gradient waiting to its own: no sum launch after
+            )
+
+        produced = run.backward.run(roles, context, fresh=fresh)  # an op may replace a buffer by a view
         for i, (v, wanted, g) in enumerate(zip(node.inputs, p.grad_mask, produced)):
             if not wanted:
                 continue
-            if g is None or tuple(g.shape) != tuple(v.shape):
+            if g is None or g.shape != v.shape:
                 raise TeenyError(
                     f"op {node.op.name} (node '{node.name}') backward left the gradient of '{v.name}' "
                     f"{'unset' if g is None else 'with shape ' + str(tuple(g.shape))}; expected {v.shape}"
@@ -614,6 +703,11 @@ class Executor:
 def _aligned_numel(n: int, dtype: torch.dtype) -> int:
     step = max(1, ARENA_ALIGN // torch.empty((), dtype=dtype).element_size())
     return -(-n // step) * step
+
+
+def _allocated_bits(values: Sequence[Value], views: set[int]) -> int:
+    """Bit ``i`` set where ``values[i]`` is a node's output in a buffer of its own (not a view)."""
+    return sum(1 << i for i, v in enumerate(values) if v.kind == "node" and v.id not in views)
 
 
 def _rows_with_one_stride(t: torch.Tensor) -> bool:
@@ -640,22 +734,5 @@ def _held_only_here(grad_out: torch.Tensor, seeds: frozenset[int], grads: dict[i
         or grad_out.untyped_storage().nbytes() != grad_out.numel() * grad_out.element_size()
     ):
         return False
-    storage = _storage_id(grad_out)
-    return storage not in seeds and all(_storage_id(g) != storage for g in grads.values())
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """Which storage ``t`` is a view of: the same for every view of one storage, on meta tensors
-    too (whose addresses are all 0), so that a program captured on meta (``teeny.aot``) takes
-    the decisions it takes on the GPU."""
-    return t.untyped_storage()._cdata
-
-
-def _check_versions(cache: ActivationCache) -> None:
-    """Refuse a backward whose saved tensors were changed in place since the forward."""
-    changed = sorted({what for t, version, what in cache.versions if t._version != version})
-    if changed:
-        raise TeenyError(
-            f"{', '.join(changed)} was modified in place between forward_train and backward: the backward kernels "
-            "would read the new values and give a wrong gradient (clone before changing it, or run forward_train again)"
-        )
+    storage = storage_id(grad_out)
+    return storage not in seeds and all(storage_id(g) != storage for g in grads.values())
