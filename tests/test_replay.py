@@ -30,12 +30,15 @@ def _model() -> Graph:
 
 
 def _feed(seed: int) -> dict:
+    """On the executor's device: a CPU tensor given to a GPU program is copied over, and the
+    copy (not the caller's tensor) is what the backward reads."""
     gen = torch.Generator().manual_seed(seed)
-    return {
+    feed = {
         "idx": torch.randint(0, 10, (4, 6), generator=gen),
         "x": torch.randn(4, 6, 8, generator=gen),
         "target": torch.randint(0, 5, (24,), generator=gen),
     }
+    return {name: t.to(teeny.DEVICE) for name, t in feed.items()}
 
 
 def _step(ex: Executor, feed: dict, zero_grad: bool = True):
@@ -47,12 +50,16 @@ def _step(ex: Executor, feed: dict, zero_grad: bool = True):
 
 
 def _equal(a, b) -> None:
+    """The same numbers; to the last bit but for the embedding table's gradient on a GPU, whose
+    backward adds rows with atomics (in whatever order they land)."""
     loss_a, dx_a, grads_a = a
     loss_b, dx_b, grads_b = b
     torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
     torch.testing.assert_close(dx_a, dx_b, rtol=0, atol=0)
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=0, msg=name)
+        atomic = name == "table" and teeny.DEVICE.type == "cuda"
+        tol = dict(rtol=1e-6, atol=1e-7) if atomic else dict(rtol=0, atol=0)
+        torch.testing.assert_close(grads_a[name], grads_b[name], **tol, msg=name)
 
 
 def test_replayed_runs_give_what_the_full_path_gives(monkeypatch):
