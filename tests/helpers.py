@@ -239,3 +239,15 @@ def regression_task(name: str = "regression", rows: int = 96, steps: int | None 
     declared = (lambda batch: rows // batch) if steps is None else (lambda batch: steps)
     task = CallableTask(name, build, batches, declared, **({"evaluate": evaluate} if evaluate else {}))
     return task, true_w
+
+
+@pytest.fixture
+def fresh_compile():
+    """A test of ``torch.compile(backend="teeny")`` starts and ends with dynamo's caches and the
+    backend's reports empty (``pytestmark = pytest.mark.usefixtures("fresh_compile")``)."""
+    from teeny.torch import backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    yield
+    torch._dynamo.reset()

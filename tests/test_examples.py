@@ -9,9 +9,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
 import teeny
+from helpers import fresh_compile  # noqa: F401  (the fixture, used through pytestmark)
 from teeny.torch import backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +28,7 @@ def _example(name: str):
     return module
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    backend.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def _assert_same_falling_losses(losses, reference):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import teeny
+from helpers import fresh_compile  # noqa: F401  (the fixture, used through pytestmark)
 from teeny.torch import backend
 
 transformers = pytest.importorskip("transformers")
@@ -18,12 +19,7 @@ transformers = pytest.importorskip("transformers")
 DEVICE = teeny.DEVICE
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    backend.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def _assert_same_training(model, reference, grad_rtol=1e-5):
