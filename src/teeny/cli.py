@@ -416,9 +416,9 @@ def cmd_train(args) -> int:
 
             shutdown()
     if world is not None:
-        from .training.distributed import exit_after_failure
+        from .training.distributed import end_process
 
-        exit_after_failure(code)  # a peer died or hung: end now, not through the group's teardown
+        end_process(code)  # every file is written and closed: end past the group's teardown
     return code
 
 

@@ -165,6 +165,4 @@ def worker(scenario: str, out: Path) -> int:
 if __name__ == "__main__":
     import teeny.training.distributed as td
 
-    code = worker(sys.argv[1], Path(sys.argv[2]))
-    td.exit_after_failure(code)  # as `teeny train` does after a peer died or hung
-    sys.exit(code)
+    td.end_process(worker(sys.argv[1], Path(sys.argv[2])))  # as `teeny train` ends its workers

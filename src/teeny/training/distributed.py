@@ -36,7 +36,7 @@ Faults: every collective runs under the process group's timeout (``init(timeout=
 ``teeny train --timeout``). A rank that dies breaks its connections and the others stop at once
 with ``DistributedError``; a rank that hangs makes the others stop once the timeout passes (on
 the GPU NCCL's watchdog aborts the communicator after the timeout); such a process then ends with
-its error (``exit_after_failure``: `teeny train` exits 1), not through the broken group's
+its error (``end_process``: `teeny train` exits 1), not through the broken group's
 teardown, which can abort it. A batch that does not split
 evenly over the ranks, or more ranks per machine than GPUs, is refused before training starts.
 """
@@ -181,21 +181,21 @@ def shutdown() -> None:
     """Leave the process group (at the end of a run). After a failed collective the group is
     left as it is: a peer is gone or hung, and tearing the group down waits on it or, with gloo,
     can abort the process ("terminate called without an active exception") instead of letting
-    it exit with its error; such a process ends through ``exit_after_failure``."""
+    it exit with its error; a worker ends through ``end_process``."""
     global _WORLD
     if dist.is_available() and dist.is_initialized() and not _FAILED:
         dist.destroy_process_group()
     _WORLD = None
 
 
-def exit_after_failure(code: int) -> None:
-    """Where a collective of this process failed, end the process now with ``code`` (output
-    flushed), past the interpreter's teardown, which would destroy the broken process group
-    (see ``shutdown``); otherwise return."""
-    if _FAILED:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+def end_process(code: int) -> None:
+    """End this process now with ``code`` (output flushed), past the interpreter's teardown: gloo's
+    threads can abort that teardown ("terminate called without an active exception") after a
+    failed collective, and on a loaded machine now and then after a clean run too, which turns a
+    finished run into a failed one. For the end of ``teeny train``'s workers, after ``shutdown``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def agree(world: World | None, fn: Callable[[], T]) -> T:
