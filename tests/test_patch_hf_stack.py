@@ -96,7 +96,7 @@ def test_a_patched_model_pickles_and_its_state_dict_loads_either_way():
     report = tt.patch(model)
     buffer = io.BytesIO()
     torch.save(model, buffer)
-    patching._CLASSES.clear()  # as in a fresh process: unpickling makes the classes again
+    patching.classes._CLASSES.clear()  # as in a fresh process: unpickling makes the classes again
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert type(loaded).__name__ == "LlamaForCausalLM" and type(loaded).__module__ == "teeny.torch.patching"
@@ -143,33 +143,55 @@ def _lora(model, targets):
 _LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "lm_head"], "llama": ["q_proj", "v_proj", "gate_proj", "lm_head"]}
 
 
-@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch"])
+@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch", "patch_lora_patch"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_lora_adapters_are_never_bypassed(family, order):
-    """LoRA on the attention, the MLP and the head, added after ``patch`` or patched with the
-    model: the loss and every adapter's gradient of the unpatched PEFT model. A one-call forward
-    that reads a wrapped layer's weight (GPT-2's attention and MLP, the fused head + loss) runs
-    the layers' own calls instead, and the report says so: left at patch time, counted at run time."""
+    """LoRA on the attention, the MLP and the head, added after ``patch``, patched with the model,
+    or added after ``patch`` and patched again: the loss and every adapter's gradient of the
+    unpatched PEFT model. A one-call forward that reads a wrapped layer's weight (GPT-2's attention
+    and MLP) runs the layers' own calls instead, and the report says so: left at patch time,
+    counted at run time. The head's adapters, once patched, are merged into the fused head + loss
+    (no logits); added after the patch, the head computes its logits (counted)."""
     targets = _LORA_TARGETS[family]
     ref, ids = _lora(_model(family), targets), _ids()
     model = _model(family)
-    if order == "patch_then_lora":
-        report = tt.patch(model)
-        model = _lora(model, targets)
-    else:
-        model = _lora(model, targets)
-        report = tt.patch(model)
-    _assert_trains_like(model, ref, ids, order)
     if order == "lora_then_patch":
-        assert "lm_head is a peft.tuners.lora.layer.Linear" in report.fused_loss
-        if family == "gpt2":
-            left = {path.split(".")[-1] for path, _, why in report.left if "peft.tuners.lora" in why}
-            assert left == {"attn", "mlp"}
+        model = _lora(model, targets)
+        report = tt.patch(model)
     else:
+        report = tt.patch(model)
+        model = _lora(model, targets)
+        if order == "patch_lora_patch":
+            assert tt.patch(model) is report
+    _assert_trains_like(model, ref, ids, order)
+    if order == "patch_then_lora":
         fallbacks = {name for name, why in report.fallbacks if "peft.tuners.lora" in why}
         assert fallbacks == (
             {"gpt2_attention", "gelu_mlp", "causal_lm_loss"} if family == "gpt2" else {"causal_lm_loss"}
         )
+        return
+    assert "the LoRA adapters merged into the head's weight" in report.fused_loss
+    assert model(input_ids=ids, labels=ids).logits is None
+    assert not {name for name, _ in report.fallbacks} & {"causal_lm_loss"}
+    if family == "gpt2" and order == "lora_then_patch":
+        left = {path.split(".")[-1] for path, _, why in report.left if "peft.tuners.lora" in why}
+        assert left == {"attn", "mlp"}
+
+
+def test_lora_on_the_head_with_dropout_in_training_computes_the_logits():
+    """A head adapter with dropout does not merge into one weight: in training the head computes
+    its logits through PEFT's layer (counted in the fallbacks), with PEFT's numbers (eval mode)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_dropout=0.5, init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_model("llama"), config)
+    report = tt.patch(model)
+    ids = _ids()
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is not None
+    assert [why for name, why in report.fallbacks if name == "causal_lm_loss"] == [
+        "lm_head's LoRA adapters do not merge (dropout, a variant): the logits are computed"
+    ]
 
 
 def test_a_patched_peft_model_without_an_adapter_on_the_head_keeps_the_fused_loss():
@@ -193,3 +215,52 @@ def test_the_profiler_names_teenys_ops_forward_and_backward():
     names = {event.name for event in profile.events()}
     for op in ("gpt2_attention", "gelu_mlp", "causal_lm_loss"):
         assert f"teeny op {op}" in names and f"teeny op {op} backward" in names, sorted(names)
+
+
+def test_the_rotary_embedding_goes_to_teeny_only_while_a_patched_model_runs():
+    """``patch`` puts a dispatcher in place of the Llama modeling module's ``apply_rotary_pos_emb``:
+    in the patched model q and k are rotated by one teeny call (counted), while an unpatched Llama
+    in the same process keeps transformers' own function, bit for bit."""
+    from transformers.models.llama import modeling_llama
+
+    from teeny.torch.patching.rotary import RotaryDispatch
+
+    plain, ids = _model("llama"), _ids()
+    before = plain(input_ids=ids, labels=ids).loss
+    model = _model("llama")
+    report = tt.patch(model)
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, RotaryDispatch)
+    assert torch.equal(plain(input_ids=ids, labels=ids).loss, before)
+    _assert_trains_like(model, _model("llama"), ids)
+    assert report.routed["apply_rotary_pos_emb"] == 2  # one call per layer
+    assert report.coverage()["rotary"] == "teeny: rotary_embedding"
+
+
+def test_rms_norms_are_told_apart_by_what_they_compute():
+    """RMS norms are recognised by running them once: Llama's x̂ w and Gemma's x̂ (1 + w) (its
+    weight starts at zero) both become teeny's norm, with the right offset; a ``*RMSNorm`` that
+    computes something else is left to PyTorch and reported."""
+    from transformers.models.llama import modeling_llama
+
+    gemma = transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    )  # fmt: skip
+    ref, ids = copy.deepcopy(gemma), _ids()
+    tt.patch(gemma)
+    assert {m.weight_offset for m in gemma.modules() if "offset_rms_norm" in getattr(type(m), "_teeny_labels", ())}
+    _assert_trains_like(gemma, ref, ids, "gemma")
+
+    class DoubledRMSNorm(modeling_llama.LlamaRMSNorm):
+        __module__ = modeling_llama.__name__  # one of transformers' classes, as patch sees it
+
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    model = _model("llama")
+    model.model.norm.__class__ = DoubledRMSNorm
+    ref = copy.deepcopy(model)
+    report = tt.patch(model)
+    assert ("model.norm", "DoubledRMSNorm", "an RMS norm that computes neither x̂ w nor x̂ (1 + w)") in report.left
+    assert type(model.model.layers[0].input_layernorm).weight_offset == 0.0
+    _assert_trains_like(model, ref, ids, "llama")

@@ -467,8 +467,20 @@ def _exact(value: Any) -> Any:
     return value
 
 
+_NO_DEFAULT = object()
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` is exactly ``default`` (its type too: 1 is not 1.0 nor True; -0.0 is not 0.0)."""
+    if default is _NO_DEFAULT or type(value) is not type(default) or isinstance(value, torch.Tensor):
+        return False
+    return _exact(value) == _exact(default) if type(value) in (float, int, bool, str, type(None)) else False
+
+
 def _implementation(reg: Registered) -> Callable:
     names = reg.arg_names
+    parameters = inspect.signature(reg.fn).parameters
+    defaults = {n: p.default for n, p in parameters.items() if n in names and p.default is not p.empty}
     # the common call (plain tensors and values): its key, and where each of its tensors comes
     # from (a position or a keyword) with the dtype autocast gives it, in one hit
     known_calls: dict[tuple, tuple[str, list[tuple[int | str, torch.dtype | None]]]] = {}
@@ -485,7 +497,9 @@ def _implementation(reg: Registered) -> Callable:
             return run(key, tensors)
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        given = [n for n in names if n in bound]  # arguments left out take the teeny function's defaults
+        # arguments left out take the teeny function's defaults; one given as its default is left
+        # out too, so that a call gets one key whether it spells a default out or not
+        given = [n for n in names if n in bound and not _is_default(bound[n], defaults.get(n, _NO_DEFAULT))]
         originals = [bound[n] for n in given]
         values = _autocast(reg, originals)
         tensors: list[torch.Tensor] = []

@@ -99,6 +99,11 @@ def swiglu(gate, up):
     return T.swiglu(gate, up)
 
 
+def geglu(gate, up, approximate="tanh"):
+    """gelu(gate) * up in one kernel pair (Gemma's MLP; teeny-only, as ``swiglu``)."""
+    return T.geglu(gate, up, approximate)
+
+
 # ---------------------------------------------------------------------------- layers
 
 
@@ -113,10 +118,12 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, out
     return T.layer_norm(input, list(normalized_shape), weight, bias, float(eps), out_dtype)
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None, *, out_dtype=None):
-    """torch's, and ``out_dtype`` as for ``layer_norm``."""
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, out_dtype=None, weight_offset=0.0):
+    """torch's, ``out_dtype`` as for ``layer_norm``, and ``weight_offset``: the scale is weight +
+    weight_offset (Gemma's (1 + w) norm: 1)."""
     _floating(input)
-    return T.rms_norm(input, list(normalized_shape), weight, None if eps is None else float(eps), out_dtype)
+    eps = None if eps is None else float(eps)
+    return T.rms_norm(input, list(normalized_shape), weight, eps, out_dtype, float(weight_offset))
 
 
 def autocast_dtype(module, input) -> torch.dtype | None:

@@ -60,7 +60,7 @@ def fusion(class_path: str, module, nodes) -> Callable | None:
     if name in _GELU_TANH_MODULES:
         return _fuse_gelu_tanh
     if name.endswith("RMSNorm"):
-        from ...patching import _source
+        from ...patching.classes import source as _source
 
         cls = type(module) if module is not None else pydoc.locate(class_path)
         eps = _epsilon(nodes)

@@ -1,0 +1,86 @@
+"""The router: while a patched model's forward runs, the functional calls its code makes
+(``teeny.torch.nn.functional.ROUTED``: ``F.scaled_dot_product_attention``, ``F.cross_entropy``,
+...) go to teeny, through a ``TorchFunctionMode``; a call teeny cannot run goes to PyTorch and is
+counted in the report's ``fallbacks``."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..nn import functional as TF
+from .classes import base_forward, swap
+from .report import PatchReport
+
+
+class Router(TorchFunctionMode):
+    """Routes the functional calls of ``teeny.torch.nn.functional.ROUTED`` to teeny."""
+
+    passes_teeny_ops = True  # teeny's operators run unchanged under it (``library.direct`` may skip it)
+
+    def __init__(self, report: PatchReport):
+        super().__init__()
+        self.report = report
+
+    @staticmethod
+    def active() -> Router | None:
+        """The router that is on (in eager mode: the function modes' stack is not traced), or None."""
+        for i in range(torch._C._len_torch_function_stack()):
+            mode = torch._C._get_function_stack_at(i)
+            if isinstance(mode, Router):
+                return mode
+        return None
+
+    @staticmethod
+    def is_on() -> bool:
+        return Router.active() is not None
+
+    def count(self, name: str) -> None:
+        """Count a call routed to teeny (eager calls only)."""
+        if not torch.compiler.is_compiling():
+            self.report.routed[name] += 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = TF.ROUTED.get(func)
+        if route is not None:
+            name = getattr(func, "__name__", str(func))
+            try:
+                out = route(*args, **kwargs)
+            except TF.Unsupported as exc:
+                if not torch.compiler.is_compiling():
+                    self.report.fallbacks[(name, str(exc))] += 1
+            else:
+                self.count(name)
+                return out
+        return func(*args, **kwargs)
+
+
+def routes_calls(forward):
+    """``forward`` (a block's) run with teeny's router on, unless it is on already: the model's
+    forward enters it, but under activation checkpointing a block runs again in the backward,
+    outside the model's forward, and must then route the calls it routed the first time (else
+    the recomputation is another computation: ``CheckpointError``, or PyTorch's gradients).
+    Under torch.compile nothing is recomputed in Python, and the model's forward enters it."""
+
+    @functools.wraps(forward)
+    def routed(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or Router.is_on():
+            return forward(self, *args, **kwargs)
+        with Router(self._teeny_report):
+            return forward(self, *args, **kwargs)
+
+    return routed
+
+
+@swap("routed")
+def _routed_forward(self, *args, **kwargs):
+    """The patched model's forward: its own, with teeny's router on (unless one is on already,
+    in eager mode: a model patched inside another; torch.compile traces it entering)."""
+    forward = base_forward(self, "routed")
+    if not torch.compiler.is_compiling() and Router.is_on():
+        return forward(self, *args, **kwargs)
+    with Router(self._teeny_report):
+        return forward(self, *args, **kwargs)
