@@ -28,8 +28,24 @@ lint: $(STAMP)-test
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 
-test: lint
+# The GPU machine has transformers 5.17.0: `make test` runs the patch matrix's cells where the model's
+# code meets patch's (tests/test_patch_matrix.py: training, checkpointing, the coverage) under it too,
+# from a folder first on PYTHONPATH that holds it and what it needs in other versions than the venv's
+# (huggingface-hub < 2, which imports httpx); everything else, and the venv, stay as pinned.
+GPU_TRANSFORMERS := 5.17.0
+GPU_TRANSFORMERS_DIR := $(VENV)/transformers-$(GPU_TRANSFORMERS)
+
+$(GPU_TRANSFORMERS_DIR)/.installed: Makefile | $(STAMP)-test
+	rm -rf $(GPU_TRANSFORMERS_DIR)
+	$(PY) -m pip install -q --no-deps --target $(GPU_TRANSFORMERS_DIR) transformers==$(GPU_TRANSFORMERS) \
+		huggingface-hub==1.33.0 httpx==0.29.0 httpcore==1.0.9 certifi==2026.10.19.post1
+	touch $@
+
+test: lint $(GPU_TRANSFORMERS_DIR)/.installed
 	$(PY) -m pytest -q -n 2
+	PYTHONPATH=$(GPU_TRANSFORMERS_DIR) TEENY_TRANSFORMERS_VERSION=$(GPU_TRANSFORMERS) \
+		$(PY) -m pytest -q -n 2 -rs -p no:cacheprovider tests/test_patch_matrix.py \
+		-k "trains_as_the_unpatched or checkpointing or coverage or version"
 
 gpu-test:
 	PYTHONPATH=src $(GPU_PY) -m pytest -q -n 8 -p no:cacheprovider tests

@@ -249,7 +249,8 @@ def run_variant(
     if variant.liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model=model)
+        # the transformers model itself (inside a PEFT model, its base model): Liger patches its layers
+        _apply_liger_kernel_to_instance(model=model.get_base_model() if hasattr(model, "get_base_model") else model)
     forward = torch.compile(model, mode=variant.compile_mode) if variant.compile_mode else model
     if variant.teeny_backend:
         from . import backend

@@ -115,7 +115,16 @@ def _hugging_face_swap(module: nn.Module, report: PatchReport) -> tuple[type | N
     if status:
         report.note("mlp", status)
         return (teeny_class(cls, label), "") if label else (None, status)
+    if name.endswith("MLP"):  # a plain MLP (StarCoder2's): its layers are swapped one by one, or not
+        layers_only = all(_has_drop_in(child) for child in module.children())
+        report.note("mlp", "teeny: its layers one by one" if layers_only else "PyTorch: its own code")
     return None, ""
+
+
+def _has_drop_in(module: nn.Module) -> bool:
+    """Whether patch gives ``module`` a teeny class of its own (a torch layer or an activation)."""
+    cls = type(module)
+    return cls in DROP_INS or cls.__name__ in layers.GELU_TANH or (cls.__name__ == "Conv1D" and hasattr(module, "nf"))
 
 
 def _note_attention(module: nn.Module, report: PatchReport) -> None:
@@ -151,6 +160,27 @@ def _not_conv1d(module: nn.Module, names: tuple[str, ...]) -> str:
     return ""
 
 
+_ADAPTER_LEFT = (
+    "a PEFT adapter: PEFT runs it and its layers (its small products and its base layer's cost less as "
+    "PyTorch's calls than as teeny calls); the layers around it stay teeny's"
+)
+
+
+def _adapter_layers(model: nn.Module) -> set[str]:
+    """The paths of the PEFT adapter layers in ``model`` (LoRA's and the other tuners': a
+    ``base_layer`` and the adapters' own modules) that patch leaves to PEFT, with everything in
+    them: an adapter adds small products (rank r) beside its base layer's, and in eager mode each
+    teeny call costs host time that such products do not repay. The LM head's adapter is the
+    exception: it is fused into the head + loss (``head``)."""
+    heads = {id(getattr(m, "lm_head", None)) for m in model.modules()}
+    return {
+        path
+        for path, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module) and hasattr(m, "active_adapters")
+        and id(m) not in heads
+    }  # fmt: skip
+
+
 def _is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__ and not any(True for _ in module.children())
 
@@ -172,11 +202,17 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
         if (path, cls.__name__, why) not in report.left:
             report.left.append((path, cls.__name__, why))
 
+    adapters = _adapter_layers(model)
     for path, module in model.named_modules():
         cls = type(module)
         if labels(module) or cls in DROP_INS.values():
             _note_patched(module, report)
             continue  # already teeny
+        if any(path.startswith(f"{adapter}.") for adapter in adapters):
+            continue  # a PEFT adapter's own layers: PEFT runs them (``_adapter_layers``)
+        if path in adapters:
+            leave(path, cls, _ADAPTER_LEFT)
+            continue
         target, why = DROP_INS.get(cls), None
         if target is not None:
             why = layers.unsupported_option(module)
@@ -205,7 +241,8 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     report.fused_loss = head.fuse_head(model) if fused_loss else ""
     if report.fused_loss:
         fused = report.fused_loss.startswith("one chunked")
-        report.note("head + loss", "teeny: one chunked op" if fused else "PyTorch: " + report.fused_loss[18:-1])
+        why = report.fused_loss.removeprefix("left to the model (").removesuffix(")")
+        report.note("head + loss", "teeny: one chunked op" if fused else f"PyTorch: {why}")
     if "routed" not in labels(model):
         model.__class__ = teeny_class(type(model), "routed")
     for module in model.modules():  # where the router and the one-call forwards count
