@@ -34,19 +34,24 @@ synchronisation).
 layer_norm, one attention, one linear, and a small GPT, each after ``zero_grad`` as in a training
 step (and once without it, the parameters' gradients accumulating). With the launches stubbed
 (``kernel.intercept_launches`` with a handler that does nothing, so Triton's own binding is left
-out; CPU or GPU) it is the process's CPU time, forward and backward apart (minimum over repeats
-of the mean of many calls). With real launches (GPU only) it is the host time per step
-(``zero_grad``, ``forward_train``, ``backward``) issued back to back (``_time_back_to_back``),
-next to a synchronised step's wall time and the same step captured in a CUDA graph (the kernels
-alone), both in ms per step. Shapes are GPU-sized on the GPU and small on the CPU, where the
+out, and so are the direct launches of the executor's replays: an interceptor sends them through
+``runtime.fire``; CPU or GPU) it is the process's CPU time, forward and backward apart (minimum
+over repeats of the mean of many calls). With real launches (GPU only) it is that CPU time again
+(``real host``: the replays launch straight through Triton's C launcher; the GPU is synchronised
+before each step, outside its timing, but a forward that reads flags, as the GPT's cross-entropy
+does, waits for its kernels inside it), the time per step (``zero_grad``, ``forward_train``,
+``backward``) issued back to back (``_time_back_to_back``: the host time where the kernels are
+shorter), next to a synchronised step's wall time and the same step captured in a CUDA graph (the
+kernels alone), both in ms per step. Shapes are GPU-sized on the GPU and small on the CPU, where the
 buffers' allocation would otherwise be the cost, and on the CPU torch runs one thread (its idle
 pool's spinning after ``zero_grad`` would count as CPU time).
 
 Case names: ``host stubbed: <row>``, ``host synced: <row>`` and ``host executor: <case>, <row>``
 (``<row>``: ``stubbed forward``, ``stubbed backward``, ``stubbed both``, ``stubbed both, gradients
-accumulating``, ``real forward+backward`` in us per node; ``real step synchronised``, ``real step
-captured`` in ms), the implementation ``teeny``, ``torch`` or ``raw``; the ``ms`` column holds ms
-(us / 1000). On the GPU the rows are appended to bench/results/<gpu>.csv unless ``--no-save``.
+accumulating``, ``real host forward+backward``, ``real forward+backward`` in us per node; ``real
+step synchronised``, ``real step captured`` in ms), the implementation ``teeny``, ``torch`` or
+``raw``; the ``ms`` column holds ms (us / 1000). On the GPU the rows are appended to
+bench/results/<gpu>.csv unless ``--no-save``.
 """
 
 from __future__ import annotations  # noqa: I001  (teeny before triton: it chooses the device)
@@ -399,6 +404,8 @@ def executor_host(make: Callable[[], tuple], number: int, repeat: int, real: boo
             for _ in range(number):
                 if zero_grad:  # as a training step: the backward writes the parameters' gradients in place
                     ex.zero_grad()
+                if real:  # the GPU idle: no launch of the step waits for room in its queue
+                    sync()
                 start = time.process_time()
                 out, cache = ex.forward_train(feed)
                 middle = time.process_time()
@@ -416,6 +423,8 @@ def executor_host(make: Callable[[], tuple], number: int, repeat: int, real: boo
         forward, backward = timed_apart(zero_grad=False)
         rows["stubbed both, gradients accumulating"] = forward + backward
     if real:
+        forward, backward = timed_apart(zero_grad=True)  # the replays' launches straight through Triton's launcher
+        rows["real host forward+backward"] = forward + backward
         rows["real forward+backward"] = _time_back_to_back(step, calls=number) / nodes * 1e6
         rows["real step synchronised"] = wall_time(step, warmup=3, reps=max(number, 10)) * 1e3
         graph, _ = capture(step)

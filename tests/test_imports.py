@@ -130,7 +130,9 @@ def test_every_module_imports_first_in_a_fresh_process():
     """Each module, imported first in a fresh Python process, imports: the static graph above
     misses cycles through the package's lazily exported names (``from . import kernel`` reads
     the decorator ``teeny.core.kernel``, which loads the whole package) and modules that import
-    triton before ``teeny.core.device`` has chosen interpreter or GPU."""
+    triton before ``teeny.core.device`` has chosen interpreter or GPU. (A module that a package
+    above it imports while being imported first runs no process of its own: importing it first
+    runs the very same imports as importing that package first; see the script.)"""
     names = sorted(name for name in _modules() if not name.endswith("__main__"))
     assert len(names) > 40
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -869,9 +869,14 @@ def test_mlp_fused_matches_the_unfused_layers(case, gen):
 
 
 def test_mlp_fused_gradcheck_float64(gen):
-    g = _mlp_graph(MLP_LAYERS["three-layers"], shape=(3, 4))
-    assert _mlp_ops(lower(g, LoweringMode.TRAINING, rewrites=MLP_REWRITES))
-    teeny.gradcheck_graph(g, {"x": torch.randn(3, 4, dtype=torch.float64, generator=gen)}, rewrites=MLP_REWRITES)
+    """The chain of "three-layers" (tanh GELU, SiLU, a middle layer without bias), narrower: the
+    gradcheck perturbs every element of x and of each parameter twice."""
+    layers = [(4, True, ("gelu", {"approximate": "tanh"})), (3, False, ("silu", {})), (2, True, None)]
+    assert [(bias, act) for _, bias, act in layers] == [(bias, act) for _, bias, act in MLP_LAYERS["three-layers"]]
+    g = _mlp_graph(layers, shape=(2, 3))
+    (op,) = _mlp_ops(lower(g, LoweringMode.TRAINING, rewrites=MLP_REWRITES))
+    assert len(op.activations) == 2
+    teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, dtype=torch.float64, generator=gen)}, rewrites=MLP_REWRITES)
 
 
 def test_mlp_fused_with_a_frozen_weight_and_for_inference(gen):

@@ -1,4 +1,4 @@
-"""End to end: a teeny MLP against the same PyTorch MLP (gradients, and 50 optimizer steps of
+"""End to end: a teeny MLP against the same PyTorch MLP (gradients, and 20 optimizer steps of
 losses), kill-and-resume, checkpoint integrity, resume refusals, diverging runs, run folders,
 the `teeny train` command's errors, and the README's example."""
 
@@ -71,27 +71,29 @@ def test_mlp_parameter_gradients_match_pytorch():
 
 
 def test_mlp_graph_gradcheck_float64():
-    model = MLP(5, 7, 3).to(torch.float64)
+    model = MLP(3, 4, 3).to(torch.float64)  # small: every parameter element is perturbed twice
     g = Graph()
-    x = g.input("x", (4, 5), torch.float64)
+    x = g.input("x", (4, 3), torch.float64)
     y = g.input("y", (4,), torch.int64)
     g.output(ops.cross_entropy(model(x), y))
     gen = torch.Generator().manual_seed(0)
     teeny.gradcheck_graph(
-        g, {"x": torch.randn(4, 5, dtype=torch.float64, generator=gen), "y": torch.randint(3, (4,), generator=gen)}
+        g, {"x": torch.randn(4, 3, dtype=torch.float64, generator=gen), "y": torch.randint(3, (4,), generator=gen)}
     )
 
 
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-4), (torch.float64, 1e-10)], ids=["float32", "float64"])
 @pytest.mark.parametrize("kind", ["sgd_momentum", "adamw"])
-def test_fifty_steps_of_losses_match_pytorch(dtype, rel, kind):
+def test_twenty_steps_of_losses_match_pytorch(dtype, rel, kind):
+    """Each step on a new batch (the momentum and the moments carry over): in float32 teeny's
+    losses stay within about 2e-7 of PyTorch's at every step, with no drift, well inside ``rel``."""
     ex, ref = _pair(dtype)
     if kind == "sgd_momentum":
         opt, ref_opt = SGD(ex, lr=0.05, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     else:
         opt = AdamW(ex, lr=3e-3, weight_decay=0.05)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
-    for step, (x, y) in enumerate(_data(dtype, 50)):
+    for step, (x, y) in enumerate(_data(dtype, 20)):
         opt.zero_grad()
         (loss, _), cache = ex.forward_train({"x": x, "y": y})
         ex.backward(cache)
@@ -115,7 +117,14 @@ def dataclasses_replace(config, **changes):
 
 def _config(tmp_path, name, **kw):
     return TrainConfig(
-        epochs=2, batch_size=64, lr=2e-3, optimizer="adamw", out=str(tmp_path / name), progress=False, log_every=1, **kw
+        epochs=2,
+        batch_size=128,
+        lr=2e-3,
+        optimizer="adamw",
+        out=str(tmp_path / name),
+        progress=False,
+        log_every=1,
+        **kw,
     )
 
 
@@ -123,6 +132,7 @@ def test_kill_and_resume_gives_the_same_parameters(tmp_path):
     from teeny.training.models import make_task
 
     full = train(make_task("mlp"), _config(tmp_path, "full"), log=lambda *_: None)
+    assert full["step"] == 22  # 2 epochs of 11 batches of 128
     # "killed" after 7 steps (mid-epoch), then resumed from its checkpoint
     part = train(make_task("mlp"), _config(tmp_path, "part", max_steps=7), log=lambda *_: None)
     assert part["step"] == 7
@@ -216,7 +226,11 @@ def _quiet(*args, **kwargs):
 
 def test_train_your_own_graph_and_data(tmp_path):
     task, true_w = regression_task()
-    config = TrainConfig(epochs=30, batch_size=16, lr=0.05, optimizer="sgd", out=str(tmp_path), progress=False)
+    # 10 epochs of 6 steps reach the true weights to float32 rounding (about 1e-7); lr 0.05 with
+    # the default momentum 0.9 took 30 epochs to come within 5e-4
+    config = TrainConfig(
+        epochs=10, batch_size=16, lr=0.1, momentum=0.5, optimizer="sgd", out=str(tmp_path), progress=False
+    )
     result = train(task, config, log=_quiet)
     params = result["executor"].params
     weight = [v for k, v in params.items() if k.endswith("weight")][0]

@@ -7,7 +7,8 @@ same model in one process.
         python tests/scripts/distributed_worker.py equivalence /tmp/dp
 
 SCENARIO: equivalence, killed, resumed, straight, nccl, dies, hangs (DIE_ALL, TIMEOUT in the
-environment shape the failures).
+environment shape the failures); several, comma-separated (straight,killed), run one after the
+other in the same processes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROWS, BATCH = 48, 12  # 4 steps per epoch; 6 rows per rank
+ROWS, BATCH = 24, 12  # 2 steps per epoch, 4 in the 2 epochs; 6 rows per rank
 RUNS = [
     (optimizer, zero, dtype, None)
     for optimizer in ("sgd", "adamw")
@@ -101,64 +102,75 @@ def train_config(optimizer: str, zero: bool, dtype: torch.dtype, out: Path | Non
     return TrainConfig(**settings)
 
 
-def worker(scenario: str, out: Path) -> int:
+def worker(scenarios: str, out: Path) -> int:
+    import teeny.training.distributed as td
+
+    world = td.init(timeout=float(os.environ.get("TIMEOUT", "60")))
+    try:
+        for scenario in scenarios.split(","):
+            code = run(scenario, out, world)
+            if code:
+                return code
+    finally:
+        td.shutdown()
+    return 0
+
+
+def run(scenario: str, out: Path, world) -> int:
+    """One scenario on the initialised process group ``world``: 0, or 1 for a clear DistributedError."""
     import teeny.training.distributed as td
     from teeny.training.loop import train
 
-    world = td.init(timeout=float(os.environ.get("TIMEOUT", "60")))
     quiet = lambda *a, **k: None  # noqa: E731
-    try:
-        if scenario == "equivalence":
-            try:
-                config = train_config("sgd", False, torch.float64, None, batch_size=7)
-                train(make_task(torch.float64), config, log=quiet)
-                raise AssertionError("batch 7 on 2 ranks was accepted")
-            except ValueError as exc:
-                assert "does not divide evenly over 2 processes" in str(exc), exc
-            for optimizer, zero, dtype, precision in RUNS:
-                name = run_name(optimizer, zero, dtype, precision)
-                config = train_config(optimizer, zero, dtype, out / name, precision=precision)
-                result = train(make_task(dtype), config, log=quiet)
-                if world.rank == 0:
-                    memory = result["memory_per_rank"]
-                    (out / name / "memory.json").write_text(json.dumps(memory))
-        elif scenario in ("killed", "resumed", "straight"):
-            die_at = 4 if scenario == "killed" else None
-            config = train_config("adamw", True, torch.float32, out / scenario.replace("resumed", "killed"))
-            config.checkpoint_every = 1
-            resume = str(out / "killed" / "checkpoint.safetensors") if scenario == "resumed" else None
-            train(make_task(torch.float32, die_at=die_at), config, resume=resume, log=quiet)
-        elif scenario == "nccl":  # world size 1 on the GPU: the step with its collectives as one CUDA graph
-            import warnings
+    if scenario == "equivalence":
+        try:
+            config = train_config("sgd", False, torch.float64, None, batch_size=7)
+            train(make_task(torch.float64), config, log=quiet)
+            raise AssertionError("batch 7 on 2 ranks was accepted")
+        except ValueError as exc:
+            assert "does not divide evenly over 2 processes" in str(exc), exc
+        for optimizer, zero, dtype, precision in RUNS:
+            name = run_name(optimizer, zero, dtype, precision)
+            config = train_config(optimizer, zero, dtype, out / name, precision=precision)
+            result = train(make_task(dtype), config, log=quiet)
+            if world.rank == 0:
+                memory = result["memory_per_rank"]
+                (out / name / "memory.json").write_text(json.dumps(memory))
+    elif scenario in ("killed", "resumed", "straight"):
+        die_at = 4 if scenario == "killed" else None
+        config = train_config("adamw", True, torch.float32, out / scenario.replace("resumed", "killed"))
+        config.checkpoint_every = 1
+        resume = str(out / "killed" / "checkpoint.safetensors") if scenario == "resumed" else None
+        train(make_task(torch.float32, die_at=die_at), config, resume=resume, log=quiet)
+    elif scenario == "nccl":  # world size 1 on the GPU: the step with its collectives as one CUDA graph
+        import warnings
 
-            from teeny import Executor, LoweringMode, lower
-            from teeny.training.loop import TrainStep
-            from teeny.training.optim import AdamW
+        from teeny import Executor, LoweringMode, lower
+        from teeny.training.loop import TrainStep
+        from teeny.training.optim import AdamW
 
-            task = make_task(torch.float32)
-            feeds = list(task.batches(0, BATCH, 0))
-            report = {}
-            for kind in ("plain", "parallel"):
-                ex = Executor(lower(task.build(BATCH), LoweringMode.TRAINING), seed=0)
-                opt = AdamW(ex, lr=0.02)
-                parallel = td.DataParallel(world, ex, opt, bucket_mb=100 * 4 / 2**20) if kind == "parallel" else None
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("error", message="CUDA graph capture failed")  # fail, not fall back
-                    step = TrainStep(ex, opt, clip=0.5, cuda_graph=True, parallel=parallel)
-                    losses = [float(step(feeds[i % len(feeds)], 10)) for i in range(6)]
-                report[kind] = {"losses": losses, "captured": step.graph is not None}
-            (out / "nccl.json").write_text(json.dumps(report))
-        elif scenario in ("dies", "hangs"):
-            task = make_task(
-                torch.float64, die_at=3 if scenario == "dies" else None, hang_at=3 if scenario == "hangs" else None
-            )
-            try:
-                train(task, train_config("sgd", False, torch.float64, None), log=quiet)
-            except td.DistributedError as exc:
-                print(f"DistributedError: {exc}", file=sys.stderr)
-                return 1
-    finally:
-        td.shutdown()
+        task = make_task(torch.float32)
+        feeds = list(task.batches(0, BATCH, 0))
+        report = {}
+        for kind in ("plain", "parallel"):
+            ex = Executor(lower(task.build(BATCH), LoweringMode.TRAINING), seed=0)
+            opt = AdamW(ex, lr=0.02)
+            parallel = td.DataParallel(world, ex, opt, bucket_mb=100 * 4 / 2**20) if kind == "parallel" else None
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="CUDA graph capture failed")  # fail, not fall back
+                step = TrainStep(ex, opt, clip=0.5, cuda_graph=True, parallel=parallel)
+                losses = [float(step(feeds[i % len(feeds)], 10)) for i in range(6)]
+            report[kind] = {"losses": losses, "captured": step.graph is not None}
+        (out / "nccl.json").write_text(json.dumps(report))
+    elif scenario in ("dies", "hangs"):
+        task = make_task(
+            torch.float64, die_at=3 if scenario == "dies" else None, hang_at=3 if scenario == "hangs" else None
+        )
+        try:
+            train(task, train_config("sgd", False, torch.float64, None), log=quiet)
+        except td.DistributedError as exc:
+            print(f"DistributedError: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

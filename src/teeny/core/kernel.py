@@ -50,6 +50,7 @@ from . import config, tuning
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -321,13 +322,23 @@ def direct_launcher(
     return launch_arguments
 
 
-def _direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
-    from triton import knobs
+def launches_watched() -> bool:
+    """Whether something watches every launch, which a direct launcher would skip: a recorder
+    (``record_launches``), an interceptor (``intercept_launches``) or Triton's launch hooks (a
+    profiler). Launches then take ``KernelInstance.launch``'s full path."""
+    return bool(_RECORDERS or _INTERCEPTORS) or _launch_hooks_set()
 
-    if compiled is None or not hasattr(compiled, "packed_metadata"):
-        return None
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    if any(hook is not None and getattr(hook, "calls", True) for hook in hooks):  # a HookChain with hooks in it
+
+def _launch_hooks_set() -> bool:
+    """Whether Triton's launch hooks are set (a ``HookChain`` with hooks in it, or a function)."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(enter is not None and getattr(enter, "calls", True)) or bool(
+        leave is not None and getattr(leave, "calls", True)
+    )
+
+
+def _direct_launcher(compiled: Any, grid: tuple[int, ...], device_scratch: bool) -> Callable[[int, list], None] | None:
+    if compiled is None or not hasattr(compiled, "packed_metadata") or _launch_hooks_set():
         return None
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1, g2 = (*grid, 1, 1)[:3]

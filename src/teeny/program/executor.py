@@ -19,7 +19,8 @@ What every run does the same is worked out once, when the executor is made: per 
 ``NodeRun`` (where its inputs come from, its extra outputs, the fixed arguments of its
 ``OpContext``, what it frees). Each node's launches are built, checked and fired the full way on
 its first run and recorded (``replay.NodeReplay``); later runs fire the recorded launches with
-their own tensors, and build an ``OpContext`` only where a node cannot be replayed.
+their own tensors (on a GPU straight through Triton's C launcher), and build an ``OpContext`` only
+where a node cannot be replayed.
 
 A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
 changed in place between ``forward_train`` and ``backward`` would silently give a wrong
@@ -114,13 +115,14 @@ class NodeRun:
     # does, holds tensors whose layout is checked)
     fresh_forward: int
     fresh_saved: int
+    own_inputs: int  # the inputs that are parameters or constants: roles the same every run (NodeReplay.run)
     context: dict[str, Any]  # lowering.node_context
     frees: tuple[int, ...]  # intermediate values no later node reads
     single_use: frozenset[int]  # the positions of the inputs the node reads once
-    # per tensor of its cache entry (inputs, output, extras): the value it holds (None: an extra
-    # output) when the caller can change it in place (an input, parameter or constant, an output
-    # handed to the caller, or a view); None for the others, whose versions are not recorded
-    versioned: tuple[Value | None, ...]
+    # (position, value) of the tensors of its cache entry that the caller can change in place (an
+    # input, parameter or constant, an output handed to the caller, or a view): the input at that
+    # position, or the output at -1; the versions of the others are not recorded
+    versioned: tuple[tuple[int, Value], ...]
     forward: NodeReplay
     recompute: NodeReplay
     backward: NodeReplay
@@ -214,12 +216,14 @@ class Executor:
                 fresh_forward=_allocated_bits(node.inputs, views) | ((1 << (1 + len(extras))) - 1) << len(node.inputs),
                 fresh_saved=_allocated_bits([*node.inputs, node.output], views)
                 | (((1 << len(extras)) - 1) << (len(node.inputs) + 1)),
+                own_inputs=sum(1 << i for i, v in enumerate(node.inputs) if v.kind in ("param", "const")),
                 context=node_context(program, p, dry_run=False),
                 frees=tuple(dict.fromkeys(frees)),
                 single_use=frozenset(i for i, v in enumerate(node.inputs) if node.inputs.count(v) == 1),
                 versioned=tuple(
-                    v if v.kind != "node" or v.id in keep or v.id in views else None
-                    for v in [*node.inputs, node.output]
+                    (i, v)
+                    for i, v in [*enumerate(node.inputs), (-1, node.output)]
+                    if v.kind != "node" or v.id in keep or v.id in views
                 ),
                 forward=NodeReplay(node.op),
                 recompute=NodeReplay(node.op),
@@ -389,7 +393,7 @@ class Executor:
                 def context(run=run, args=args, out=out, saved=saved) -> OpContext:
                     return OpContext.for_forward(**run.context, inputs=args, output=out, saved=saved, checks=checks)
 
-                run.forward.run([*args, out, *saved.values()], context, checks, run.fresh_forward)
+                run.forward.run([*args, out, *saved.values()], context, checks, run.fresh_forward, run.own_inputs)
             values[node.output.id] = out
             if cache is not None and p.needs_backward:
                 cache.entries[node.id] = {
@@ -477,13 +481,15 @@ class Executor:
         holds. Described only if it changes."""
         seen: set[int] = set()
         recorded = []
+        runs = self._runs
         for node_id, entry in cache.entries.items():
-            run = self._runs[node_id]
-            node = run.planned.node
-            for t, value in zip([*entry["inputs"], entry["output"]], run.versioned):
-                if value is None or t is None or id(t) in seen:
+            inputs = entry["inputs"]
+            for i, value in runs[node_id].versioned:
+                t = inputs[i] if i >= 0 else entry["output"]
+                if t is None or id(t) in seen:
                     continue
                 seen.add(id(t))
+                node = runs[node_id].planned.node
                 try:
                     version = t._version
                 except RuntimeError:
@@ -583,8 +589,9 @@ class Executor:
                     )
 
                 roles = [*saved["inputs"], out, *saved["saved"].values()]
-                fresh = (producer.fresh_saved if saved.get("allocated") else 0) | 1 << len(saved["inputs"])
-                producer.recompute.run(roles, context, fresh=fresh)
+                allocated = saved.get("allocated")
+                fresh = (producer.fresh_saved if allocated else 0) | 1 << len(saved["inputs"])
+                producer.recompute.run(roles, context, fresh=fresh, fixed=producer.own_inputs if allocated else 0)
                 recomputed[v.id] = out
             entry["inputs"][i] = recomputed[v.id]
             if self._first_recompute_reader[v.id] == index:
@@ -642,7 +649,8 @@ class Executor:
         run = self._runs[node.id]
         first_buffer = len(node.inputs) + 2 + len(run.extras)  # its position among the roles below
         buffers = []
-        fresh = run.fresh_saved if entry.get("allocated") else 0  # and the buffers allocated here (NodeReplay.run)
+        # the roles allocated here or by forward_train, and the executor's own (NodeReplay.run)
+        fresh, fixed = (run.fresh_saved, run.own_inputs) if entry.get("allocated") else (0, 0)
         for i, (v, wanted) in enumerate(zip(node.inputs, p.grad_mask)):
             if not wanted:
                 buffers.append(None)
@@ -650,6 +658,7 @@ class Executor:
                 buffers.append(input_grad_buffer)  # one buffer of the input's size fewer
             elif v.kind == "param" and v.id in self._zeroed and i in run.single_use:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
+                fixed |= 1 << (first_buffer + i)
             else:
                 buffers.append(self._alloc(v.shape, v.dtype))
                 fresh |= 1 << (first_buffer + i)
@@ -662,6 +671,7 @@ class Executor:
                 for i, g, start in zip(positions, group, offsets):
                     buffers[i] = block[start : start + g.numel()].view(g.shape)
                     fresh &= ~(1 << (first_buffer + i))
+                    fixed &= ~(1 << (first_buffer + i))
         roles = [*entry["inputs"], entry["output"], *entry["saved"].values(), grad_out, *buffers, addend]
 
         def context() -> OpContext:
@@ -675,7 +685,7 @@ class Executor:
                 grad_input_addend=addend,  # the op adds the gradient waiting to its own: no sum launch after
             )
 
-        produced = run.backward.run(roles, context, fresh=fresh)  # an op may replace a buffer by a view
+        produced = run.backward.run(roles, context, fresh=fresh, fixed=fixed)  # an op may replace a buffer by a view
         for i, (v, wanted, g) in enumerate(zip(node.inputs, p.grad_mask, produced)):
             if not wanted:
                 continue

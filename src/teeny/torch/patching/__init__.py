@@ -161,8 +161,8 @@ def _not_conv1d(module: nn.Module, names: tuple[str, ...]) -> str:
 
 
 _ADAPTER_LEFT = (
-    "a PEFT adapter: PEFT runs it and its layers (its small products and its base layer's cost less as "
-    "PyTorch's calls than as teeny calls); the layers around it stay teeny's"
+    "a PEFT adapter: PEFT runs it and its layers, its functional calls unrouted (its small products and "
+    "its base layer's cost less as PyTorch's calls than as teeny calls); the layers around it stay teeny's"
 )
 
 
@@ -211,6 +211,7 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
         if any(path.startswith(f"{adapter}.") for adapter in adapters):
             continue  # a PEFT adapter's own layers: PEFT runs them (``_adapter_layers``)
         if path in adapters:
+            module.__class__ = teeny_class(cls, "unrouted")
             leave(path, cls, _ADAPTER_LEFT)
             continue
         target, why = DROP_INS.get(cls), None

@@ -23,6 +23,7 @@ class Router(TorchFunctionMode):
     def __init__(self, report: PatchReport):
         super().__init__()
         self.report = report
+        self.paused = 0  # > 0 while a module patch leaves to PyTorch runs (``runs_unrouted``)
 
     @staticmethod
     def active() -> Router | None:
@@ -44,7 +45,7 @@ class Router(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        route = TF.ROUTED.get(func)
+        route = None if self.paused else TF.ROUTED.get(func)
         if route is not None:
             name = getattr(func, "__name__", str(func))
             try:
@@ -84,3 +85,19 @@ def _routed_forward(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
     with Router(self._teeny_report):
         return forward(self, *args, **kwargs)
+
+
+@swap("unrouted")
+def _unrouted_forward(self, *args, **kwargs):
+    """The forward of a module patch leaves to its own code (a PEFT adapter layer): its functional
+    calls go to PyTorch, not to teeny (its ``F.linear`` calls of rank-r products would each cost a
+    teeny call's host time), while the model around it stays routed."""
+    forward = base_forward(self, "unrouted")
+    router = None if torch.compiler.is_compiling() else Router.active()
+    if router is None:
+        return forward(self, *args, **kwargs)
+    router.paused += 1
+    try:
+        return forward(self, *args, **kwargs)
+    finally:
+        router.paused -= 1
