@@ -159,3 +159,16 @@ def test_train_torch_model_without_that_function_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{model} defines no function 'missing' (it defines make_model)" in err, err
+
+
+def test_train_on_several_processes_hands_teenys_options_to_each_process_unread():
+    """``teeny train --nproc 2 ... --log jsonl``: torchrun's parser must not read teeny's options
+    (``--log`` is an abbreviation of torchrun's own ``--log-dir``): each process gets them as given."""
+    import sys
+
+    from teeny.cli import torchrun_options
+
+    argv = ["train", "mlp", "--log", "jsonl", "--out", "runs/x"]
+    options = torchrun_options(2, argv)
+    assert options.nproc_per_node == "2" and options.no_python
+    assert [options.training_script, *options.training_script_args] == [sys.executable, "-m", "teeny", *argv]

@@ -544,6 +544,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return rest
 
 
+def torchrun_options(nproc: int, argv: list[str]):
+    """torchrun's options for ``python -m teeny ARGV`` on ``nproc`` processes. "--" ends torchrun's
+    own options: without it torchrun's parser reads teeny's (``--log`` as an abbreviation of its
+    ``--log-dir``) and refuses the command."""
+    from torch.distributed.run import get_args_parser
+
+    command = ["--standalone", f"--nproc-per-node={nproc}", "--no-python", "--", sys.executable, "-m", "teeny"]
+    return get_args_parser().parse_args([*command, *argv])
+
+
 def start_torchrun(nproc: int, argv: list[str]) -> int:
     """Run ``python -m teeny ARGV`` on ``nproc`` processes of this machine through torchrun
     (standalone rendezvous) and return the exit code of the first process that failed (0 if
@@ -551,15 +561,12 @@ def start_torchrun(nproc: int, argv: list[str]) -> int:
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
-    options = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--no-python", sys.executable, "-m", "teeny", *argv]
-    )
     try:
-        run(options)
+        run(torchrun_options(nproc, argv))
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         first = min(codes)
