@@ -251,3 +251,24 @@ def fresh_compile():
     backend.reset()
     yield
     torch._dynamo.reset()
+
+
+def assert_same_step(actual, expected, what: str) -> None:
+    """Two training steps' (loss, {name: gradient}) agree: the loss and every gradient, to float32's
+    tolerance for sums of 64 terms (``teeny.torch.patch`` against the model unpatched)."""
+    (loss, grads), (expected_loss, expected_grads) = actual, expected
+    atol, rtol = tolerance(torch.float32, 64)
+    torch.testing.assert_close(loss, expected_loss, atol=atol, rtol=rtol, msg=lambda m: f"{what}: loss: {m}")
+    assert grads.keys() == expected_grads.keys(), what
+    for name, g in expected_grads.items():
+        assert grads[name] is not None, f"{what}: {name}: no gradient"
+        torch.testing.assert_close(grads[name], g, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {name}: {m}")
+
+
+def shift_weights(*models) -> None:
+    """The same change to every parameter of each model (a training step's, as an EMA copy sees)."""
+    for model in models:
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import teeny.torch as tt
-from teeny.checks.registry import tolerance
+from helpers import assert_same_step, shift_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -48,23 +48,7 @@ def _step(model, ids):
 
 
 def _assert_trains_like(model, ref, ids, what=""):
-    loss, grads = _step(model, ids)
-    expected, expected_grads = _step(ref, ids)
-    atol, rtol = tolerance(torch.float32, 64)
-    torch.testing.assert_close(loss, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what} loss: {m}")
-    assert grads.keys() == expected_grads.keys()
-    for name, g in expected_grads.items():
-        assert grads[name] is not None, f"{what} {name}: no gradient"
-        torch.testing.assert_close(grads[name], g, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
-
-
-def _shift_weights(*models):
-    """The same change to every parameter of each model (a training step's, as an EMA copy sees)."""
-    for model in models:
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    assert_same_step(_step(model, ids), _step(ref, ids), what)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -76,7 +60,7 @@ def test_a_deep_copy_of_a_patched_model_computes_with_its_own_weights(family):
     tt.patch(model)
     twin = copy.deepcopy(model)
     twin_ref = copy.deepcopy(ref)
-    _shift_weights(twin, twin_ref)
+    shift_weights(twin, twin_ref)
     assert type(twin) is type(model) and twin._teeny_report is not model._teeny_report
     _assert_trains_like(twin, twin_ref, ids, "the copy")
     _assert_trains_like(model, ref, ids, "the original")
@@ -105,7 +89,7 @@ def test_a_patched_model_pickles_and_its_state_dict_loads_either_way():
     _assert_trains_like(loaded, ref, ids, "unpickled")
     assert tt.patch(loaded) is loaded._teeny_report
     plain = _model("llama")
-    _shift_weights(plain)
+    shift_weights(plain)
     model.load_state_dict(plain.state_dict())
     _assert_trains_like(model, plain, ids, "state_dict loaded")
     again = _model("llama")

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 import teeny.torch as tt
-from teeny.checks.registry import tolerance
+from helpers import assert_same_step, shift_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -154,23 +154,7 @@ def _expected(family: str):
 
 
 def _assert_matches(actual, expected, what: str):
-    (loss, grads), (expected_loss, expected_grads) = actual, expected
-    what = f"transformers {VERSION}, {what}"
-    atol, rtol = tolerance(torch.float32, 64)
-    torch.testing.assert_close(loss, expected_loss, atol=atol, rtol=rtol, msg=lambda m: f"{what}: loss: {m}")
-    assert grads.keys() == expected_grads.keys(), what
-    for name, g in expected_grads.items():
-        assert grads[name] is not None, f"{what}: {name}: no gradient"
-        torch.testing.assert_close(grads[name], g, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {name}: {m}")
-
-
-def _shift_weights(*models):
-    """The same change to every parameter of each model (a training step's, as an EMA copy sees)."""
-    for model in models:
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    assert_same_step(actual, expected, f"transformers {VERSION}, {what}")
 
 
 def _lora(model, family: str):
@@ -263,7 +247,7 @@ def test_a_pickled_patched_model_loads_as_itself_and_its_deep_copy_has_its_own_w
         twin, twin_reference = copy.deepcopy(loaded), _model(family)
         assert [type(m) for m in twin.modules()] == [type(m) for m in loaded.modules()]
         assert twin._teeny_report is not loaded._teeny_report
-        _shift_weights(twin, twin_reference)
+        shift_weights(twin, twin_reference)
         _assert_matches(_step(twin), _step(twin_reference), f"{family}, unpickled, its copy")
         for (name, p), q in zip(loaded.named_parameters(), _reference(family).parameters()):
             assert torch.equal(p, q) and p.grad is None, f"{family}: the original's {name} changed"

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 def load_matrix():
     """``tests/test_patch_matrix.py`` as a module: its model types, models and batch."""
-    path = Path(__file__).resolve().parents[1] / "test_patch_matrix.py"
+    tests = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(tests))  # its ``helpers``, as pytest puts tests/ on the path
+    path = tests / "test_patch_matrix.py"
     spec = importlib.util.spec_from_file_location("teeny_test_patch_matrix", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
