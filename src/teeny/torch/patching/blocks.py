@@ -30,7 +30,7 @@ from .. import library
 from ..nn import DROP_INS
 from ..nn import functional as TF
 from .classes import base_forward, from_transformers, origin, swap
-from .layers import _rms_norm_forward
+from .layers import _epsilon, _rms_norm_forward
 from .router import routes_calls
 
 
@@ -73,8 +73,7 @@ def junction(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
             return None
         eps, centred, bias = norm.eps, True, norm.bias
     elif type(norm).forward is _rms_norm_forward:
-        eps, centred, bias, offset = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps, \
-            False, None, norm.weight_offset  # fmt: skip
+        eps, centred, bias, offset = _epsilon(norm), False, None, norm.weight_offset
     else:
         return None
     if weight is None or weight.shape != residual.shape[-1:]:
