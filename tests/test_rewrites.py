@@ -451,6 +451,46 @@ def test_linear_cross_entropy_never_stores_the_logits(gen):
     assert torch.isfinite(out)
 
 
+def _given_head_graph(x_grad: bool, weight_grad: bool, rows=(3, 5), d=8, classes=11):
+    """The head of ``_head_graph`` with W and b given as inputs, as ``teeny.torch`` passes a
+    PyTorch layer's (frozen under LoRA: no gradient wanted)."""
+    g = Graph("given head")
+    n = math.prod(rows)
+    x = g.input("x", (*rows, d), requires_grad=x_grad)
+    y = g.input("y", (n,), torch.int64)
+    w = g.input("w", (classes, d), requires_grad=weight_grad)
+    b = g.input("b", (classes,), requires_grad=weight_grad)
+    g.output(ops.cross_entropy(ops.reshape(ops.linear(x, w, b), (n, classes)), y))
+    return g
+
+
+@pytest.mark.parametrize("x_grad, weight_grad", [(True, False), (False, True)])
+def test_linear_cross_entropy_computes_only_the_gradients_wanted(x_grad, weight_grad, small_chunks, gen):
+    """A frozen head (LoRA) gets no dW or db in the forward, kept or computed (a (classes x d)
+    float32 sum and a product per chunk), and frozen hidden states no dX; the gradients that
+    are wanted match the unfused program's."""
+    g = _given_head_graph(x_grad, weight_grad)
+    feed = {**_head_feed(gen), "w": torch.randn(11, 8, generator=gen), "b": torch.randn(11, generator=gen)}
+    fused, plain = lower(g, LoweringMode.TRAINING), lower(g, LoweringMode.TRAINING, rewrites=())
+    (op,) = _fused_ops(fused)
+    assert op.grads == (x_grad, weight_grad, weight_grad)
+    saved = sum(fused.saved_bytes(p) for p in fused.nodes)
+    assert saved == (15 * 8 * 4 if x_grad else 11 * 8 * 4 + 11 * 4) + 2 * 4
+    names = [launch.kernel.name for launch in fused.nodes[0].forward_launches]
+    assert names.count("linear_cross_entropy_forward") == (4 * 2 if weight_grad else 0)  # dW and db summed per chunk
+    assert names.count("matmul_product") == 4 * 2, names  # four chunks: the logits, then dX or dW from them
+    feed = {k: v.to(teeny.DEVICE) for k, v in feed.items()}
+    results = []
+    for program in (fused, plain):
+        ex = Executor(program)
+        out, cache = ex.forward_train(feed)
+        results.append((out, ex.backward(cache, torch.ones((), device=teeny.DEVICE))))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    assert set(results[0][1]) == set(results[1][1]) == ({"x"} if x_grad else {"w", "b"})
+    for name in results[1][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_linear_cross_entropy_inference_computes_no_gradients(small_chunks, gen):
     g = _head_graph()
     feed = _head_feed(gen)

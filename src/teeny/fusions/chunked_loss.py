@@ -26,7 +26,7 @@ from ..ops.loss.kernels import (
 from ..ops.loss.ops import ClassLossOp
 from ..ops.products.ops import LinearOp
 from ..ops.shape.ops import ViewOp
-from .pipeline import Rebuild, ancestors, mib, nbytes, readers
+from .pipeline import Rebuild, ancestors, mib, nbytes, readers, wants_gradient
 
 # Smallest logits tensor worth chunking. Chunking saves memory, not time (it adds the float32
 # sums of dW per chunk and the scaling of the saved gradients by dy, and a few launches): below
@@ -51,19 +51,28 @@ class LinearCrossEntropyOp(RuntimeOp):
     buffer), the chunk's loss partials, lse and the logits' gradient for dy = 1 written over
     them (``class_loss_forward``, one read of the logits), then dX_c = dlogits W (into the saved dX) and
     dW_c = dlogits^T x_c, db_c (the linear's backward), added into float32 sums. The (rows, C)
-    logits are never stored: the forward keeps dX, dW, db (for training) instead. Backward: the
-    saved gradients times dy (/ the mean's denominator), one launch each."""
+    logits are never stored: the forward keeps dX, dW, db (for training) instead, each only where
+    that input wants a gradient (``grads``: a frozen head, as under LoRA, computes no dW and keeps
+    none). Backward: the saved gradients times dy (/ the mean's denominator), one launch each."""
 
     kernel = linear_cross_entropy_forward
     saves_inputs = ()
 
     def __init__(
-        self, linear: RuntimeOp, loss: ClassLossOp, *, out_dtype: torch.dtype, with_grads: bool, chunk_rows=None
+        self,
+        linear: RuntimeOp,
+        loss: ClassLossOp,
+        *,
+        out_dtype: torch.dtype,
+        grads: tuple[bool, bool, bool] = (False, False, False),
+        chunk_rows=None,
     ):
+        """``grads``: whether x, W and b want a gradient (computed in the forward; all False: inference)."""
         if loss.target_probs or loss.reduction == "none" or not loss.from_logits:
             raise ValueError("linear + cross_entropy is chunked for class-index targets and mean or sum only")
         self.linear, self.loss, self.out_dtype = linear, loss, out_dtype
-        self.with_grads, self.chunk_rows = with_grads, chunk_rows
+        self.grads, self.chunk_rows = tuple(grads), chunk_rows
+        self.with_grads = any(self.grads)
         self.name = "linear_cross_entropy"
         self.has_bias, self.has_weight = bool(linear.has_bias), loss.has_weight
         self.n_activation_inputs = 2 + self.has_weight
@@ -98,7 +107,8 @@ class LinearCrossEntropyOp(RuntimeOp):
     def flops(self, input_shapes, grad_mask):
         """The head's products; with ``with_grads`` its backward's products run in the forward."""
         n = self.n_activation_inputs
-        forward, backward = self.linear.flops([input_shapes[0], input_shapes[n]], [grad_mask[0], grad_mask[n]])
+        mask = [self.grads[0], self.grads[1]]
+        forward, backward = self.linear.flops([input_shapes[0], input_shapes[n]], mask)
         return (forward + backward, 0) if self.with_grads else (forward, 0)
 
     def _mean(self) -> bool:
@@ -108,11 +118,13 @@ class LinearCrossEntropyOp(RuntimeOp):
         rows, features, classes = self._sizes(input_shapes)
         acc = acc_dtype(dtype)
         extras = {"sums": ((2,), acc)} if self._mean() else {}  # the loss and the target weights, summed
-        if self.with_grads:
+        dx, dw, db = self.grads
+        if dx:
             extras["grad_input"] = (tuple(input_shapes[0]), dtype)
+        if dw:
             extras["grad_weight"] = ((classes, features), acc)
-            if self.has_bias:
-                extras["grad_bias"] = ((classes,), acc)
+        if db and self.has_bias:
+            extras["grad_bias"] = ((classes,), acc)
         return extras
 
     def chunk_size(self, rows: int, classes: int, dtype: torch.dtype) -> int:
@@ -159,9 +171,9 @@ class LinearCrossEntropyOp(RuntimeOp):
             bad_index = ctx.zeros((1,), torch.int64)
             ctx.check_after(bad_index, lambda index: self.loss.describe_bad_index(index, classes))
         if self.with_grads:
-            dx = ctx.saved["grad_input"].view(rows, features)
-            dw_chunk = ctx.empty((classes, features))
-            db_chunk = ctx.empty((classes,)) if b is not None else None
+            dx = ctx.saved["grad_input"].view(rows, features) if self.grads[0] else None
+            dw_chunk = ctx.empty((classes, features)) if self.grads[1] else None
+            db_chunk = ctx.empty((classes,)) if b is not None and self.grads[2] else None
         launches, first_program = [], 0
         for start, n, count in zip(starts, sizes, programs):
             x_c, target_c, logits_c, lse_c = x[start : start + n], target[start : start + n], logits[:n], lse[:n]
@@ -177,9 +189,11 @@ class LinearCrossEntropyOp(RuntimeOp):
             first_program += count
             if not self.with_grads:
                 continue
-            launches += self._linear(ctx, x_c, w, b, logits_c, logits_c, dx[start : start + n], dw_chunk, db_chunk)
-            for part, total in ((dw_chunk, ctx.saved["grad_weight"]), (db_chunk, ctx.saved.get("grad_bias"))):
+            dx_c = None if dx is None else dx[start : start + n]
+            launches += self._linear(ctx, x_c, w, b, logits_c, logits_c, dx_c, dw_chunk, db_chunk)
+            for part, name in ((dw_chunk, "grad_weight"), (db_chunk, "grad_bias")):
                 if part is not None:
+                    total = ctx.saved[name]
                     visitor = ArgVisitor().visit(chunk_ptr=part, total_ptr=total, n=part.numel(), FIRST=start == 0)
                     launches.append(Launch(linear_cross_entropy_forward, (cdiv(part.numel(), BLOCK),), visitor, BLOCK))
         if mode == REDUCE_WEIGHTED_MEAN:
@@ -195,7 +209,7 @@ class LinearCrossEntropyOp(RuntimeOp):
         den = sums[1:] if sums is not None else None
         launches = []
         for grad, name in ((dx, "grad_input"), (dw, "grad_weight"), (db, "grad_bias")):
-            if grad is not None:
+            if grad is not None and name in ctx.saved:
                 n = grad.numel()
                 visitor = ArgVisitor().visit(
                     grad_ptr=ctx.saved[name], dy_ptr=ctx.grad_output, den_ptr=den, out_ptr=grad, n=n
@@ -250,11 +264,13 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
     if not matches:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
+    wants = wants_gradient()
 
     def fuse(node: Node, match: tuple[Node, list[Node]]) -> None:
         linear = match[0]
         x, params = linear.inputs[0], linear.inputs[1:]
-        fused = LinearCrossEntropyOp(linear.op, node.op, out_dtype=node.output.dtype, with_grads=training)
+        grads = tuple(training and wants(v) for v in (x, *params, None, None)[:3])
+        fused = LinearCrossEntropyOp(linear.op, node.op, out_dtype=node.output.dtype, grads=grads)
         inputs = [x, *node.inputs[1:], *params]
         rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
 

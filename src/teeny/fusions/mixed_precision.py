@@ -93,7 +93,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                 inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
             if isinstance(op, LinearCrossEntropyOp):
                 op = LinearCrossEntropyOp(
-                    op.linear, op.loss, out_dtype=node.output.dtype, with_grads=op.with_grads, chunk_rows=op.chunk_rows
+                    op.linear, op.loss, out_dtype=node.output.dtype, grads=op.grads, chunk_rows=op.chunk_rows
                 )
             rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
         for v in outputs:

@@ -91,6 +91,35 @@ def ancestors(outputs: Sequence[Value]) -> set[int]:
     return seen
 
 
+def wants_gradient() -> Callable[[Value | None], bool]:
+    """A function telling whether a value wants a gradient: an input or a parameter marked
+    ``requires_grad``, or a floating-point value computed from one (remembered per value)."""
+    known: dict[int, bool] = {}
+
+    def wants(value: Value | None) -> bool:
+        if value is None:
+            return False
+        stack = [value]
+        while stack:  # depth first without recursion: deep graphs
+            v = stack[-1]
+            if v.id in known:
+                stack.pop()
+                continue
+            if v.producer is None:
+                known[v.id] = bool(v.requires_grad) and v.kind in ("input", "param")
+                stack.pop()
+                continue
+            pending = [u for u in v.producer.inputs if u.id not in known]
+            if pending:
+                stack.extend(pending)
+                continue
+            known[v.id] = v.dtype.is_floating_point and any(known[u.id] for u in v.producer.inputs)
+            stack.pop()
+        return known[value.id]
+
+    return wants
+
+
 def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
     """Per value id, the nodes that read it and at which input position."""
     out: dict[int, list[tuple[Node, int]]] = {v.id: [] for v in graph.values}
