@@ -7,15 +7,19 @@
 (``.venv``: ``make install``, teeny with its ``[examples]`` extra, as ``make test`` makes it. On the
 GPU machine, with torch, triton, transformers and accelerate installed, run from the source tree.)
 
-One line makes the ``Trainer`` run on teeny: ``model.compile(backend="teeny")`` before the model
-is handed to it. ``nn.Module.compile`` compiles the model in place: it keeps its class, its
-``state_dict`` keys and ``save_pretrained``, so the ``Trainer``'s optimizer, gradient accumulation,
+Two arguments make the ``Trainer`` run on teeny: ``TrainingArguments(torch_compile=True,
+torch_compile_backend="teeny")``. The ``Trainer`` hands the name to accelerate, which compiles the
+model with ``torch.compile(model, backend="teeny")`` when it prepares it; ``trainer.model`` stays
+the ``LlamaForCausalLM`` it was given (what it saves), so the optimizer, gradient accumulation,
 clipping, logging and checkpoints work unchanged. The regions ``torch.compile`` captures run as
-teeny programs (forward kernels, and backward kernels paired with them); what teeny has no op
-for runs in PyTorch, and ``teeny.torch.backend.report()`` says which is which.
+teeny programs (forward kernels, and backward kernels paired with them); what teeny has no op for
+runs in PyTorch, and ``teeny.torch.backend.report()`` says which is which.
 
-``TrainingArguments(torch_compile=True, torch_compile_backend="teeny")`` does **not** work:
-accelerate checks the backend's name against a fixed list of its own and refuses "teeny".
+accelerate accepts only the backends of its own list (``DynamoBackend``): ``import teeny.torch``
+(here: the first line, ``from teeny.torch import backend``) adds "teeny" to it, before the
+``Trainer`` is built. Without that import accelerate refuses the name (``'TEENY' is not a valid
+DynamoBackend``). ``model.compile(backend="teeny")`` before handing the model over does the same
+without accelerate's list.
 
 Gradient accumulation works as in eager mode: with ``gradient_accumulation_steps=2`` the logged
 losses are the same as those of the same run without teeny (``--eager``; tests/test_examples.py
@@ -24,7 +28,7 @@ modulo the vocabulary, so the loss falls from ln(vocabulary) within a few steps.
 the logged losses, one per optimizer step.
 """
 
-from teeny.torch import backend  # noqa: I001  (first: on a CPU, teeny picks the Triton interpreter)
+from teeny.torch import backend  # noqa: I001  (first: on a CPU, teeny picks the Triton interpreter; and accelerate learns "teeny")
 import argparse
 import tempfile
 
@@ -61,8 +65,6 @@ def main(argv=None) -> list[float]:
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)  # random weights, nothing downloaded
-    if not args.eager:
-        model.compile(backend="teeny")  # in place: still a LlamaForCausalLM
 
     accumulation = 2
     rows = counting_rows(steps * accumulation * size["batch"], size["seq"], size["vocab"])
@@ -72,6 +74,7 @@ def main(argv=None) -> list[float]:
             gradient_accumulation_steps=accumulation, learning_rate=1e-2 if args.tiny else 1e-3,
             bf16=not args.tiny, dataloader_pin_memory=not args.tiny, seed=0,
             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            torch_compile=not args.eager, torch_compile_backend=None if args.eager else "teeny",
         )  # fmt: skip
         trainer = transformers.Trainer(model=model, args=training, train_dataset=rows)
         trainer.train()

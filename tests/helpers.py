@@ -5,6 +5,7 @@ run in a fresh Python (``run_script``, ``compile_for_sm90``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -272,3 +273,30 @@ def shift_weights(*models) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+@contextlib.contextmanager
+def float32_precision_kept():
+    """On a GPU, ``TrainingArguments(torch_compile=True)`` turns TF32 on for the whole process
+    whatever the backend (transformers' ``enable_tf32``, accelerate's ``AcceleratorState``): torch's
+    float32 precision flags are put back, for the eager reference and the tests after."""
+
+    def owner(name):
+        found = torch.backends
+        for part in filter(None, name.split(".")):
+            found = getattr(found, part, None)
+        return found
+
+    names = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv")
+    flags = [(o, "fp32_precision", o.fp32_precision) for o in map(owner, names) if hasattr(o, "fp32_precision")]
+    if not flags:  # torch before 2.9
+        flags = [(o, "allow_tf32", o.allow_tf32) for o in (torch.backends.cuda.matmul, torch.backends.cudnn)]
+    matmul = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        for o, name, value in flags:
+            setattr(o, name, value)
+        torch.set_float32_matmul_precision(matmul)  # torch >= 2.9: the legacy flags agree again
+        for o, name, value in flags:
+            setattr(o, name, value)

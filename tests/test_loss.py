@@ -1,7 +1,7 @@
 """Loss family: what the generic harness (tests/test_ops.py) cannot see: ignore_index edge cases,
 label smoothing and probability targets with weights, long rows that need the column loop,
-out-of-range targets (checked and unchecked), gradients at kinks and zeros, float64 scalars at
-tight tolerance, bad input errors, layers, and what the cross-entropy saves."""
+out-of-range targets (checked and unchecked), soft-capped logits, gradients at kinks and zeros,
+float64 scalars at tight tolerance, bad input errors, layers, and what the cross-entropy saves."""
 
 import pytest
 import torch
@@ -132,6 +132,70 @@ def test_long_row_loops_over_column_blocks(monkeypatch, smoothing):
 def test_large_logits_are_stable():
     x = torch.tensor([[1000.0, 0.0, -1000.0], [-1e4, -1e4, -1e4]])
     _assert_matches(L.cross_entropy, F.cross_entropy, x, torch.tensor([1, 2]), reduction="none")
+
+
+# ------------------------------------------------------------------------ soft-capped logits
+
+
+def _soft_capped_cross_entropy(input, target, softcap, **kwargs):
+    """PyTorch's reference: cross-entropy of the logits capped as Gemma 2 caps them."""
+    return F.cross_entropy(softcap * torch.tanh(input / softcap), target, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("softcap", [1.7, 30.0])
+def test_soft_capped_cross_entropy_matches_pytorch(reduction, softcap):
+    """15 rows of 11 classes, logits up to 10 (a cap of 1.7 flattens them; 30, Gemma 2's, barely),
+    with label smoothing, class weights and ignored rows: the loss and gradient of the capped logits."""
+    gen = torch.Generator().manual_seed(3)
+    x = make(gen, 15, 11, low=-10, high=10)
+    target = torch.randint(0, 11, (15,), generator=gen)
+    target[[2, 9]] = -100
+    kwargs = dict(weight=make(gen, 11, low=0.2, high=2), label_smoothing=0.1, reduction=reduction)
+    fn = lambda a, b, **kw: L.cross_entropy(a, b, softcap=softcap, **kw)
+    ref = lambda a, b, **kw: _soft_capped_cross_entropy(a, b, softcap, **kw)
+    out, _ = _assert_matches(fn, ref, x, target, **kwargs)
+    assert not torch.allclose(out, F.cross_entropy(x, target, **kwargs), rtol=1e-3)  # the cap counts
+
+
+def test_soft_capped_cross_entropy_over_column_blocks_and_spatial_dims(monkeypatch):
+    """The cap on every column block of a long row (the online max sees capped logits) and on
+    (N, C, d) inputs, whose classes are d apart."""
+    monkeypatch.setattr(loss_ops, "MAX_BLOCK_C", 512)  # 2000 classes: 4 column blocks
+    x = torch.randn(3, 2000) * 5
+    x[0, 1500] = 80.0  # capped at 3: not the row's lse on its own
+    target = torch.tensor([1500, 7, -100])
+    fn = lambda a, b, **kw: L.cross_entropy(a, b, softcap=3.0, **kw)
+    _assert_matches(fn, lambda a, b, **kw: _soft_capped_cross_entropy(a, b, 3.0, **kw), x, target)
+    spatial, spatial_target = torch.randn(2, 5, 3) * 4, torch.tensor([[0, 4, 2], [1, -100, 3]])
+    fn = lambda a, b, **kw: L.cross_entropy(a, b, softcap=2.0, **kw)
+    ref = lambda a, b, **kw: _soft_capped_cross_entropy(a, b, 2.0, **kw)
+    _assert_matches(fn, ref, spatial, spatial_target, label_smoothing=0.2, reduction="sum")
+
+
+def test_soft_capped_cross_entropy_gradcheck_float64():
+    gen = torch.Generator().manual_seed(5)
+    x = make(gen, 4, 6, dtype=torch.float64, low=-4, high=4)
+    target = torch.tensor([5, -100, 0, 3])
+    weight = make(gen, 6, dtype=torch.float64, low=0.2, high=2)
+    for reduction in ("mean", "sum", "none"):
+        kwargs = dict(weight=weight, label_smoothing=0.1, reduction=reduction, softcap=1.3)
+        teeny.gradcheck(L.cross_entropy, x, target, kwargs=kwargs, requires_grad=lambda i, _: i == 0)  # x only
+
+
+def test_a_soft_cap_of_0_is_none_and_a_bad_one_is_refused():
+    x, target = torch.randn(4, 5) * 3, torch.tensor([0, 4, -100, 2])
+    out = apply(lambda a, b: L.cross_entropy(a, b, softcap=0.0), x, target)
+    torch.testing.assert_close(out, F.cross_entropy(x, target))
+    _, (gx, gt) = _graph(((4, 5), torch.float32), ((4,), torch.int64))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"cross_entropy: softcap must be a positive finite number.*got {bad}"):
+            L.cross_entropy(gx, gt, softcap=bad)
+    _, (px, probs) = _graph(((4, 5), torch.float32), ((4, 5), torch.float32))
+    with pytest.raises(GraphError, match="softcap is for class-index targets"):
+        L.cross_entropy(px, probs, softcap=2.0)
+    with pytest.raises(ValueError, match="nll_loss: softcap caps logits"):
+        loss_ops.ClassLossOp("nll_loss", from_logits=False, softcap=2.0)
 
 
 # --------------------------------------------------------------------- out-of-range targets
@@ -272,6 +336,7 @@ def _float64_cases():
     w = rand(7, lo=0.1, hi=2.0)
     idx = torch.tensor([0, 6, -100, 3, 3])
     probs = torch.softmax(rand(5, 7), 1)
+    capped = lambda a, b, **kw: F.cross_entropy(0.7 * torch.tanh(a / 0.7), b, **kw)  # noqa: E731
     return [
         (L.smooth_l1_loss, F.smooth_l1_loss, x, t, {"beta": 0.3}),
         (L.huber_loss, F.huber_loss, x, t, {"delta": 0.7, "reduction": "sum"}),
@@ -281,6 +346,7 @@ def _float64_cases():
         (L.cross_entropy, F.cross_entropy, x, idx, {"weight": w, "label_smoothing": 0.1}),
         (L.cross_entropy, F.cross_entropy, x, probs, {"weight": w, "label_smoothing": 0.3, "reduction": "none"}),
         (L.nll_loss, F.nll_loss, torch.log_softmax(x, 1), idx, {"weight": w}),
+        (lambda a, b, **kw: L.cross_entropy(a, b, softcap=0.7, **kw), capped, x, idx, {"weight": w}),
     ]
 
 

@@ -311,9 +311,11 @@ def test_rewrites_leave_the_counted_flops_as_they_were(gpt_case):
 # ------------------------------------------------------------------ linear + cross-entropy
 
 
-def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, upcast=False, **loss_options):
-    """x (rows..., d) -> linear -> (``upcast``: to float32 ->) reshape to (N, classes) ->
-    cross_entropy(target)."""
+def _head_graph(
+    rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, upcast=False, softcap_activation=None, **loss_options
+):
+    """x (rows..., d) -> linear -> (``upcast``: to float32 ->) (``softcap_activation``: ops.softcap
+    at that cap ->) reshape to (N, classes) -> cross_entropy(target)."""
     g = Graph("head")
     x = g.input("x", (*rows, d), dtype, requires_grad=True)
     n = math.prod(rows)
@@ -322,6 +324,8 @@ def _head_graph(rows=(3, 5), d=8, classes=11, dtype=torch.float32, bias=True, up
     logits = head(x)
     if upcast:
         logits = ops.to(logits, torch.float32)
+    if softcap_activation is not None:
+        logits = ops.softcap(logits, softcap_activation)
     g.output(ops.cross_entropy(ops.reshape(logits, (n, classes)), y, **loss_options))
     return g
 
@@ -364,6 +368,8 @@ CE_CASES = [
     dict(weight=torch.linspace(0.5, 1.5, 11)),
     dict(weight=torch.linspace(0.5, 1.5, 11), label_smoothing=0.2),
     dict(bias=False),
+    dict(softcap=0.8),
+    dict(softcap=0.8, weight=torch.linspace(0.5, 1.5, 11), label_smoothing=0.1, reduction="sum"),
 ]
 
 
@@ -413,20 +419,37 @@ def test_linear_cross_entropy_loss_kernel_moves_padded_rows_in_wide_vectors():
         assert "st.global.b16" not in widths[classes]["st"], widths  # no element-by-element stores of the rows
 
 
-def test_linear_cross_entropy_gradcheck_float64(small_chunks, gen):
+# the soft caps of Gemma 2's logits a head graph may have: none, the loss's own, an ops.softcap before it
+SOFTCAPS = [{}, {"softcap": 0.7}, {"softcap_activation": 0.7}]
+
+
+def _softcap_id(softcap: dict) -> str:
+    return next(iter(softcap), "no softcap")
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=_softcap_id)
+def test_linear_cross_entropy_gradcheck_float64(softcap, small_chunks, gen):
     shapes = dict(rows=(5,), d=2, classes=3)  # 5 rows: two chunks, the second short
-    g = _head_graph(dtype=torch.float64, label_smoothing=0.2, **shapes)
-    assert _fused_ops(lower(g, LoweringMode.TRAINING))
-    teeny.gradcheck_graph(g, _head_feed(gen, dtype=torch.float64, **shapes))
+    g = _head_graph(dtype=torch.float64, label_smoothing=0.2, **shapes, **softcap)
+    (op,) = _fused_ops(lower(g, LoweringMode.TRAINING))
+    assert op.loss.softcap == next(iter(softcap.values()), 0.0)
+    feed = _head_feed(gen, dtype=torch.float64, **shapes)
+    feed["x"] *= 4  # logits the cap bends
+    teeny.gradcheck_graph(g, feed)
 
 
-def test_linear_cross_entropy_matches_pytorch(small_chunks, gen):
-    g = _head_graph(label_smoothing=0.1)
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=_softcap_id)
+def test_linear_cross_entropy_matches_pytorch(softcap, small_chunks, gen):
+    g = _head_graph(label_smoothing=0.1, **softcap)
     feed = _head_feed(gen)
+    feed["x"] *= 4
     loss_value, grads, pgrads, program = _run(g, feed)
     params = {k: v.clone().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
     x = feed["x"].to(teeny.DEVICE).requires_grad_()
     logits = F.linear(x, params["weight"], params["bias"]).reshape(15, 11)
+    if softcap:
+        cap = next(iter(softcap.values()))
+        logits = cap * torch.tanh(logits / cap)
     ref = F.cross_entropy(logits, feed["y"].to(teeny.DEVICE), label_smoothing=0.1)
     ref.backward()
     torch.testing.assert_close(loss_value, ref.detach(), rtol=1e-5, atol=1e-6)
@@ -449,6 +472,65 @@ def test_linear_cross_entropy_never_stores_the_logits(gen):
     assert "cross_entropy(linear) in chunks of rows: 1, logits (0.12 MiB) never stored" in fused.summary()
     out, _ = Executor(fused).forward_train(_head_feed(gen, rows=(4, 16), d=16, classes=512))
     assert torch.isfinite(out)
+
+
+@pytest.mark.parametrize(
+    "order", ["softcap reshape", "reshape softcap", "upcast softcap reshape", "softcap upcast reshape"]
+)
+def test_linear_cross_entropy_takes_in_a_softcap_activation(order, small_chunks, gen):
+    """cross_entropy(softcap(linear(x))), as a graph of Gemma 2's head reads, the cap before or
+    after the reshape and an upcast of bf16 logits: one fused node whose loss caps the logits as
+    it reads them (never stored), the numbers of the unfused program; the summary says so."""
+    dtype = torch.bfloat16 if "upcast" in order else torch.float32
+    g = Graph("capped head")
+    x, y = g.input("x", (3, 5, 8), dtype, requires_grad=True), g.input("y", (15,), torch.int64)
+    logits = teeny.nn.Linear(8, 11, dtype=dtype)(x)
+    for step in order.split():
+        if step == "softcap":
+            logits = ops.softcap(logits, 1.5)
+        elif step == "upcast":
+            logits = ops.to(logits, torch.float32)
+        else:
+            logits = ops.reshape(logits, (15, 11))
+    g.output(ops.cross_entropy(logits, y, label_smoothing=0.1))
+    feed = _head_feed(gen, dtype=dtype)
+    feed["x"] *= 4
+    fused, plain = _run(g, feed), _run(g, feed, rewrites=())
+    (op,) = _fused_ops(fused[3])
+    assert len(fused[3].nodes) == 1 and op.loss.softcap == 1.5
+    saved = sum(fused[3].saved_bytes(p) for p in fused[3].nodes)
+    assert saved == 15 * 8 * dtype.itemsize + (11 * 8 + 11 + 2) * 4  # dX, float32 dW and db, the mean's sums
+    assert "cross_entropy(linear) in chunks of rows: 1 (1 of soft-capped logits)" in fused[3].summary()
+    # bf16 capped then upcast: the fused op caps in float32, the unfused one rounds the capped logits to bf16
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(fused[0], plain[0], **tol)
+    torch.testing.assert_close(fused[1]["x"].float(), plain[1]["x"].float(), **tol)
+    for name in plain[2]:
+        torch.testing.assert_close(fused[2][name].float(), plain[2][name].float(), **tol, msg=name)
+
+
+def test_linear_cross_entropy_leaves_a_softcap_it_cannot_take_in():
+    """A soft cap whose output another node reads (or the graph returns) stays, and so does the
+    linear; a cap before a loss that caps again is not one cap: nothing fuses."""
+    g = Graph()
+    x, y = g.input("x", (6, 4), requires_grad=True), g.input("y", (6,), torch.int64)
+    capped = ops.softcap(teeny.nn.Linear(4, 5)(x), 2.0)
+    g.output(ops.cross_entropy(capped, y), capped)
+    assert not _fused_ops(lower(g, LoweringMode.TRAINING))
+    g2 = _head_graph(softcap_activation=2.0, softcap=3.0)
+    assert not _fused_ops(lower(g2, LoweringMode.TRAINING))
+
+
+def test_linear_cross_entropy_keeps_its_soft_cap_under_mixed_precision(small_chunks, gen):
+    """bf16-mixed rebuilds the fused op in bf16: the loss it carries keeps the cap."""
+    g = _head_graph(softcap_activation=0.9)
+    feed = _head_feed(gen)
+    feed["x"] *= 4
+    mixed = _run(g, feed, precision="bf16-mixed")
+    (op,) = _fused_ops(mixed[3])
+    assert op.loss.softcap == 0.9
+    plain = _run(g, feed, rewrites=())
+    torch.testing.assert_close(mixed[0].float(), plain[0], rtol=2e-2, atol=2e-2)
 
 
 def _given_head_graph(x_grad: bool, weight_grad: bool, rows=(3, 5), d=8, classes=11):

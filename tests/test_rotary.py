@@ -85,3 +85,48 @@ def test_the_backward_keeps_cos_and_sin_only():
     program = lower(g, LoweringMode.TRAINING)
     node = next(p for p in program.nodes if p.op.name == "rotary_embedding")
     assert node.saved_inputs == [False, True, True]
+
+
+def test_a_patched_llama_rotates_in_teeny_under_autocast_as_transformers_promotes(gen):
+    """Under bf16 autocast q and k leave their products in bf16 while Llama's cos and sin stay
+    float32, and transformers' ``q * cos + rotate_half(q) * sin`` is float32 by type promotion:
+    the patched model's dispatcher takes that call too (it fell back to transformers' ten small
+    ops a call before), rotating in float32, the same values and gradients as the unpatched
+    model's; float32 q with bf16 tables promotes the same way."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    import teeny.torch as tt
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    ref = LlamaForCausalLM(config)
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    ids = torch.randint(0, 64, (2, 9), generator=gen)
+    losses, grads = [], []
+    for run in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+        grads.append([p.grad for p in run.parameters()])
+    assert report.routed["apply_rotary_pos_emb"] == 2  # one call per layer, under autocast
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-3, rtol=1e-3)
+    for g, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g, want, atol=1e-2, rtol=5e-2)
+
+    q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    angles = torch.randn(2, 5, 4, generator=gen).repeat(1, 1, 2)
+    for q_dtype, table_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        args = (q.to(q_dtype), k.to(q_dtype), angles.cos().to(table_dtype), angles.sin().to(table_dtype))
+        with tt.patching.router.Router(report):
+            got = modeling_llama.apply_rotary_pos_emb(*args)
+        want = modeling_llama.apply_rotary_pos_emb.original(*args)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == torch.float32
+            torch.testing.assert_close(g, w)
+    assert report.routed["apply_rotary_pos_emb"] == 4

@@ -5,6 +5,9 @@ user's optimizer, autocast, gradient accumulation and calls teeny has no op for.
 from __future__ import annotations
 
 import copy
+import enum
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -222,3 +225,53 @@ def test_llamas_rotary_embeddings_norms_and_mlp_run_as_one_teeny_op_each():
     _assert_same_training(model, reference)
     text = backend.report()
     assert "3 x LlamaRMSNorm (one op), 2 x rotary_embedding (one op), 1 x swiglu (one op)" in text, text
+
+
+def test_accelerate_takes_the_name_as_one_more_member_of_its_list():
+    """``import teeny.torch`` adds "teeny" to accelerate's fixed list of dynamo backends (the enum
+    ``DynamoBackend``), which hands it to ``torch.compile`` lowered; accelerate's own names work as
+    before, and registering again changes nothing."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+    from teeny.torch import accelerate_name
+
+    plugin = TorchDynamoPlugin(backend="teeny")
+    assert plugin.backend is DynamoBackend.TEENY is DynamoBackend("TEENY") is DynamoBackend["TEENY"]
+    assert isinstance(plugin.backend, DynamoBackend) and plugin.backend == "TEENY" == str(plugin.backend)
+    assert (plugin.backend.name, plugin.backend.value.lower()) == ("TEENY", "teeny")
+    assert plugin.to_kwargs()["backend"] == plugin.to_dict()["backend"] == "teeny"
+    members = list(DynamoBackend)
+    assert accelerate_name.register() and accelerate_name.register(DynamoBackend)  # again: nothing changes
+    assert list(DynamoBackend) == members and members.count(DynamoBackend.TEENY) == 1
+    assert DynamoBackend.list() == [str(m) for m in members] and "TEENY" in DynamoBackend
+    assert TorchDynamoPlugin(backend="inductor").to_kwargs()["backend"] == "inductor"
+    assert DynamoBackend("NO") is DynamoBackend.NO and DynamoBackend.NO in members
+    with pytest.raises(ValueError, match="not a valid DynamoBackend"):
+        TorchDynamoPlugin(backend="teenie")
+    assert not accelerate_name.register(enum.Enum("Other", "A B"))  # not a str enum: left alone
+
+
+def test_the_name_is_registered_whether_accelerate_is_imported_before_or_after_teeny(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+    from teeny.torch import accelerate_name
+
+    accelerate_name._unregister(DynamoBackend)
+    try:
+        assert "TEENY" not in DynamoBackend
+        accelerate_name.install()  # as ``import teeny.torch`` does with accelerate imported already
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "teeny")  # the name from the environment too
+        assert TorchDynamoPlugin().to_kwargs()["backend"] == "teeny"
+    finally:
+        accelerate_name.register(DynamoBackend)
+    # imported after teeny.torch (never by it): accelerate.utils registers it once imported
+    code = (
+        "import sys, teeny.torch; print('accelerate' in sys.modules); import accelerate.utils as u; "
+        "print(u.TorchDynamoPlugin(backend='teeny').to_kwargs()['backend'], type(u.__loader__).__name__, "
+        "any(getattr(f, 'teeny_accelerate_hook', False) for f in sys.meta_path))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "teeny", "SourceFileLoader", "False"], done.stdout

@@ -148,6 +148,64 @@ def test_head_and_loss_are_one_chunked_op_in_training_and_the_logits_stay_in_eva
     torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
 
 
+def _gemma2(softcap):
+    """A tiny Gemma 2 (eager attention, its only kind), its head's weight (tied to the embedding)
+    scaled so that its logits reach the cap ``softcap``."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, use_cache=False,
+        final_logit_softcapping=softcap, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+@pytest.mark.parametrize("num_items", [None, 11])
+def test_gemma2s_soft_capped_head_and_loss_are_one_chunked_op(monkeypatch, num_items):
+    """Gemma 2's ``final_logit_softcapping``: the chunked head + loss caps the logits as it reads
+    them, and the model's forward, which caps what its head returns, sees no cap meanwhile (the
+    loss is not capped again): the loss and every gradient of the unpatched model, no logits; the
+    config keeps its cap, and in eval mode the model caps its logits itself."""
+    from teeny import fusions
+    from teeny.fusions.chunked_loss import LinearCrossEntropyOp
+    from teeny.torch import bridge
+
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 0)  # the tiny model's logits
+    bridge.clear_cache()
+    ref = _gemma2(2.0)
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    assert "the soft cap final_logit_softcapping = 2.0 fused into the loss" in report.fused_loss
+    assert report.coverage()["head + loss"].startswith("teeny: one chunked op")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(7))
+    labels = ids.clone()
+    labels[0, 3] = labels[1, 5] = -100
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    out, expected = model(ids, labels=labels, **extra), ref(ids, labels=labels, **extra)
+    assert out.logits is None and model.config.final_logit_softcapping == 2.0
+    (node,) = [n for n in _causal_lm_entry().executor.program.nodes if isinstance(n.op, LinearCrossEntropyOp)]
+    assert node.op.loss.softcap == 2.0
+    out.loss.backward()
+    expected.loss.backward()
+    atol, rtol = _tolerance(torch.float32)
+    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    uncapped = copy.deepcopy(ref)
+    uncapped.config.final_logit_softcapping = None
+    assert not torch.allclose(uncapped(ids, labels=labels, **extra).loss, expected.loss, rtol=0.05)  # the cap counts
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    assert out.logits.abs().max() <= 2.0
+    torch.testing.assert_close(out.logits, expected.logits, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+
+
 def test_fused_loss_false_keeps_the_logits_and_a_model_without_a_plain_head_is_reported():
     model = _gpt2(torch.float32)
     report = tt.patch(model, fused_loss=False)
@@ -608,6 +666,7 @@ def _patch_op_calls():
         ("conv1d_linear", (randn(3, 4), randn(4, 5), None)),
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), randn(7), target, -100, "mean")),
         ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), None, target, -100, "sum")),
+        ("causal_lm_loss", (randn(2, 4, 3), randn(7, 3), randn(7), target, -100, "mean", 0.7)),  # Gemma 2's cap
         ("packed_attention", (randn(1, 5, 24), 2, True, 0.3)),  # batches > 1: test_torch_nn
         ("gpt2_attention", (randn(2, 3, 4), randn(4, 12), randn(12), randn(4, 4), randn(4), 2, 0.4)),
         ("gpt2_attention", (randn(1, 3, 4), randn(4, 12), None, randn(4, 4), None, 1, None)),

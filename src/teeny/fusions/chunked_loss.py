@@ -2,7 +2,8 @@
 becomes one op that computes the logits chunk by chunk of rows, with the loss and the
 gradients of x, W and b in the forward (``LinearCrossEntropyOp``, below): the (rows x classes)
 logits are never stored for the backward. For logits of ``CHUNKED_LOGITS_MIN_BYTES`` and more;
-a reshape and an upcast of the logits before the loss (``logits.float()``) are taken in.
+a reshape and an upcast of the logits before the loss (``logits.float()``) are taken in, and so
+is a ``softcap`` activation (Gemma 2's soft-capped logits), whose cap the loss applies.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from ..core.common import ELEMENTWISE_BLOCK, acc_dtype, cdiv, sum_partials
 from ..core.device import INTERPRETER
 from ..core.graph import Graph, Node, Value
 from ..core.runtime import ArgVisitor, Launch, OpContext, RuntimeOp
+from ..ops.activation.maths import _softcap
+from ..ops.activation.ops import ActivationOp
 from ..ops.cast import CastOp
 from ..ops.loss.kernels import (
     REDUCE_WEIGHTED_MEAN,
@@ -49,7 +52,8 @@ class LinearCrossEntropyOp(RuntimeOp):
 
     Forward, per chunk of rows: logits = x_c W^T + b (the linear's launches, into one chunk-sized
     buffer), the chunk's loss partials, lse and the logits' gradient for dy = 1 written over
-    them (``class_loss_forward``, one read of the logits), then dX_c = dlogits W (into the saved dX) and
+    them (``class_loss_forward``, one read of the logits; soft-capped as they are read where the
+    loss has a ``softcap``), then dX_c = dlogits W (into the saved dX) and
     dW_c = dlogits^T x_c, db_c (the linear's backward), added into float32 sums. The (rows, C)
     logits are never stored: the forward keeps dX, dW, db (for training) instead, each only where
     that input wants a gradient (``grads``: a frozen head, as under LoRA, computes no dW and keeps
@@ -218,18 +222,30 @@ class LinearCrossEntropyOp(RuntimeOp):
         return launches
 
 
+def _link(node: Node) -> str | None:
+    """What ``node`` is as a step from a linear's logits to a loss that the fused op takes in:
+    "reshape", "upcast" (an exact one: ``logits.float()`` before the loss, as Hugging Face's loss
+    does) or "softcap" (the activation ``ops.softcap``, a finite cap); None for anything else."""
+    op = node.op
+    if type(op) is ViewOp:
+        return "reshape"
+    if type(op) is CastOp:
+        source, target = node.inputs[0].dtype, op.dtype
+        exact = source.is_floating_point and target.is_floating_point and target.itemsize >= source.itemsize
+        return "upcast" if exact else None
+    if type(op) is ActivationOp and op.fn is _softcap and math.isfinite(op.a):
+        return "softcap"
+    return None
+
+
 def _logits_chain(node: Node | None) -> list[Node | None]:
     """The nodes from the linear that made a loss's logits to the loss: a reshape to (rows,
-    classes) and an exact upcast (``logits.float()`` before the loss, as Hugging Face's loss
-    does) may come between, once each, in either order. First the candidate linear (or None)."""
+    classes), an exact upcast and a soft cap (``_link``) may come between, once each, in any
+    order. First the candidate linear (or None)."""
     chain: list[Node | None] = []
-    seen: set[type] = set()
-    while node is not None and type(node.op) in (ViewOp, CastOp) and type(node.op) not in seen:
-        if type(node.op) is CastOp:
-            source, target = node.inputs[0].dtype, node.op.dtype
-            if not (source.is_floating_point and target.is_floating_point and target.itemsize >= source.itemsize):
-                break
-        seen.add(type(node.op))
+    seen: set[str] = set()
+    while node is not None and (link := _link(node)) is not None and link not in seen:
+        seen.add(link)
         chain.insert(0, node)
         node = node.inputs[0].producer
     return [node, *chain]
@@ -237,12 +253,15 @@ def _logits_chain(node: Node | None) -> list[Node | None]:
 
 def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """cross_entropy(linear(x, W, b)) (class indices, mean or sum; the logits possibly reshaped
-    to (rows, classes) and upcast in between) becomes one ``LinearCrossEntropyOp`` that computes the
-    logits chunk by chunk and never keeps them (see its docstring), when nothing else reads the
-    logits, they are not an output and they take at least ``CHUNKED_LOGITS_MIN_BYTES``."""
+    to (rows, classes), upcast and soft-capped in between) becomes one ``LinearCrossEntropyOp``
+    that computes the logits chunk by chunk and never keeps them (see its docstring), when nothing
+    else reads the logits, they are not an output and they take at least ``CHUNKED_LOGITS_MIN_BYTES``.
+    A ``softcap`` activation's cap goes to the loss (``ClassLossOp.with_softcap``), unless the
+    loss caps the logits itself (two caps one after the other are not one)."""
     needed, read_by = ancestors(outputs), readers(graph)
     kept = {v.id for v in outputs}
-    matches: dict[int, tuple[Node, list[Node]]] = {}  # loss node id -> (linear node, the reshape and upcast after it)
+    # loss node id -> (linear node, the reshape, upcast and soft cap after it)
+    matches: dict[int, tuple[Node, list[Node]]] = {}
     for node in graph.nodes:
         op = node.op
         if not (type(op) is ClassLossOp and op.from_logits and not op.target_probs and op.reduction != "none"):
@@ -260,25 +279,35 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
             continue
         if any(v.dtype.is_floating_point and v.dtype != linear.output.dtype for v in node.inputs[1:]):
             continue  # class weights in the upcast dtype: the fused op computes in the linear's
+        if op.softcap and any(_link(n) == "softcap" for n in chain[1:]):
+            continue  # capped logits capped again: not one soft cap
         matches[node.id] = (linear, chain[1:])
     if not matches:
         return graph, outputs, ""
     rebuild = Rebuild(graph)
     wants = wants_gradient()
+    capped = 0  # fused losses of soft-capped logits
 
     def fuse(node: Node, match: tuple[Node, list[Node]]) -> None:
-        linear = match[0]
+        nonlocal capped
+        linear, links = match
+        loss = node.op
+        for link in links:
+            if _link(link) == "softcap":
+                loss = loss.with_softcap(link.op.a)
+        capped += loss.softcap > 0
         x, params = linear.inputs[0], linear.inputs[1:]
         grads = tuple(training and wants(v) for v in (x, *params, None, None)[:3])
-        fused = LinearCrossEntropyOp(linear.op, node.op, out_dtype=node.output.dtype, grads=grads)
+        fused = LinearCrossEntropyOp(linear.op, loss, out_dtype=node.output.dtype, grads=grads)
         inputs = [x, *node.inputs[1:], *params]
         rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
 
     rebuild.replace({n.id for linear, rest in matches.values() for n in (linear, *rest)}, matches, fuse)
     logits_bytes = sum(nbytes(linear.output) for linear, _ in matches.values())
     graph, outputs = rebuild.finish(outputs)
+    what = f" ({capped} of soft-capped logits)" if capped else ""
     return (
         graph,
         outputs,
-        f"cross_entropy(linear) in chunks of rows: {len(matches)}, logits ({mib(logits_bytes)}) never stored",
+        f"cross_entropy(linear) in chunks of rows: {len(matches)}{what}, logits ({mib(logits_bytes)}) never stored",
     )

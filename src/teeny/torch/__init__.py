@@ -22,7 +22,10 @@ from __future__ import annotations
 import importlib
 
 from ..core import device as _device  # noqa: F401  (first: chooses interpreter or GPU before triton loads)
-from . import library  # noqa: F401  (registers torch.ops.teeny.<name> for every op)
+from . import (
+    accelerate_name,
+    library,  # noqa: F401  (registers torch.ops.teeny.<name> for every op)
+)
 from .bridge import cache_size, clear_cache
 from .library import register, register_all, registered_ops
 
@@ -37,6 +40,8 @@ _LAZY = {
     "load_factory": "task",
 }
 _SUBMODULES = {"backend", "bridge", "library", "nn", "patching", "export", "task"}
+
+accelerate_name.install()  # TrainingArguments(torch_compile_backend="teeny"): accelerate knows the name
 
 __all__ = [
     "cache_size",

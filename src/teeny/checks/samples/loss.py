@@ -1,7 +1,7 @@
 """Test samples of the losses (``teeny.ops.loss``): element-wise losses with inputs kept away
 from their kinks, weights broadcast or full, and cross-entropy / NLL with class indices or
-probabilities, ignored rows, class weights and label smoothing, registered in
-``teeny.checks.registry`` for ``tests/test_ops.py``'s harness."""
+probabilities, ignored rows, class weights, label smoothing and soft-capped logits, registered
+in ``teeny.checks.registry`` for ``tests/test_ops.py``'s harness."""
 
 import math
 
@@ -205,11 +205,16 @@ _CE_CASES = [
     ((11, 5), "index", 3, {"ignore_index": 2, "reduction": "none", "weight": True}),
     ((6,), "index", 0, {}),
     ((0, 5), "index", 0, {"reduction": "sum"}),
+    # soft-capped logits (Gemma 2's), caps the samples' logits in [-3, 3) reach: not a power of two
+    ((15, 11), "index", 4, {"softcap": 1.7, "weight": True, "label_smoothing": 0.1}),
+    ((5, 4, 3), "index", 0, {"softcap": 2.5, "reduction": "sum"}),
+    ((11, 5), "index", 3, {"softcap": 0.9, "ignore_index": 2, "reduction": "none"}),
 ]
 _CE_GRADCHECK = [
     ((3, 4), "index", 3, {"weight": True, "label_smoothing": 0.1}),
     ((2, 3), "probs", 0, {"label_smoothing": 0.1, "reduction": "none", "weight": True}),
     ((2, 2, 2), "index", 0, {"reduction": "sum"}),
+    ((3, 5), "index", 3, {"softcap": 1.3, "weight": True, "label_smoothing": 0.2}),
 ]
 _NLL_CASES = [
     ((3, 37), "index", 0, {}),
@@ -253,11 +258,18 @@ def _class_samples(cases, log_probs):
     return samples
 
 
+def _cross_entropy_reference(input, target, *args, softcap=0.0, **kwargs):
+    """F.cross_entropy, of the logits soft-capped at ``softcap`` > 0 first (as Gemma 2 caps them)."""
+    if softcap:
+        input = softcap * torch.tanh(input / softcap)
+    return F.cross_entropy(input, target, *args, **kwargs)
+
+
 register(
     OpInfo(
         "cross_entropy",
         cross_entropy,
-        F.cross_entropy,
+        _cross_entropy_reference,
         _class_samples(_CE_CASES, False),
         family="loss",
         gradcheck_samples=lambda gen: _class_samples(_CE_GRADCHECK, False)(torch.float64, gen),

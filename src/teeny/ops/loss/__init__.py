@@ -20,7 +20,9 @@ Cross-entropy and NLL, over rows of C classes (input (N, C) or (N, C, d1, ...), 
 
 with s = dy (per row) or dy / denominator ("mean": sum of w_t over non-ignored rows for class
 indices, number of rows for probabilities). NLL is the same on log-probabilities (no lse:
-lse = 0, p = 0, eps = 0).
+lse = 0, p = 0, eps = 0). Cross-entropy of class indices with ``softcap`` = c > 0 (Gemma 2's
+soft-capped logits) is the above of y = c tanh(x / c), applied as the logits are read, with
+dx_c = dy_c (1 - (y_c / c)^2).
 
 Rows whose target is ignore_index give loss 0 and gradient 0. A class index outside [0, C)
 that is not ignore_index: with ``teeny.core.config.check_indices`` (on by default on the CPU)

@@ -125,7 +125,7 @@ def kl_div(input, target, reduction: str = "mean", log_target: bool = False):
     return _pointwise("kl_div", input, target, loss=loss, grad=grad, reduction=reduction, divisor=divisor)
 
 
-def _class_loss(name, input, target, *, from_logits, weight, ignore_index, reduction, label_smoothing):
+def _class_loss(name, input, target, *, from_logits, weight, ignore_index, reduction, label_smoothing, softcap=0.0):
     graph = graph_of(input, target)
     weight = _tensor_arg(graph, weight, input, "weight")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -137,6 +137,7 @@ def _class_loss(name, input, target, *, from_logits, weight, ignore_index, reduc
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         has_weight=weight is not None,
+        softcap=softcap,
     )
     return graph.apply(op, [t for t in (input, target, weight) if t is not None])
 
@@ -157,10 +158,18 @@ def nll_loss(input, target, weight=None, ignore_index: int = -100, reduction: st
 
 
 def cross_entropy(
-    input, target, weight=None, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+    input,
+    target,
+    weight=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float = 0.0,
 ):
     """log_softmax + NLL over the class dim 1, fused: targets are class indices (int64) or class
-    probabilities (the input's shape and dtype). Long rows are processed in column blocks."""
+    probabilities (the input's shape and dtype). Long rows are processed in column blocks.
+    ``softcap`` > 0 (class indices only): the loss of the soft-capped logits softcap * tanh(input /
+    softcap), as Gemma 2 and 3 cap theirs (``final_logit_softcapping``), without storing them."""
     return _class_loss(
         "cross_entropy",
         input,
@@ -170,4 +179,5 @@ def cross_entropy(
         ignore_index=ignore_index,
         reduction=reduction,
         label_smoothing=label_smoothing,
+        softcap=softcap,
     )

@@ -12,7 +12,10 @@ divides them (bit-reproducible).
 
 The class-loss forward saves only lse per row (and, for probability targets, the per-row target
 mass sum_c w_c q'_c); the backward writes dx straight into the gradient buffer from the saved
-logits and lse: no other logits-sized buffer exists. A class index outside [0, C) that is not
+logits and lse: no other logits-sized buffer exists. With SOFTCAP (Gemma 2's soft-capped logits)
+every logit x they read becomes y = softcap * tanh(x / softcap) (``maths.soft_capped``): the loss
+and lse are y's, and the gradient is y's times dy/dx = 1 - (y / softcap)^2; without it the
+kernels compile as if the cap did not exist. A class index outside [0, C) that is not
 ignore_index is never read out of bounds (the load is masked); the forward writes it to
 ``bad_index_ptr`` when given (``teeny.core.config.check_indices``), else its row's loss and
 gradient are NaN.
@@ -25,6 +28,7 @@ import triton.language as tl
 
 from ...core.common import upcast
 from ...core.kernel import kernel
+from .maths import soft_cap_slope, soft_capped
 
 # REDUCTION: what the kernels do with the per-element (per-row) losses
 REDUCE_NONE = tl.constexpr(0)  # store each one
@@ -132,13 +136,29 @@ def _row_offsets(rows, sample_stride, inner):
 
 
 @triton.jit
-def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, like):
-    """For class-index targets: (t, active = not ignored, ok = active and in range, w_t, x_t)."""
+def _class_target(
+    target_ptr,
+    weight_ptr,
+    x_ptr,
+    rows,
+    row_mask,
+    base,
+    n_classes,
+    inner,
+    ignore_index,
+    like,
+    softcap,
+    SOFTCAP: tl.constexpr,
+):
+    """For class-index targets: (t, active = not ignored, ok = active and in range, w_t, x_t);
+    x_t soft-capped with SOFTCAP."""
     t = tl.load(target_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     active = row_mask & (t != ignore_index)
     ok = active & (t >= 0) & (t < n_classes)
     t_safe = tl.where(ok, t, 0)
     x_t = upcast(tl.load(x_ptr + base + t_safe * inner, mask=ok, other=0.0))
+    if SOFTCAP:
+        x_t = soft_capped(x_t, softcap)
     if weight_ptr is not None:
         w_t = upcast(tl.load(weight_ptr + t_safe, mask=ok, other=0.0))
     else:
@@ -147,12 +167,14 @@ def _class_target(target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes
 
 
 @triton.jit
-def _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, other):
-    """x at offsets (a block of columns cols of the rows), upcast, ``other`` outside ``mask``.
-    The load itself is masked by ``row_len`` (n_classes, or the padded length of rows whose
-    padding may be read): a bound divisible by 16 lets Triton load the rows in wide vectors,
-    which a vocabulary of 50,257 does not allow."""
+def _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, other, softcap, SOFTCAP: tl.constexpr):
+    """x at offsets (a block of columns cols of the rows), upcast and (SOFTCAP) soft-capped,
+    ``other`` outside ``mask``. The load itself is masked by ``row_len`` (n_classes, or the
+    padded length of rows whose padding may be read): a bound divisible by 16 lets Triton load
+    the rows in wide vectors, which a vocabulary of 50,257 does not allow."""
     x = upcast(tl.load(x_ptr + offsets, mask=row_mask[:, None] & (cols < row_len)[None, :], other=other))
+    if SOFTCAP:
+        x = soft_capped(x, softcap)
     return tl.where(mask, x, other)
 
 
@@ -194,13 +216,16 @@ def class_loss_backward(
     label_smoothing,
     smoothing_per_class,
     divisor,
+    softcap,
     SMOOTHING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     REDUCTION: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """dx (and, for probability targets, dtarget) of ROWS rows per program. lse_ptr: cross-entropy
-    (None: NLL on log-probabilities); mass_ptr: probability targets (None: class indices)."""
+    (None: NLL on log-probabilities); mass_ptr: probability targets (None: class indices);
+    SOFTCAP: the logits soft-capped at ``softcap`` as they are read (module docstring)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = _row_offsets(rows, sample_stride, inner)
@@ -221,7 +246,7 @@ def class_loss_backward(
         mass = tl.load(mass_ptr + rows, mask=row_mask, other=0.0)
     else:
         t, active, ok, w_t, x_t = _class_target(
-            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero, softcap, SOFTCAP
         )
         # ignored rows: 0; class index out of range: NaN (see module docstring)
         row_value = tl.where(active, float("nan"), 0.0)
@@ -237,7 +262,7 @@ def class_loss_backward(
         col_mask = cols < n_classes
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-        x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0)
+        x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0, softcap, SOFTCAP)
         if lse_ptr is not None:
             p = tl.exp(x - lse[:, None])
         else:
@@ -254,6 +279,8 @@ def class_loss_backward(
         else:
             g = _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING)
             dx = tl.where(ok[:, None], scale[:, None] * g, row_value[:, None])
+        if SOFTCAP:
+            dx = dx * soft_cap_slope(x, softcap)  # x is the capped y: dl/dx = dl/dy (1 - (y / cap)^2)
         if dx_ptr is not None:
             tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -279,7 +306,9 @@ def class_loss_forward(
     label_smoothing,
     smoothing_per_class,
     divisor,
+    softcap,
     SMOOTHING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     REDUCTION: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -289,7 +318,8 @@ def class_loss_forward(
     bad_index_ptr, a class index out of range (not ignore_index) is written there. With grad_ptr
     (cross-entropy on class indices), also the gradient of the rows' loss sum (dy = 1), in a
     second pass over the rows just read (from L2), which may write over x: one read of the
-    logits from memory for the loss and its gradient (``LinearCrossEntropyOp``'s chunks)."""
+    logits from memory for the loss and its gradient (``LinearCrossEntropyOp``'s chunks). SOFTCAP:
+    the logits soft-capped at ``softcap`` as they are read (module docstring)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -305,7 +335,7 @@ def class_loss_forward(
             col_mask = cols < n_classes
             mask = row_mask[:, None] & col_mask[None, :]
             offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-            x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, float("-inf"))
+            x = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, float("-inf"), softcap, SOFTCAP)
             if lse_ptr is not None:
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -331,7 +361,7 @@ def class_loss_forward(
         w_t = zero
     else:
         t, active, ok, w_t, x_t = _class_target(
-            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero
+            target_ptr, weight_ptr, x_ptr, rows, row_mask, base, n_classes, inner, ignore_index, zero, softcap, SOFTCAP
         )
         if bad_index_ptr is not None:  # any of the bad indices (programs and lanes race: one of them lands)
             tl.store(bad_index_ptr + rows * 0, t, mask=active & ~ok)
@@ -346,9 +376,12 @@ def class_loss_forward(
                 col_mask = cols < n_classes
                 mask = row_mask[:, None] & col_mask[None, :]
                 offsets = base[:, None] + cols[None, :].to(tl.int64) * inner
-                p = tl.exp(_load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0) - lse[:, None])
+                y = _load_row_block(x_ptr, offsets, row_mask, cols, mask, row_len, 0.0, softcap, SOFTCAP)
+                p = tl.exp(y - lse[:, None])
                 w = _class_weights(weight_ptr, cols, col_mask, zero)[None, :]
                 g = _class_index_grad(p, cols, t, w_t, w, w_total, label_smoothing, smoothing_per_class, SMOOTHING)
+                if SOFTCAP:
+                    g = g * soft_cap_slope(y, softcap)
                 g = tl.where(mask, tl.where(ok[:, None], g, row_value[:, None]), 0.0)  # padding: 0
                 tl.store(grad_ptr + offsets, g.to(grad_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < row_len))
     if REDUCTION == REDUCE_NONE:

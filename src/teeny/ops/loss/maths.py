@@ -1,12 +1,17 @@
 """The element-wise losses' maths, passed to ``pointwise_loss_forward`` / ``_backward`` as
 constexprs: LOSS(x, t, pw, kink) -> l and GRAD(x, t, pw, kink) -> (dl/dx, dl/dt), in float32/64
 (pw: the optional pos_weight; kink: where smooth L1 and Huber turn from quadratic to linear).
-At the kinks the derivatives are PyTorch's (the package docstring, ``teeny.ops.loss``)."""
+At the kinks the derivatives are PyTorch's (the package docstring, ``teeny.ops.loss``).
+
+And the soft cap the class-loss kernels put on the logits they read (``soft_capped``,
+``soft_cap_slope``): the ``softcap`` activation's maths (``teeny.ops.activation``)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ..activation.maths import _softcap
 
 
 @triton.jit
@@ -115,3 +120,19 @@ def kl_div_log_target(x, t, pw, kink):
 def kl_div_log_target_grad(x, t, pw, kink):
     e = tl.exp(t)
     return -e, e * (t - x + 1.0)
+
+
+# ------------------------------------------------------- the class losses' soft cap on the logits
+
+
+@triton.jit
+def soft_capped(x, cap):
+    """y = cap * tanh(x / cap): Gemma 2's soft cap on the logits, as the ``softcap`` activation."""
+    return _softcap(x, cap, 0.0)
+
+
+@triton.jit
+def soft_cap_slope(y, cap):
+    """dy/dx of ``soft_capped`` from its value y: 1 - tanh^2 = 1 - (y / cap)^2 (no second tanh)."""
+    ratio = y / cap
+    return 1.0 - ratio * ratio

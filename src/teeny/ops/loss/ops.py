@@ -4,6 +4,7 @@ their launches, tile sizes and reduction modes."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -141,22 +142,53 @@ def _refuse_weight_grads(ctx, indices) -> None:
             )
 
 
+def check_softcap(softcap, name: str) -> float:
+    """``softcap`` as a float: 0 (no cap) or a positive finite number, else a ValueError naming
+    it and the op ``name``."""
+    value = float(softcap)
+    if value != 0.0 and not 0.0 < value < math.inf:
+        raise ValueError(f"{name}: softcap must be a positive finite number (or 0: no cap), got {softcap}")
+    return value
+
+
 class ClassLossOp(RuntimeOp):
-    """Cross-entropy (``from_logits``) or NLL over the class dim 1: inputs (input, target[, weight])."""
+    """Cross-entropy (``from_logits``) or NLL over the class dim 1: inputs (input, target[, weight]).
+    ``softcap`` > 0: cross-entropy of class indices on the soft-capped logits softcap * tanh(x / softcap)
+    (Gemma 2's ``final_logit_softcapping``), the cap applied as the kernels read the logits."""
 
     kernel = class_loss_forward
     n_activation_inputs = 2
     saves_inputs = True
 
     def __init__(
-        self, name, *, from_logits, reduction="mean", ignore_index=-100, label_smoothing=0.0, has_weight=False
+        self,
+        name,
+        *,
+        from_logits,
+        reduction="mean",
+        ignore_index=-100,
+        label_smoothing=0.0,
+        has_weight=False,
+        softcap=0.0,
     ):
         self.name, self.from_logits, self.reduction = name, from_logits, reduction
         self.ignore_index, self.label_smoothing = int(ignore_index), float(label_smoothing)
         self.has_weight = has_weight
+        self.softcap = check_softcap(softcap, name)
+        if self.softcap and not from_logits:
+            raise ValueError(f"{name}: softcap caps logits: it is for cross-entropy, not for log-probabilities")
         self.n_activation_inputs = 2 + has_weight
         self.target_probs = False  # decided from the target's dtype in check_inputs
         self.check_indices = config.check_indices  # read at trace time (see teeny.core.config)
+
+    def with_softcap(self, softcap: float) -> ClassLossOp:
+        """This cross-entropy of the logits soft-capped at ``softcap`` first (a ``softcap``
+        activation before the loss, folded into it by ``fusions.chunked_loss``)."""
+        if self.softcap or not self.from_logits:
+            raise ValueError(f"{self.name}: a soft cap goes on logits without one, got softcap={self.softcap}")
+        capped = copy.copy(self)
+        capped.softcap = check_softcap(softcap, self.name)
+        return capped
 
     # --- shapes --------------------------------------------------------------------------
     def check_inputs(self, input_shapes, input_dtypes):
@@ -175,6 +207,11 @@ class ClassLossOp(RuntimeOp):
         if self.target_probs:
             if not self.from_logits:
                 raise TypeError(f"target must be class indices (int64), got {dtype_name(input_dtypes[1])}")
+            if self.softcap:
+                raise TypeError(
+                    f"softcap is for class-index targets (int64), got class probabilities of dtype "
+                    f"{dtype_name(input_dtypes[1])}"
+                )
             if t != x:
                 raise ValueError(
                     f"class-probability target of shape {t} must have the input's shape {x} "
@@ -262,7 +299,9 @@ class ClassLossOp(RuntimeOp):
             # eps / C on the host: under the interpreter a float argument divided by an int one is float32
             smoothing_per_class=self.label_smoothing / n_classes,
             divisor=n_rows,
+            softcap=self.softcap,
             SMOOTHING=self.label_smoothing > 0,
+            SOFTCAP=self.softcap > 0,
             REDUCTION=self.reduction_mode(),
             ROWS=rows,
             BLOCK_C=block_c,

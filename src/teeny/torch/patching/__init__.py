@@ -243,7 +243,8 @@ def patch(model: nn.Module, fused_loss: bool = True) -> PatchReport:
     if report.fused_loss:
         fused = report.fused_loss.startswith("one chunked")
         why = report.fused_loss.removeprefix("left to the model (").removesuffix(")")
-        report.note("head + loss", "teeny: one chunked op" if fused else f"PyTorch: {why}")
+        capped = ", soft cap fused" if "soft cap" in report.fused_loss else ""
+        report.note("head + loss", f"teeny: one chunked op{capped}" if fused else f"PyTorch: {why}")
     if "routed" not in labels(model):
         model.__class__ = teeny_class(type(model), "routed")
     for module in model.modules():  # where the router and the one-call forwards count

@@ -10,6 +10,11 @@ none). So whatever wraps the head's call runs around the loss: FSDP2's and DeepS
 gather a sharded head weight for it and its backward. A PEFT LoRA adapter on the head (patched
 after ``get_peft_model``) is fused too: the head's weight plus the adapters' ``scale B A`` is the
 product's weight (vanilla LoRA without dropout in training; anything else runs PEFT's layer).
+
+Gemma 2 and 3 soft-cap their logits after the head, cap * tanh(logits / cap) with the config's
+``final_logit_softcapping``: the fused loss applies that cap as it reads the logits, and while
+the head returns the loss the model's forward sees no cap (it would cap the loss). Other
+post-processing of the logits (a scale) leaves head and loss to the model.
 """
 
 from __future__ import annotations
@@ -22,35 +27,41 @@ from .. import library
 from .classes import base_forward, count_fallback, from_transformers, has_hooks, origin, source, swap, teeny_class
 
 
-def _causal_lm_loss(x, weight, bias, target, ignore_index: int = -100, reduction: str = "mean"):
+def _causal_lm_loss(x, weight, bias, target, ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0):
     """transformers' causal-LM loss of hidden states x (batch, length, d): the logits x W^T + b
-    of positions 0 .. L-2 (upcast to float32 when they are half precision, as transformers does)
-    against the labels at 1 .. L-1; lowered, head and loss become one chunked op."""
+    of positions 0 .. L-2 (upcast to float32 when they are half precision, as transformers does;
+    soft-capped at ``softcap`` > 0 as Gemma 2 caps them) against the labels at 1 .. L-1; lowered,
+    head and loss become one chunked op."""
     batch, length, features = x.shape
     rows = batch * (length - 1)
     logits = ops.linear(ops.reshape(ops.slice(x, 1, 0, length - 1), (rows, features)), weight, bias)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = ops.to(logits, torch.float32)
     labels = ops.reshape(ops.slice(target, 1, 1, None), (rows,))
-    return ops.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    return ops.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
 
 
 library.register(
     _causal_lm_loss,
     name="causal_lm_loss",
-    schema="Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, str reduction='mean'",
+    schema=(
+        "Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, str reduction='mean', "
+        "float softcap=0.0"
+    ),
     autocast="product",
 )
 
 
 @swap("lm_head", _teeny_loss_of=None)
 def _head_forward(self, input):
-    """The LM head: its logits, or, inside ``_causal_lm_forward`` (``_teeny_loss_of``: the labels
-    and the reduction), the loss of its logits."""
+    """The LM head: its logits, or, inside ``_causal_lm_forward`` (``_teeny_loss_of``: the labels,
+    the reduction and the soft cap), the loss of its logits."""
     if self._teeny_loss_of is None:
         return base_forward(self, "lm_head")(self, input)
-    labels, reduction = self._teeny_loss_of
-    return library.direct.causal_lm_loss(input, self.weight, self.bias, labels.to(input.device), -100, reduction)
+    labels, reduction, softcap = self._teeny_loss_of
+    return library.direct.causal_lm_loss(
+        input, self.weight, self.bias, labels.to(input.device), -100, reduction, softcap
+    )
 
 
 def _lora_weight(layer: nn.Module) -> torch.Tensor | None:
@@ -80,9 +91,9 @@ def _lora_head_forward(self, x, *args, **kwargs):
     loss of the logits of the merged weight (``_lora_weight``)."""
     if self._teeny_loss_of is None:
         return base_forward(self, "lora_head")(self, x, *args, **kwargs)
-    labels, reduction = self._teeny_loss_of
+    labels, reduction, softcap = self._teeny_loss_of
     weight = _lora_weight(self)
-    return library.direct.causal_lm_loss(x, weight, self.base_layer.bias, labels.to(x.device), -100, reduction)
+    return library.direct.causal_lm_loss(x, weight, self.base_layer.bias, labels.to(x.device), -100, reduction, softcap)
 
 
 def _is_lora(layer: nn.Module) -> bool:
@@ -92,7 +103,22 @@ def _is_lora(layer: nn.Module) -> bool:
     )
 
 
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# config entries with which a causal LM scales its logits: left to the model (a scale of 1 changes nothing)
+_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+# Gemma 2 and 3's soft cap in their forward, at the config's final_logit_softcapping read at each call:
+# fused into the loss (``_causal_lm_forward``)
+_SOFTCAP_SOURCE = (
+    "logits / self.config.final_logit_softcapping",
+    "torch.tanh(logits)",
+    "logits * self.config.final_logit_softcapping",
+)
+
+
+def _soft_caps_logits(cls: type) -> bool:
+    """Whether the forward of causal LM class ``cls`` (before patch) soft-caps its logits as Gemma 2's
+    does, at the config's ``final_logit_softcapping``."""
+    text = source(getattr(cls, "_teeny_origin", cls).forward)
+    return all(line in text for line in _SOFTCAP_SOURCE)
 
 
 def _causal_lm_head(model: nn.Module) -> tuple[nn.Module | None, str]:
@@ -106,6 +132,10 @@ def _causal_lm_head(model: nn.Module) -> tuple[nn.Module | None, str]:
         what = f"{type(head).__module__}.{type(head).__name__}"
         return None, f"left to the model ({cls.__name__}.lm_head is a {what}, not a linear layer)"
     config = getattr(model, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None and not _soft_caps_logits(cls):
+        why = "final_logit_softcapping, not as Gemma 2 does"
+        return None, f"left to the model ({cls.__name__} post-processes its logits: {why})"
     for name in _LOGIT_POSTPROCESSING:
         if getattr(config, name, None) not in (None, 1, 1.0):
             return None, f"left to the model ({cls.__name__} post-processes its logits: {name})"
@@ -113,6 +143,8 @@ def _causal_lm_head(model: nn.Module) -> tuple[nn.Module | None, str]:
     if "self.lm_head(" not in text or "self.loss_function(" not in text:
         return None, f"left to the model ({cls.__name__}.forward computes its loss another way)"
     what = "; the LoRA adapters merged into the head's weight" if lora else ""
+    if softcap is not None:
+        what += f"; the soft cap final_logit_softcapping = {softcap} fused into the loss"
     return head, f"one chunked teeny op in training with labels= (logits not stored, output.logits is None{what})"
 
 
@@ -178,12 +210,19 @@ def _head_unfused(head: nn.Module) -> str | None:
     return None
 
 
-@swap("causal_lm")
+def _soft_cap_of(base: type) -> dict:
+    """The class attribute of a causal LM class: whether its forward soft-caps its logits (``_soft_caps_logits``)."""
+    return {"_teeny_soft_caps": _soft_caps_logits(base)}
+
+
+@swap("causal_lm", per_class=_soft_cap_of)
 def _causal_lm_forward(self, *args, **kwargs):
     """A causal LM's forward. In training with ``labels=`` (``_takes_fused_loss``): the model's own
-    forward without labels, its head returning the loss (``_head_forward``); the output as the
-    model builds it, with that loss and no logits. A head the loss cannot be fused into now
-    (``_head_unfused``) runs the model's own forward, logits and all (counted in ``report.fallbacks``)."""
+    forward without labels, its head returning the loss (``_head_forward``) of the logits soft-capped
+    as the forward caps them (Gemma 2: the config's cap, hidden from the forward meanwhile, which
+    would cap the loss); the output as the model builds it, with that loss and no logits. A head
+    the loss cannot be fused into now (``_head_unfused``) runs the model's own forward, logits and
+    all (counted in ``report.fallbacks``)."""
     forward = base_forward(self, "causal_lm")
     if not _takes_fused_loss(self, kwargs):
         return forward(self, *args, **kwargs)
@@ -195,11 +234,17 @@ def _causal_lm_forward(self, *args, **kwargs):
     kwargs = dict(kwargs)
     labels = kwargs.pop("labels")
     num_items = kwargs.pop("num_items_in_batch", None)
-    head._teeny_loss_of = (labels, "mean" if num_items is None else "sum")
+    config = self.config
+    softcap = getattr(config, "final_logit_softcapping", None) if self._teeny_soft_caps else None
+    head._teeny_loss_of = (labels, "mean" if num_items is None else "sum", float(softcap or 0.0))
     try:
+        if softcap is not None:
+            config.final_logit_softcapping = None  # the head's loss applies it: the forward must not cap that loss
         out = forward(self, *args, **kwargs)
     finally:
         head._teeny_loss_of = None
+        if softcap is not None:
+            config.final_logit_softcapping = softcap
     loss = out.logits
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise RuntimeError(

@@ -23,7 +23,12 @@ from .router import Router
 
 
 def _rotary_pair(q, k, cos, sin):
-    """q and k rotated by the same tables (``teeny.ops.rotary_embedding``), one teeny call."""
+    """q and k rotated by the same tables (``teeny.ops.rotary_embedding``), one teeny call, in
+    the dtype PyTorch's type promotion gives Hugging Face's ``q * cos + rotate_half(q) * sin``:
+    under autocast q and k come from the products in bf16 while cos and sin stay float32, and
+    the rotation is float32 (the exact upcast of q, then the rotation)."""
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    q, k, cos, sin = (t if t.dtype == dtype else ops.to(t, dtype) for t in (q, k, cos, sin))
     return ops.rotary_embedding(q, cos, sin), ops.rotary_embedding(k, cos, sin)
 
 
@@ -76,8 +81,8 @@ class RotaryDispatch:
             return False
         if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or q.shape[-1] != k.shape[-1]:
             return False
-        if not (q.is_floating_point() and q.dtype == k.dtype == cos.dtype == sin.dtype):
-            return False
+        if not (q.is_floating_point() and cos.is_floating_point() and q.dtype == k.dtype and cos.dtype == sin.dtype):
+            return False  # (q's and cos's dtypes may differ, as under autocast: _rotary_pair promotes)
         width = cos.shape[-1]
         return width == q.shape[-1] or (self.partial and width < q.shape[-1] and width % 2 == 0)
 
