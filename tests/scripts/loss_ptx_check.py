@@ -1,9 +1,9 @@
 """Compile check of test_rewrites.py: the chunked head's loss kernel (class_loss_forward) for
-each vocabulary size, compiled for sm_90 with the signature and alignment hints Triton's
+each vocabulary size (a number, or "<size>:<cap>" for logits soft-capped at cap), compiled for sm_90 with the signature and alignment hints Triton's
 launcher would give it (lowering's dry run packs the launch); its global loads and stores by
 width.
 
-    python tests/scripts/loss_ptx_check.py '[50257, 50304]'
+    python tests/scripts/loss_ptx_check.py '[50257, 50304, "50257:30.0"]'
 """
 
 from sm90 import TARGET, cases, report  # first: the interpreter off, a GPU pretended
@@ -44,12 +44,14 @@ def record(launch, instance, *args, **kwargs):
 
 runtime.run_launch = record
 out = {}
-for classes in cases():
+for case in cases():
+    classes, _, cap = str(case).partition(":")
+    classes, cap = int(classes), float(cap or 0.0)
     recorded.clear()
     g = Graph("head")
     x = g.input("x", (64, 16), torch.bfloat16, requires_grad=True)
     y = g.input("y", (64,), torch.int64)
-    g.output(ops.cross_entropy(teeny.nn.Linear(16, classes, bias=False, dtype=torch.bfloat16)(x), y))
+    g.output(ops.cross_entropy(teeny.nn.Linear(16, classes, bias=False, dtype=torch.bfloat16)(x), y, softcap=cap))
     lower(g, LoweringMode.TRAINING)
     (launch,) = [r for r in recorded if r.kernel.name == "class_loss_forward"]
     values = runtime.check_packing(launch.kernel, launch.args, "ptx check", 128)
@@ -71,5 +73,5 @@ for classes in cases():
         print("SKIP " + json.dumps(f"triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:300]))
         sys.exit(0)
     ptx = compiled.asm["ptx"]
-    out[classes] = {kind: sorted(set(re.findall(kind + r"\.global[.\w]*", ptx))) for kind in ("ld", "st")}
+    out[str(case)] = {kind: sorted(set(re.findall(kind + r"\.global[.\w]*", ptx))) for kind in ("ld", "st")}
 report(out)
