@@ -1,7 +1,7 @@
 """Compile check of test_rewrites.py: the chunked head's loss kernel (class_loss_forward) for
-each vocabulary size (a number, or "<size>:<cap>" for logits soft-capped at cap), compiled for sm_90 with the signature and alignment hints Triton's
-launcher would give it (lowering's dry run packs the launch); its global loads and stores by
-width.
+each vocabulary size (a number, or "<size>:<cap>" for logits soft-capped at cap), compiled for
+sm_90 with the signature and alignment hints Triton's launcher would give it (lowering's dry run
+packs the launch); its global loads and stores by width.
 
     python tests/scripts/loss_ptx_check.py '[50257, 50304, "50257:30.0"]'
 """
