@@ -152,7 +152,8 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
         [("matmul_product", 37, 6, 5, True), ("matmul_product", 37, 5, 6, False), ("matmul_product", 6, 5, 37, False)]
     )
     op = next(p.op for p in program.nodes if p.op.name == "linear")
-    assert op.configs == {"forward": small, "grad_input": small, "grad_weight": small}
+    assert sorted(key[0] for key in op.configs) == ["forward", "grad_input", "grad_weight"]  # (name, shape) keys
+    assert all(config is small for config in op.configs.values())
     ex = teeny.Executor(program)
     xs = torch.randn(37, 5)
     out, cache = ex.forward_train({"x": xs.to(teeny.DEVICE)})
@@ -282,3 +283,39 @@ def test_parallel_writers_keep_each_others_entries(cache, monkeypatch):
     tuning._write(cache, "rank 0", {"config": {"BLOCK": 64}})
     rank1.join()
     assert set(json.loads(cache.read_text())["entries"]) == {"rank 0", "rank 1"}
+
+
+def test_a_product_launched_at_several_shapes_keeps_a_configuration_per_shape(monkeypatch):
+    """The chunked head + loss runs its linear on chunks of rows, the last one short: each shape's
+    configuration is its own (a configuration per product name ran the short chunk's on every
+    chunk, launching a kernel the dry run had not built for those shapes: the H100 refused it)."""
+    from teeny import fusions
+
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNKED_LOGITS_MIN_BYTES", 0)
+    monkeypatch.setattr(fusions.chunked_loss, "CHUNK_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(fusions.chunked_loss, "LOGITS_CHUNK_BYTES", 1)  # chunks of 4 rows: 4, 4, 4, 3
+    monkeypatch.setattr(products_tuning, "TUNE_MIN_MACS", 0)
+
+    def choose(kernel, key, candidates, default, bench):  # another block size for the short chunk's products
+        block = 16 if 3 in (key["M"], key["N"], key["K"]) else 32
+        return {"kernel": "strided", "BLOCK_M": block, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2,
+                "num_warps": 4, "num_stages": 2}  # fmt: skip
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    g = Graph()
+    x = g.input("x", (15, 8), requires_grad=True)
+    y = g.input("y", (15,), torch.int64)
+    g.output(teeny.ops.cross_entropy(teeny.nn.Linear(8, 11)(x), y))
+    program = lower(g, LoweringMode.TRAINING)
+    (node,) = program.nodes
+    linear = node.op.linear
+    assert {config["BLOCK_M"] for config in linear.configs.values()} == {16, 32}
+    ex = teeny.Executor(program, seed=0)
+    feed = {"x": torch.randn(15, 8).to(teeny.DEVICE), "y": torch.randint(11, (15,)).to(teeny.DEVICE)}
+    loss, cache = ex.forward_train(feed)  # every chunk's launch is one the dry run built
+    grads = ex.backward(cache)
+    reference = lower(g, LoweringMode.TRAINING, rewrites=())
+    plain = teeny.Executor(reference, seed=0)
+    want, plain_cache = plain.forward_train(feed)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["x"], plain.backward(plain_cache)["x"], rtol=1e-5, atol=1e-6)

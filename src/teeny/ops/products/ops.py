@@ -37,7 +37,7 @@ class ProductOp(RuntimeOp):
 
     def __init__(self):
         self.allow_tf32 = teeny_config.allow_tf32  # read at trace time
-        self.configs: dict[str, dict] = {}
+        self.configs: dict[tuple, dict] = {}  # by product name and shape (``_config_key``)
 
     def precision(self, dtype: torch.dtype) -> str:
         return dot_precision(dtype, self.allow_tf32)
@@ -49,9 +49,10 @@ class ProductOp(RuntimeOp):
         Y = ``y`` into Z = ``z``; ``row_sums``: also X's row sums, ``epilogue``: an activation
         (see ``product_launches``)."""
         precision = self.precision(ctx.dtype)
-        config = self.configs.get(name)
+        key = _config_key(name, p)
+        config = self.configs.get(key)
         if config is None or ctx.dry_run:
-            config = self.configs[name] = choose_config(
+            config = self.configs[key] = choose_config(
                 p,
                 dtype=ctx.dtype,
                 precision=precision,
@@ -66,6 +67,14 @@ class ProductOp(RuntimeOp):
             p, config, x=x, y=y, z=z, bias=bias, dtype=ctx.dtype, precision=precision,
             scratch=lambda s, d: ctx.empty(s, d), row_sums=row_sums, epilogue=epilogue,
         )  # fmt: skip
+
+
+def _config_key(name: str, p: Product) -> tuple:
+    """Which chosen configuration a product reuses: its name in the op and its shape and strides.
+    One op may launch a product of several shapes (the chunked head + loss runs its linear on
+    chunks of rows, the last one short), and a configuration chosen for one shape is not the one
+    the dry run built the kernels of another shape for."""
+    return (name, p.M, p.N, p.K, p.x, p.y, p.z, tuple(p.kept), tuple(p.reduced))
 
 
 # ------------------------------------------------------------------------------- matmul
