@@ -133,12 +133,7 @@ def test_head_and_loss_are_one_chunked_op_in_training_and_the_logits_stay_in_eva
     extra = {} if num_items is None else {"num_items_in_batch": num_items}
     out, expected = model(ids.clamp(min=0), labels=ids, **extra), ref(ids.clamp(min=0), labels=ids, **extra)
     assert out.logits is None and "logits" not in out
-    out.loss.backward()
-    expected.loss.backward()
-    atol, rtol = _tolerance(torch.float32)
-    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    atol, rtol = _same_loss_and_gradients(model, ref, out, expected)
     assert [type(n.op) for n in _causal_lm_entry().executor.program.nodes][-1] is LinearCrossEntropyOp
     model.eval()
     ref.eval()
@@ -146,6 +141,18 @@ def test_head_and_loss_are_one_chunked_op_in_training_and_the_logits_stay_in_eva
         out, expected = model(ids.clamp(min=0), labels=ids), ref(ids.clamp(min=0), labels=ids)
     torch.testing.assert_close(out.logits, expected.logits, atol=atol, rtol=rtol)
     torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+
+
+def _same_loss_and_gradients(model, ref, out, expected) -> tuple[float, float]:
+    """Backward through both outputs' losses; the patched ``model``'s loss and every gradient are
+    the reference's, to float32's tolerance (returned)."""
+    out.loss.backward()
+    expected.loss.backward()
+    atol, rtol = _tolerance(torch.float32)
+    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    return atol, rtol
 
 
 def _gemma2(softcap):
@@ -188,12 +195,7 @@ def test_gemma2s_soft_capped_head_and_loss_are_one_chunked_op(monkeypatch, num_i
     assert out.logits is None and model.config.final_logit_softcapping == 2.0
     (node,) = [n for n in _causal_lm_entry().executor.program.nodes if isinstance(n.op, LinearCrossEntropyOp)]
     assert node.op.loss.softcap == 2.0
-    out.loss.backward()
-    expected.loss.backward()
-    atol, rtol = _tolerance(torch.float32)
-    torch.testing.assert_close(out.loss, expected.loss, atol=atol, rtol=rtol)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    atol, rtol = _same_loss_and_gradients(model, ref, out, expected)
     uncapped = copy.deepcopy(ref)
     uncapped.config.final_logit_softcapping = None
     assert not torch.allclose(uncapped(ids, labels=labels, **extra).loss, expected.loss, rtol=0.05)  # the cap counts
