@@ -213,7 +213,7 @@ class LinearCrossEntropyOp(RuntimeOp):
         den = sums[1:] if sums is not None else None
         launches = []
         for grad, name in ((dx, "grad_input"), (dw, "grad_weight"), (db, "grad_bias")):
-            if grad is not None and name in ctx.saved:
+            if grad is not None:  # (a gradient the forward did not compute: a KeyError, never a silent zero)
                 n = grad.numel()
                 visitor = ArgVisitor().visit(
                     grad_ptr=ctx.saved[name], dy_ptr=ctx.grad_output, den_ptr=den, out_ptr=grad, n=n
@@ -297,7 +297,8 @@ def chunk_linear_cross_entropy(graph: Graph, outputs: list[Value], training: boo
                 loss = loss.with_softcap(link.op.a)
         capped += loss.softcap > 0
         x, params = linear.inputs[0], linear.inputs[1:]
-        grads = tuple(training and wants(v) for v in (x, *params, None, None)[:3])
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        grads = tuple(training and wants(v) for v in (x, weight, bias))  # the gradients the forward computes
         fused = LinearCrossEntropyOp(linear.op, loss, out_dtype=node.output.dtype, grads=grads)
         inputs = [x, *node.inputs[1:], *params]
         rebuild.new[node.output.id] = rebuild.apply(fused, [rebuild[v] for v in inputs], node.name)
