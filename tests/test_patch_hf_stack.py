@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import teeny.torch as tt
-from helpers import assert_same_step, shift_weights
+from helpers import assert_same_step, run_script, shift_weights
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -95,6 +95,57 @@ def test_a_patched_model_pickles_and_its_state_dict_loads_either_way():
     again = _model("llama")
     again.load_state_dict(model.state_dict())
     _assert_trains_like(again, plain, ids, "state_dict of the patched model")
+
+
+def test_a_patched_model_unpickles_in_a_fresh_process(tmp_path):
+    """A patched Llama's config names teeny's attention (``attn_implementation="teeny"``): a fresh
+    process that only ``torch.load``s it finds the name registered (unpickling imports teeny's
+    classes, which register it) and computes the same loss."""
+    ref, ids = _model("llama"), _ids()
+    model = copy.deepcopy(ref)
+    tt.patch(model)
+    torch.save(model, tmp_path / "model.pt")
+    done = run_script(
+        "unpickle_patched", tmp_path / "model.pt", ",".join(map(str, ids.flatten().tolist())), timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    implementation, loss = done.stdout.split()[-2:]
+    assert implementation == "teeny"
+    assert abs(float(loss) - float(ref(input_ids=ids, labels=ids).loss)) < 1e-5
+
+
+def test_attention_is_teenys_through_transformers_interface_and_blocks_skip_the_router(tmp_path):
+    """``patch`` switches a Llama's SDPA attention to ``attn_implementation="teeny"``: transformers'
+    own SDPA function with its call on teeny's kernels, so a decoder layer runs without the
+    router (the attention layer's views of its heads never reach the router's handler); the
+    config saved by ``save_pretrained`` still says nothing of teeny."""
+    import json
+
+    from teeny.torch.patching.router import Router
+
+    ref, ids = _model("llama"), _ids()
+    model = copy.deepcopy(ref)
+    report = tt.patch(model)
+    assert model.config._attn_implementation == "teeny" and ref.config._attn_implementation == "sdpa"
+    assert report.coverage()["attention"] == "teeny: attn_implementation teeny"
+    seen = []
+    handler = Router.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return handler(self, func, types, args, kwargs)
+
+    Router.__torch_function__ = spy
+    try:
+        _assert_trains_like(model, ref, ids)
+    finally:
+        Router.__torch_function__ = handler
+    assert torch.nn.functional.scaled_dot_product_attention in seen
+    assert torch.Tensor.view not in seen, "the attention layer's head views went through the router"
+    assert report.routed["scaled_dot_product_attention"] == 2 and not report.fallbacks
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "teeny" not in json.dumps(saved)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5.2x renamed it "activation_checkpointing"

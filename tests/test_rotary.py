@@ -59,13 +59,46 @@ def _trace(*shapes, dtypes=None):
         (((2, 3, 7, 6), (1, 5, 6), (1, 5, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(1, 5, 6\)"),
         (((2, 3, 7, 6), (3, 7, 6), (3, 7, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(3, 7, 6\)"),
         (((2, 3, 7, 6), (7, 6), (7, 6)), None, r"\(2 or 1, 7, rotary_dim\) .* got \(7, 6\)"),
-        (((1, 1, 2, 4),) * 3, [torch.float32, torch.bfloat16, torch.bfloat16], "different float dtypes"),
+        (
+            ((1, 1, 2, 4),) * 3,
+            [torch.float32, torch.bfloat16, torch.bfloat16],
+            "float32 tables for a half-precision x; got x float32, cos bfloat16, sin bfloat16",
+        ),
+        (
+            ((1, 1, 2, 4),) * 3,
+            [torch.bfloat16, torch.float32, torch.bfloat16],
+            "got x bfloat16, cos float32, sin bfloat16",
+        ),
+        (((1, 1, 2, 4),) * 3, [torch.float32, torch.float64, torch.float64], "got x float32, cos float64"),
         (((1, 1, 2, 4), (1, 2, 4), (1, 2, 4)), [torch.int64] * 3, "floating-point x, cos and sin, got x of int64"),
     ],
 )
 def test_bad_inputs_name_what_is_wrong(shapes, dtypes, message):
     with pytest.raises(GraphError, match=r"rotary_embedding \(node .*" + message):
         _trace(*shapes, dtypes=dtypes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_x_with_float32_tables_is_the_float32_rotation_rounded_once(gen, dtype):
+    """bf16 / fp16 x with float32 cos and sin (autocast's q and k with Llama's tables): y is the
+    exact float32 rotation of x rounded once to x's dtype, and dx the float32 transposed rotation
+    of dy rounded once; odd sizes, one table per batch row."""
+    x = torch.randn(3, 5, 7, 10, generator=gen).to(dtype).requires_grad_()
+    angles = torch.randn(3, 7, 5, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    dy = torch.randn(3, 5, 7, 10, generator=gen).to(dtype)
+
+    def rotate(t, c, s):
+        half = torch.cat((-t[..., 5:], t[..., :5]), dim=-1)
+        return t * c[:, None] + half * s[:, None]
+
+    y = apply(ops.rotary_embedding, x, cos, sin)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, rotate(x.detach().float(), cos, sin).to(dtype), atol=0, rtol=0)
+    y.backward(dy)
+    # the transpose of the rotation by (cos, sin) is the rotation by (cos, -sin) with the halves swapped back
+    dx = dy.float() * cos[:, None] + torch.cat((dy.float()[..., 5:], -dy.float()[..., :5]), dim=-1) * sin[:, None]
+    torch.testing.assert_close(x.grad, dx.to(dtype), atol=1e-2, rtol=1e-2)
 
 
 def test_a_gradient_for_cos_is_refused_at_lowering_naming_the_op():
@@ -91,8 +124,10 @@ def test_a_patched_llama_rotates_in_teeny_under_autocast_as_transformers_promote
     """Under bf16 autocast q and k leave their products in bf16 while Llama's cos and sin stay
     float32, and transformers' ``q * cos + rotate_half(q) * sin`` is float32 by type promotion:
     the patched model's dispatcher takes that call too (it fell back to transformers' ten small
-    ops a call before), rotating in float32, the same values and gradients as the unpatched
-    model's; float32 q with bf16 tables promotes the same way."""
+    ops a call before), rotating in float32 and writing bf16, which the attention's autocast
+    cast would make of the float32 rotation: the same values and gradients as the unpatched
+    model's. Outside autocast the mixed call promotes as transformers' does (float32 out), and
+    so does float32 q with bf16 tables."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -129,4 +164,11 @@ def test_a_patched_llama_rotates_in_teeny_under_autocast_as_transformers_promote
         for g, w in zip(got, want):
             assert g.dtype == w.dtype == torch.float32
             torch.testing.assert_close(g, w)
-    assert report.routed["apply_rotary_pos_emb"] == 4
+    args = (q.bfloat16(), k.bfloat16(), angles.cos(), angles.sin())
+    with tt.patching.router.Router(report), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = modeling_llama.apply_rotary_pos_emb(*args)
+    want = modeling_llama.apply_rotary_pos_emb.original(*args)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and w.dtype == torch.float32
+        torch.testing.assert_close(g, w.bfloat16(), atol=0, rtol=0)
+    assert report.routed["apply_rotary_pos_emb"] == 5

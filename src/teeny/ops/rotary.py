@@ -15,7 +15,9 @@ the matching halves of cos and sin at the row's (batch, position):
 cos and sin get no gradient (they are tables computed from positions, not trained): a program
 that asks for one is refused at lowering, naming the op. The backward reads cos, sin and dy only
 (x is not kept) and may write dx over dy. Half-precision inputs are computed in float32 and
-rounded once. Each program takes ROWS rows of x viewed as (batch * heads * seq, head_dim):
+rounded once. cos and sin may be of a wider float dtype than x (float32 tables for a bf16 x, as
+under autocast): the rotation is computed in float32 and written in x's dtype, the exact float32
+rotation rounded once. Each program takes ROWS rows of x viewed as (batch * heads * seq, head_dim):
 one read and one write of x, and of dy / dx backwards.
 """
 
@@ -136,6 +138,7 @@ class RotaryOp(RuntimeOp):
     n_activation_inputs = 3
     saves_inputs = (1, 2)  # cos and sin: the backward does not read x
     grad_in_place = True
+    mixed_float_inputs = True  # wider tables than x: read as they are (see the module docstring)
 
     def check_inputs(self, input_shapes, input_dtypes):
         for what, dtype in zip(("x", "cos", "sin"), input_dtypes):
@@ -143,6 +146,14 @@ class RotaryOp(RuntimeOp):
                 raise TypeError(
                     f"rotary_embedding expects floating-point x, cos and sin, got {what} of {dtype_name(dtype)}"
                 )
+        x_dtype, table_dtypes = input_dtypes[0], set(input_dtypes[1:])
+        wider = (x_dtype.itemsize, next(iter(table_dtypes)).itemsize) == (2, 4)
+        if len(table_dtypes) > 1 or (x_dtype not in table_dtypes and not wider):
+            got = ", ".join(f"{what} {dtype_name(d)}" for what, d in zip(("x", "cos", "sin"), input_dtypes))
+            raise TypeError(
+                f"rotary_embedding expects cos and sin of x's dtype, or float32 tables for a half-precision x; "
+                f"got {got}"
+            )
         x, cos, sin = (tuple(s) for s in input_shapes)
         if len(x) != 4:
             raise ValueError(f"x must have shape (batch, heads, seq, head_dim), got {shape_text(x)}")

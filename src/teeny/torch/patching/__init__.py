@@ -37,7 +37,11 @@ patched model patches what is new in it (an adapter's layers) and returns the sa
 
 The model's forward turns the router on, and so does each transformer block's (unless it is on
 already): under activation checkpointing (reentrant or not) a block runs again in the backward,
-outside the model's forward, and recomputes on the same kernels as its forward ran.
+outside the model's forward, and recomputes on the same kernels as its forward ran. A
+``transformers`` attention layer whose config says ``"sdpa"`` is switched to
+``attn_implementation="teeny"`` (``attention``: transformers' own SDPA function, its call
+routed to teeny's kernels), and a block whose attention is served so runs with the router off:
+its other torch calls skip the router's handler.
 
 One-call forwards never bypass what wraps a layer: GPT-2's attention and MLP read their layers'
 weights, so a layer that is no longer the one patch made (PEFT's LoRA puts its own layer in its
@@ -54,7 +58,7 @@ from torch import nn
 
 from ..nn import DROP_INS
 from ..nn import functional as TF
-from . import blocks, gpt2, head, layers, rotary
+from . import attention, blocks, gpt2, head, layers, rotary
 from .classes import (
     _new_patched,  # noqa: F401  (pickles of patched models name it here)
     from_transformers,
@@ -129,12 +133,12 @@ def _has_drop_in(module: nn.Module) -> bool:
 
 def _note_attention(module: nn.Module, report: PatchReport) -> None:
     """Note what runs an attention layer teeny leaves as it is: its product layers are swapped,
-    its attention routed (SDPA) or not, its rotary embedding teeny's or not (``rotary``)."""
-    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if implementation == "sdpa":
-        report.note("attention", "teeny: SDPA routed")
+    its SDPA attention teeny's through transformers' interface (``attention``) or not, its rotary
+    embedding teeny's or not (``rotary``)."""
+    if attention.serve(module, report):
+        report.note("attention", "teeny: attn_implementation teeny")
     else:
-        report.note("attention", f"PyTorch: {implementation or 'its own'} attention")
+        report.note("attention", f"PyTorch: {attention.implementation(module) or 'its own'} attention")
     modeling, status = rotary.rotary_of(type(module))
     if status:
         report.note("rotary", status)

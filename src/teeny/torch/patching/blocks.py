@@ -29,9 +29,9 @@ from ... import ops
 from .. import library
 from ..nn import DROP_INS
 from ..nn import functional as TF
+from .attention import routes_calls
 from .classes import base_forward, from_transformers, origin, swap
 from .layers import _epsilon, _rms_norm_forward
-from .router import routes_calls
 
 
 def _residual_norm(x, residual, weight, bias, eps: float, centred: bool, out_dtype=None, weight_offset: float = 0.0):

@@ -77,6 +77,9 @@ def _reduce_patched(self, protocol):
 
 def _new_patched(origin: type, labels: tuple[str, ...]) -> nn.Module:
     """An empty instance of the class ``teeny_class`` makes from ``origin`` and ``labels`` (unpickling fills it)."""
+    from .attention import register_if_loaded  # its configs may name teeny's attention (a fresh process)
+
+    register_if_loaded()
     cls = origin
     for label in labels:
         cls = teeny_class(cls, label)

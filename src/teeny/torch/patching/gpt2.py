@@ -16,10 +16,10 @@ import torch
 from ... import ops
 from .. import library
 from ..nn import functional as TF
+from .attention import routes_calls
 from .blocks import attention_arguments, junction, signature_of
 from .classes import base_forward, count_fallback, not_plain, swap, teeny_class
 from .layers import conv1d_forward, conv1d_linear
-from .router import routes_calls
 
 
 def _gelu_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias):

@@ -1,6 +1,6 @@
 """Rotary embeddings: transformers' attention layers rotate q and k by calling their modeling
 module's function ``apply_rotary_pos_emb(q, k, cos, sin)``. ``patch`` puts a dispatcher in that
-function's place: while a patched model runs (teeny's router is on) it rotates q and k as one teeny
+function's place: while a patched model runs (``router.running``) it rotates q and k as one teeny
 call (``rotary_pair``: two ``rotary_embedding`` kernel pairs); any other caller, and any call it
 cannot take (other arguments, cos and sin that want a gradient, under torch.compile, where the
 rotation is traced), gets transformers' own function. Unpatched models are not changed.
@@ -19,22 +19,27 @@ import torch
 
 from ... import ops
 from .. import library
-from .router import Router
+from .router import running
 
 
-def _rotary_pair(q, k, cos, sin):
+def _rotary_pair(q, k, cos, sin, in_q_dtype: bool = False):
     """q and k rotated by the same tables (``teeny.ops.rotary_embedding``), one teeny call, in
     the dtype PyTorch's type promotion gives Hugging Face's ``q * cos + rotate_half(q) * sin``:
-    under autocast q and k come from the products in bf16 while cos and sin stay float32, and
-    the rotation is float32 (the exact upcast of q, then the rotation)."""
+    with bf16 q and k and float32 cos and sin the rotation is float32 (the exact upcast of q,
+    then the rotation). ``in_q_dtype``: that float32 rotation is written in q's dtype instead,
+    rounded once (under autocast, where q and k come from the products in bf16 and the
+    attention casts them to bf16 before it reads them: the same numbers, without a float32 copy
+    of q and k and the attention's two casts)."""
+    if in_q_dtype and q.dtype.itemsize == 2 and cos.dtype == sin.dtype == torch.float32:
+        return ops.rotary_embedding(q, cos, sin), ops.rotary_embedding(k, cos, sin)
     dtype = torch.promote_types(q.dtype, cos.dtype)
     q, k, cos, sin = (t if t.dtype == dtype else ops.to(t, dtype) for t in (q, k, cos, sin))
     return ops.rotary_embedding(q, cos, sin), ops.rotary_embedding(k, cos, sin)
 
 
 library.register(
-    _rotary_pair, name="rotary_pair", schema="Tensor q, Tensor k, Tensor cos, Tensor sin", multi_output=True,
-    autocast="as_given",
+    _rotary_pair, name="rotary_pair", schema="Tensor q, Tensor k, Tensor cos, Tensor sin, bool in_q_dtype=False",
+    multi_output=True, autocast="as_given",
 )  # fmt: skip
 
 
@@ -66,7 +71,7 @@ def _rotates_as_hugging_face(function, rotary_dim: int) -> bool:
 
 class RotaryDispatch:
     """Stands in for a modeling module's ``apply_rotary_pos_emb``: teeny's rotation while a
-    patched model runs (``Router``), the module's own otherwise."""
+    patched model runs (``router.running``), the module's own otherwise."""
 
     def __init__(self, original, partial: bool):
         self.original, self.partial = original, partial
@@ -87,11 +92,13 @@ class RotaryDispatch:
         return width == q.shape[-1] or (self.partial and width < q.shape[-1] and width % 2 == 0)
 
     def __call__(self, q, k, cos, sin, *args, **kwargs):
-        router = None if torch.compiler.is_compiling() else Router.active()
-        if router is None or not self._takes(q, k, cos, sin, args, kwargs):
+        report = None if torch.compiler.is_compiling() else running()
+        if report is None or not self._takes(q, k, cos, sin, args, kwargs):
             return self.original(q, k, cos, sin, *args, **kwargs)
-        router.count("apply_rotary_pos_emb")
-        return library.direct.rotary_pair(q, k, cos, sin)
+        report.routed["apply_rotary_pos_emb"] += 1
+        device = q.device.type
+        rounded = library.autocast_on(device) and torch.get_autocast_dtype(device) == q.dtype != cos.dtype
+        return library.direct.rotary_pair(q, k, cos, sin, rounded)
 
 
 def rotary_of(cls: type) -> tuple[str, str]:

@@ -1,11 +1,17 @@
 """The router: while a patched model's forward runs, the functional calls its code makes
 (``teeny.torch.nn.functional.ROUTED``: ``F.scaled_dot_product_attention``, ``F.cross_entropy``,
 ...) go to teeny, through a ``TorchFunctionMode``; a call teeny cannot run goes to PyTorch and is
-counted in the report's ``fallbacks``."""
+counted in the report's ``fallbacks``.
+
+Every torch call made under the router passes through its Python handler (a few microseconds
+each). A transformer block whose attention teeny serves through transformers' own interface
+(``attention.routes_calls``) needs no router: it runs with the router off, and ``running()``
+says which patched model runs (the rotary dispatcher reads it)."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -59,21 +65,53 @@ class Router(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def routes_calls(forward):
-    """``forward`` (a block's) run with teeny's router on, unless it is on already: the model's
-    forward enters it, but under activation checkpointing a block runs again in the backward,
-    outside the model's forward, and must then route the calls it routed the first time (else
-    the recomputation is another computation: ``CheckpointError``, or PyTorch's gradients).
-    Under torch.compile nothing is recomputed in Python, and the model's forward enters it."""
+class _Running(threading.local):
+    report: PatchReport | None = None  # the report of the patched block running in this thread
 
-    @functools.wraps(forward)
-    def routed(self, *args, **kwargs):
-        if torch.compiler.is_compiling() or Router.is_on():
-            return forward(self, *args, **kwargs)
-        with Router(self._teeny_report):
-            return forward(self, *args, **kwargs)
 
-    return routed
+_RUNNING = _Running()
+
+
+def running() -> PatchReport | None:
+    """The report of the patched model running in this thread (eager mode): its router's, or
+    that of a block running without the router; None outside any."""
+    if _RUNNING.report is not None:
+        return _RUNNING.report
+    router = Router.active()
+    return router.report if router is not None else None
+
+
+@contextlib.contextmanager
+def block_running(report: PatchReport):
+    outer, _RUNNING.report = _RUNNING.report, report
+    try:
+        yield
+    finally:
+        _RUNNING.report = outer
+
+
+@contextlib.contextmanager
+def unrouted():
+    """The router off for the ``with`` block: stepped off the function-mode stack when it is on
+    top (the common case), so torch calls skip its handler altogether; under another mode it
+    stays and lets every call through to PyTorch (``paused``)."""
+    router = None if torch.compiler.is_compiling() else Router.active()
+    if router is None:
+        yield
+        return
+    depth = torch._C._len_torch_function_stack()
+    if torch._C._get_function_stack_at(depth - 1) is router:
+        torch._C._pop_torch_function_stack()
+        try:
+            yield
+        finally:
+            torch._C._push_on_torch_function_stack(router)
+        return
+    router.paused += 1
+    try:
+        yield
+    finally:
+        router.paused -= 1
 
 
 @swap("routed")
@@ -91,24 +129,11 @@ def _routed_forward(self, *args, **kwargs):
 def _unrouted_forward(self, *args, **kwargs):
     """The forward of a module patch leaves to its own code (a PEFT adapter layer): its functional
     calls go to PyTorch, not to teeny (its ``F.linear`` calls of rank-r products would each cost a
-    teeny call's host time), while the model around it stays routed. The router steps off the
-    function-mode stack meanwhile when it is on top (the common case), so those calls do not pass
-    through its Python ``__torch_function__`` at all (a LoRA layer makes about ten: 1,100 calls
-    a step of a checkpointed Llama with LoRA on its seven projections); under another mode it stays
-    and lets them through (``paused``)."""
+    teeny call's host time), while the model around it stays routed; the router is off meanwhile
+    (``unrouted``: a LoRA layer makes about ten calls, 1,100 a step of a checkpointed Llama with
+    LoRA on its seven projections, that then skip the router's handler)."""
     forward = base_forward(self, "unrouted")
-    router = None if torch.compiler.is_compiling() else Router.active()
-    if router is None:
-        return forward(self, *args, **kwargs)
-    depth = torch._C._len_torch_function_stack()
-    if torch._C._get_function_stack_at(depth - 1) is router:
-        torch._C._pop_torch_function_stack()
-        try:
+    if Router.is_on():
+        with unrouted():
             return forward(self, *args, **kwargs)
-        finally:
-            torch._C._push_on_torch_function_stack(router)
-    router.paused += 1
-    try:
-        return forward(self, *args, **kwargs)
-    finally:
-        router.paused -= 1
+    return forward(self, *args, **kwargs)
