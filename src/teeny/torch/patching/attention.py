@@ -27,6 +27,7 @@ import sys
 import torch
 from torch import nn
 
+from .classes import UNPICKLING
 from .report import PatchReport
 from .router import Router, block_running, unrouted
 
@@ -110,3 +111,4 @@ def register_if_loaded() -> None:
 
 
 register_if_loaded()
+UNPICKLING.append(register_if_loaded)

@@ -19,6 +19,7 @@ from torch import nn
 
 # label -> (forward, class attributes, attributes worked out from the base class)
 SWAPS: dict[str, tuple] = {}
+UNPICKLING: list = []  # called before a patched module is made again (``attention`` registers its name)
 MODEL_LABELS = ("causal_lm", "routed")  # a model's own class: its name and forward's signature stay
 _CLASSES: dict[tuple[type, str], type] = {}
 
@@ -77,9 +78,8 @@ def _reduce_patched(self, protocol):
 
 def _new_patched(origin: type, labels: tuple[str, ...]) -> nn.Module:
     """An empty instance of the class ``teeny_class`` makes from ``origin`` and ``labels`` (unpickling fills it)."""
-    from .attention import register_if_loaded  # its configs may name teeny's attention (a fresh process)
-
-    register_if_loaded()
+    for hook in UNPICKLING:
+        hook()
     cls = origin
     for label in labels:
         cls = teeny_class(cls, label)
