@@ -100,3 +100,45 @@ def test_a_failing_variant_is_a_row_and_the_others_go_on():
     table = format_table(rows)
     assert "| teeny-patch |" in table and "failed: RuntimeError: no teeny here second line" in table
     assert settings["parameters"] == 4 * 2 + 2
+
+
+def test_rounds_run_each_in_a_fresh_process_and_take_the_median(tmp_path):
+    """``--rounds 2``: the command runs twice, each round a process of its own (its JSON, here the
+    rows of both), and a variant's step time is the median of its rounds', each kept."""
+    factory = tmp_path / "tiny.py"
+    factory.write_text(
+        "import torch\n"
+        "def make_model():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))\n"
+        "    return model, (torch.randn(7, 6),), lambda m, b: m(*b).square().mean()\n"
+    )
+    out = tmp_path / "out.json"
+    argv = ["bench", f"{factory}:make_model", "--rounds", "2", "--steps", "2", "--warmup", "0"]
+    argv += ["--variants", "eager,teeny-patch", "--precision", "fp32", f"--json={out}"]
+    done = subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "round 2 of 2" in done.stderr and "the median of 2 rounds" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 2 and [r["variant"] for r in report["rows"]] == ["eager", "teeny-patch"]
+    for row in report["rows"]:
+        assert row["status"] == "ok" and len(row["round_ms"]) == 2
+        assert min(row["round_ms"]) <= row["step_ms"] <= max(row["round_ms"])
+        assert row["note"].startswith("rounds ")
+
+
+def test_combining_rounds_takes_medians_and_keeps_a_failure():
+    from teeny.torch.bench import Row, _without, combine_rounds
+
+    def row(name, ms, status="ok", peak=10.0):
+        return Row(name, status, "" if status == "ok" else "boom", 1.0, ms, 1000 / ms, peak, 2.0, 1.0, [2.0, 1.0])
+
+    rounds = [[row("eager", 10.0), row("teeny-patch", 8.0, peak=5.0)],
+              [row("eager", 30.0), row("teeny-patch", 9.0, peak=6.0)],
+              [row("eager", 11.0), row("teeny-patch", 1.0, "failed")]]  # fmt: skip
+    eager, patched = combine_rounds(rounds)
+    assert eager.step_ms == 11.0 and eager.round_ms == [10.0, 30.0, 11.0] and eager.tokens_per_s == 1000 / 11.0
+    assert patched.status == "failed" and patched.note == "boom"
+    assert combine_rounds(rounds[:2])[1].peak_mib == 6.0
+    argv = ["bench", "m.py:f", "--rounds", "3", "--json=a.json", "--steps", "2", "--json", "b.json"]
+    assert _without(argv, ("--rounds", "--json")) == ["bench", "m.py:f", "--steps", "2"]

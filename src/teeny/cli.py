@@ -279,6 +279,13 @@ def add_bench(sub) -> None:
         "compile-max-autotune-no-cudagraphs, teeny-patch, teeny-patch+compile, liger; default all",
     )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="run every variant this many times, each round in a fresh process; the step time is the median "
+        "over the rounds (default 1)",
+    )
     p.add_argument(  # teeny.torch.bench.PRECISIONS, named here so that parsing imports no kernel
         "--precision", choices=["fp32", "bf16-autocast"], help="default: bf16-autocast on CUDA, fp32 on the CPU"
     )

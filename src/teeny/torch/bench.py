@@ -31,6 +31,13 @@ compile cost), ``warmup`` steps, then ``steps`` timed ones (CUDA events on the G
 ``time.perf_counter``, synchronised), and reports the mean step time, tokens/s (when the batch
 has ``input_ids``), the peak of ``torch.cuda.max_memory_allocated`` (GPU only) and the losses of
 the first and the last step. A variant that fails gets its error in its row; the others go on.
+
+**Rounds.** ``--rounds N`` runs the whole command N times, one round after another, each in a
+fresh process (Liger's patch stays for a process's life): a variant's step time is then the
+median of its rounds' (each round's is in the row's ``round_ms`` and its note), its peak the
+highest, its first step and losses the first round's. A host-bound step (PyTorch eager, a patch)
+runs at the host's speed, and a shared host's speed drifts by tens of percent within minutes:
+rounds interleave the variants in time, so a drift no longer falls on one variant alone.
 """
 
 from __future__ import annotations
@@ -40,7 +47,10 @@ import dataclasses
 import gc
 import json
 import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -107,6 +117,7 @@ class Row:
     first_loss: float | None = None
     last_loss: float | None = None
     losses: list[float] = field(default_factory=list)
+    round_ms: list[float] = field(default_factory=list)  # each round's step time (``--rounds``)
 
 
 def parse_variants(text: str) -> list[str]:
@@ -411,6 +422,84 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def combine_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per variant from the rows of each round (see the module docstring's Rounds): ``ok``
+    when every round's is, with the median step time; else the first round's row that is not."""
+    rows = []
+    for name in [r.variant for r in rounds[0]]:
+        runs = [next(r for r in rows_ if r.variant == name) for rows_ in rounds]
+        bad = next((r for r in runs if r.status != "ok"), None)
+        if bad is not None:
+            rows.append(bad)
+            continue
+        first = runs[0]
+        step_ms = statistics.median(r.step_ms for r in runs)
+        peaks = [r.peak_mib for r in runs if r.peak_mib is not None]
+        tokens = first.tokens_per_s * first.step_ms / step_ms if first.tokens_per_s else None
+        ms = ", ".join(f"{r.step_ms:.2f}" for r in runs)
+        note = f"rounds {ms} ms" + (f"; {first.note}" if first.note else "")
+        rows.append(dataclasses.replace(first, step_ms=step_ms, tokens_per_s=tokens, peak_mib=max(peaks, default=None),
+                                        note=note, round_ms=[r.step_ms for r in runs]))  # fmt: skip
+    return rows
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``options`` and their values (``--opt value`` or ``--opt=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in options)):
+            out.append(a)
+    return out
+
+
+def _bench_rounds(args, say: Callable[[str], None]) -> int:
+    """``--rounds N``: the same command N times in fresh processes, combined (``combine_rounds``)."""
+    argv = _without(getattr(args, "argv", None) or sys.argv[1:], ("--rounds", "--json"))
+    rounds, report = [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(args.rounds):
+            say(f"round {i + 1} of {args.rounds}")
+            path = f"{folder}/round{i}.json"
+            done = subprocess.run([sys.executable, "-m", "teeny", *argv, "--json", path], stdout=subprocess.DEVNULL)
+            try:
+                with open(path) as f:
+                    report = json.load(f)
+            except OSError:  # the round could not load the factory (its error is on stderr)
+                return done.returncode or 2
+            fields = {f.name for f in dataclasses.fields(Row)}
+            rounds.append([Row(**{k: v for k, v in row.items() if k in fields}) for row in report["rows"]])
+    rows = combine_rounds(rounds)
+    report.update(rounds=args.rounds, rows=[dataclasses.asdict(r) for r in rows])
+    _print_report(args, report, rows)
+    if args.json:
+        _write_report(args.json, report, say)
+    return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def _print_report(args, settings: dict[str, Any], rows: list[Row]) -> None:
+    tokens = settings["tokens_per_step"]
+    rounds = settings.get("rounds", 1)
+    print(
+        f"teeny bench {args.spec} on {settings['device']}: {settings['parameters']:,} parameters, "
+        f"{settings['precision']}, {settings['steps']} timed steps after 1 + {settings['warmup']} warm-up"
+        + (f", {tokens:,} tokens a step" if tokens else "")
+        + (f"; the median of {rounds} rounds, each in a fresh process" if rounds > 1 else "")
+        + "\n"
+    )
+    print(format_table(rows))
+
+
+def _write_report(path: str, report: dict[str, Any], say: Callable[[str], None]) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    say(f"results in {path}")
+
+
 def cmd_bench(args) -> int:
     """``teeny bench``: the table on stdout, ``--json`` to a file; exit 2 for a factory that
     cannot be loaded or breaks the contract, 1 when a variant failed, else 0."""
@@ -418,6 +507,9 @@ def cmd_bench(args) -> int:
 
     def say(line: str) -> None:
         print(f"teeny bench: {line}", file=sys.stderr, flush=True)
+
+    if getattr(args, "rounds", 1) > 1:
+        return _bench_rounds(args, say)
 
     try:
         variants = parse_variants(args.variants)
@@ -442,18 +534,7 @@ def cmd_bench(args) -> int:
         log=say,
         show_traceback=args.traceback,
     )
-    tokens = settings["tokens_per_step"]
-    print(
-        f"teeny bench {args.spec} on {settings['device']}: {settings['parameters']:,} parameters, "
-        f"{settings['precision']}, {settings['steps']} timed steps after 1 + {settings['warmup']} warm-up"
-        + (f", {tokens:,} tokens a step" if tokens else "")
-        + "\n"
-    )
-    print(format_table(rows))
+    _print_report(args, settings, rows)
     if args.json:
-        report = {"model": args.spec, **settings, "rows": [dataclasses.asdict(r) for r in rows]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-        say(f"results in {args.json}")
+        _write_report(args.json, {"model": args.spec, **settings, "rows": [dataclasses.asdict(r) for r in rows]}, say)
     return 1 if any(r.status == "failed" for r in rows) else 0
