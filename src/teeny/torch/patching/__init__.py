@@ -144,10 +144,11 @@ def _note_attention(module: nn.Module, report: PatchReport) -> None:
         report.note("rotary", status)
 
 
-_BLOCK_UNKNOWN = "PyTorch: a layout teeny does not know (own forward, router on)"
+_BLOCK_UNKNOWN = "PyTorch: a layout teeny does not know (its own forward)"
 _BLOCK_LEFT = (
-    "a block layout teeny does not know: its own forward runs, with teeny's router on (the residual add and "
-    "the norm after the attention stay two calls; its layers are swapped)"
+    "a block layout teeny does not know: its own forward runs, with teeny's router on unless its attention is "
+    "teeny's through transformers' interface (the residual add and the norm after the attention stay two calls; "
+    "its layers are swapped)"
 )
 
 

@@ -1,5 +1,5 @@
 """Transformer blocks: the residual add after a block's attention and the norm after it as one teeny
-call (``residual_norm``), with every block forward run under teeny's router.
+call (``residual_norm``); how a block's calls are routed: ``attention.routes_calls``.
 
 Blocks are recognised by their structure, never by the text of their forward: a ``transformers``
 ``*DecoderLayer`` whose children are exactly those of one of the layouts below (module names; a
@@ -11,11 +11,12 @@ What each layout computes, with r the block's input:
   block's ``residual_multiplier`` (Granite; else 1) and ``drop`` its ``resid_*_dropout`` (Phi-3);
 * sandwich (Gemma 2, Gemma 3): ``h = r + post1(attn(norm1(r)))``, ``out = h + post2(mlp(norm2(h)))``;
 * post-norm (OLMo 2, OLMo 3, EXAONE 4): ``h = r + norm1(attn(r))``, ``out = h + norm2(mlp(h))``:
-  nothing to fuse, the block's own forward runs under the router.
+  nothing to fuse, the block's own forward runs.
 
 The add and the norm that follows it are one call (``_junction``); everything else is the
 block's own layers, called as the block's forward calls them. A block whose layout is none of
-these keeps its own forward, under the router, and is reported.
+these keeps its own forward, and is reported. Every block runs under teeny's router, unless its
+attention is teeny's through transformers' interface (``attention.routes_calls``): then without it.
 """
 
 from __future__ import annotations
@@ -213,12 +214,12 @@ def layout(block: nn.Module) -> str | None:
 
 def block_kind(block: nn.Module) -> tuple[str, str]:
     """The label of a decoder layer's teeny class and what the report says runs it ("" for a
-    layout teeny does not know, which keeps its own forward under the router: label "block")."""
+    layout teeny does not know, which keeps its own forward: label "block")."""
     label = layout(block)
     if label is None:
         return "block", ""
     if label == "post_norm_block":
-        return "block", "teeny router: own forward (post-norms: nothing to fuse)"
+        return "block", "teeny: own forward (post-norms: nothing to fuse)"
     return label, "teeny: residual add + norm one call"
 
 
