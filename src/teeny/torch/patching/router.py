@@ -83,6 +83,7 @@ def running() -> PatchReport | None:
 
 @contextlib.contextmanager
 def block_running(report: PatchReport):
+    """``running()`` says ``report`` inside the ``with`` block (a block that runs without the router)."""
     outer, _RUNNING.report = _RUNNING.report, report
     try:
         yield
@@ -133,7 +134,7 @@ def _unrouted_forward(self, *args, **kwargs):
     (``unrouted``: a LoRA layer makes about ten calls, 1,100 a step of a checkpointed Llama with
     LoRA on its seven projections, that then skip the router's handler)."""
     forward = base_forward(self, "unrouted")
-    if Router.is_on():
-        with unrouted():
-            return forward(self, *args, **kwargs)
-    return forward(self, *args, **kwargs)
+    if torch.compiler.is_compiling() or not Router.is_on():  # (under torch.compile the stack is not traced)
+        return forward(self, *args, **kwargs)
+    with unrouted():
+        return forward(self, *args, **kwargs)
