@@ -460,6 +460,7 @@ def _bench_rounds(args, say: Callable[[str], None]) -> int:
     """``--rounds N``: the same command N times in fresh processes, combined (``combine_rounds``)."""
     argv = _without(getattr(args, "argv", None) or sys.argv[1:], ("--rounds", "--json"))
     rounds, report = [], {}
+    fields = {f.name for f in dataclasses.fields(Row)}
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.rounds):
             say(f"round {i + 1} of {args.rounds}")
@@ -470,7 +471,6 @@ def _bench_rounds(args, say: Callable[[str], None]) -> int:
                     report = json.load(f)
             except OSError:  # the round could not load the factory (its error is on stderr)
                 return done.returncode or 2
-            fields = {f.name for f in dataclasses.fields(Row)}
             rounds.append([Row(**{k: v for k, v in row.items() if k in fields}) for row in report["rows"]])
     rows = combine_rounds(rounds)
     report.update(rounds=args.rounds, rows=[dataclasses.asdict(r) for r in rows])

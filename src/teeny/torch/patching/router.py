@@ -92,11 +92,13 @@ def block_running(report: PatchReport):
 
 
 @contextlib.contextmanager
-def unrouted():
-    """The router off for the ``with`` block: stepped off the function-mode stack when it is on
-    top (the common case), so torch calls skip its handler altogether; under another mode it
-    stays and lets every call through to PyTorch (``paused``)."""
-    router = None if torch.compiler.is_compiling() else Router.active()
+def unrouted(router: Router | None = None):
+    """The router off for the ``with`` block (``router``: the active one, when the caller has
+    looked it up already): stepped off the function-mode stack when it is on top (the common
+    case), so torch calls skip its handler altogether; under another mode it stays and lets every
+    call through to PyTorch (``paused``)."""
+    if router is None:
+        router = None if torch.compiler.is_compiling() else Router.active()
     if router is None:
         yield
         return
@@ -134,7 +136,8 @@ def _unrouted_forward(self, *args, **kwargs):
     (``unrouted``: a LoRA layer makes about ten calls, 1,100 a step of a checkpointed Llama with
     LoRA on its seven projections, that then skip the router's handler)."""
     forward = base_forward(self, "unrouted")
-    if torch.compiler.is_compiling() or not Router.is_on():  # (under torch.compile the stack is not traced)
+    router = None if torch.compiler.is_compiling() else Router.active()  # (the stack is not traced)
+    if router is None:
         return forward(self, *args, **kwargs)
-    with unrouted():
+    with unrouted(router):
         return forward(self, *args, **kwargs)
