@@ -118,7 +118,8 @@ def test_rounds_run_each_in_a_fresh_process_and_take_the_median(tmp_path):
     argv += ["--variants", "eager,teeny-patch", "--precision", "fp32", f"--json={out}"]
     done = subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "round 2 of 2" in done.stderr and "the median of 2 rounds" in done.stdout
+    assert "round 2 of 2" in done.stderr and "round 1: eager " in done.stderr
+    assert "the median of 2 rounds" in done.stdout
     report = json.loads(out.read_text())
     assert report["rounds"] == 2 and [r["variant"] for r in report["rows"]] == ["eager", "teeny-patch"]
     for row in report["rows"]:

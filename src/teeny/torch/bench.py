@@ -472,6 +472,9 @@ def _bench_rounds(args, say: Callable[[str], None]) -> int:
             except OSError:  # the round could not load the factory (its error is on stderr)
                 return done.returncode or 2
             rounds.append([Row(**{k: v for k, v in row.items() if k in fields}) for row in report["rows"]])
+            # each round's times as it ends: a run cut short by a time limit still says what it measured
+            times = (f"{r.variant} {r.step_ms:.2f} ms" if r.step_ms else f"{r.variant} {r.status}" for r in rounds[-1])
+            say(f"round {i + 1}: {', '.join(times)}")
     rows = combine_rounds(rounds)
     report.update(rounds=args.rounds, rows=[dataclasses.asdict(r) for r in rows])
     _print_report(args, report, rows)
