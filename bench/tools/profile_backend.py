@@ -2,9 +2,16 @@
 (bf16 autocast, fused AdamW): GPU time per kernel name, GPU busy vs the step's wall time.
 
     python3 bench/tools/profile_backend.py examples/bench_llama.py:make_gpu_model [--backend inductor]
+
+``--cprofile``: the first step (compilation, tuning, recording) and a later one under cProfile,
+the functions that took the most time in each: where the first step's seconds go, and whether a
+later step's host time is the replays' or something else's.
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 
@@ -20,6 +27,7 @@ def main() -> None:
     parser.add_argument("spec")
     parser.add_argument("--backend", default="teeny")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--cprofile", action="store_true", help="cProfile the first step and a later one")
     args = parser.parse_args()
     model, batch = load_factory(args.spec)()[:2]
     model = model.cuda().train()
@@ -34,8 +42,12 @@ def main() -> None:
         loss.backward()
         optimizer.step()
 
+    if args.cprofile:
+        _cprofiled("first step", step, args.rows)
     for _ in range(4):
         step()
+    if args.cprofile:
+        _cprofiled("a later step", step, args.rows)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):
@@ -52,6 +64,21 @@ def main() -> None:
     print(f"{args.backend}: step {wall:.2f} ms wall, GPU busy {gpu:.2f} ms ({100 * gpu / wall:.0f}%)")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+
+
+def _cprofiled(what: str, step, rows: int) -> None:
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    step()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(rows * 2)
+    stats.sort_stats("tottime").print_stats(rows)
+    print(f"== {what}: {time.perf_counter() - start:.2f} s under cProfile")
+    print(text.getvalue())
 
 
 if __name__ == "__main__":
