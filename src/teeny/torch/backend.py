@@ -17,7 +17,8 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
 3. **Run.** The program runs as **one autograd node** (``teeny.torch.bridge``): its forward
    keeps what teeny's backward kernels need, its backward runs them, and autograd puts the
    gradients into ``param.grad`` with torch's own accumulation, so whatever the user does with
-   gradients keeps working. Each call is replayed from a tape of its launches (``teeny.torch.tape``).
+   gradients keeps working. Each call is replayed from a tape of its launches (``teeny.torch.tape``),
+   on a GPU as one CUDA graph once the inputs have settled (``teeny.torch.graphed``).
    Inputs the graph writes in place (BatchNorm's running statistics, ``num_batches_tracked``)
    are written back after the call.
 4. **Partition.** When the region has calls teeny has no op for, the ATen graph is split with
@@ -73,13 +74,19 @@ class RegionReport:
     build_seconds: float = 0.0
 
     def replayed(self) -> str:
-        """Whether the programs' calls replay their recorded launches (``teeny.torch.tape``), or why not."""
+        """Whether the programs' calls replay their recorded launches (``teeny.torch.tape``) and
+        as CUDA graphs (``teeny.torch.graphed``), or why not."""
         parts = []
         for entry in self.entries:
             for way, replays in (("forward", [entry._forward_replay]), ("backward", entry._backward_replays.values())):
                 reasons = {r.not_recorded for r in replays if r.not_recorded}
+                not_graphed = {r.not_graphed for r in replays if getattr(r, "not_graphed", None)}
                 if reasons:
                     parts.append(f"{way} not replayed: {'; '.join(sorted(reasons))}")
+                elif any(getattr(r, "graph_replays", 0) for r in replays):
+                    parts.append(f"{way} as a CUDA graph")
+                elif not_graphed:
+                    parts.append(f"{way} replayed, not as a CUDA graph: {'; '.join(sorted(not_graphed))}")
                 elif any(r.replays for r in replays):
                     parts.append(f"{way} replayed")
         return ", ".join(parts)
@@ -303,6 +310,7 @@ class Region:
         entry = bridge.remember(
             bridge.compile_function(imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision)
         )
+        entry.replay_as_cuda_graphs()  # a region is a whole model or a large part: one launch a call
         self.report.teeny_calls.update(plan["calls"])
         self.report.teeny_nodes += len(entry.executor.program.nodes)
         self.report.entries.append(entry)

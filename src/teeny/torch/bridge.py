@@ -60,6 +60,7 @@ from ..core.errors import NoGradientError, TeenyError
 from ..core.graph import Graph, Tensor, Value
 from ..program.executor import ActivationCache, Executor, inference_tensor_error
 from ..program.lowering import LoweringMode, lower
+from .graphed import GraphedReplayed
 from .tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
@@ -146,8 +147,17 @@ class Compiled:
             for node_id, ins, out, saved in pool_slots
         ]
         self._blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.torch.tape)
+        self._replayed = Replayed
         self._forward_replay = Replayed(self._run_forward, self._blocked)
         self._backward_replays: dict[tuple[bool, ...], Replayed] = {}  # by which seeded outputs have a gradient
+
+    def replay_as_cuda_graphs(self) -> None:
+        """From now on replay this entry's recorded calls as CUDA graphs on a GPU
+        (``teeny.torch.graphed``): for a whole model's region (``torch.compile(backend="teeny")``),
+        whose replayed launches take more host time than its kernels take on the GPU."""
+        self._replayed = GraphedReplayed
+        self._forward_replay = GraphedReplayed(self._run_forward, self._blocked)
+        self._backward_replays.clear()
 
     @property
     def training(self) -> bool:
@@ -186,6 +196,15 @@ class Compiled:
             return replay(tensors, consume=True)
         return replay(tensors)
 
+    def keepable(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``forward``'s result as the caller may keep it: after a CUDA graph's replay the outputs
+        are the graph's own memory, which its next replay writes again, so they are copied (the
+        extras after them are not: the backward reads them, and the graph waits for it)."""
+        if not getattr(self._forward_replay, "last_graphed", False):
+            return list(outputs)
+        n = self.n_outputs
+        return [t.clone() for t in outputs[:n]] + list(outputs[n:])
+
     @property
     def _backward_replay(self) -> Replayed:
         """The backward's replay when every seeded output has its gradient."""
@@ -195,7 +214,7 @@ class Compiled:
         replay = self._backward_replays.get(given)
         if replay is None:
             run = functools.partial(self._run_backward_given, given)
-            replay = self._backward_replays[given] = Replayed(run, self._blocked)
+            replay = self._backward_replays[given] = self._replayed(run, self._blocked)
         return replay
 
     def _run_backward_given(self, given: tuple[bool, ...], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -557,7 +576,8 @@ _LIB.define("run_backward(str key, Tensor?[] grads, Tensor[] saved) -> Tensor[]"
 
 def run_forward(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run the compiled entry ``key`` forwards: its outputs, then the extras its backward reads."""
-    return lookup(key).forward(tensors)
+    entry = lookup(key)
+    return entry.keepable(entry.forward(tensors))
 
 
 def run_backward(key: str, grads: list[torch.Tensor | None], saved: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -715,10 +735,10 @@ class _EagerRun(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, entry, *tensors):  # ctx in forward: apply() binds no signature per call then
-        output = tuple(entry.forward(tensors))
+        output = entry.forward(tensors)
         ctx.set_materialize_grads(False)
-        _save_for_backward(ctx, entry, tensors, output)
-        return output
+        _save_for_backward(ctx, entry, tensors, output)  # a graph's own outputs: its next replay waits for them
+        return tuple(entry.keepable(output))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -779,11 +799,11 @@ def call(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]
 
 def _call_eager(entry: Compiled, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return entry.forward(list(tensors))
+        return entry.keepable(entry.forward(list(tensors)))
     if entry.training:
         return list(_EagerRun.apply(entry, *tensors))
     with torch.no_grad():  # lowered for inference, as no gradient reaches an output (stop_gradient): no record
-        return entry.forward(list(tensors))
+        return entry.keepable(entry.forward(list(tensors)))
 
 
 # ----------------------------------------------------------------------------- apply

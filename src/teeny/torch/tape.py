@@ -298,13 +298,23 @@ class Tape:
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         else:
             stream = 0
+        self._run(slots, stream)
+        if self.checks:
+            raise_failed_checks([(slots[k], where, describe) for k, where, describe in self.checks])
+        return [slots[k] for k in self.outputs]
+
+    def replay_captured(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple]]:
+        """A replay on a GPU while a CUDA graph captures it (``teeny.torch.graphed``): its outputs,
+        and its flags in ``raise_failed_checks``' form, to be read after each of the graph's replays."""
+        slots: list = [*tensors, *([None] * (self.n_slots - len(tensors)))]
+        self._run(slots, torch._C._cuda_getCurrentRawStream(self.device.index))
+        return [slots[k] for k in self.outputs], [(slots[k], where, describe) for k, where, describe in self.checks]
+
+    def _run(self, slots: list, stream: int | None) -> None:
         for step, done in zip(self.steps, self.frees):
             step.run(slots, stream)
             for k in done:
                 slots[k] = None
-        if self.checks:
-            raise_failed_checks([(slots[k], where, describe) for k, where, describe in self.checks])
-        return [slots[k] for k in self.outputs]
 
 
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -455,8 +465,7 @@ class Replayed:
         tape = self.tapes.get(pattern)
         if tape is not None:
             if tape.fits(tensors):
-                self.replays += 1
-                return tape.replay(tensors, consume)
+                return self.replay_tape(pattern, tape, tensors, consume)
             return self.fn(list(tensors))
         if self.not_recorded is not None or len(self.tapes) >= MAX_PATTERNS:
             return self.fn(list(tensors))
@@ -466,6 +475,11 @@ class Replayed:
         else:
             self.tapes[pattern] = recorded
         return result
+
+    def replay_tape(self, pattern: tuple | None, tape: Tape, tensors: Sequence[torch.Tensor], consume: bool):
+        """A call the tape of ``pattern`` fits (``teeny.torch.graphed`` replays it as a CUDA graph)."""
+        self.replays += 1
+        return tape.replay(tensors, consume)
 
 
 def _recordable_now() -> bool:

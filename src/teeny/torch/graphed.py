@@ -1,0 +1,146 @@
+"""A tape (``teeny.torch.tape``) replayed as one CUDA graph: a call's whole host path cut to one launch.
+
+A replayed tape still spends host time on every ATen call and every launch of the run, which a
+program of a few hundred nodes (a whole model under ``torch.compile(backend="teeny")``) pays at
+each call: on a slow host more than its kernels take. ``GraphedReplayed`` is a ``Replayed``
+whose tape, once the call's inputs have settled, is captured into a CUDA graph, and later calls
+replay the graph:
+
+* **Inputs.** A graph reads the memory it was captured on. An input at the address it had at the
+  previous call (a parameter, a buffer, a tensor the forward's own graph made) is read in place,
+  the address checked at every call; one that moved (a new batch, a seed gradient) is copied into
+  a buffer of the graph's. A tape is captured at the first call whose moving inputs are small
+  (``MAX_COPIED`` bytes, or an eighth of all the inputs); until then the tape is replayed.
+* **Outputs.** The tensors a replay returns live in the graph's memory and the next replay writes
+  them again. They are handed out as new tensors over that memory (``detach``), and a replay
+  takes place only when nothing else holds any of them any more (torch's count of the storage's
+  users back to the graph's own): a gradient a parameter's ``.grad`` still holds (accumulation
+  without ``zero_grad``), or activations whose backward has not run yet (two forwards before a
+  backward), send that call down the tape's path, which allocates afresh. Outputs the caller
+  keeps beyond the call (a model's loss and logits) are the caller's to copy
+  (``bridge.Compiled.keepable``); ``last_graphed`` says whether a call's outputs are a graph's.
+* **Checks.** The flags ops ask to have checked are read after each replay, as the tape reads them.
+
+Only where the tape runs on a GPU, outside any capture already under way, and while
+``teeny.core.config.cuda_graphs`` is on (``TEENY_CUDA_GRAPHS=0`` sets it off). A capture that
+fails (something in the run cannot be captured) leaves the tape's path, and says why in
+``not_graphed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..core import config
+from ..core.runtime import capturing, raise_failed_checks
+from .tape import Replayed, Tape
+
+MAX_COPIED = 64 << 20  # bytes of moving inputs a graph copies in per call, at least
+MAX_CAPTURES = 8  # captures per function: one per parameter set it is called with (then: the tape)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Graph:
+    """One tape captured: where its fixed inputs must be, the buffers its moving inputs are
+    copied into, its outputs and flags (the graph's own tensors), and each output storage's use
+    count with only the graph holding it."""
+
+    def __init__(self, tape: Tape, tensors: Sequence[torch.Tensor], moving: Sequence[int]):
+        self.fixed = [(i, t.data_ptr()) for i, t in enumerate(tensors) if i not in moving]
+        inputs = list(tensors)
+        self.buffers = []
+        for i in moving:
+            t = tensors[i]
+            buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            inputs[i] = buffer
+            self.buffers.append((i, buffer))
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs, self.flags = tape.replay_captured(inputs)
+        del inputs
+        self.owned = [_use_count(t) for t in self.outputs]
+
+    def free(self) -> bool:
+        """Whether nothing but the graph holds its outputs (a replay may write them again)."""
+        return all(_use_count(t) <= n for t, n in zip(self.outputs, self.owned))
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return all(tensors[i].data_ptr() == address for i, address in self.fixed)
+
+    def replay(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        for i, buffer in self.buffers:
+            buffer.copy_(tensors[i])
+        self.graph.replay()
+        if self.flags:
+            raise_failed_checks(self.flags)
+        return [t.detach() for t in self.outputs]
+
+
+class GraphedReplayed(Replayed):
+    """``Replayed`` whose tapes are replayed as CUDA graphs (see the module docstring)."""
+
+    def __init__(self, fn: Callable[[list], list[torch.Tensor]], blocked: str | None = None):
+        super().__init__(fn, blocked)
+        self.graphs: dict[tuple | None, _Graph] = {}
+        self.captures = 0  # a graph whose fixed inputs moved is captured again, up to MAX_CAPTURES times
+        self.addresses: dict[tuple | None, list[int]] = {}  # the inputs' addresses at the pattern's last call
+        self.not_graphed: str | None = None
+        self.graph_replays = 0  # how many calls a graph answered (tests and benches read it)
+        self.last_graphed = False  # whether the last call's outputs are a graph's (Compiled.forward copies them)
+
+    def __call__(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
+        self.last_graphed = False
+        return super().__call__(tensors, consume)
+
+    def replay_tape(self, pattern: tuple | None, tape: Tape, tensors: Sequence[torch.Tensor], consume: bool):
+        if not config.cuda_graphs or self.not_graphed is not None or tape.device.type != "cuda" or capturing():
+            return super().replay_tape(pattern, tape, tensors, consume)
+        graph = self.graphs.get(pattern)
+        if graph is not None and not graph.fits(tensors):  # a parameter was replaced: capture again
+            graph = self.graphs.pop(pattern)  # (its memory goes back once its outputs are let go)
+            graph = None
+        if graph is None:
+            graph = self._capture(pattern, tape, tensors)
+        if graph is None or not graph.free():
+            self.addresses[pattern] = [t.data_ptr() for t in tensors]
+            return super().replay_tape(pattern, tape, tensors, consume)
+        outputs = graph.replay(tensors)
+        if consume:
+            tensors.clear()
+        self.graph_replays += 1
+        self.last_graphed = True
+        return outputs
+
+    def _capture(self, pattern: tuple | None, tape: Tape, tensors: Sequence[torch.Tensor]) -> _Graph | None:
+        """The tape captured, when the inputs that moved since the last call are few (else None)."""
+        before = self.addresses.get(pattern)
+        if before is None:
+            return None
+        moving = [i for i, (t, address) in enumerate(zip(tensors, before)) if t.data_ptr() != address]
+        moved = sum(tensors[i].untyped_storage().nbytes() for i in moving)
+        total = sum(t.untyped_storage().nbytes() for t in tensors)
+        if moved > max(MAX_COPIED, total // 8):
+            return None
+        if self.captures >= MAX_CAPTURES:
+            self.not_graphed = f"its fixed inputs moved {MAX_CAPTURES} times: replayed as a tape from now on"
+            return None
+        if any(not _dense(tensors[i]) for i in moving):
+            self.not_graphed = "an input that moves between calls overlaps itself (expanded): it cannot be copied in"
+            return None
+        try:
+            graph = _Graph(tape, tensors, moving)
+        except Exception as exc:  # something in the run cannot be captured: the tape's path from now on
+            self.not_graphed = f"the capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return None
+        self.captures += 1
+        self.graphs[pattern] = graph
+        return graph
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_non_overlapping_and_dense()

@@ -1,0 +1,155 @@
+"""``torch.compile(backend="teeny")`` regions replayed as CUDA graphs (``teeny.torch.graphed``): a
+training loop gives the same losses and gradients as the same region replayed launch by launch,
+however the user holds on to what a step returned (the loss and logits kept, gradients
+accumulated, two forwards before one backward, a parameter's memory replaced)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import teeny
+from helpers import fresh_compile  # noqa: F401  (the fixture, used through pytestmark)
+from teeny.core import config
+from teeny.torch import backend
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.usefixtures("fresh_compile"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU"),
+]
+
+
+def _llama():
+    torch.manual_seed(0)
+    config_ = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config_).to(teeny.DEVICE)
+
+
+def _batches(n: int):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 61, (2, 11), generator=generator).to(teeny.DEVICE) for _ in range(n)]
+
+
+def _train(graphs: bool, steps):
+    """Run ``steps(compiled, model, optimizer)`` with CUDA graphs on or off; returns what it
+    returns, the region's forward and backward graph replays, and the backend's summary."""
+    config.cuda_graphs = graphs
+    try:
+        model = _llama()
+        compiled = torch.compile(model, backend="teeny")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        result = steps(compiled, model, optimizer)
+        entry = backend.reports()[-1].entries[0]
+        graphed = (
+            entry._forward_replay.graph_replays,
+            sum(r.graph_replays for r in entry._backward_replays.values()),
+        )
+        return result, graphed, backend.summary(backend.reports())
+    finally:
+        config.cuda_graphs = True
+        torch._dynamo.reset()
+        backend.reset()
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _loop(compiled, model, optimizer, autocast=False):
+    losses, kept = [], []
+    for ids in _batches(6):
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss)  # kept as tensors, read after later steps ran
+        kept.append(out.logits)
+    return [*losses, *kept, *(p.detach().clone() for p in model.parameters())]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_a_training_loop_runs_as_graphs_with_the_tapes_losses_and_weights(autocast):
+    def steps(compiled, model, optimizer):
+        return _loop(compiled, model, optimizer, autocast)
+
+    expected, untouched, _ = _train(False, steps)
+    actual, graphed, summary = _train(True, steps)
+    assert untouched == (0, 0)
+    assert graphed[0] >= 4 and graphed[1] >= 3, graphed  # both directions, once their inputs settled
+    _assert_same(actual, expected)  # the losses and logits kept from every step, the final weights
+    assert "forward as a CUDA graph" in summary and "backward as a CUDA graph" in summary, summary
+
+
+def test_gradients_accumulated_over_micro_batches_and_two_forwards_before_a_backward():
+    def steps(compiled, model, optimizer):
+        grads = []
+        batches = _batches(8)
+        for k in range(0, 8, 4):
+            optimizer.zero_grad()
+            for ids in batches[k : k + 2]:  # accumulated: the second backward finds .grad held
+                compiled(input_ids=ids, labels=ids).loss.backward()
+            a, b = (compiled(input_ids=ids, labels=ids).loss for ids in batches[k + 2 : k + 4])
+            (a + b).backward()  # two forwards before their backward: the first one's activations wait
+            grads += [p.grad.clone() for p in model.parameters()]
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # gradients zeroed in place and kept
+        for ids in batches[:3]:
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+            optimizer.zero_grad(set_to_none=False)
+        return grads
+
+    expected, _, _ = _train(False, steps)
+    actual, graphed, _ = _train(True, steps)
+    assert graphed[0] > 0, graphed
+    _assert_same(actual, expected)
+
+
+def test_a_parameter_given_new_memory_is_read_there():
+    """A graph reads its parameters where they were; one moved (``p.data = ...``, which dynamo
+    does not guard) makes the region capture again, and the step reads the new values."""
+
+    def steps(compiled, model, optimizer):
+        losses = []
+        for i, ids in enumerate(_batches(6)):
+            if i == 3:
+                with torch.no_grad():
+                    model.lm_head.weight.data = model.lm_head.weight.data * 0.5  # new memory, new values
+            optimizer.zero_grad()
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return losses
+
+    expected, _, _ = _train(False, steps)
+    actual, graphed, _ = _train(True, steps)
+    assert graphed[0] >= 3, graphed
+    _assert_same(actual, expected)
+
+
+def test_no_grad_evaluation_between_steps_and_a_copy_of_the_model():
+    def steps(compiled, model, optimizer):
+        results = []
+        for ids in _batches(5):
+            optimizer.zero_grad()
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                results.append(compiled(input_ids=ids).logits)  # an inference program of its own
+        twin = copy.deepcopy(model)  # another model's tensors: a program (and graphs) of their own
+        results.append(torch.compile(twin, backend="teeny")(input_ids=ids, labels=ids).loss)
+        return results
+
+    expected, _, _ = _train(False, steps)
+    actual, _, _ = _train(True, steps)
+    _assert_same(actual, expected)
