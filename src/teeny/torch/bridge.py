@@ -60,7 +60,7 @@ from ..core.errors import NoGradientError, TeenyError
 from ..core.graph import Graph, Tensor, Value
 from ..program.executor import ActivationCache, Executor, inference_tensor_error
 from ..program.lowering import LoweringMode, lower
-from .graphed import GraphedReplayed
+from .graphed import GraphedReplayed, GraphPool
 from .tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
@@ -155,8 +155,9 @@ class Compiled:
         """From now on replay this entry's recorded calls as CUDA graphs on a GPU
         (``teeny.torch.graphed``): for a whole model's region (``torch.compile(backend="teeny")``),
         whose replayed launches take more host time than its kernels take on the GPU."""
-        self._replayed = GraphedReplayed
-        self._forward_replay = GraphedReplayed(self._run_forward, self._blocked)
+        pool = GraphPool()  # one for the forward's graphs and the backward's
+        self._replayed = functools.partial(GraphedReplayed, pool=pool)
+        self._forward_replay = GraphedReplayed(self._run_forward, self._blocked, pool)
         self._backward_replays.clear()
 
     @property

@@ -19,6 +19,11 @@ replay the graph:
   backward), send that call down the tape's path, which allocates afresh. Outputs the caller
   keeps beyond the call (a model's loss and logits) are the caller's to copy
   (``bridge.Compiled.keepable``); ``last_graphed`` says whether a call's outputs are a graph's.
+* **Memory.** The graphs of one program (its forward's and its backward's) share one memory pool,
+  so the backward's temporaries reuse what the forward let go of. A graph captured later may then
+  sit in memory an earlier one writes as scratch, so a graph replays only when the outputs of the
+  graphs captured after it are let go too: the forward's replay waits for the backward's
+  gradients (accumulated gradients send it down the tape's path).
 * **Checks.** The flags ops ask to have checked are read after each replay, as the tape reads them.
 
 Only where the tape runs on a GPU, outside any capture already under way, and while
@@ -45,12 +50,30 @@ def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+class GraphPool:
+    """The memory pool the graphs of one program share, and its graphs in the order they were
+    captured (a graph's scratch memory may hold the outputs of those captured after it)."""
+
+    def __init__(self) -> None:
+        self.handle = None
+        self.graphs: list[_Graph] = []
+
+    def capture_into(self) -> tuple:
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle
+
+    def may_replay(self, graph: _Graph) -> bool:
+        """Nothing but the graphs hold ``graph``'s outputs or those of the graphs captured after it."""
+        return all(g.free() for g in self.graphs[self.graphs.index(graph) :])
+
+
 class _Graph:
     """One tape captured: where its fixed inputs must be, the buffers its moving inputs are
     copied into, its outputs and flags (the graph's own tensors), and each output storage's use
     count with only the graph holding it."""
 
-    def __init__(self, tape: Tape, tensors: Sequence[torch.Tensor], moving: Sequence[int]):
+    def __init__(self, tape: Tape, tensors: Sequence[torch.Tensor], moving: Sequence[int], pool: GraphPool):
         self.fixed = [(i, t.data_ptr()) for i, t in enumerate(tensors) if i not in moving]
         inputs = list(tensors)
         self.buffers = []
@@ -60,10 +83,11 @@ class _Graph:
             inputs[i] = buffer
             self.buffers.append((i, buffer))
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool.capture_into(), capture_error_mode="thread_local"):
             self.outputs, self.flags = tape.replay_captured(inputs)
         del inputs
         self.owned = [_use_count(t) for t in self.outputs]
+        pool.graphs.append(self)
 
     def free(self) -> bool:
         """Whether nothing but the graph holds its outputs (a replay may write them again)."""
@@ -84,8 +108,9 @@ class _Graph:
 class GraphedReplayed(Replayed):
     """``Replayed`` whose tapes are replayed as CUDA graphs (see the module docstring)."""
 
-    def __init__(self, fn: Callable[[list], list[torch.Tensor]], blocked: str | None = None):
+    def __init__(self, fn: Callable[[list], list], blocked: str | None = None, pool: GraphPool | None = None):
         super().__init__(fn, blocked)
+        self.pool = pool or GraphPool()  # shared with the other direction's (bridge.Compiled)
         self.graphs: dict[tuple | None, _Graph] = {}
         self.captures = 0  # a graph whose fixed inputs moved is captured again, up to MAX_CAPTURES times
         self.addresses: dict[tuple | None, list[int]] = {}  # the inputs' addresses at the pattern's last call
@@ -102,11 +127,11 @@ class GraphedReplayed(Replayed):
             return super().replay_tape(pattern, tape, tensors, consume)
         graph = self.graphs.get(pattern)
         if graph is not None and not graph.fits(tensors):  # a parameter was replaced: capture again
-            graph = self.graphs.pop(pattern)  # (its memory goes back once its outputs are let go)
+            self.pool.graphs.remove(self.graphs.pop(pattern))  # (its memory goes back once its outputs are let go)
             graph = None
         if graph is None:
             graph = self._capture(pattern, tape, tensors)
-        if graph is None or not graph.free():
+        if graph is None or not self.pool.may_replay(graph):
             self.addresses[pattern] = [t.data_ptr() for t in tensors]
             return super().replay_tape(pattern, tape, tensors, consume)
         outputs = graph.replay(tensors)
@@ -133,7 +158,7 @@ class GraphedReplayed(Replayed):
             self.not_graphed = "an input that moves between calls overlaps itself (expanded): it cannot be copied in"
             return None
         try:
-            graph = _Graph(tape, tensors, moving)
+            graph = _Graph(tape, tensors, moving, self.pool)
         except Exception as exc:  # something in the run cannot be captured: the tape's path from now on
             self.not_graphed = f"the capture failed: {type(exc).__name__}: {str(exc)[:200]}"
             return None
