@@ -1,7 +1,8 @@
-"""``torch.compile(backend="teeny")`` regions replayed as CUDA graphs (``teeny.torch.graphed``): a
-training loop gives the same losses and gradients as the same region replayed launch by launch,
-however the user holds on to what a step returned (the loss and logits kept, gradients
-accumulated, two forwards before one backward, a parameter's memory replaced)."""
+"""``torch.compile(backend="teeny")`` regions replayed as CUDA graphs (``teeny.torch.graphed``,
+``teeny.core.config.cuda_graphs`` on): a training loop gives the same losses and gradients as the
+same region replayed launch by launch, however the user holds on to what a step returned (the
+loss and logits kept, gradients accumulated, two forwards before one backward, a parameter's
+memory replaced)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _batches(n: int):
 def _train(graphs: bool, steps):
     """Run ``steps(compiled, model, optimizer)`` with CUDA graphs on or off; returns what it
     returns, the region's forward and backward graph replays, and the backend's summary."""
-    config.cuda_graphs = graphs
+    before, config.cuda_graphs = config.cuda_graphs, graphs
     try:
         model = _llama()
         compiled = torch.compile(model, backend="teeny")
@@ -53,7 +54,7 @@ def _train(graphs: bool, steps):
         )
         return result, graphed, backend.summary(backend.reports())
     finally:
-        config.cuda_graphs = True
+        config.cuda_graphs = before
         torch._dynamo.reset()
         backend.reset()
 

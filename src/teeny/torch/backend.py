@@ -18,7 +18,8 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
    keeps what teeny's backward kernels need, its backward runs them, and autograd puts the
    gradients into ``param.grad`` with torch's own accumulation, so whatever the user does with
    gradients keeps working. Each call is replayed from a tape of its launches (``teeny.torch.tape``),
-   on a GPU as one CUDA graph once the inputs have settled (``teeny.torch.graphed``).
+   or, with ``teeny.core.config.cuda_graphs`` on, as one CUDA graph on a GPU once the inputs
+   have settled (``teeny.torch.graphed``).
    Inputs the graph writes in place (BatchNorm's running statistics, ``num_batches_tracked``)
    are written back after the call.
 4. **Partition.** When the region has calls teeny has no op for, the ATen graph is split with

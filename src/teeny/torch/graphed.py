@@ -27,9 +27,9 @@ replay the graph:
 * **Checks.** The flags ops ask to have checked are read after each replay, as the tape reads them.
 
 Only where the tape runs on a GPU, outside any capture already under way, and while
-``teeny.core.config.cuda_graphs`` is on (``TEENY_CUDA_GRAPHS=0`` sets it off). A capture that
-fails (something in the run cannot be captured) leaves the tape's path, and says why in
-``not_graphed``.
+``teeny.core.config.cuda_graphs`` is on (off by default, ``TEENY_CUDA_GRAPHS=1``: see
+``teeny.core.config`` for why). A capture that fails (something in the run cannot be captured)
+leaves the tape's path, and says why in ``not_graphed``.
 """
 
 from __future__ import annotations
