@@ -311,7 +311,7 @@ class Region:
         entry = bridge.remember(
             bridge.compile_function(imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision)
         )
-        entry.replay_as_cuda_graphs()  # a region is a whole model or a large part: one launch a call
+        entry.replay_as_cuda_graphs()  # a whole model or a large part: one launch a call (config.cuda_graphs)
         self.report.teeny_calls.update(plan["calls"])
         self.report.teeny_nodes += len(entry.executor.program.nodes)
         self.report.entries.append(entry)
