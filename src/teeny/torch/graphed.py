@@ -154,7 +154,7 @@ class GraphedReplayed(Replayed):
         if self.captures >= MAX_CAPTURES:
             self.not_graphed = f"its fixed inputs moved {MAX_CAPTURES} times: replayed as a tape from now on"
             return None
-        if any(not _dense(tensors[i]) for i in moving):
+        if any(not tensors[i].is_non_overlapping_and_dense() for i in moving):
             self.not_graphed = "an input that moves between calls overlaps itself (expanded): it cannot be copied in"
             return None
         try:
@@ -165,7 +165,3 @@ class GraphedReplayed(Replayed):
         self.captures += 1
         self.graphs[pattern] = graph
         return graph
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or t.is_non_overlapping_and_dense()
