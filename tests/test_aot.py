@@ -386,3 +386,31 @@ def test_a_bundle_write_that_fails_leaves_no_temporary_file(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+_HASH_ORDER = """
+import sys
+from teeny.aot.worker import emulate_cuda
+emulate_cuda(90, 132)
+from teeny.core.kernel import settle
+from teeny.ops.activation import maths
+order = sys.argv[1:]
+for name in order:  # Triton's own hash, in this order: a caller hashed before its callee misses its globals
+    getattr(maths, name).cache_key
+print(settle(maths._softcap), settle(maths._gelu_tanh))
+"""
+
+
+def test_settled_kernel_keys_do_not_depend_on_the_order_a_process_hashed_them():
+    """A bundle names each kernel by its Triton key and its launches by keys that include the
+    activation passed as a constexpr: a loading process must compute the same ones, whichever
+    kernels it hashed first (``_softcap`` calls ``_tanh``, which reads two constexpr globals)."""
+    import subprocess
+    import sys
+
+    keys = set()
+    for order in ([], ["_softcap"], ["_tanh", "_softcap"], ["_gelu_tanh", "_softcap", "_tanh"]):
+        run = subprocess.run([sys.executable, "-c", _HASH_ORDER, *order], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        keys.add(run.stdout.strip())
+    assert len(keys) == 1

@@ -135,7 +135,7 @@ def test_products_choose_their_configuration_at_lowering(monkeypatch):
     small = {"kernel": "strided", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
              "num_stages": 2}  # fmt: skip
 
-    def choose(kernel, key, candidates, default, bench):
+    def choose(kernel, key, candidates, default, bench, before_timing=None):
         seen.append((kernel, key["M"], key["N"], key["K"], key["bias"]))
         return small
 
@@ -296,7 +296,9 @@ def test_a_product_launched_at_several_shapes_keeps_a_configuration_per_shape(mo
     monkeypatch.setattr(fusions.chunked_loss, "LOGITS_CHUNK_BYTES", 1)  # chunks of 4 rows: 4, 4, 4, 3
     monkeypatch.setattr(products_tuning, "TUNE_MIN_MACS", 0)
 
-    def choose(kernel, key, candidates, default, bench):  # another block size for the short chunk's products
+    def choose(
+        kernel, key, candidates, default, bench, before_timing=None
+    ):  # another block size for the short chunk's products
         block = 16 if 3 in (key["M"], key["N"], key["K"]) else 32
         return {"kernel": "strided", "BLOCK_M": block, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2,
                 "num_warps": 4, "num_stages": 2}  # fmt: skip

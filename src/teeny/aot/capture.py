@@ -36,13 +36,11 @@ from ..core import device as _device  # noqa: F401  (first: chooses interpreter 
 
 # isort: split
 import triton
-from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import JITCallable, compute_cache_key, create_function_from_signature
+from triton.runtime.jit import JITCallable
 
-from ..core.kernel import REGISTRY, KernelInstance, dtype_name, intercept_launches
+from ..core.compiling import Specialised, Specialiser, compile_all
+from ..core.kernel import REGISTRY, KernelInstance, dtype_name, intercept_launches, settle
 from ..program.executor import Executor
 from ..program.lowering import LoweringMode, Program
 from .bundle import Target
@@ -120,42 +118,20 @@ def run_program(program: Program, train: dict | None, seed: int = 0):
 # ------------------------------------------------------------------------ specialising
 
 
-@dataclass
-class Specialised:
-    key: str  # JITFunction's cache key for this launch
-    kwargs: dict  # the options as JITFunction.run completes them
-    bound: dict
-    specialization: list
-    options: dict
-
-
-class Compiler:
+class Compiler(Specialiser):
     """Specialises launches and compiles them for one target, as ``JITFunction.run`` would."""
 
     def __init__(self, target: Target):
-        self.target = target
-        self.gpu_target = GPUTarget(target.backend, target.arch, target.warp_size)
-        self.backend = make_backend(self.gpu_target)
-        self._binders: dict[int, Any] = {}
+        super().__init__(GPUTarget(target.backend, target.arch, target.warp_size))
 
-    def specialise(self, jit, args: list, options: dict) -> Specialised:
-        kwargs = dict(options)
-        kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        binder = self._binders.get(id(jit))
-        if binder is None:
-            binder = create_function_from_signature(jit.signature, jit.params, self.backend)
-            self._binders[id(jit)] = binder
-        bound, specialization, opts = binder(*args, **kwargs)
-        return Specialised(compute_cache_key({}, specialization, opts), kwargs, bound, specialization, opts)
+    def compile_ahead(self, specs: list[Specialised]) -> int:
+        """Compile ``specs`` at once in worker processes (``compiling.compile_all``), so that
+        ``compile`` finds each in Triton's cache; returns how many were handed out."""
+        return compile_all([self.job(spec) for spec in specs])
 
     def compile(self, jit, spec: Specialised) -> tuple[dict, dict[str, bytes]]:
         """``(entry, files)``: what the loader needs to know of the binary, and its files by extension."""
-        options, signature, constexprs, attrs = jit._pack_args(
-            self.backend, spec.kwargs, spec.bound, spec.specialization, spec.options
-        )
-        source = (GluonASTSource if jit.is_gluon() else ASTSource)(jit, signature, constexprs, attrs)  # (matmul_ws)
-        compiled = triton.compile(source, target=self.gpu_target, options=options.__dict__)
+        compiled = triton.compile(spec.source, target=self.target, options=spec.options)
         files = {}
         for name, path in compiled.metadata_group.items():
             ext = name.rsplit(".", 1)[-1]
@@ -165,9 +141,9 @@ class Compiler:
         meta = compiled.metadata
         entry = {
             "key": spec.key,
-            "signature": {k: _jsonable(v) for k, v in signature.items()},
-            "constexprs": {names[path[0]]: _jsonable(v) for path, v in constexprs.items()},
-            "attrs": {names[path[0]]: _jsonable(v) for path, v in attrs.items()},
+            "signature": {k: _jsonable(v) for k, v in spec.signature.items()},
+            "constexprs": {names[path[0]]: _jsonable(v) for path, v in spec.constexprs.items()},
+            "attrs": {names[path[0]]: _jsonable(v) for path, v in spec.attrs.items()},
             "name": meta.name,
             "hash": meta.hash,
             "num_warps": meta.num_warps,
@@ -264,10 +240,14 @@ def plan_target(target: Target, program: Program, train: dict | None, seed: int 
     backward_names = backward_kernel_names()
     folder = f"targets/{target.key}"
     started = time.perf_counter()
+    specs = []
     for c in captured:
         kernel = c.instance.kernel
         triton_args = kernel.arguments(*c.args) if kernel.arguments is not None else c.args
-        spec = compiler.specialise(c.jit, triton_args, c.options)
+        specs.append(compiler.specialise(c.jit, triton_args, c.options))
+    compiler.compile_ahead(list({(id(c.jit), spec.key): spec for c, spec in zip(captured, specs)}.values()))
+    for c, spec in zip(captured, specs):
+        kernel = c.instance.kernel
         entry = binaries.get((id(c.jit), spec.key))
         if entry is None:
             entry, kernel_files = compiler.compile(c.jit, spec)
@@ -279,7 +259,7 @@ def plan_target(target: Target, program: Program, train: dict | None, seed: int 
                 "module": kernel.python_fn.__module__,
                 "dtype": dtype_name(c.instance.dtype),
                 "float64_scalars": wide,
-                "fn_key": c.jit.cache_key,
+                "fn_key": settle(c.jit),
                 "options": c.options,
                 "backward": kernel.name in backward_names,
                 "phases": [],

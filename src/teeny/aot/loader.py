@@ -34,7 +34,7 @@ from triton.runtime import driver as triton_driver
 
 from .. import __version__
 from ..core.device import DEVICE
-from ..core.kernel import REGISTRY, Kernel
+from ..core.kernel import REGISTRY, Kernel, settle
 from ..program.executor import Executor
 from ..program.lowering import LoweringMode, lower
 from .bundle import Bundle, BundleError, check_versions, select_target
@@ -116,7 +116,7 @@ def install_kernels(bundle: Bundle, plan: dict, program, where: str) -> list[Com
                 raise BundleError(f"{where}: kernel {entry['kernel']} ({entry['module']}) is not defined in this teeny")
             names = frozenset(entry["float64_scalars"])
             jit = kernel.jit_with_float64(names) if names else kernel.jit
-            if jit.cache_key != entry["fn_key"]:
+            if settle(jit) != entry["fn_key"]:
                 raise BundleError(
                     f"{where}: kernel {entry['kernel']} ({entry['module']}) differs from the source the bundle was "
                     "compiled from; rebuild it"

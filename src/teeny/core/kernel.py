@@ -34,6 +34,7 @@ annotated ``tl.float64`` (``KernelInstance.scalar_types`` says what each launch 
 
 from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
+import ast
 import contextlib
 import inspect
 import linecache
@@ -51,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.runtime.jit import JITCallable
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -178,6 +180,7 @@ class Kernel:
             raise TypeError(f"kernel {self.name} has no {dtype_name(dtype)} version (it dispatches to {names})")
         inst = self._instances.get(dtype)
         if inst is None:
+            settle(self.jit)
             inst = KernelInstance(self, dtype)
             self._instances[dtype] = inst
             _BUILT.append((self.name, dtype))
@@ -199,6 +202,7 @@ class Kernel:
             if not options and hasattr(self.jit, "kwargs"):  # the interpreter keeps them as kwargs
                 options = {k: v for k, v in self.jit.kwargs.items() if k.startswith("do_not_specialize") and v}
             jit = triton.jit(copy, **options)
+            settle(jit)
             self._float64_variants[names] = jit
         return jit
 
@@ -416,6 +420,34 @@ def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tens
     """Global scratch memory for a launch (a torch allocation on the current device, so CUDA-graph
     capture works; torch's blocks are aligned far beyond what descriptors need)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_SETTLED: set[int] = set()
+
+
+def settle(fn: Any) -> str:
+    """Triton's ``cache_key`` of the ``@triton.jit`` function ``fn``, the same in every process:
+    each function it calls is settled first, then ``fn`` is hashed afresh. (Triton adds a
+    callee's ``tl.constexpr`` globals to its caller's key only if the callee was hashed first,
+    so otherwise the key depends on the order a process hashed its kernels in: an ahead-of-time
+    bundle's binaries go unfound, and Triton's disk cache misses.) Every kernel instance, and a
+    function passed as a constexpr, is settled before its first launch. "" for an interpreted one."""
+    if not isinstance(fn, JITCallable):
+        return ""
+    if id(fn) not in _SETTLED:
+        _SETTLED.add(id(fn))  # (first: a function that calls itself)
+        namespace = {**fn.__globals__, **inspect.getclosurevars(fn.fn).nonlocals}
+        for node in ast.walk(fn.parse()):
+            if isinstance(node, ast.Name):
+                value = namespace.get(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                value = getattr(namespace.get(node.value.id), node.attr, None)
+            else:
+                continue
+            if isinstance(value, JITCallable):
+                settle(value)
+        fn.hash = None  # hashed again, now that its callees are
+    return fn.cache_key
 
 
 def kernel(fn: Callable | None = None, **options: Any) -> Kernel | Callable[[Callable], Kernel]:

@@ -53,9 +53,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import compiling
 from .device import INTERPRETER
 from .errors import GridError, KernelLaunchError, PackingError, TeenyError
-from .kernel import Kernel, KernelInstance, KernelParam, dtype_name, kernel_from_source
+from .kernel import Kernel, KernelInstance, KernelParam, dtype_name, kernel_from_source, settle
 
 Shape = tuple[int, ...]
 
@@ -143,6 +144,13 @@ def _what(where: str, kernel: Kernel, index: int, param: KernelParam) -> str:
 Check = Callable[[Any, str], Any]  # (visited value, where) -> the value to pass; PackingError if it does not fit
 
 
+def _constexpr(value: Any, where: str) -> Any:
+    """A constexpr passes as it is; a ``@triton.jit`` function passed there (an activation) is
+    settled first (``kernel.settle``): Triton specialises on its hash."""
+    settle(value)
+    return value
+
+
 def _check(kernel: Kernel, index: int, param: KernelParam, *, kind: str, where: str) -> Check:
     """How a visit of ``kind`` fills ``param``: what does not depend on the value is checked here
     (once per packing plan, for the launch at ``where``), the returned function checks the rest."""
@@ -150,8 +158,8 @@ def _check(kernel: Kernel, index: int, param: KernelParam, *, kind: str, where: 
     def fail(message: str, where: str):
         raise PackingError(f"{_what(where, kernel, index, param)} {message}")
 
-    if kind == AUTO and param.kind == "constexpr":
-        return lambda value, where: value
+    if param.kind == "constexpr" and kind in (AUTO, "constexpr"):
+        return _constexpr
     if param.kind == "ptr" and kind in (AUTO, "ptr"):
 
         def pointer(value, where):
@@ -362,10 +370,13 @@ def run_launch(
     input_shapes: Sequence[Shape] = (),
 ) -> tuple[CheckedLaunch, list[Any]] | None:
     """Check ``launch`` (packing, grid) and, unless ``dry_run``, launch it: the path every
-    launch built from a ``Launch`` takes. Returns what ``check_launch`` returns."""
+    launch built from a ``Launch`` takes. Returns what ``check_launch`` returns. A dry run's
+    launch is gathered for compiling ahead where lowering asks (``compiling.gathered``)."""
     checked = check_launch(launch, instance, where, work, input_shapes=input_shapes)
     if checked is not None and not dry_run:
         fire(*checked)
+    elif checked is not None and compiling.gathering():
+        compiling.gather(lambda: fire(*checked))
     return checked
 
 

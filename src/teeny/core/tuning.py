@@ -28,6 +28,7 @@ descriptors need is given at their launch: ``@kernel(device_scratch=True)``.)
 
 from __future__ import annotations  # noqa: I001  (teeny's device before triton)
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -36,7 +37,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +167,13 @@ def choose(
     candidates: Sequence[Config],
     default: Config,
     bench: Callable[[Config], float] | None,
+    before_timing: Callable[[Sequence[Config]], Any] | None = None,
 ) -> Config:
     """The configuration to launch ``kernel`` with for ``key``: the cached winner (if it was timed
     against every one of ``candidates``), else the fastest of ``candidates`` by ``bench`` (then
-    cached), else ``default`` (tuning off, no bench, or every candidate failed)."""
+    cached), else ``default`` (tuning off, no bench, or every candidate failed).
+    ``before_timing(candidates)`` runs once before the candidates are timed (only then): where
+    the products compile them all at once (``teeny.core.compiling``)."""
     if not enabled() or bench is None or not candidates:
         return default
     full = entry_key(kernel, key)
@@ -182,6 +186,8 @@ def choose(
         if all(c in timed for c in candidates):  # a candidate added since (a new kernel) is timed
             _MEMORY[full] = dict(entry["config"])
             return _MEMORY[full]
+    if before_timing is not None:
+        before_timing(candidates)
     timings = []
     for config in candidates:
         try:
@@ -206,12 +212,28 @@ def choose(
     return _MEMORY[full]
 
 
+_UNTIMED: list[bool] = []
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Inside the ``with`` block ``time_ms`` calls its function once and returns 0: how
+    ``teeny.core.compiling`` sees the launches a bench makes without timing them."""
+    _UNTIMED.append(True)
+    try:
+        yield
+    finally:
+        _UNTIMED.pop()
+
+
 def time_ms(fn: Callable[[], None], reps: int = 10, rounds: int = 3) -> float:
     """Milliseconds per call of ``fn`` on the GPU: one eager call (compiles, checks it runs),
     then ``reps`` calls captured in a CUDA graph and replayed ``rounds`` times (the median).
     Falls back to timing eager calls with CUDA events where capture is refused, and to the wall
     clock without a GPU."""
     fn()
+    if _UNTIMED:
+        return 0.0
     if DEVICE.type != "cuda":  # the interpreter: wall-clock time of eager calls
         began = time.perf_counter()
         for _ in range(reps):

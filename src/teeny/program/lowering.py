@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..core import compiling
 from ..core.errors import MissingBackwardError, NoGradientError, TeenyError
 from ..core.graph import Graph, GraphError, Node, Value
 from ..core.kernel import KernelInstance
@@ -266,7 +267,9 @@ def lower(
         rewrites=reports,
         seeded=seeded,
     )
-    _dry_run(program)  # builds exactly the kernel instances the launches use
+    with compiling.gathered() as jobs:
+        _dry_run(program)  # builds exactly the kernel instances the launches use
+    compiling.compile_all(jobs)  # every kernel the program launches, at once, before it first runs
     if mode is LoweringMode.TRAINING:
         for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
             if dtype.is_floating_point:

@@ -7,12 +7,13 @@ static shape at lowering and caches the winner on disk.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 
-from ...core import tuning
+from ...core import compiling, tuning
 from ...core.common import cdiv
 from ...core.device import DEVICE, INTERPRETER
 from ...core.runtime import run_launch
@@ -397,7 +398,7 @@ def choose_config(
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if _small(p) and not time_small:
         return default  # a few microseconds at most: not worth timing
-    bench = _bench_for(
+    bench = measure = _bench_for(
         p,
         dtype=dtype,
         precision=precision,
@@ -407,15 +408,17 @@ def choose_config(
         where=f"tuning {kernel_name} {key}",
     )
     if observe is not None:
-        timed = bench
 
         def bench(config: dict) -> float:
             try:
-                ms = timed(config)
+                ms = measure(config)
             except Exception:
                 observe(config, None)
                 raise
             observe(config, ms)
             return ms
 
-    return tuning.choose(kernel_name, key, options, default, bench)
+    def compile_all(configs):  # every candidate's kernels compiled at once, in worker processes
+        compiling.compile_all(compiling.specialised_launches(functools.partial(measure, c) for c in configs))
+
+    return tuning.choose(kernel_name, key, options, default, bench, before_timing=compile_all)

@@ -1,0 +1,115 @@
+"""teeny.core.compiling: kernels compiled at once in worker processes before their first launch.
+
+On the CPU: launches specialised for an emulated sm_90 and compiled in two workers land in
+Triton's cache, where this process then finds every one (tests/scripts/compile_ahead.py); a
+pool that stops making progress is given up with a warning; tuning runs ``before_timing`` only
+when it times. On a GPU: a product's tuning pass compiles its candidates ahead, and timing them
+compiles nothing more.
+"""
+
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from helpers import run_script
+from teeny.core import compiling, tuning
+from teeny.ops.products import kernels as products_kernels
+from teeny.ops.products import launches as products_launches
+from teeny.ops.products import tuning as products_tuning
+
+
+def test_launches_compiled_ahead_are_found_in_tritons_cache():
+    result = run_script("compile_ahead", env={**os.environ, "TEENY_COMPILE_WORKERS": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULTS "))
+    found = json.loads(line[len("RESULTS ") :])
+    assert found == {"handed": 3, "cache_hits": [True, True, True], "keys": 3}
+
+
+def _fill_source(x_ptr, VALUE: tl.constexpr):
+    tl.store(x_ptr, VALUE)
+
+
+_fill = JITFunction(_fill_source)  # compiled, not interpreted, under TRITON_INTERPRET=1 too
+
+
+def _jobs(*values):
+    """Compile jobs for sm_90 of a one-line kernel, one per constant (nothing is compiled here)."""
+    target = GPUTarget("cuda", 90, 32)
+    return [compiling.CompileJob(ASTSource(_fill, {"x_ptr": "*fp32"}, {"VALUE": v}), target, {}) for v in values]
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(compiling, "_STALLED", [])
+
+
+def test_a_pool_that_makes_no_progress_is_given_up_and_not_used_again(empty_cache, monkeypatch):
+    monkeypatch.setattr(compiling, "STALL_S", 1)
+    monkeypatch.setattr(compiling.triton, "compile", lambda *a, **k: time.sleep(60))  # the workers inherit it
+    jobs = _jobs(1.0, 2.0, 3.0)
+    began = time.perf_counter()
+    with pytest.warns(UserWarning, match="without progress"):
+        assert compiling.compile_all(jobs, workers=2) == 3
+    assert time.perf_counter() - began < 20  # the stuck workers were killed, not waited for
+    assert compiling._STALLED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compiling.compile_all(jobs, workers=2) == 0  # compiled as they launch from now on
+
+
+def test_a_failing_job_leaves_the_others_and_compiled_jobs_are_not_handed_out_again(empty_cache):
+    jobs = _jobs("not a number", 1.0, 2.0, 1.0)
+    assert compiling.compile_all(jobs, workers=2) == 3  # the repeated job handed out once
+    assert [job.cached() for job in jobs] == [False, True, True, True]
+    assert compiling.compile_all(jobs, workers=2) == 0  # only the failing one is left: the launch compiles it
+    assert compiling.compile_all(_jobs(4.0, 5.0), workers=1) == 0  # one worker: none forked
+    assert not any(job.cached() for job in _jobs(4.0, 5.0))
+
+
+def test_tuning_prepares_the_candidates_once_and_only_when_it_times_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    tuning.forget_memory()
+    candidates = [{"BLOCK": 64}, {"BLOCK": 128}]
+    prepared = []
+    bench = lambda config: {64: 2.0, 128: 1.0}[config["BLOCK"]]  # noqa: E731
+    for _ in range(2):
+        choice = tuning.choose("k", {"M": 5}, candidates, {"BLOCK": 32}, bench, before_timing=prepared.append)
+        assert choice == {"BLOCK": 128}
+    assert prepared == [candidates]  # the second choice was the cached one
+    tuning.forget_memory()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
+def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_more(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(compiling, "_STALLED", [])
+    tuning.forget_memory()
+    handed = []
+    compile_all = compiling.compile_all
+    monkeypatch.setattr(compiling, "compile_all", lambda jobs, workers=None: handed.append(compile_all(jobs, 4)))
+    compiled_here = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **info: compiled_here.append(not info["cache_hit"]))
+    # bf16 2048 x 1040 x 528: big enough to be timed, a shape no other test tunes
+    p = products_launches.Product(2048, 1040, 528, (528, 1), (1040, 1), (1040, 1), [], [])
+    config = products_tuning.choose_config(p, dtype=torch.bfloat16, precision=products_kernels.IEEE, has_bias=False)
+    assert config in products_tuning.candidates(
+        p, dtype=torch.bfloat16, precision=products_kernels.IEEE, has_bias=False
+    )
+    assert len(handed) == 1 and handed[0] >= 2
+    assert compiled_here and not any(compiled_here)  # every launch of the timing found its binary in the cache
+    tuning.forget_memory()
