@@ -113,3 +113,21 @@ def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_mo
     assert len(handed) == 1 and handed[0] >= 2
     assert compiled_here and not any(compiled_here)  # every launch of the timing found its binary in the cache
     tuning.forget_memory()
+
+
+def test_launches_intercepted_for_compiling_are_not_recorded():
+    from teeny.core.kernel import intercept_launches, kernel, record_launches
+
+    @kernel(register=False)
+    def copy_one(x_ptr, y_ptr):
+        tl.store(y_ptr, tl.load(x_ptr))
+
+    x = torch.ones(1)
+    seen = []
+    with record_launches() as log:
+        with intercept_launches(lambda *launch: seen.append(launch), recorded=False):
+            copy_one.instance(torch.float32).launch((1,), [x, x])
+        assert len(seen) == 1 and log == []  # specialised for compiling: not a launch of a run
+        with intercept_launches(lambda *launch: seen.append(launch)):
+            copy_one.instance(torch.float32).launch((1,), [x, x])
+        assert len(seen) == 2 and len(log) == 1  # how an ahead-of-time build intercepts: recorded

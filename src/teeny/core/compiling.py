@@ -148,7 +148,7 @@ def specialised_launches(calls: Iterable[Callable[[], Any]]) -> list[CompileJob]
         if job is not None:
             jobs.append(job)
 
-    with intercept_launches(collect), tuning.untimed():
+    with intercept_launches(collect, recorded=False), tuning.untimed():
         for call in calls:
             try:
                 call()
@@ -193,7 +193,7 @@ def gather(fire: Callable[[], None]) -> None:
         if job is not None:
             jobs.append(job)
 
-    with intercept_launches(collect):
+    with intercept_launches(collect, recorded=False):
         fire()
 
 

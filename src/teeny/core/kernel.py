@@ -222,6 +222,7 @@ class LaunchRecord:
 
 _RECORDERS: list[list[LaunchRecord]] = []
 _INTERCEPTORS: list[Callable] = []
+_UNRECORDED: list[Callable] = []  # interceptors whose launches are not recorded
 
 
 @contextlib.contextmanager
@@ -236,16 +237,22 @@ def record_launches() -> Iterator[list[LaunchRecord]]:
 
 
 @contextlib.contextmanager
-def intercept_launches(handler: Callable) -> Iterator[None]:
+def intercept_launches(handler: Callable, *, recorded: bool = True) -> Iterator[None]:
     """Inside the ``with`` block no kernel runs: each launch calls
     ``handler(instance, jit, grid, args, options)`` instead (``jit`` is the Triton function the
     launch would run, ``args`` in signature order, ``options`` Triton's launch options). How an
-    ahead-of-time build (``teeny.aot``) sees every launch a program makes, on meta tensors."""
+    ahead-of-time build (``teeny.aot``) sees every launch a program makes, on meta tensors.
+    ``recorded=False``: ``record_launches`` does not see them either (lowering's dry run, whose
+    launches are specialised for compiling ahead, is not a run)."""
     _INTERCEPTORS.append(handler)
+    if not recorded:
+        _UNRECORDED.append(handler)
     try:
         yield
     finally:
         _INTERCEPTORS.remove(handler)
+        if not recorded:
+            _UNRECORDED.remove(handler)
 
 
 @dataclass(frozen=True)
@@ -278,8 +285,9 @@ class KernelInstance:
             wide = frozenset(name for name, t in types_.items() if t == "fp64")
             if wide:
                 jit = self.kernel.jit_with_float64(wide)
-            for log in _RECORDERS:
-                log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
+            if not _UNRECORDED:
+                for log in _RECORDERS:
+                    log.append(LaunchRecord(self.kernel.name, self.dtype, tuple(grid), types_))
         if _INTERCEPTORS:
             _INTERCEPTORS[-1](self, jit, tuple(grid), list(args), dict(options))
             return
