@@ -131,3 +131,13 @@ def test_launches_intercepted_for_compiling_are_not_recorded():
         with intercept_launches(lambda *launch: seen.append(launch)):
             copy_one.instance(torch.float32).launch((1,), [x, x])
         assert len(seen) == 2 and len(log) == 1  # how an ahead-of-time build intercepts: recorded
+
+
+def test_a_pool_that_cannot_start_is_given_up_with_a_warning(empty_cache, monkeypatch):
+    def no_fork(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(compiling, "ProcessPoolExecutor", no_fork)
+    with pytest.warns(UserWarning, match="no worker processes"):
+        assert compiling.compile_all(_jobs(6.0, 7.0), workers=2) == 0
+    assert compiling._STALLED

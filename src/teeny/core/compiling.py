@@ -205,18 +205,28 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
     """Compile ``jobs`` into Triton's cache in ``workers`` forked processes (default
     ``config.compile_workers``); returns how many were handed out. Fewer than two distinct jobs,
     or fewer than two workers, compile nothing here: the launches compile them as they would.
-    A pool in which no job finishes for ``STALL_S`` is stopped (with a warning) and not used again
-    in this process; a worker that dies leaves its jobs to their launches."""
+    A pool in which no job finishes for ``STALL_S``, or that cannot be started, is given up (with a
+    warning) and not tried again in this process; a worker that dies leaves its jobs to their
+    launches."""
     unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
     count = min(config.compile_workers if workers is None else workers, len(unique))
     if count < 2 or _STALLED:
         return 0
     _JOBS[:] = unique
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process (3.12+)
-            pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_quiet)
-            pending = {pool.submit(_compile_one, i) for i in range(len(unique))}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process (3.12+)
+                pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_quiet)
+                pending = {pool.submit(_compile_one, i) for i in range(len(unique))}
+        except (OSError, RuntimeError) as exc:  # no fork here (out of memory, a process limit)
+            _STALLED.append(True)
+            warnings.warn(
+                f"teeny: no worker processes to compile kernels in ({type(exc).__name__}: {exc}); "
+                "kernels compile as they launch",
+                stacklevel=2,
+            )
+            return 0
         while pending:
             done, pending = wait(pending, timeout=STALL_S, return_when=FIRST_COMPLETED)
             if not done:
