@@ -48,7 +48,8 @@ if [ "${TESTS:-0}" = 1 ]; then
   limit=${TEST_TIMEOUT:-330}; [ "$limit" -gt "$(left)" ] && limit=$(left)
   # -v: a line per finished test, so a run the limit cuts still says which ran (the rest can be
   # named in TEST_PATHS next time); --durations: the slowest, for a run that finishes
-  timeout "$limit" python3 -m pytest -v -n "${TEST_WORKERS:-14}" -p no:cacheprovider --timeout 150 \
+  # each test process compiles ahead in TEENY_COMPILE_WORKERS processes of its own: 2, not one per CPU
+  TEENY_COMPILE_WORKERS=${TEENY_COMPILE_WORKERS:-2} timeout "$limit" python3 -m pytest -v -n "${TEST_WORKERS:-14}" -p no:cacheprovider --timeout 150 \
     --durations=30 ${TEST_PATHS:-tests} --maxfail=60 > "$OUT/tests.log" 2>&1
   echo "== tests exit $?"; grep -E " passed| failed|FAILED|ERROR" "$OUT/tests.log" | tail -40
 fi

@@ -141,3 +141,20 @@ def test_a_pool_that_cannot_start_is_given_up_with_a_warning(empty_cache, monkey
     with pytest.warns(UserWarning, match="no worker processes"):
         assert compiling.compile_all(_jobs(6.0, 7.0), workers=2) == 0
     assert compiling._STALLED
+
+
+def test_the_default_workers_share_the_hosts_cpus_among_torchruns_processes():
+    import subprocess
+    import sys
+
+    def workers(**env):
+        environment = {k: v for k, v in os.environ.items() if k not in ("TEENY_COMPILE_WORKERS", "LOCAL_WORLD_SIZE")}
+        code = "from teeny.core import config; print(config.compile_workers)"
+        run = subprocess.run([sys.executable, "-c", code], env={**environment, **env}, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return int(run.stdout)
+
+    cpus = len(os.sched_getaffinity(0))
+    assert workers() == min(16, cpus)
+    assert workers(LOCAL_WORLD_SIZE="2") == min(16, cpus // 2)
+    assert workers(TEENY_COMPILE_WORKERS="0") == 0

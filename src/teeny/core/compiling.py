@@ -31,6 +31,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -198,6 +199,7 @@ def gather(fire: Callable[[], None]) -> None:
 
 
 _JOBS: list[CompileJob] = []  # the jobs of the pool now running, inherited by its forked workers
+_POOL_LOCK = threading.Lock()
 _STALLED: list[bool] = []  # a pool once made no progress for STALL_S: later jobs compile as they launch
 
 
@@ -208,10 +210,18 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
     A pool in which no job finishes for ``STALL_S``, or that cannot be started, is given up (with a
     warning) and not tried again in this process; a worker that dies leaves its jobs to their
     launches."""
-    unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
+    try:
+        unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
+    except Exception:  # Triton's cache is not usable here: the launches compile (and say why) as they would
+        return 0
     count = min(config.compile_workers if workers is None else workers, len(unique))
     if count < 2 or _STALLED:
         return 0
+    with _POOL_LOCK:  # one pool at a time: its workers read _JOBS as it was when they forked
+        return _compile_in_pool(unique, count)
+
+
+def _compile_in_pool(unique: list[CompileJob], count: int) -> int:
     _JOBS[:] = unique
     try:
         try:
@@ -224,7 +234,7 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
             warnings.warn(
                 f"teeny: no worker processes to compile kernels in ({type(exc).__name__}: {exc}); "
                 "kernels compile as they launch",
-                stacklevel=2,
+                stacklevel=3,
             )
             return 0
         while pending:
@@ -235,7 +245,7 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
                     f"teeny: {len(pending)} of {len(unique)} kernels were still compiling in {count} worker "
                     f"processes after {STALL_S} s without progress; they compile as they launch, and this process "
                     "compiles that way from now on",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 for process in list(getattr(pool, "_processes", {}).values()):
                     process.kill()

@@ -30,10 +30,11 @@ H100 host it was measured on, the replayed launches kept up with the GPU (Llama 
 ms either way) and the graphs held 0.6 GiB more (the forward's activations stay in the graphs'
 memory through the backward); ``TEENY_CUDA_GRAPHS=1`` sets the default on, for a host too slow
 to issue a step's launches in the time its kernels take.
-``compile_workers`` (read when a product is tuned): how many processes compile the kernels a
-tuning pass will time, all at once before it times them (``teeny.core.compiling``), instead of
-each compiling on its first launch; 0 or 1: none. Default: the CPUs this process may use, at most
-32; ``TEENY_COMPILE_WORKERS`` sets it.
+``compile_workers`` (read when a graph is lowered and when a product is tuned): how many
+processes compile the kernels a program will launch, and the candidates a tuning pass will time,
+all at once before they run (``teeny.core.compiling``), instead of each on its first launch; 0 or
+1: none. Default: the CPUs this process may use, shared among the processes of one host under
+``torchrun`` (``LOCAL_WORLD_SIZE``), at most 16; ``TEENY_COMPILE_WORKERS`` sets it.
 ``pdl`` (read at launch: set it before a program first runs): kernels declared ``@kernel(pdl=True)``
 (the products and attention, which wait for the kernel before them inside) are launched with
 programmatic dependent launch on Hopper GPUs, so each may start before the one ahead of it has
@@ -53,5 +54,6 @@ deterministic: bool = False
 check_indices: bool = os.environ.get("TEENY_CHECK_INDICES", "1" if INTERPRETER else "0").strip() not in ("0", "")
 replay: bool = os.environ.get("TEENY_REPLAY", "1").strip() not in ("0", "")
 cuda_graphs: bool = os.environ.get("TEENY_CUDA_GRAPHS", "0").strip() not in ("0", "")
-compile_workers: int = int(os.environ.get("TEENY_COMPILE_WORKERS", "").strip() or min(32, len(os.sched_getaffinity(0))))
+_host_share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "").strip() or 1))
+compile_workers: int = int(os.environ.get("TEENY_COMPILE_WORKERS", "").strip() or min(16, _host_share))
 pdl: bool = os.environ.get("TEENY_PDL", "0").strip() not in ("0", "")
