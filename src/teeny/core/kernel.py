@@ -430,9 +430,6 @@ def _device_scratch(size: int, alignment: int, stream: int | None) -> torch.Tens
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_SETTLED: set[int] = set()
-
-
 def settle(fn: Any) -> str:
     """Triton's ``cache_key`` of the ``@triton.jit`` function ``fn``, the same in every process:
     each function it calls is settled first, then ``fn`` is hashed afresh. (Triton adds a
@@ -442,8 +439,8 @@ def settle(fn: Any) -> str:
     function passed as a constexpr, is settled before its first launch. "" for an interpreted one."""
     if not isinstance(fn, JITCallable):
         return ""
-    if id(fn) not in _SETTLED:
-        _SETTLED.add(id(fn))  # (first: a function that calls itself)
+    if not getattr(fn, "_teeny_settled", False):
+        fn._teeny_settled = True  # (first: a function that calls itself)
         namespace = {**fn.__globals__, **inspect.getclosurevars(fn.fn).nonlocals}
         for node in ast.walk(fn.parse()):
             if isinstance(node, ast.Name):
