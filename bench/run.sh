@@ -9,7 +9,7 @@
 #     TESTS=1 bash bench/run.sh                                    # the GPU test suite alone
 #
 # A bench is NAME[:SECONDS[:ARGS or COMMAND]]. NAME is a case module (ops, steps, torch_models,
-# host, aot), a tool preset (attention, matmul_sweep, loss_sweep, gpu_checks, train) or any label;
+# host, aot), a tool preset (attention, matmul_sweep, loss_sweep, gpu_checks, first_step, train) or any label;
 # ARGS starting with "-" are added to the module's command, anything else is the whole command.
 # Limits are cut to what is left of BUDGET (seconds, default 540: a 600 s device call with room
 # for the start and the packing); a bench that would start with under 20 s left is skipped.
@@ -61,6 +61,7 @@ preset() {  # the command and default limit of a named bench
     ops|steps|torch_models|host|aot) echo "300 python3 bench/$1.py" ;;
     attention) echo "200 python3 bench/tools/attention.py --budget 180" ;;
     matmul_sweep|loss_sweep|gpu_checks|tune_launch|dist_overhead) echo "150 python3 bench/tools/$1.py" ;;
+    first_step) echo "400 python3 bench/tools/first_step.py examples/bench_llama.py:make_gpu_model --timeout 180" ;;
     train) echo "300 python3 -m teeny.cli train cnn --no-progress --out $OUT/cnn && \
 python3 -m teeny.cli train gpt --size large --epochs 2 --no-progress --out $OUT/gpt" ;;
     *) echo "" ;;

@@ -1,0 +1,63 @@
+"""Time to the first training step, cold and warm, of each variant of a ``teeny bench`` model:
+issue 48's goal (cold: ≤ inductor's; warm: ≤ 10 s).
+
+    python3 bench/tools/first_step.py examples/bench_llama.py:make_gpu_model \
+        --variants compile-default,teeny-backend [--json out.json]
+
+Each variant runs twice, each time in a fresh process (``teeny bench --steps 4``): first with
+empty caches of its own (Triton's, teeny's tuning, inductor's), then again with what the first
+process left in them. Prints one row per variant: cold and warm first step, step time.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def first_step(spec: str, variant: str, caches: Path, timeout: float) -> dict:
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+        "TEENY_TUNING_CACHE": str(caches / "tuning.json"),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+    }
+    out = caches / f"run-{len(list(caches.glob('run-*.json')))}.json"
+    command = [sys.executable, "-m", "teeny", "bench", spec, "--variants", variant, "--steps", "4", "--warmup", "1"]
+    try:
+        run = subprocess.run([*command, "--json", str(out)], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"over {timeout:.0f} s"}
+    if run.returncode != 0 or not out.exists():
+        return {"status": f"exit {run.returncode}: {run.stderr.strip()[-300:]}"}
+    return json.loads(out.read_text())["rows"][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("--variants", default="compile-default,teeny-backend")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for variant in args.variants.split(","):
+        with tempfile.TemporaryDirectory(prefix="first-step-") as folder:
+            cold = first_step(args.spec, variant, Path(folder), args.timeout)
+            warm = first_step(args.spec, variant, Path(folder), args.timeout)
+        rows.append({"variant": variant, "cold": cold, "warm": warm})
+        print(
+            f"{variant:18s} cold first step {cold.get('first_step_s', float('nan')):7.2f} s  "
+            f"warm {warm.get('first_step_s', float('nan')):7.2f} s  step {warm.get('step_ms', float('nan')):7.2f} ms  "
+            f"{cold.get('status', '')} / {warm.get('status', '')}",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.spec, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
