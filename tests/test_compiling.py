@@ -22,6 +22,7 @@ from triton.runtime.jit import JITFunction
 
 from helpers import run_script
 from teeny.core import compiling, tuning
+from teeny.core.device import DEVICE
 from teeny.ops.products import kernels as products_kernels
 from teeny.ops.products import launches as products_launches
 from teeny.ops.products import tuning as products_tuning
@@ -158,3 +159,23 @@ def test_the_default_workers_share_the_hosts_cpus_among_torchruns_processes():
     assert workers() == min(16, cpus)
     assert workers(LOCAL_WORLD_SIZE="2") == min(16, cpus // 2)
     assert workers(TEENY_COMPILE_WORKERS="0") == 0
+
+
+def test_while_one_thread_collects_launches_another_threads_launch_runs():
+    import threading
+
+    from teeny.core.kernel import kernel
+
+    @kernel(register=False)
+    def add_one(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+    x = torch.zeros(1, device=DEVICE)
+    seen = []
+    launch = lambda: add_one.instance(torch.float32).launch((1,), [x])  # noqa: E731
+    with compiling._collecting(lambda *collected: seen.append(collected)):
+        launch()  # this thread's: specialised for compiling, not run
+        other = threading.Thread(target=launch)  # (an autograd thread, a second model's loop)
+        other.start()
+        other.join()
+    assert len(seen) == 1 and x.item() == 1.0  # the other thread's launch ran

@@ -144,12 +144,12 @@ def specialised_launches(calls: Iterable[Callable[[], Any]]) -> list[CompileJob]
         return []
     jobs: list[CompileJob] = []
 
-    def collect(instance, jit, grid, args, options):
+    def collect(instance, jit, args, options):
         job = _launch_job(instance, jit, args, options)
         if job is not None:
             jobs.append(job)
 
-    with intercept_launches(collect, recorded=False), tuning.untimed():
+    with _collecting(collect), tuning.untimed():
         for call in calls:
             try:
                 call()
@@ -186,7 +186,7 @@ def gather(fire: Callable[[], None]) -> None:
     (and fail, if it does) when the program runs."""
     jobs = _GATHERING[-1]
 
-    def collect(instance, jit, grid, args, options):
+    def collect(instance, jit, args, options):
         try:
             job = _launch_job(instance, jit, args, options)
         except Exception:
@@ -194,8 +194,24 @@ def gather(fire: Callable[[], None]) -> None:
         if job is not None:
             jobs.append(job)
 
-    with intercept_launches(collect, recorded=False):
+    with _collecting(collect):
         fire()
+
+
+@contextlib.contextmanager
+def _collecting(collect: Callable) -> Iterator[None]:
+    """Inside the ``with`` block this thread's launches go to ``collect(instance, jit, args,
+    options)`` instead of running (and unrecorded); another thread's launch runs as it would."""
+    thread = threading.get_ident()
+
+    def handler(instance, jit, grid, args, options):
+        if threading.get_ident() == thread:
+            collect(instance, jit, args, options)
+        else:
+            instance.run_jit(jit, grid, args, options)
+
+    with intercept_launches(handler, recorded=False):
+        yield
 
 
 _JOBS: list[CompileJob] = []  # the jobs of the pool now running, inherited by its forked workers
