@@ -179,3 +179,15 @@ def test_while_one_thread_collects_launches_another_threads_launch_runs():
         other.start()
         other.join()
     assert len(seen) == 1 and x.item() == 1.0  # the other thread's launch ran
+
+
+def test_untimed_benches_are_this_threads_only():
+    import threading
+
+    timed = []
+    with tuning.untimed():
+        assert tuning.time_ms(lambda: time.sleep(0.001), reps=2) == 0.0
+        other = threading.Thread(target=lambda: timed.append(tuning.time_ms(lambda: time.sleep(0.001), reps=2)))
+        other.start()
+        other.join()
+    assert timed[0] >= 1.0  # another thread's tuning still times (a 0 would be cached as the winner)

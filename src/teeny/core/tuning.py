@@ -35,6 +35,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -212,18 +213,18 @@ def choose(
     return _MEMORY[full]
 
 
-_UNTIMED: list[bool] = []
+_UNTIMED = threading.local()  # .depth: untimed() blocks open on this thread
 
 
 @contextlib.contextmanager
 def untimed() -> Iterator[None]:
-    """Inside the ``with`` block ``time_ms`` calls its function once and returns 0: how
-    ``teeny.core.compiling`` sees the launches a bench makes without timing them."""
-    _UNTIMED.append(True)
+    """Inside the ``with`` block ``time_ms`` (on this thread) calls its function once and returns
+    0: how ``teeny.core.compiling`` sees the launches a bench makes without timing them."""
+    _UNTIMED.depth = getattr(_UNTIMED, "depth", 0) + 1
     try:
         yield
     finally:
-        _UNTIMED.pop()
+        _UNTIMED.depth -= 1
 
 
 def time_ms(fn: Callable[[], None], reps: int = 10, rounds: int = 3) -> float:
@@ -232,7 +233,7 @@ def time_ms(fn: Callable[[], None], reps: int = 10, rounds: int = 3) -> float:
     Falls back to timing eager calls with CUDA events where capture is refused, and to the wall
     clock without a GPU."""
     fn()
-    if _UNTIMED:
+    if getattr(_UNTIMED, "depth", 0):
         return 0.0
     if DEVICE.type != "cuda":  # the interpreter: wall-clock time of eager calls
         began = time.perf_counter()
