@@ -126,10 +126,10 @@ def _this_gpu() -> Specialiser:
 def _launch_job(instance, jit, args: list, options: dict) -> CompileJob | None:
     """The job of one intercepted launch on this process's GPU; None where this process has
     compiled it already (Triton's in-memory cache of ``jit`` holds it)."""
-    kernel = instance.kernel
-    spec = _this_gpu().specialise(jit, kernel.arguments(*args) if kernel.arguments is not None else args, options)
+    kernel, gpu = instance.kernel, _this_gpu()
+    spec = gpu.specialise(jit, kernel.arguments(*args) if kernel.arguments is not None else args, options)
     compiled = jit.device_caches.get(torch.cuda.current_device())  # (a defaultdict: .get makes nothing)
-    return None if compiled is not None and spec.key in compiled[0] else _this_gpu().job(spec)
+    return None if compiled is not None and spec.key in compiled[0] else gpu.job(spec)
 
 
 def _enabled() -> bool:
