@@ -325,7 +325,9 @@ def dy_pointers(monkeypatch):
 
     def recording(self, grid, args, **options):
         if self.kernel.name in ("norm_backward", "norm_weight_backward"):
-            seen.append((self.kernel.name, args[[p.name for p in self.kernel.params].index("dy_ptr")]))
+            dy = args[[p.name for p in self.kernel.params].index("dy_ptr")]
+            if not dy.is_meta:  # (lowering's dry run on a GPU fires its launches to compile them ahead)
+                seen.append((self.kernel.name, dy))
         return launch(self, grid, args, **options)
 
     monkeypatch.setattr(KernelInstance, "launch", recording)
