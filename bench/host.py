@@ -33,10 +33,11 @@ synchronisation).
 ``Executor.forward_train`` + ``backward`` of a training program, per node of the program: one
 layer_norm, one attention, one linear, and a small GPT, each after ``zero_grad`` as in a training
 step (and once without it, the parameters' gradients accumulating). With the launches stubbed
-(``kernel.intercept_launches`` with a handler that does nothing, so Triton's own binding is left
-out, and so are the direct launches of the executor's replays: an interceptor sends them through
-``runtime.fire``; CPU or GPU) it is the process's CPU time, forward and backward apart (minimum
-over repeats of the mean of many calls). With real launches (GPU only) it is that CPU time again
+(``stubbed_launches``: the lowest launch call does nothing; the executor's runs are recorded under
+the stub, so on a GPU the direct launchers of its tapes call the stub too; CPU or GPU) it is the
+process's CPU time, forward and backward apart (minimum over repeats of the mean of many calls),
+after three steps (the first records each node, the next ones the whole runs: ``teeny.program.tape``).
+With real launches (GPU only) it is that CPU time again
 (``real host``: the replays launch straight through Triton's C launcher; the GPU is synchronised
 before each step, outside its timing, but a forward that reads flags, as the GPT's cross-entropy
 does, waits for its kernels inside it), the time per step (``zero_grad``, ``forward_train``,
@@ -415,14 +416,19 @@ def executor_host(make: Callable[[], tuple], number: int, repeat: int, real: boo
         return best[0] / number / nodes * 1e6, best[1] / number / nodes * 1e6
 
     rows = {"nodes": float(nodes)}
-    step()  # compiles the kernels and records each node's launches
-    with teeny.core.kernel.intercept_launches(lambda *launch: None):
-        step()
+    # stubbed: this executor's runs recorded (each node's launches, then its whole steps) while the
+    # lowest launch call does nothing, so that on a GPU too their direct launchers call the stub
+    with stubbed_launches():
+        for _ in range(3):  # the first steps record: each node, then the whole run per state of the gradients
+            step()
         forward, backward = timed_apart(zero_grad=True)
         rows.update({"stubbed forward": forward, "stubbed backward": backward, "stubbed both": forward + backward})
         forward, backward = timed_apart(zero_grad=False)
         rows["stubbed both, gradients accumulating"] = forward + backward
     if real:
+        ex, feed, seed = make()
+        for _ in range(3):
+            step()
         forward, backward = timed_apart(zero_grad=True)  # the replays' launches straight through Triton's launcher
         rows["real host forward+backward"] = forward + backward
         rows["real forward+backward"] = _time_back_to_back(step, calls=number) / nodes * 1e6

@@ -1,5 +1,6 @@
 """The executor's node replay (``teeny.program.replay``): each node's launches built and checked
-once, then fired again with each run's tensors; the full path where a replay would be wrong."""
+once, then fired again with each run's tensors; the full path where a replay would be wrong.
+(What a whole run's tape records is those replays' launches: test_run_tapes.py.)"""
 
 import pytest
 import torch
@@ -10,6 +11,18 @@ from teeny.core.errors import KernelLaunchError
 from teeny.core.init import normal
 from teeny.core.kernel import record_launches
 from teeny.program.executor import Executor
+
+
+@pytest.fixture(autouse=True)
+def _node_by_node(monkeypatch):
+    """The executors made here replay node by node (``teeny.program.replay``): their whole runs'
+    tapes (``teeny.program.tape``, tested in test_run_tapes.py) never record."""
+    from teeny.program import executor, tape
+
+    def node_by_node(fn, blocked, own):
+        return tape.Replayed(fn, "runs replayed node by node (test_replay.py)", own)
+
+    monkeypatch.setattr(executor, "Replayed", node_by_node)
 
 
 def _param(g: Graph, name: str, shape: tuple):

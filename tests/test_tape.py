@@ -1,4 +1,4 @@
-"""Calls recorded once and replayed (``teeny.torch.tape``): every registered op gives the same outputs
+"""Calls recorded once and replayed (``teeny.program.tape``): every registered op gives the same outputs
 and gradients replayed as through the full host path; what cannot be replayed is not, and says
 why; a call that does not fit the recording (alignment, strides) takes the full path; checks,
 in-place updates, launch records and repeated backwards behave as without replay."""
@@ -15,8 +15,8 @@ import teeny
 from teeny.checks.samples import OPS
 from teeny.core import config, tuning
 from teeny.core.kernel import kernel, record_launches
+from teeny.program.tape import Replayed
 from teeny.torch import bridge, library
-from teeny.torch.tape import Replayed
 
 
 def _run(packet, sample, calls: int):
@@ -174,7 +174,7 @@ def test_retain_graph_backward_twice_replays_the_backward():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter has no compiled launcher")
 def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher():
-    from teeny.torch.tape import _LaunchStep
+    from teeny.program.tape import _LaunchStep
 
     bridge.clear_cache()
     x = torch.randn(7, 9, device="cuda", requires_grad=True)
@@ -316,7 +316,7 @@ def test_tma_products_replay_directly_and_capture_into_a_cuda_graph(monkeypatch)
     replayed products launch straight through Triton's C launcher with no scratch memory, give
     right results, and a CUDA graph captured over one replays right after its input changed."""
     from teeny.ops.products.kernels import matmul_tma
-    from teeny.torch.tape import _LaunchStep
+    from teeny.program.tape import _LaunchStep
 
     monkeypatch.setenv("TEENY_TUNING", "0")  # the heuristic's TMA configuration: timing them all takes minutes
     bridge.clear_cache()

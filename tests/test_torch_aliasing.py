@@ -2,7 +2,7 @@
 eager PyTorch, outputs and gradients, as hypothesis draws the aliasing.
 
 What ``test_ops.py``'s harness cannot see: every sample there passes distinct tensors. A call's
-replay (``teeny.torch.tape``) numbered its inputs by identity, so a first call ``mul(x, x)`` made
+replay (``teeny.program.tape``) numbered its inputs by identity, so a first call ``mul(x, x)`` made
 every later ``mul(a, b)`` read ``b`` twice. Here each example calls an op with a drawn pattern
 (which slots get one tensor; the backward's gradient may be an input's memory too), then with
 distinct tensors, then both again, in both orders, from an empty cache, with new values at every

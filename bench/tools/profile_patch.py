@@ -5,7 +5,7 @@ host time per teeny op call and the GPU's busy time, to see where a patched eage
 
 Then, with ``--host``, the same step under cProfile (no torch.profiler: its per-ATen-call records
 inflate host time), the step's wall time without any profiler, and how many teeny calls were
-answered by their tapes (``teeny.torch.tape``) against those that took the full path, and why.
+answered by their tapes (``teeny.program.tape``) against those that took the full path, and why.
 """
 
 import argparse
@@ -93,7 +93,7 @@ def host_profile(step) -> None:
     import pstats
     import time
 
-    from teeny.torch.tape import Replayed
+    from teeny.program.tape import Replayed
 
     def replays() -> int:
         return sum(r.replays for r in gc.get_objects() if isinstance(r, Replayed))

@@ -20,7 +20,7 @@ out-of-range index raises an error naming the op and the index instead of readin
 and an out-of-range class gives a NaN loss). On by default under the interpreter (CPU), off on the GPU, where the check
 costs a host synchronisation per step; ``TEENY_CHECK_INDICES=1`` or ``=0`` sets the default.
 ``replay`` (read at each call, not at tracing): a call of a registered op or of ``apply`` is
-recorded once and replayed (``teeny.torch.tape``) instead of running the executor's host path each
+recorded once and replayed (``teeny.program.tape``) instead of running the executor's host path each
 time, and the executor fires each node's launches as recorded on its first run
 (``teeny.program.replay``) instead of building them again; ``TEENY_REPLAY=0`` sets the default off.
 ``cuda_graphs`` (read at each call): a region that ``torch.compile(model, backend="teeny")``

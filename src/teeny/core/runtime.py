@@ -604,7 +604,7 @@ def raise_failed_checks(checks: list) -> None:
     """Read the flags ops asked to have checked (``OpContext.check_after``) of one run: one
     host synchronisation for all of them. Skipped while a CUDA graph is being captured and for
     meta tensors (a run without data, as an ahead-of-time build makes); handed to the recorder
-    instead while a run is recorded (``teeny.torch.tape``, which reads them itself)."""
+    instead while a run is recorded (``teeny.program.tape``, which reads them itself)."""
     sink = _CHECK_SINKS.get(threading.get_ident()) if _CHECK_SINKS else None
     if sink is not None:
         sink.extend(checks)

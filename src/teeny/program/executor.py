@@ -20,7 +20,12 @@ What every run does the same is worked out once, when the executor is made: per 
 ``OpContext``, what it frees). Each node's launches are built, checked and fired the full way on
 its first run and recorded (``replay.NodeReplay``); later runs fire the recorded launches with
 their own tensors (on a GPU straight through Triton's C launcher), and build an ``OpContext`` only
-where a node cannot be replayed.
+where a node cannot be replayed. Whole runs are recorded too (``tape.Replayed``): once every
+node replays, a forward is its ATen calls and launches over numbered tensors, with none of the
+per-node bookkeeping; a backward likewise, one tape per state of the parameters' gradients
+(which are known to be zero). The cache of a taped forward is one list (``ActivationCache.flat``,
+laid out by ``cached_nodes``) that the backward's tape takes whole. A CUDA graph's capture, a
+hook on ``_node_backward`` and a cache built elsewhere (``teeny.torch.bridge``) run node by node.
 
 A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
 changed in place between ``forward_train`` and ``backward`` would silently give a wrong
@@ -33,6 +38,7 @@ intermediate buffers are the executor's own.)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -48,6 +54,7 @@ from ..core.runtime import ARENA_ALIGN, OpContext, Shape, capturing, raise_faile
 from .accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, node_context
 from .replay import NodeReplay, storage_id
+from .tape import Replayed, not_capturable
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -130,16 +137,29 @@ class NodeRun:
 
 class ActivationCache:
     """What the forward pass kept for the backward pass: per node, the saved inputs, output
-    and extra tensors. Entries are dropped once their node's backward has run."""
+    and extra tensors. Entries are dropped once their node's backward has run.
+
+    ``forward_train`` keeps them as one list, ``flat`` (in ``Executor.cached_nodes`` order),
+    which a replayed backward takes whole; ``entries`` (node id -> ``{"inputs", "output",
+    "saved"}``) is made from it when asked for, or filled in by whoever builds a cache
+    (``teeny.torch.bridge``)."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = weakref.ref(executor)  # the executor whose backward may read it
-        # node id -> {"inputs", "output", "saved"} and, where forward_train made it, "allocated"
-        self.entries: dict[int, dict[str, Any]] = {}
+        self.flat: list[torch.Tensor] | None = None
+        self._entries: dict[int, dict[str, Any]] | None = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.used = False
         self.inputs: dict[int, torch.Tensor] = {}  # value id -> the tensor bound to that graph input
         self.versions: list[tuple] = []  # (saved tensor, its version, node, value): Executor._saved_versions
+
+    @property
+    def entries(self) -> dict[int, dict[str, Any]]:
+        """node id -> ``{"inputs", "output", "saved"}`` and, where forward_train made it, ``"allocated"``."""
+        if self._entries is None:
+            executor = self.executor()
+            self._entries = {} if executor is None or self.flat is None else executor.entries_of(self.flat)
+        return self._entries
 
     def tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -157,6 +177,18 @@ class ActivationCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+@dataclass(frozen=True)
+class CachedNode:
+    """Where one node's cache entry lies in ``ActivationCache.flat``: per input its index there,
+    the executor's own tensor (a parameter or constant, the same every run) or None (not
+    saved); the output's index or None; each extra output's name and index."""
+
+    node_id: int
+    inputs: tuple[int | torch.Tensor | None, ...]
+    output: int | None
+    saved: tuple[tuple[str, int], ...]
 
 
 def inference_tensor_error(described: str) -> TeenyError:
@@ -233,6 +265,53 @@ class Executor:
         for index, p in enumerate(program.nodes):
             for i in p.recomputed:
                 self._first_recompute_reader.setdefault(p.node.inputs[i].id, index)
+        self._plan_cache()
+        # whole runs recorded once and replayed (teeny.program.tape): the forward with and without
+        # its cache, the backward per state of the gradients (see backward)
+        self._blocked = not_capturable(program)
+        arenas = [*self.param_arenas.values(), *self.grad_arenas.values(), *self._consts.values()]
+        self._own_memory = frozenset(t.untyped_storage().data_ptr() for t in arenas if t.numel())
+        self._forward_tapes = {
+            keep: Replayed(functools.partial(self._forward_flat, keep), self._blocked, self._own_memory)
+            for keep in (False, True)
+        }
+        self._backward_tapes: dict[tuple, Replayed] = {}
+        self._zeroed_after: dict[tuple, frozenset[int]] = {}  # backward key -> which gradients are still zero after it
+        self._input_grads = [v for v in self._inputs if v.requires_grad]
+
+    def _plan_cache(self) -> None:
+        """Where each tensor of a cache entry lies in ``ActivationCache.flat`` (``cached_nodes``),
+        and which of them the caller can change in place (``_versioned``: their versions are
+        recorded and checked before the backward)."""
+        own = {**self._consts, **self._param_by_id}
+        self.cached_nodes: list[CachedNode] = []
+        self._versioned: list[tuple[int | torch.Tensor, Node, Value]] = []
+        seen: set[int] = set()
+        index = 0
+        for p in self.program.nodes:
+            if not p.needs_backward:
+                continue
+            node, run = p.node, self._runs[p.node.id]
+            inputs: list[int | torch.Tensor | None] = []
+            for v, kept in zip(node.inputs, p.saved_inputs):
+                if not kept:
+                    inputs.append(None)
+                elif v.id in own:
+                    inputs.append(own[v.id])
+                else:
+                    inputs.append(index)
+                    index += 1
+            output = None
+            if p.op.saves_output:
+                output, index = index, index + 1
+            saved = tuple((name, index + k) for k, (name, _, _) in enumerate(run.extras))
+            index += len(saved)
+            self.cached_nodes.append(CachedNode(node.id, tuple(inputs), output, saved))
+            for i, value in run.versioned:
+                source = inputs[i] if i >= 0 else output
+                if source is not None and value.id not in seen:
+                    seen.add(value.id)
+                    self._versioned.append((source, node, value))
 
     # --- parameters ----------------------------------------------------------------------
     def _build_arenas(self, seed: int) -> None:
@@ -315,7 +394,8 @@ class Executor:
         self._zeroed = set(self._grad_by_id)  # gradients known to be zero: a backward may write them directly
 
     # --- forward -------------------------------------------------------------------------
-    def _bind_inputs(self, inputs: Any, kwargs: dict) -> dict[int, torch.Tensor]:
+    def _bind_inputs(self, inputs: Any, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors of the graph's inputs, in their order, checked and made contiguous and aligned."""
         graph_inputs = self._inputs
         if inputs is None:
             given: dict[str, Any] = {}
@@ -335,7 +415,7 @@ class Executor:
         if not names.issuperset(given):
             unknown = sorted(set(given) - names)
             raise KeyError(f"unknown inputs {unknown}; the graph's inputs are {sorted(names)}")
-        bound: dict[int, torch.Tensor] = {}
+        bound: list[torch.Tensor] = []
         for v in graph_inputs:
             if v.name not in given:
                 raise KeyError(f"missing input '{v.name}' (shape {v.shape}, {str(v.dtype).replace('torch.', '')})")
@@ -360,9 +440,7 @@ class Executor:
                 t = t.contiguous()
             if t.data_ptr() % ARENA_ALIGN and t.numel():  # the plan assumes aligned buffers (TMA loads)
                 t = t.clone()
-            bound[v.id] = t
-        bound.update(self._consts)
-        bound.update(self._param_by_id)
+            bound.append(t)
         return bound
 
     def _alloc(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
@@ -371,8 +449,29 @@ class Executor:
         return torch.empty(*shape, dtype=dtype, device=self.device)  # sizes one by one: parsed faster than a tuple
 
     def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
+        bound = self._bind_inputs(inputs, kwargs)
+        keep = cache is not None
+        if capturing():  # a CUDA graph's capture (TrainStep) runs the nodes themselves
+            flat = self._forward_flat(keep, list(bound))
+        else:
+            flat = self._forward_tapes[keep](bound)
+        outputs = self.program.outputs
+        outs = flat[: len(outputs)]
+        if cache is not None:
+            cache.flat, cache._entries = flat[len(outputs) :], None
+            cache.inputs = {v.id: t for v, t in zip(self._inputs, bound)}
+            cache.outputs = {v.id: t for v, t in zip(outputs, outs)}
+            cache.versions = self._saved_versions(cache)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _forward_flat(self, keep: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The forward on the graph's input tensors, node by node: its outputs, then (``keep``)
+        the tensors of its cache in ``cached_nodes`` order. What a forward tape records."""
         program = self.program
-        values = self._bind_inputs(inputs, kwargs)
+        values = dict(zip((v.id for v in self._inputs), tensors))
+        values.update(self._consts)
+        values.update(self._param_by_id)
+        entries: dict[int, dict] = {}
         checks: list = []
         for run in self._runs.values():
             p = run.planned
@@ -395,24 +494,32 @@ class Executor:
 
                 run.forward.run([*args, out, *saved.values()], context, checks, run.fresh_forward, run.own_inputs)
             values[node.output.id] = out
-            if cache is not None and p.needs_backward:
-                cache.entries[node.id] = {
-                    "inputs": [a if s else None for a, s in zip(args, p.saved_inputs)],
-                    "output": out if op.saves_output else None,
-                    "saved": saved,
-                    "allocated": True,  # the executor's own buffers (NodeRun.fresh_saved)
-                }
+            if keep and p.needs_backward:
+                entries[node.id] = {"inputs": args, "output": out, "saved": saved}
             for value_id in run.frees:  # free what no later node reads
                 values.pop(value_id, None)
         raise_failed_checks(checks)
-        if cache is not None:
-            cache.inputs = {v.id: values[v.id] for v in self._inputs}
-            cache.versions = self._saved_versions(cache)
         self.live_values = len(self._intermediates.intersection(values))
-        outs = tuple(values[v.id] for v in program.outputs)
-        if cache is not None:
-            cache.outputs = {v.id: values[v.id] for v in program.outputs}
-        return outs[0] if len(outs) == 1 else outs
+        flat = [values[v.id] for v in program.outputs]
+        for cached in self.cached_nodes if keep else ():
+            entry = entries[cached.node_id]
+            flat.extend(t for t, k in zip(entry["inputs"], cached.inputs) if isinstance(k, int))
+            if cached.output is not None:
+                flat.append(entry["output"])
+            flat.extend(entry["saved"][name] for name, _ in cached.saved)
+        return flat
+
+    def entries_of(self, flat: Sequence[torch.Tensor], start: int = 0) -> dict[int, dict[str, Any]]:
+        """The cache entries (``ActivationCache.entries``) of the tensors ``flat[start:]``."""
+        entries = {}
+        for cached in self.cached_nodes:
+            entries[cached.node_id] = {
+                "inputs": [k if not isinstance(k, int) else flat[start + k] for k in cached.inputs],
+                "output": None if cached.output is None else flat[start + cached.output],
+                "saved": {name: flat[start + k] for name, k in cached.saved},
+                "allocated": True,  # the executor's own buffers (NodeRun.fresh_saved)
+            }
+        return entries
 
     def forward(self, inputs: Any = None, **kwargs: torch.Tensor):
         """Run the program; returns its output (a tuple if it has several)."""
@@ -448,6 +555,40 @@ class Executor:
         self._check_versions(cache)
         cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
         cache.used = True
+        hooked = "_node_backward" in self.__dict__  # a hook per node (training.distributed, tests) sees every node
+        if cache._entries is not None or hooked or capturing():
+            entries, cache.flat = cache.entries, None
+            result = self._backward_entries(entries, grads)
+            return {v.name: g for v, g in zip(self._input_grads, result)}
+        # one tape per state of the parameters' gradients (which are known to be zero: written in place
+        # rather than added to) and per set of seeded outputs
+        key = (frozenset(self._zeroed), tuple(grads))
+        tape = self._backward_tapes.get(key)
+        if tape is None:
+            tape = Replayed(functools.partial(self._backward_flat, key), self._blocked, self._own_memory)
+            self._backward_tapes[key] = tape
+        tensors = [*grads.values(), *cache.flat]
+        cache.flat, cache._entries = None, {}
+        result = tape(tensors, consume=True)  # each saved tensor freed after its node's backward
+        self._zeroed = set(self._zeroed_after[key])
+        return {v.name: g for v, g in zip(self._input_grads, result)}
+
+    def _backward_flat(self, key: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The backward from the seeds (one per value id of ``key[1]``) then the cache's tensors
+        in ``tensors`` (emptied: the entries made of them hold them until their node's backward).
+        What a backward tape records."""
+        seeds = key[1]
+        grads = dict(zip(seeds, tensors))
+        entries = self.entries_of(tensors, start=len(seeds))
+        tensors.clear()
+        result = self._backward_entries(entries, grads)
+        self._zeroed_after[key] = frozenset(self._zeroed)
+        return result
+
+    def _backward_entries(self, entries: dict[int, dict], grads: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The backward node by node over the cache ``entries`` from the seeds in ``grads``
+        (value id -> gradient); the gradients of the inputs that require one."""
+        program = self.program
         seeds = frozenset(storage_id(g) for g in grads.values())
         recomputed: dict[int, torch.Tensor] = {}  # value id -> written again, until its last reader's backward
         for index in range(len(program.nodes) - 1, -1, -1):
@@ -455,48 +596,40 @@ class Executor:
             if not p.needs_backward:
                 continue
             node = p.node
-            entry = cache.entries.pop(node.id)
+            entry = entries.pop(node.id)
             grad_out = grads.pop(node.output.id, None)
             if grad_out is None:
                 continue  # the output does not reach the loss through differentiable ops
             if p.recomputed:
-                self._recompute(p, entry=entry, cache=cache, recomputed=recomputed, index=index)
+                self._recompute(p, entry=entry, entries=entries, recomputed=recomputed, index=index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
                 grad_out = grad_out.contiguous()
             buffer, addend = self._input_grad_buffer(
                 p, index=index, entry=entry, grad_out=grad_out, seeds=seeds, grads=grads
             )
             self._node_backward(p, entry, grad_out, grads, buffer, addend)  # positional: a hook (training.distributed)
-        result = {}
-        for v in self._inputs:
-            if v.requires_grad:
-                g = grads.get(v.id)
-                result[v.name] = g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device)
-        cache.entries.clear()
+        entries.clear()
+        result = []
+        for v in self._input_grads:
+            g = grads.get(v.id)
+            result.append(g if g is not None else torch.zeros(v.shape, dtype=v.dtype, device=self.device))
         return result
 
     def _saved_versions(self, cache: ActivationCache) -> list[tuple[torch.Tensor, int, Node, Value]]:
         """(tensor, version, node, value) for every tensor the backward will read that the caller
         can change in place (``NodeRun.versioned``): the node that saved it and the value it
         holds. Described only if it changes."""
-        seen: set[int] = set()
+        flat = cache.flat
         recorded = []
-        runs = self._runs
-        for node_id, entry in cache.entries.items():
-            inputs = entry["inputs"]
-            for i, value in runs[node_id].versioned:
-                t = inputs[i] if i >= 0 else entry["output"]
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                node = runs[node_id].planned.node
-                try:
-                    version = t._version
-                except RuntimeError:
-                    if not t.is_inference():
-                        raise
-                    raise inference_tensor_error(self._describe_saved(cache, t, node, value)) from None
-                recorded.append((t, version, node, value))
+        for source, node, value in self._versioned:
+            t = flat[source] if isinstance(source, int) else source
+            try:
+                version = t._version
+            except RuntimeError:
+                if not t.is_inference():
+                    raise
+                raise inference_tensor_error(self._describe_saved(cache, t, node, value)) from None
+            recorded.append((t, version, node, value))
         return recorded
 
     def _describe_saved(self, cache: ActivationCache, t: torch.Tensor, node: Node, value: Value) -> str:
@@ -570,7 +703,7 @@ class Executor:
         return grad_output if grad_output.device == self.device else grad_output.to(self.device)
 
     def _recompute(
-        self, p: PlannedNode, *, entry: dict, cache: ActivationCache, recomputed: dict[int, torch.Tensor], index: int
+        self, p: PlannedNode, *, entry: dict, entries: dict[int, dict], recomputed: dict[int, torch.Tensor], index: int
     ) -> None:
         """Put into ``entry`` the inputs of ``p`` the forward did not keep (``p.recomputed``):
         each written again by its producer's ``recompute_launches`` from the producer's cache
@@ -580,7 +713,7 @@ class Executor:
             v = p.node.inputs[i]
             if v.id not in recomputed:
                 producer = self._runs[self.program.nodes[producer_index].node.id]
-                saved = cache.entries[producer.planned.node.id]
+                saved = entries[producer.planned.node.id]
                 out = self._alloc(v.shape, v.dtype)
 
                 def context(producer=producer, saved=saved, out=out) -> OpContext:

@@ -1,8 +1,9 @@
 """A run of teeny's host path recorded once and replayed: a call cut down to its launches.
 
-A registered op's call (``teeny.torch``) runs the executor's host path: inputs bound and
-checked, one ``OpContext`` per node, the op's launches built and their packing checked,
-Triton's arguments bound. For one call signature all of that comes out the same every time;
+An executor's run (``Executor.forward_train``, ``backward``) and a registered op's call
+(``teeny.torch``, which runs an executor) take the executor's host path: inputs bound and
+checked, per node its buffers, its launches (``replay.NodeReplay``) and the bookkeeping of its
+cache entry and gradients. For one call signature all of that comes out the same every time;
 only the tensors differ. ``Replayed(fn)`` runs ``fn(tensors) -> list[Tensor]`` normally once,
 recording what it does to the device as a ``Tape``: each ATen call (allocations, views,
 zeroing, copies) through a ``TorchDispatchMode``, each kernel launch through
@@ -18,10 +19,14 @@ reads them.
 
 The full path runs instead (``Replayed.not_recorded`` says why) when the run handed a value
 from the device to the host (``.item()``: a branch may depend on it), when ``fn``'s program
-has an op that is not ``capturable`` (dropout's per-run seed) or trainable parameters of its
-own (the executor accumulates their gradients), under a dispatch mode or another launch
-interceptor (opcheck, an ahead-of-time capture), and with ``teeny.core.config.replay`` off
-(``TEENY_REPLAY=0``). While launches are being recorded (``kernel.record_launches``) a replay
+has an op that is not ``capturable`` (dropout's per-run seed), under a dispatch mode or another
+launch interceptor (opcheck, an ahead-of-time capture), and with ``teeny.core.config.replay``
+off (``TEENY_REPLAY=0``). A tensor ``fn`` reads that the run did not make is kept as it is:
+an executor's parameters, constants and gradient arena (``own``: the same tensors every run;
+the executor keeps one backward tape per state of its gradients, see ``Executor.backward``).
+A ``teeny.torch`` call whose program has trainable parameters of its own is not taped itself
+(``check_replayable``): the executor it runs tapes its runs. While launches are being recorded
+(``kernel.record_launches``), intercepted, or watched by a profiler's launch hooks, a replay
 launches through the full ``KernelInstance.launch``, so every launch is still seen.
 """
 
@@ -38,7 +43,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..core import config
-from ..core.kernel import _INTERCEPTORS, _RECORDERS, KernelInstance, direct_launcher, intercept_launches
+from ..core.errors import KernelLaunchError
+from ..core.kernel import (
+    _INTERCEPTORS,
+    KernelInstance,
+    direct_launcher,
+    dtype_name,
+    intercept_launches,
+    launches_watched,
+)
 from ..core.runtime import _CHECK_SINKS, raise_failed_checks
 
 ALIGN = 16  # bytes: the alignment Triton specialises pointers on and TMA needs
@@ -177,6 +190,50 @@ def _caller(func, args: list, kwargs: dict) -> Callable[[list], Any]:
     return lambda slots: func(*fill_args(slots), **fill_kwargs(slots))
 
 
+class _ViewStep:
+    """A view of one slot (``select``, ``slice``, ``as_strided``, ...) made again as the recorded
+    run's was: its sizes and strides, at the same offset from the slot's start. (The slot's own
+    layout is the recorded one: a tape fits only inputs laid out as the recorded run's.)"""
+
+    writes = False
+
+    def __init__(self, of: int, size: torch.Size, stride: tuple[int, ...], offset: int, slot: int):
+        self.of, self.size, self.stride, self.offset = of, tuple(size), stride, offset
+        self.made = ((0, slot),)
+        self.slot = slot
+
+    def reads(self) -> set[int]:
+        return {self.of}
+
+    def run(self, slots: list, stream: int | None) -> None:
+        t = slots[self.of]
+        slots[self.slot] = t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+
+
+_VIEW_FUNCS: dict[Any, bool] = {}  # ATen overload -> whether its result is a view of its first argument
+
+
+def _is_view_of_first(func, args: tuple, template: tuple, out: Any) -> bool:
+    """Whether ``func``'s result ``out`` is a view of its first argument, a slot, laid out in
+    that argument's dtype and memory, with no other tensor of the run among its arguments."""
+    view = _VIEW_FUNCS.get(func)
+    if view is None:
+        schema = func._schema
+        view = _VIEW_FUNCS[func] = (
+            not schema.is_mutable and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+        )
+    if not view or not args or not isinstance(template[0][0], _Slot) or not isinstance(out, torch.Tensor):
+        return False
+    base = args[0]
+    return (
+        out.dtype == base.dtype
+        and out.device == base.device
+        and not _slots_in(template[0][1:])
+        and not _slots_in(template[1])
+        and (not out.numel() or _memory(out) == _memory(base))
+    )
+
+
 class _LaunchStep:
     """One kernel launch; on a GPU straight through Triton's compiled launcher."""
 
@@ -197,7 +254,15 @@ class _LaunchStep:
         if stream is None:  # launches are being recorded or intercepted: the full path
             self.instance.launch(self.grid, args, **self.options)
         elif self.direct is not None:
-            self.direct(stream, args)
+            try:
+                self.direct(stream, args)
+            except Exception as exc:  # named as runtime.fire names a failing launch
+                kernel = self.instance.kernel.name
+                raise KernelLaunchError(
+                    f"replayed launch: kernel {kernel} for {dtype_name(self.instance.dtype)} failed on "
+                    f"{', '.join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
         else:
             self.instance.run_jit(self.jit, self.grid, args, self.options)
 
@@ -292,7 +357,7 @@ class Tape:
         slots: list = [*tensors, *([None] * (self.n_slots - len(tensors)))]
         if consume:
             tensors.clear()
-        if _RECORDERS or _INTERCEPTORS:
+        if launches_watched():  # a recorder, an interceptor, a profiler's launch hooks: the full path
             stream = None
         elif self.device.type == "cuda":
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
@@ -323,17 +388,16 @@ _ALIASES = (_aten.detach.default, _aten.alias.default)
 class _Recording(TorchDispatchMode):
     """Records the ATen calls and the launches of one run (see the module docstring)."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor]):
+    def __init__(self, inputs: Sequence[torch.Tensor], own: frozenset[int] = frozenset()):
         super().__init__()
+        self.own = own  # memory whose tensors are the same every run (an executor's arenas): constants
         self.slots: dict[int, int] = {}  # id of a live tensor -> its slot; a tensor's id leaves as it dies
+        self.storages: Counter = Counter()  # the memory of the live tensors the run was given or made
         for i, t in enumerate(inputs):  # a tensor given twice is its first slot; the later ones go unread
-            self.slots.setdefault(id(t), i)
+            if id(t) not in self.slots:
+                self._name(t, i)  # (a run may free an input it was handed: its id leaves too)
         self.n_slots = len(inputs)
         self.device = next((t.device for t in inputs if t.is_cuda), torch.device("cpu"))
-        self.storages: Counter = Counter()  # the memory of the live tensors the run was given or made
-        for t in inputs:
-            if _memory(t) is not None:
-                self.storages[_memory(t)] += 1
         self.steps: list = []
         self.failure: str | None = None
         self.thread = threading.get_ident()  # launches from other threads are theirs, not recorded
@@ -377,7 +441,12 @@ class _Recording(TorchDispatchMode):
             return out
         template = (self._template(list(args)), self._template(kwargs))
         made = [(position, self._new_slot(t)) for position, t in enumerate(tensors) if id(t) not in self.slots]
-        self.steps.append(_AtenStep(func, *template, made))
+        if len(made) == 1 == len(tensors) and _is_view_of_first(func, args, template, out):
+            base = args[0]
+            offset = out.storage_offset() - base.storage_offset()
+            self.steps.append(_ViewStep(template[0][0].index, out.size(), out.stride(), offset, made[0][1]))
+        else:
+            self.steps.append(_AtenStep(func, *template, made))
         return out
 
     def launch(self, instance: KernelInstance, jit, grid: tuple, args: list, options: dict) -> None:
@@ -396,7 +465,7 @@ class _Recording(TorchDispatchMode):
         unknown: list = []
         template = _template(value, self.slots, unknown)
         for t in unknown:
-            if _memory(t) is not None and _memory(t) in self.storages:
+            if _memory(t) is not None and _memory(t) in self.storages and _memory(t) not in self.own:
                 self.failure = "a tensor made outside ATen shares memory with one of the run's"
         return template
 
@@ -406,15 +475,24 @@ def _memory(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
 
 
-def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Tensor]):
+def record(
+    fn: Callable[[list], list[torch.Tensor]],
+    tensors: Sequence[torch.Tensor],
+    consume: bool = False,
+    own: frozenset[int] = frozenset(),
+):
     """``(fn(tensors), tape)``: ``fn`` run once with its device work recorded; ``tape`` is a
-    ``Tape`` replaying it, or the reason (a string) why the run cannot be replayed."""
-    recording = _Recording(tensors)
+    ``Tape`` replaying it, or the reason (a string) why the run cannot be replayed. With
+    ``consume`` (a list the caller hands over) ``fn`` gets ``tensors``' items as the only list
+    holding them, and may let go of each (``_handed``). ``own``: the memory (``_memory``) of
+    tensors that ``fn`` reads as the same tensors every run (an executor's parameters)."""
+    signatures = [_signature(t) for t in tensors]
+    recording = _Recording(tensors, own)
     checks: list = []
     _CHECK_SINKS[recording.thread] = checks
     try:
         with intercept_launches(recording.launch), recording:
-            result = fn(list(tensors))
+            result = fn(_handed(tensors, consume))
     finally:
         del _CHECK_SINKS[recording.thread]
     raise_failed_checks(checks)  # the recorded run's own flags, now that its kernels have run
@@ -429,7 +507,7 @@ def record(fn: Callable[[list], list[torch.Tensor]], tensors: Sequence[torch.Ten
         tape = "a checked flag is not a tensor the run made"
     else:
         tape = Tape(
-            signatures=[_signature(t) for t in tensors],
+            signatures=signatures,
             steps=_live(recording.steps, {*outputs, *flags}),
             n_slots=recording.n_slots,
             outputs=outputs,
@@ -445,8 +523,11 @@ class Replayed:
     aliasing pattern of the inputs (``aliasing``) has its own tape, recorded on its first call:
     a tape recorded on ``(x, x)`` is never replayed on ``(a, b)``, nor one of ``(a, b)`` on ``(x, x)``."""
 
-    def __init__(self, fn: Callable[[list], list[torch.Tensor]], blocked: str | None = None):
+    def __init__(
+        self, fn: Callable[[list], list[torch.Tensor]], blocked: str | None = None, own: frozenset[int] = frozenset()
+    ):
         self.fn = fn
+        self.own = own  # the memory of the tensors fn reads as the same every run (record)
         self.tapes: dict[tuple | None, Tape] = {}  # by aliasing pattern
         self.not_recorded: str | None = blocked
         self.replays = 0  # how many calls a tape answered (tests and benches read it)
@@ -459,17 +540,19 @@ class Replayed:
     def __call__(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
         """``fn(tensors)``, replayed where a tape fits; ``consume``: ``tensors`` is a list handed
         over, which a replay empties (``Tape.replay``)."""
-        if not config.replay or not _recordable_now() or any(type(t) not in _PLAIN for t in tensors):
-            return self.fn(list(tensors))
+        if not config.replay or not _recordable_now():
+            return self.fn(_handed(tensors, consume))
         pattern = aliasing(tensors)
         tape = self.tapes.get(pattern)
         if tape is not None:
-            if tape.fits(tensors):
+            if tape.fits(tensors):  # (plain tensors only)
                 return self.replay_tape(pattern, tape, tensors, consume)
-            return self.fn(list(tensors))
+            return self.fn(_handed(tensors, consume))
         if self.not_recorded is not None or len(self.tapes) >= MAX_PATTERNS:
-            return self.fn(list(tensors))
-        result, recorded = record(self.fn, tensors)
+            return self.fn(_handed(tensors, consume))
+        if any(type(t) not in _PLAIN for t in tensors):  # a subclass, a fake tensor: never recorded
+            return self.fn(_handed(tensors, consume))
+        result, recorded = record(self.fn, tensors, consume, self.own)
         if isinstance(recorded, str):
             self.not_recorded = recorded
         else:
@@ -482,16 +565,30 @@ class Replayed:
         return tape.replay(tensors, consume)
 
 
+def _handed(tensors: Sequence[torch.Tensor], consume: bool) -> list[torch.Tensor]:
+    """The list ``fn`` is called with: a copy of ``tensors``, or with ``consume`` its items in a
+    new list, ``tensors`` emptied, so that ``fn`` may free each by emptying the list."""
+    given = list(tensors)
+    if consume:
+        tensors.clear()
+    return given
+
+
 def _recordable_now() -> bool:
     """No dispatch mode, no other launch interceptor (their view of the run must be the full one)."""
     return torch._C._len_torch_dispatch_stack() == 0 and not _INTERCEPTORS
 
 
-def check_replayable(program) -> str | None:
-    """Why a program's runs may not be replayed, or None (see the module docstring)."""
+def not_capturable(program) -> str | None:
+    """Why none of a program's runs may be replayed (None: they may): ops that take host state
+    that changes per run (dropout's seed)."""
     blockers = [p.node.name for p in program.nodes if not p.op.capturable]
-    if blockers:
-        return f"nodes {', '.join(blockers)} take host state that changes per run"
+    return f"nodes {', '.join(blockers)} take host state that changes per run" if blockers else None
+
+
+def check_replayable(program) -> str | None:
+    """Why a ``teeny.torch`` call of a program may not be replayed, or None (see the module
+    docstring); the executor replays its own runs, parameters and all (``Executor.backward``)."""
     if any(v.kind == "param" for v in program.graph.values):
-        return "the program has parameters of its own"
-    return None
+        return not_capturable(program) or "the program has parameters of its own"
+    return not_capturable(program)

@@ -17,7 +17,7 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
 3. **Run.** The program runs as **one autograd node** (``teeny.torch.bridge``): its forward
    keeps what teeny's backward kernels need, its backward runs them, and autograd puts the
    gradients into ``param.grad`` with torch's own accumulation, so whatever the user does with
-   gradients keeps working. Each call is replayed from a tape of its launches (``teeny.torch.tape``),
+   gradients keeps working. Each call is replayed from a tape of its launches (``teeny.program.tape``),
    or, with ``teeny.core.config.cuda_graphs`` on, as one CUDA graph on a GPU once the inputs
    have settled (``teeny.torch.graphed``).
    Inputs the graph writes in place (BatchNorm's running statistics, ``num_batches_tracked``)
@@ -75,7 +75,7 @@ class RegionReport:
     build_seconds: float = 0.0
 
     def replayed(self) -> str:
-        """Whether the programs' calls replay their recorded launches (``teeny.torch.tape``) and
+        """Whether the programs' calls replay their recorded launches (``teeny.program.tape``) and
         as CUDA graphs (``teeny.torch.graphed``), or why not."""
         parts = []
         for entry in self.entries:

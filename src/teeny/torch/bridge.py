@@ -36,7 +36,7 @@ arguments' shapes, dtypes and values), so an inline lambda is traced once, not p
 the cache is bounded (least recently used entries go first). Dicts are keyed by their contents;
 other objects by identity and the plain values they hold as attributes (a bound method's
 ``self.training``), one level deep. The trace gives each tensor argument its own input, so one
-tensor passed twice shares the entry of two; the entry's replay (``teeny.torch.tape``) tells
+tensor passed twice shares the entry of two; the entry's replay (``teeny.program.tape``) tells
 the two apart. Dropout here draws each mask from torch's RNG (``teeny.ops.masks``), so
 ``torch.utils.checkpoint`` recomputes the forward's mask.
 """
@@ -60,8 +60,8 @@ from ..core.errors import NoGradientError, TeenyError
 from ..core.graph import Graph, Tensor, Value
 from ..program.executor import ActivationCache, Executor, inference_tensor_error
 from ..program.lowering import LoweringMode, lower
+from ..program.tape import Replayed, check_replayable
 from .graphed import GraphedReplayed, GraphPool
-from .tape import Replayed, check_replayable
 
 CACHE_SIZE = 512  # compiled entries kept (least recently used go first); evicted op entries are rebuilt from their key
 
@@ -182,7 +182,7 @@ class Compiled:
     def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the program: its outputs, the extras, then the new values of the inputs it
         updates in place (``mutated``; the inputs themselves are left alone). Nothing returned
-        aliases an input. Recorded on the first call and replayed after (``teeny.torch.tape``)."""
+        aliases an input. Recorded on the first call and replayed after (``teeny.program.tape``)."""
         return self._forward_replay(tensors)
 
     def backward(self, grads: Sequence[torch.Tensor | None], saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:

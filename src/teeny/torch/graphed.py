@@ -1,4 +1,4 @@
-"""A tape (``teeny.torch.tape``) replayed as one CUDA graph: a call's whole host path cut to one launch.
+"""A tape (``teeny.program.tape``) replayed as one CUDA graph: a call's whole host path cut to one launch.
 
 A replayed tape still spends host time on every ATen call and every launch of the run, which a
 program of a few hundred nodes (a whole model under ``torch.compile(backend="teeny")``) pays at
@@ -40,7 +40,7 @@ import torch
 
 from ..core import config
 from ..core.runtime import capturing, raise_failed_checks
-from .tape import Replayed, Tape
+from ..program.tape import Replayed, Tape
 
 MAX_COPIED = 64 << 20  # bytes of moving inputs a graph copies in per call, at least
 MAX_CAPTURES = 8  # captures per function: one per parameter set it is called with (then: the tape)
