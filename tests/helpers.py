@@ -300,3 +300,60 @@ def float32_precision_kept():
         torch.set_float32_matmul_precision(matmul)  # torch >= 2.9: the legacy flags agree again
         for o, name, value in flags:
             setattr(o, name, value)
+
+
+# ----------------------------------------------------------------------------- the executor's replay tests
+# (test_replay.py, test_run_tapes.py): a graph of tokens (idx), a float input x and class targets
+
+
+def token_model(fan_out: bool = False) -> teeny.Graph:
+    """Tokens through an embedding, a product with a (..., d) input, layer norm and a loss; with
+    ``fan_out`` a residual block reads the norm's output twice (its gradients add)."""
+    from teeny import Graph, ops
+    from teeny.core.init import normal
+
+    g = Graph("replayed")
+    idx = g.input("idx", (4, 6), torch.int64)
+    x = g.input("x", (4, 6, 8), requires_grad=True)
+    target = g.input("target", (24,), torch.int64)
+    table, w, b, ln_w, ln_b = (
+        g.parameter(name, shape, init=normal(0.5))
+        for name, shape in [("table", (10, 8)), ("w", (5, 8)), ("b", (5,)), ("ln_w", (8,)), ("ln_b", (8,))]
+    )
+    h = ops.layer_norm(ops.embedding(idx, table) + x * 2.0, (8,), ln_w, ln_b)
+    logits = ops.linear(h + ops.gelu(h) if fan_out else ops.gelu(h), w, b)
+    g.output(ops.cross_entropy(ops.reshape(logits, (24, 5)), target))
+    return g
+
+
+def token_feed(seed: int) -> dict:
+    """On the executor's device: a CPU tensor given to a GPU program is copied over, and the
+    copy (not the caller's tensor) is what the backward reads."""
+    gen = torch.Generator().manual_seed(seed)
+    feed = {
+        "idx": torch.randint(0, 10, (4, 6), generator=gen),
+        "x": torch.randn(4, 6, 8, generator=gen),
+        "target": torch.randint(0, 5, (24,), generator=gen),
+    }
+    return {name: t.to(teeny.DEVICE) for name, t in feed.items()}
+
+
+def token_step(ex: Executor, feed: dict, zero_grad: bool = True):
+    if zero_grad:
+        ex.zero_grad()
+    loss, cache = ex.forward_train(feed)
+    grads = ex.backward(cache)
+    return loss.clone(), grads["x"].clone(), {name: g.clone() for name, g in ex.grads.items()}
+
+
+def assert_same_token_steps(a, b) -> None:
+    """The same numbers; to the last bit but for the embedding table's gradient on a GPU, whose
+    backward adds rows with atomics (in whatever order they land)."""
+    loss_a, dx_a, grads_a = a
+    loss_b, dx_b, grads_b = b
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+    torch.testing.assert_close(dx_a, dx_b, rtol=0, atol=0)
+    for name in grads_a:
+        atomic = name == "table" and teeny.DEVICE.type == "cuda"
+        tol = dict(rtol=1e-6, atol=1e-7) if atomic else dict(rtol=0, atol=0)
+        torch.testing.assert_close(grads_a[name], grads_b[name], **tol, msg=name)

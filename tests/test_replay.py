@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import teeny
+from helpers import assert_same_token_steps, token_feed, token_model, token_step
 from teeny import Graph, LoweringMode, TeenyError, lower, ops
 from teeny.core.errors import KernelLaunchError
 from teeny.core.init import normal
@@ -29,60 +30,13 @@ def _param(g: Graph, name: str, shape: tuple):
     return g.parameter(name, shape, init=normal(0.5))
 
 
-def _model() -> Graph:
-    """Tokens through an embedding, a product with a (..., d) input, layer norm and a loss."""
-    g = Graph("replayed")
-    idx = g.input("idx", (4, 6), torch.int64)
-    x = g.input("x", (4, 6, 8), requires_grad=True)
-    target = g.input("target", (24,), torch.int64)
-    table, w, b = _param(g, "table", (10, 8)), _param(g, "w", (5, 8)), _param(g, "b", (5,))
-    ln_w, ln_b = _param(g, "ln_w", (8,)), _param(g, "ln_b", (8,))
-    h = ops.layer_norm(ops.embedding(idx, table) + x * 2.0, (8,), ln_w, ln_b)
-    logits = ops.linear(ops.gelu(h), w, b)
-    g.output(ops.cross_entropy(ops.reshape(logits, (24, 5)), target))
-    return g
-
-
-def _feed(seed: int) -> dict:
-    """On the executor's device: a CPU tensor given to a GPU program is copied over, and the
-    copy (not the caller's tensor) is what the backward reads."""
-    gen = torch.Generator().manual_seed(seed)
-    feed = {
-        "idx": torch.randint(0, 10, (4, 6), generator=gen),
-        "x": torch.randn(4, 6, 8, generator=gen),
-        "target": torch.randint(0, 5, (24,), generator=gen),
-    }
-    return {name: t.to(teeny.DEVICE) for name, t in feed.items()}
-
-
-def _step(ex: Executor, feed: dict, zero_grad: bool = True):
-    if zero_grad:
-        ex.zero_grad()
-    loss, cache = ex.forward_train(feed)
-    grads = ex.backward(cache)
-    return loss.clone(), grads["x"].clone(), {name: g.clone() for name, g in ex.grads.items()}
-
-
-def _equal(a, b) -> None:
-    """The same numbers; to the last bit but for the embedding table's gradient on a GPU, whose
-    backward adds rows with atomics (in whatever order they land)."""
-    loss_a, dx_a, grads_a = a
-    loss_b, dx_b, grads_b = b
-    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
-    torch.testing.assert_close(dx_a, dx_b, rtol=0, atol=0)
-    for name in grads_a:
-        atomic = name == "table" and teeny.DEVICE.type == "cuda"
-        tol = dict(rtol=1e-6, atol=1e-7) if atomic else dict(rtol=0, atol=0)
-        torch.testing.assert_close(grads_a[name], grads_b[name], **tol, msg=name)
-
-
 def test_replayed_runs_give_what_the_full_path_gives(monkeypatch):
-    program = lower(_model(), LoweringMode.TRAINING)
+    program = lower(token_model(), LoweringMode.TRAINING)
     replayed, full = Executor(program, seed=3), Executor(program, seed=3)
     for seed in range(3):
-        ours = _step(replayed, _feed(seed))
+        ours = token_step(replayed, token_feed(seed))
         monkeypatch.setattr(teeny.core.config, "replay", False)
-        _equal(ours, _step(full, _feed(seed)))
+        assert_same_token_steps(ours, token_step(full, token_feed(seed)))
         monkeypatch.setattr(teeny.core.config, "replay", True)
     for run in replayed._runs.values():  # every node recorded, but the embedding's backward (below)
         assert run.planned.is_view or run.forward.recordings, run.planned.name
@@ -92,28 +46,28 @@ def test_replayed_runs_give_what_the_full_path_gives(monkeypatch):
 
 
 def test_a_replay_launches_what_the_full_path_launches(monkeypatch):
-    ex = Executor(lower(_model(), LoweringMode.TRAINING))
-    _step(ex, _feed(0))
+    ex = Executor(lower(token_model(), LoweringMode.TRAINING))
+    token_step(ex, token_feed(0))
     with record_launches() as replayed:
-        _step(ex, _feed(1))
+        token_step(ex, token_feed(1))
     monkeypatch.setattr(teeny.core.config, "replay", False)
     with record_launches() as full:
-        _step(ex, _feed(1))
+        token_step(ex, token_feed(1))
     assert replayed == full
 
 
 def test_a_tensor_zeroed_while_building_the_launches_is_zeroed_again_by_a_replay(monkeypatch):
     """The embedding's backward zeroes its gradient before its kernel adds rows into it
     (``zero_()`` while building its launches): a replay zeroes it again before its launches."""
-    ex = Executor(lower(_model(), LoweringMode.TRAINING))
-    first = _step(ex, _feed(0), zero_grad=False)
+    ex = Executor(lower(token_model(), LoweringMode.TRAINING))
+    first = token_step(ex, token_feed(0), zero_grad=False)
     (embedding,) = [run for run in ex._runs.values() if run.planned.op.name == "embedding"]
     # role 5, its gradient: after the indices, the weight and the output (not kept), dy and no index gradient
     assert [recording.zeroed for recording in embedding.backward.recordings.values()] == [(5,)]
-    second = _step(ex, _feed(0), zero_grad=False)  # accumulating: twice the first gradient
+    second = token_step(ex, token_feed(0), zero_grad=False)  # accumulating: twice the first gradient
     torch.testing.assert_close(second[2]["table"], 2 * first[2]["table"])
     monkeypatch.setattr(teeny.core.config, "replay", False)
-    torch.testing.assert_close(_step(ex, _feed(0), zero_grad=False)[2]["table"], 3 * first[2]["table"])
+    torch.testing.assert_close(token_step(ex, token_feed(0), zero_grad=False)[2]["table"], 3 * first[2]["table"])
 
 
 def test_launch_building_that_does_more_on_the_device_takes_the_full_path():
@@ -123,7 +77,7 @@ def test_launch_building_that_does_more_on_the_device_takes_the_full_path():
     idx = g.input("idx", (4, 6), torch.int64)
     g.output(ops.sum(ops.embedding(idx, _param(g, "table", (10, 8)), deterministic=True)))
     ex = Executor(lower(g, LoweringMode.TRAINING))
-    feed = {"idx": _feed(0)["idx"]}
+    feed = {"idx": token_feed(0)["idx"]}
     grads = []
     for _ in range(2):
         ex.zero_grad()
@@ -202,9 +156,9 @@ def test_an_op_that_is_not_capturable_takes_the_full_path():
 
 
 def test_an_input_changed_in_place_is_refused_after_a_replayed_forward():
-    ex = Executor(lower(_model(), LoweringMode.TRAINING))
-    _step(ex, _feed(0))
-    feed = _feed(1)
+    ex = Executor(lower(token_model(), LoweringMode.TRAINING))
+    token_step(ex, token_feed(0))
+    feed = token_feed(1)
     _, cache = ex.forward_train(feed)
     feed["idx"].zero_()  # the embedding's backward reads it
     with pytest.raises(TeenyError, match="input 'idx' was modified in place"):
@@ -259,23 +213,23 @@ class _StandIns:
 def test_a_replay_launches_through_the_direct_launchers_on_the_current_stream(monkeypatch):
     """Each recorded launch keeps the direct launcher of what Triton compiled for it; a replay
     fires it with the run's tensors on the stream current then, and gives what the full path gives."""
-    program = lower(_model(), LoweringMode.TRAINING)
-    reference = [_step(Executor(program, seed=3), _feed(seed)) for seed in range(3)]
+    program = lower(token_model(), LoweringMode.TRAINING)
+    reference = [token_step(Executor(program, seed=3), token_feed(seed)) for seed in range(3)]
     stand_ins = _StandIns(monkeypatch)
     ex = Executor(program, seed=3)
-    _equal(_step(ex, _feed(0)), reference[0])  # recorded
+    assert_same_token_steps(token_step(ex, token_feed(0)), reference[0])  # recorded
     assert stand_ins.full and not stand_ins.streams
     stand_ins.full, stand_ins.stream = 0, 9
-    _equal(_step(ex, _feed(1)), reference[1])
+    assert_same_token_steps(token_step(ex, token_feed(1)), reference[1])
     assert stand_ins.full == 0 and stand_ins.streams and set(stand_ins.streams) == {9}
     stand_ins.streams.clear()
     stand_ins.stream = 11  # read again at each replay
-    _equal(_step(ex, _feed(2)), reference[2])
+    assert_same_token_steps(token_step(ex, token_feed(2)), reference[2])
     assert stand_ins.full == 0 and set(stand_ins.streams) == {11}
     stand_ins.failing = True  # a failing direct launch is named as runtime.fire names one
     failed = r"\(node 'embedding_0', forward\): kernel index_forward for float32 failed on inputs .*: RuntimeError"
     with pytest.raises(KernelLaunchError, match=failed):
-        _step(ex, _feed(0))
+        token_step(ex, token_feed(0))
 
 
 @off_gpu
@@ -287,9 +241,9 @@ def test_a_replay_takes_the_full_path_while_launches_are_watched_or_another_devi
 
     from teeny.core.kernel import intercept_launches
 
-    ex = Executor(lower(_model(), LoweringMode.TRAINING))
+    ex = Executor(lower(token_model(), LoweringMode.TRAINING))
     stand_ins = _StandIns(monkeypatch)
-    _step(ex, _feed(0))
+    token_step(ex, token_feed(0))
 
     def full_path_only(step) -> None:
         stand_ins.full, stand_ins.streams = 0, []
@@ -299,21 +253,21 @@ def test_a_replay_takes_the_full_path_while_launches_are_watched_or_another_devi
     hook = knobs.runtime.launch_enter_hook
     hook.add(_no_op)
     try:
-        full_path_only(lambda: _step(ex, _feed(1)))
+        full_path_only(lambda: token_step(ex, token_feed(1)))
     finally:
         hook.remove(_no_op)
     with record_launches() as log:
-        full_path_only(lambda: _step(ex, _feed(1)))
+        full_path_only(lambda: token_step(ex, token_feed(1)))
     assert log
     intercepted = []
     with intercept_launches(lambda instance, *launch: intercepted.append(instance)):
-        ex.forward_train(_feed(1))
+        ex.forward_train(token_feed(1))
     assert intercepted and not stand_ins.streams
     stand_ins.device = 1
-    full_path_only(lambda: _step(ex, _feed(1)))
+    full_path_only(lambda: token_step(ex, token_feed(1)))
     stand_ins.device = 0
     stand_ins.streams = []
-    _step(ex, _feed(1))
+    token_step(ex, token_feed(1))
     assert stand_ins.streams
 
 
@@ -330,9 +284,9 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher(monke
 
     from teeny.core.kernel import KernelInstance
 
-    program = lower(_model(), LoweringMode.TRAINING)
+    program = lower(token_model(), LoweringMode.TRAINING)
     ex, reference = Executor(program, seed=3), Executor(program, seed=3)
-    _step(ex, _feed(0))
+    token_step(ex, token_feed(0))
     for run in ex._runs.values():
         for phase in (run.forward, run.backward):
             for recording in phase.recordings.values():
@@ -345,7 +299,7 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher(monke
 
     with monkeypatch.context() as patched:
         patched.setattr(KernelInstance, "run_jit", refused)
-        ours = _step(ex, _feed(1))
+        ours = token_step(ex, token_feed(1))
     run_jit, full = KernelInstance.run_jit, []
 
     def counted(*args):
@@ -356,16 +310,16 @@ def test_on_a_gpu_a_replay_launches_straight_through_the_compiled_launcher(monke
     try:
         with monkeypatch.context() as patched:
             patched.setattr(KernelInstance, "run_jit", counted)
-            hooked = _step(ex, _feed(1))
+            hooked = token_step(ex, token_feed(1))
     finally:
         knobs.runtime.launch_enter_hook.remove(_no_op)
     assert full
     stream = torch.cuda.Stream()  # the current stream, read at each replay
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        on_stream = _step(ex, _feed(2))
+        on_stream = token_step(ex, token_feed(2))
     stream.synchronize()
     monkeypatch.setattr(teeny.core.config, "replay", False)
-    _equal(ours, _step(reference, _feed(1)))
-    _equal(hooked, ours)
-    _equal(on_stream, _step(reference, _feed(2)))
+    assert_same_token_steps(ours, token_step(reference, token_feed(1)))
+    assert_same_token_steps(hooked, ours)
+    assert_same_token_steps(on_stream, token_step(reference, token_feed(2)))
