@@ -69,14 +69,27 @@ def test_flags_checked_after_a_replayed_forward_still_raise(monkeypatch):
     monkeypatch.setattr(teeny.core.config, "check_indices", True)  # read when the graph is traced
     g = Graph()
     x, t = g.input("logits", (4, 3), requires_grad=True), g.input("target", (4,), torch.int64)
-    g.output(ops.cross_entropy(x, t))
+    g.output(ops.cross_entropy(x * 2.0, t))
     ex = Executor(lower(g, LoweringMode.TRAINING))
     logits = torch.randn(4, 3, device=teeny.DEVICE)
     for _ in range(2):
         ex.forward_train({"logits": logits, "target": torch.tensor([0, 2, 1, 2], device=teeny.DEVICE)})
     assert ex._forward_tapes[True].replays == 1
-    with pytest.raises(TeenyError, match=r"cross_entropy \(node 'cross_entropy_0', forward\): target class index 3 "):
+    with pytest.raises(TeenyError, match=r"cross_entropy \(node 'cross_entropy_\d', forward\): target class index 3 "):
         ex.forward_train({"logits": logits, "target": torch.tensor([0, 3, 1, 2], device=teeny.DEVICE)})
+
+
+def test_a_one_node_program_replays_its_node_only():
+    """Its node's replay is its whole run already: a tape would add only its checks."""
+    g = Graph()
+    g.output(ops.gelu(g.input("x", (6, 5), requires_grad=True)))
+    ex = Executor(lower(g, LoweringMode.TRAINING))
+    for _ in range(3):
+        _, cache = ex.forward_train({"x": torch.randn(6, 5, device=teeny.DEVICE)})
+        ex.backward(cache, torch.ones(6, 5, device=teeny.DEVICE))
+    assert _replays(ex) == (0, 0) and "one node" in ex._forward_tapes[True].not_recorded
+    (run,) = ex._runs.values()
+    assert run.forward.recordings and run.backward.recordings
 
 
 def test_one_tensor_given_for_two_inputs_has_a_tape_of_its_own():

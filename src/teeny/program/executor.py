@@ -269,6 +269,8 @@ class Executor:
         # whole runs recorded once and replayed (teeny.program.tape): the forward with and without
         # its cache, the backward per state of the gradients (see backward)
         self._blocked = not_capturable(program)
+        if len(program.nodes) == 1:  # (measured: a tape's checks of its tensors cost more than one node's replay)
+            self._blocked = self._blocked or "one node: its node replay is its whole run already"
         arenas = [*self.param_arenas.values(), *self.grad_arenas.values(), *self._consts.values()]
         self._own_memory = frozenset(t.untyped_storage().data_ptr() for t in arenas if t.numel())
         self._forward_tapes = {
