@@ -201,7 +201,7 @@ def test_linear_trains_through_matmul_ws_like_torch(dtype, gen, monkeypatch):
     tuning.forget_memory()
     picked = []
 
-    def choose(kernel, key, candidates, default, bench):
+    def choose(kernel, key, candidates, default, bench, before_timing=None):
         ws = [c for c in candidates if c["kernel"] == "ws"]
         picked.append(bool(ws))
         return ws[0] if ws else default
