@@ -581,7 +581,7 @@ class OpContext:
         return checked
 
 
-_CHECK_SINKS: dict[int, list] = {}  # thread -> where its checks go while a run is recorded (teeny.torch.tape)
+_CHECK_SINKS: dict[int, list] = {}  # thread -> where its checks go while a run is recorded (teeny.program.tape)
 
 
 def capturing() -> bool:

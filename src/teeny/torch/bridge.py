@@ -146,7 +146,7 @@ class Compiled:
             (node_id, [placed(k) for k in ins], placed(out), {n: placed(k) for n, k in saved.items()})
             for node_id, ins, out, saved in pool_slots
         ]
-        self._blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.torch.tape)
+        self._blocked = check_replayable(ex.program)  # calls are recorded once and replayed (teeny.program.tape)
         self._replayed = Replayed
         self._forward_replay = Replayed(self._run_forward, self._blocked)
         self._backward_replays: dict[tuple[bool, ...], Replayed] = {}  # by which seeded outputs have a gradient
