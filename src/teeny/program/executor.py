@@ -453,27 +453,30 @@ class Executor:
     def _run_forward(self, inputs: Any, kwargs: dict, cache: ActivationCache | None):
         bound = self._bind_inputs(inputs, kwargs)
         keep = cache is not None
-        if capturing():  # a CUDA graph's capture (TrainStep) runs the nodes themselves
-            flat = self._forward_flat(keep, list(bound))
+        entries = None  # the cache's entries as the run made them, where it ran node by node
+        if self._blocked or capturing():  # (a CUDA graph's capture: TrainStep)
+            entries = {} if keep else None
+            flat = self._forward_flat(keep, list(bound), entries)
         else:
             flat = self._forward_tapes[keep](bound)
         outputs = self.program.outputs
         outs = flat[: len(outputs)]
         if cache is not None:
-            cache.flat, cache._entries = flat[len(outputs) :], None
+            cache.flat, cache._entries = flat[len(outputs) :], entries
             cache.inputs = {v.id: t for v, t in zip(self._inputs, bound)}
             cache.outputs = {v.id: t for v, t in zip(outputs, outs)}
             cache.versions = self._saved_versions(cache)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _forward_flat(self, keep: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _forward_flat(self, keep: bool, tensors: list[torch.Tensor], entries: dict | None = None) -> list[torch.Tensor]:
         """The forward on the graph's input tensors, node by node: its outputs, then (``keep``)
-        the tensors of its cache in ``cached_nodes`` order. What a forward tape records."""
+        the tensors of its cache in ``cached_nodes`` order, which are also put into ``entries``
+        (``ActivationCache.entries``) when one is given. What a forward tape records."""
         program = self.program
         values = dict(zip((v.id for v in self._inputs), tensors))
         values.update(self._consts)
         values.update(self._param_by_id)
-        entries: dict[int, dict] = {}
+        entries = {} if entries is None else entries
         checks: list = []
         for run in self._runs.values():
             p = run.planned
@@ -497,7 +500,12 @@ class Executor:
                 run.forward.run([*args, out, *saved.values()], context, checks, run.fresh_forward, run.own_inputs)
             values[node.output.id] = out
             if keep and p.needs_backward:
-                entries[node.id] = {"inputs": args, "output": out, "saved": saved}
+                entries[node.id] = {
+                    "inputs": [a if s else None for a, s in zip(args, p.saved_inputs)],
+                    "output": out if op.saves_output else None,
+                    "saved": saved,
+                    "allocated": True,  # the executor's own buffers (NodeRun.fresh_saved)
+                }
             for value_id in run.frees:  # free what no later node reads
                 values.pop(value_id, None)
         raise_failed_checks(checks)
@@ -558,7 +566,7 @@ class Executor:
         cache.versions = []  # its references would keep every saved tensor alive to the end of the backward
         cache.used = True
         hooked = "_node_backward" in self.__dict__  # a hook per node (training.distributed, tests) sees every node
-        if cache._entries is not None or hooked or capturing():
+        if cache._entries is not None or hooked or self._blocked or capturing():
             entries, cache.flat = cache.entries, None
             result = self._backward_entries(entries, grads)
             return {v.name: g for v, g in zip(self._input_grads, result)}
