@@ -44,6 +44,32 @@ def _replayed_forward() -> tuple[Executor, dict, torch.Tensor, object]:
     return ex, feed, loss, cache
 
 
+def test_a_cache_its_forward_tape_made_is_not_checked_again_for_a_loss_seeded_by_the_executor(monkeypatch):
+    """With ``grad_output=None`` the seed is the executor's own (ones: aliasing nothing), so a
+    cache made by the forward tape that made the last one is laid out as that one was: the
+    backward tape takes it unchecked. A caller's seed is checked with the cache, as ever."""
+    from teeny.program.tape import Tape
+
+    program = lower(token_model(fan_out=True), LoweringMode.TRAINING)
+    ex, reference = Executor(program, seed=4), Executor(program, seed=4)
+    checked = []
+    fits = Tape.fits
+    monkeypatch.setattr(Tape, "fits", lambda tape, tensors: checked.append(len(tensors)) or fits(tape, tensors))
+    for seed in range(4):
+        checked.clear()
+        result = token_step(ex, token_feed(seed))
+        with monkeypatch.context() as off:
+            off.setattr(teeny.core.config, "replay", False)
+            assert_same_token_steps(result, token_step(reference, token_feed(seed)))
+    assert checked == [len(token_feed(0))]  # the forward's inputs only
+    assert _replays(ex) == (3, 3)
+    ex.zero_grad()
+    loss, cache = ex.forward_train(token_feed(5))
+    checked.clear()
+    ex.backward(cache, torch.ones_like(loss))
+    assert len(checked) == 1 and checked[0] > 1  # the caller's seed and the cache
+
+
 def test_a_replayed_forward_keeps_what_the_backward_reads_and_the_backward_frees_it():
     ex, feed, loss, cache = _replayed_forward()
     inputs = {id(t) for t in feed.values()}

@@ -54,7 +54,7 @@ from ..core.runtime import ARENA_ALIGN, OpContext, Shape, capturing, raise_faile
 from .accumulate import accumulate
 from .lowering import LoweringMode, PlannedNode, Program, node_context
 from .replay import NodeReplay, storage_id
-from .tape import Replayed, not_capturable
+from .tape import Replayed, Tape, not_capturable
 
 
 def gradient_final_node(program: Program) -> dict[int, int]:
@@ -147,6 +147,7 @@ class ActivationCache:
     def __init__(self, executor: Executor) -> None:
         self.executor = weakref.ref(executor)  # the executor whose backward may read it
         self.flat: list[torch.Tensor] | None = None
+        self.made_by: Tape | None = None  # the forward tape that made flat (None: none, or not known)
         self._entries: dict[int, dict[str, Any]] | None = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.used = False
@@ -278,6 +279,7 @@ class Executor:
             for keep in (False, True)
         }
         self._backward_tapes: dict[tuple, Replayed] = {}
+        self._backward_known: dict[tuple, Tape] = {}  # (backward key, forward tape) -> the backward tape
         self._zeroed_after: dict[tuple, frozenset[int]] = {}  # backward key -> which gradients are still zero after it
         self._input_grads = [v for v in self._inputs if v.requires_grad]
 
@@ -463,6 +465,7 @@ class Executor:
         outs = flat[: len(outputs)]
         if cache is not None:
             cache.flat, cache._entries = flat[len(outputs) :], entries
+            cache.made_by = None if entries is not None else self._forward_tapes[keep].answered
             cache.inputs = {v.id: t for v, t in zip(self._inputs, bound)}
             cache.outputs = {v.id: t for v, t in zip(outputs, outs)}
             cache.versions = self._saved_versions(cache)
@@ -573,13 +576,22 @@ class Executor:
         # one tape per state of the parameters' gradients (which are known to be zero: written in place
         # rather than added to) and per set of seeded outputs
         key = (frozenset(self._zeroed), tuple(grads))
-        tape = self._backward_tapes.get(key)
-        if tape is None:
-            tape = Replayed(functools.partial(self._backward_flat, key), self._blocked, self._own_memory)
-            self._backward_tapes[key] = tape
+        replayed = self._backward_tapes.get(key)
+        if replayed is None:
+            replayed = Replayed(functools.partial(self._backward_flat, key), self._blocked, self._own_memory)
+            self._backward_tapes[key] = replayed
         tensors = [*grads.values(), *cache.flat]
         cache.flat, cache._entries = None, {}
-        result = tape(tensors, consume=True)  # each saved tensor freed after its node's backward
+        # a cache one forward tape made, with seeds of the executor's own (a scalar loss's ones, which
+        # alias nothing), is laid out as every cache that tape makes: the backward tape that took the
+        # last one takes it without checking its tensors again
+        known = (key, cache.made_by) if grad_output is None and cache.made_by is not None else None
+        if known in self._backward_known:
+            result = replayed.call_laid_out_as(self._backward_known[known], tensors, consume=True)
+        else:
+            result = replayed(tensors, consume=True)  # each saved tensor freed after its node's backward
+        if known is not None and replayed.answered is not None:
+            self._backward_known[known] = replayed.answered
         self._zeroed = set(self._zeroed_after[key])
         return {v.name: g for v, g in zip(self._input_grads, result)}
 

@@ -308,7 +308,7 @@ def _storage_of(t: torch.Tensor) -> int:
         return -id(t)
 
 
-@dataclass
+@dataclass(eq=False)  # (compared and hashed as itself: Executor keys its backward tapes by it)
 class Tape:
     """The steps of one recorded run over its slots, what its inputs looked like, which
     slots it returned and which flags it checks after the launches."""
@@ -348,7 +348,10 @@ class Tape:
                 or t.get_device() != device
             ):
                 return False
-        # a GPU tape launches kernels loaded on its device, on that device's current stream
+        return self.on_current_device()
+
+    def on_current_device(self) -> bool:
+        """A GPU tape launches kernels loaded on its device, on that device's current stream."""
         return self.device.type != "cuda" or torch.cuda.current_device() == self.device.index
 
     def replay(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
@@ -531,6 +534,7 @@ class Replayed:
         self.tapes: dict[tuple | None, Tape] = {}  # by aliasing pattern
         self.not_recorded: str | None = blocked
         self.replays = 0  # how many calls a tape answered (tests and benches read it)
+        self.answered: Tape | None = None  # the tape that answered the last call (__call__)
 
     @property
     def tape(self) -> Tape | None:
@@ -539,13 +543,16 @@ class Replayed:
 
     def __call__(self, tensors: Sequence[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
         """``fn(tensors)``, replayed where a tape fits; ``consume``: ``tensors`` is a list handed
-        over, which a replay empties (``Tape.replay``)."""
+        over, which a replay empties (``Tape.replay``). ``answered``: the tape that replayed or
+        recorded the call (None: ``fn`` ran as it is)."""
+        self.answered = None
         if not config.replay or not _recordable_now():
             return self.fn(_handed(tensors, consume))
         pattern = aliasing(tensors)
         tape = self.tapes.get(pattern)
         if tape is not None:
             if tape.fits(tensors):  # (plain tensors only)
+                self.answered = tape
                 return self.replay_tape(pattern, tape, tensors, consume)
             return self.fn(_handed(tensors, consume))
         if self.not_recorded is not None or len(self.tapes) >= MAX_PATTERNS:
@@ -556,8 +563,18 @@ class Replayed:
         if isinstance(recorded, str):
             self.not_recorded = recorded
         else:
-            self.tapes[pattern] = recorded
+            self.tapes[pattern] = self.answered = recorded
         return result
+
+    def call_laid_out_as(self, tape: Tape, tensors: list[torch.Tensor], consume: bool = False) -> list[torch.Tensor]:
+        """A call whose tensors the caller knows are laid out and aliased as those of an earlier
+        call that ``tape`` answered (an executor's cache made by one forward tape, with seeds of
+        its own): replayed without checking them, where a replay may run now."""
+        pattern = next((p for p, t in self.tapes.items() if t is tape), ())
+        if pattern == () or not config.replay or not _recordable_now() or not tape.on_current_device():
+            return self(tensors, consume)
+        self.answered = tape
+        return self.replay_tape(pattern, tape, tensors, consume)
 
     def replay_tape(self, pattern: tuple | None, tape: Tape, tensors: Sequence[torch.Tensor], consume: bool):
         """A call the tape of ``pattern`` fits (``teeny.torch.graphed`` replays it as a CUDA graph)."""
