@@ -24,7 +24,8 @@ where a node cannot be replayed. Whole runs are recorded too (``tape.Replayed``)
 node replays, a forward is its ATen calls and launches over numbered tensors, with none of the
 per-node bookkeeping; a backward likewise, one tape per state of the parameters' gradients
 (which are known to be zero). The cache of a taped forward is one list (``ActivationCache.flat``,
-laid out by ``cached_nodes``) that the backward's tape takes whole. A CUDA graph's capture, a
+laid out by ``cached_nodes``) that the backward's tape takes whole (without checking its tensors
+again where one forward tape made it and the seed is the executor's own). A CUDA graph's capture, a
 hook on ``_node_backward`` and a cache built elsewhere (``teeny.torch.bridge``) run node by node.
 
 A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
