@@ -61,7 +61,7 @@ preset() {  # the command and default limit of a named bench
     ops|steps|torch_models|host|aot) echo "300 python3 bench/$1.py" ;;
     attention) echo "200 python3 bench/tools/attention.py --budget 180" ;;
     matmul_sweep|loss_sweep|gpu_checks|tune_launch|dist_overhead) echo "150 python3 bench/tools/$1.py" ;;
-    first_step) echo "400 python3 bench/tools/first_step.py examples/bench_llama.py:make_gpu_model --timeout 180" ;;
+    first_step) echo "400 python3 bench/tools/first_step.py examples/bench_llama.py:make_gpu_model --timeout 180 --phases" ;;
     train) echo "300 python3 -m teeny.cli train cnn --no-progress --out $OUT/cnn && \
 python3 -m teeny.cli train gpt --size large --epochs 2 --no-progress --out $OUT/gpt" ;;
     *) echo "" ;;

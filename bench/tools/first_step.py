@@ -6,7 +6,9 @@ issue 48's goal (cold: ≤ inductor's; warm: ≤ 10 s).
 
 Each variant runs twice, each time in a fresh process (``teeny bench --steps 4``): first with
 empty caches of its own (Triton's, teeny's tuning, inductor's), then again with what the first
-process left in them. Prints one row per variant: cold and warm first step, step time.
+process left in them. Prints one row per variant: cold and warm first step, step time; with
+``--phases``, where each process's time went (``bench/tools/phase_times.py``: lowering, compile
+pools, tuning, Triton's in-process compiles, the backend's handoff).
 """
 
 import argparse
@@ -18,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 
-def first_step(spec: str, variant: str, caches: Path, timeout: float) -> dict:
+def first_step(spec: str, variant: str, caches: Path, timeout: float, phases: bool = False) -> dict:
     env = {
         **os.environ,
         "TRITON_CACHE_DIR": str(caches / "triton"),
@@ -27,13 +29,19 @@ def first_step(spec: str, variant: str, caches: Path, timeout: float) -> dict:
     }
     out = caches / f"run-{len(list(caches.glob('run-*.json')))}.json"
     command = [sys.executable, "-m", "teeny", "bench", spec, "--variants", variant, "--steps", "4", "--warmup", "1"]
+    timings = out.with_suffix(".phases.json")
+    if phases:  # the same process with teeny's phases timed (phase_times.py)
+        command[1:1] = [str(Path(__file__).with_name("phase_times.py")), str(timings)]
     try:
         run = subprocess.run([*command, "--json", str(out)], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"status": f"over {timeout:.0f} s"}
     if run.returncode != 0 or not out.exists():
         return {"status": f"exit {run.returncode}: {run.stderr.strip()[-300:]}"}
-    return json.loads(out.read_text())["rows"][0]
+    row = json.loads(out.read_text())["rows"][0]
+    if timings.exists():
+        row["phases"] = json.loads(timings.read_text())
+    return row
 
 
 def main() -> None:
@@ -42,12 +50,13 @@ def main() -> None:
     parser.add_argument("--variants", default="compile-default,teeny-backend")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--json")
+    parser.add_argument("--phases", action="store_true", help="time teeny's phases too (bench/tools/phase_times.py)")
     args = parser.parse_args()
     rows = []
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="first-step-") as folder:
-            cold = first_step(args.spec, variant, Path(folder), args.timeout)
-            warm = first_step(args.spec, variant, Path(folder), args.timeout)
+            cold = first_step(args.spec, variant, Path(folder), args.timeout, args.phases)
+            warm = first_step(args.spec, variant, Path(folder), args.timeout, args.phases)
         rows.append({"variant": variant, "cold": cold, "warm": warm})
         print(
             f"{variant:18s} cold first step {cold.get('first_step_s', float('nan')):7.2f} s  "
@@ -55,6 +64,10 @@ def main() -> None:
             f"{cold.get('status', '')} / {warm.get('status', '')}",
             flush=True,
         )
+        for when, row in (("cold", cold), ("warm", warm)):
+            if row.get("phases"):
+                spent = ", ".join(f"{k} {v['s']:.2f} s ({v['calls']})" for k, v in row["phases"].items())
+                print(f"{'':18s} {when} phases: {spent}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.spec, "rows": rows}, indent=1))
 
