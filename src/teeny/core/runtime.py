@@ -352,12 +352,17 @@ def fire(checked: CheckedLaunch, values: list[Any]) -> None:
     except TeenyError:
         raise
     except Exception as exc:  # Triton's compile or launch failed: say where, in which dtype, on what
-        shapes = checked.input_shapes
-        on = f" on inputs {', '.join(str(tuple(s)) for s in shapes)}" if shapes else ""
-        raise KernelLaunchError(
-            f"{checked.where}: kernel {kernel.name} for {dtype_name(instance.dtype)} failed{on}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        raise launch_failed(checked.where, instance, checked.input_shapes, exc) from exc
+
+
+def launch_failed(where: str, instance: KernelInstance, shapes: Sequence, exc: Exception) -> KernelLaunchError:
+    """The error of a launch of ``instance`` that raised ``exc``: where it was, the kernel, its
+    dtype and the shapes of its inputs (every path that launches names a failure so)."""
+    on = f" on inputs {', '.join(str(tuple(s)) for s in shapes)}" if shapes else ""
+    return KernelLaunchError(
+        f"{where}: kernel {instance.kernel.name} for {dtype_name(instance.dtype)} failed{on}: "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def run_launch(

@@ -50,9 +50,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import config
-from ..core.errors import KernelLaunchError
-from ..core.kernel import _INTERCEPTORS, direct_launcher, dtype_name, intercept_launches, launches_watched
-from ..core.runtime import ARENA_ALIGN, CheckedLaunch, OpContext, RuntimeOp, fire
+from ..core.kernel import _INTERCEPTORS, direct_launcher, intercept_launches, launches_watched
+from ..core.runtime import ARENA_ALIGN, CheckedLaunch, OpContext, RuntimeOp, fire, launch_failed
 
 MAX_LAYOUTS = 4  # recordings kept per node phase; a run laid out otherwise takes the full path
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors as they are (no subclass, no fake tensor)
@@ -185,13 +184,8 @@ class _Recording:
                 continue
             try:
                 direct(stream, values)
-            except Exception as exc:  # named as runtime.fire names a failing launch
-                shapes = checked.input_shapes
-                on = f" on inputs {', '.join(str(tuple(s)) for s in shapes)}" if shapes else ""
-                raise KernelLaunchError(
-                    f"{checked.where}: kernel {checked.instance.kernel.name} for "
-                    f"{dtype_name(checked.instance.dtype)} failed{on}: {type(exc).__name__}: {exc}"
-                ) from exc
+            except Exception as exc:
+                raise launch_failed(checked.where, checked.instance, checked.input_shapes, exc) from exc
         if checks is not None:
             checks.extend((tensors[k], where, describe) for k, where, describe in self.checks)
         return [None if k is None else tensors[k] for k in self.produced]

@@ -43,16 +43,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..core import config
-from ..core.errors import KernelLaunchError
 from ..core.kernel import (
     _INTERCEPTORS,
     KernelInstance,
     direct_launcher,
-    dtype_name,
     intercept_launches,
     launches_watched,
 )
-from ..core.runtime import _CHECK_SINKS, raise_failed_checks
+from ..core.runtime import _CHECK_SINKS, launch_failed, raise_failed_checks
 
 ALIGN = 16  # bytes: the alignment Triton specialises pointers on and TMA needs
 MAX_PATTERNS = 4  # tapes kept per function, one per aliasing pattern of its inputs; others take the full path
@@ -256,13 +254,9 @@ class _LaunchStep:
         elif self.direct is not None:
             try:
                 self.direct(stream, args)
-            except Exception as exc:  # named as runtime.fire names a failing launch
-                kernel = self.instance.kernel.name
-                raise KernelLaunchError(
-                    f"replayed launch: kernel {kernel} for {dtype_name(self.instance.dtype)} failed on "
-                    f"{', '.join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+            except Exception as exc:
+                shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+                raise launch_failed("replayed launch", self.instance, shapes, exc) from exc
         else:
             self.instance.run_jit(self.jit, self.grid, args, self.options)
 
