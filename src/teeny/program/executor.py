@@ -26,7 +26,8 @@ per-node bookkeeping; a backward likewise, one tape per state of the parameters'
 (which are known to be zero). The cache of a taped forward is one list (``ActivationCache.flat``,
 laid out by ``cached_nodes``) that the backward's tape takes whole (without checking its tensors
 again where one forward tape made it and the seed is the executor's own). A CUDA graph's capture, a
-hook on ``_node_backward`` and a cache built elsewhere (``teeny.torch.bridge``) run node by node.
+hook on ``_node_backward``, a cache built elsewhere (``teeny.torch.bridge``), a program with an op
+that is not capturable and a one-node program run node by node.
 
 A tensor the backward reads (an input, a parameter, an output handed to the caller) that is
 changed in place between ``forward_train`` and ``backward`` would silently give a wrong
@@ -573,7 +574,13 @@ class Executor:
         if cache._entries is not None or hooked or self._blocked or capturing():
             entries, cache.flat = cache.entries, None
             result = self._backward_entries(entries, grads)
-            return {v.name: g for v, g in zip(self._input_grads, result)}
+        else:
+            result = self._backward_taped(cache, grads, own_seed=grad_output is None)
+        return {v.name: g for v, g in zip(self._input_grads, result)}
+
+    def _backward_taped(self, cache: ActivationCache, grads: dict[int, torch.Tensor], own_seed: bool) -> list:
+        """The backward of a cache ``forward_train`` made, through the tape of the gradients' state
+        (``own_seed``: the seed is the executor's own ones, made by ``_seeds``)."""
         # one tape per state of the parameters' gradients (which are known to be zero: written in place
         # rather than added to) and per set of seeded outputs
         key = (frozenset(self._zeroed), tuple(grads))
@@ -586,7 +593,7 @@ class Executor:
         # a cache one forward tape made, with seeds of the executor's own (a scalar loss's ones, which
         # alias nothing), is laid out as every cache that tape makes: the backward tape that took the
         # last one takes it without checking its tensors again
-        known = (key, cache.made_by) if grad_output is None and cache.made_by is not None else None
+        known = (key, cache.made_by) if own_seed and cache.made_by is not None else None
         if known in self._backward_known:
             result = replayed.call_laid_out_as(self._backward_known[known], tensors, consume=True)
         else:
@@ -594,7 +601,7 @@ class Executor:
         if known is not None and replayed.answered is not None:
             self._backward_known[known] = replayed.answered
         self._zeroed = set(self._zeroed_after[key])
-        return {v.name: g for v, g in zip(self._input_grads, result)}
+        return result
 
     def _backward_flat(self, key: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The backward from the seeds (one per value id of ``key[1]``) then the cache's tensors
