@@ -68,6 +68,18 @@ class GraphPool:
         return all(g.free() for g in self.graphs[self.graphs.index(graph) :])
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements may share memory (an expanded tensor): such an input
+    cannot be copied into a graph's buffer. Each dimension, by rising stride, must step past all
+    that the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
 class _Graph:
     """One tape captured: where its fixed inputs must be, the buffers its moving inputs are
     copied into, its outputs and flags (the graph's own tensors), and each output storage's use
@@ -154,7 +166,7 @@ class GraphedReplayed(Replayed):
         if self.captures >= MAX_CAPTURES:
             self.not_graphed = f"its fixed inputs moved {MAX_CAPTURES} times: replayed as a tape from now on"
             return None
-        if any(not tensors[i].is_non_overlapping_and_dense() for i in moving):
+        if any(_overlaps_itself(tensors[i]) for i in moving):
             self.not_graphed = "an input that moves between calls overlaps itself (expanded): it cannot be copied in"
             return None
         try:
