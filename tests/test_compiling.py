@@ -14,10 +14,12 @@ import warnings
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime import build as triton_build
 from triton.runtime.jit import JITFunction
 
 from helpers import run_script
@@ -94,6 +96,41 @@ def test_tuning_prepares_the_candidates_once_and_only_when_it_times_them(tmp_pat
     tuning.forget_memory()
 
 
+def test_a_kernels_launcher_is_built_ahead_as_triton_builds_it_at_the_first_launch(empty_cache, tmp_path, monkeypatch):
+    from triton.backends.nvidia import driver
+
+    # this machine's stand-in for a GPU host: sm_90 is "this GPU", and with no libcuda here the
+    # launcher is built without linking it (its place in the cache depends on its source alone)
+    monkeypatch.setattr(compiling, "_builds_launchers", lambda: True)
+    monkeypatch.setattr(compiling, "_this_gpu", lambda: compiling.Specialiser(GPUTarget("cuda", 90, 32)))
+    monkeypatch.setattr(driver, "library_dirs", lambda: [])
+    monkeypatch.setattr(driver, "libraries", [])
+    jobs = _jobs(1.0, 2.0)
+    launchers = compiling._launchers(jobs)
+    assert len(launchers) == 1  # two constants of one kernel: one kind of argument list
+    assert compiling._launchers(_jobs(1.0) + [compiling.CompileJob(jobs[0].source, GPUTarget("cuda", 80, 32), {})])
+    assert not compiling._launchers([compiling.CompileJob(jobs[0].source, GPUTarget("cuda", 80, 32), {})])
+
+    kernel = triton.compile(jobs[0].source, target=jobs[0].target)
+    made = []
+
+    def stop(src, **_):  # what CudaLauncher compiles at the kernel's first launch
+        made.append(src)
+        raise RuntimeError("stop")
+
+    built = driver.compile_module_from_src
+    monkeypatch.setattr(driver, "compile_module_from_src", stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        driver.CudaLauncher(kernel.src, kernel.metadata)
+    assert made == [launchers[0].source]
+    monkeypatch.setattr(driver, "compile_module_from_src", built)
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "another"))  # (the kernel compiled above is not there)
+    assert not launchers[0].cached()
+    assert compiling.compile_all(jobs, workers=2) == 2  # the kernels handed out, their launcher beside them
+    assert launchers[0].cached() and all(job.cached() for job in jobs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
 def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_more(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -105,6 +142,9 @@ def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_mo
     monkeypatch.setattr(compiling, "compile_all", lambda jobs, workers=None: handed.append(compile_all(jobs, 4)))
     compiled_here = []
     monkeypatch.setattr(knobs.compilation, "listener", lambda **info: compiled_here.append(not info["cache_hit"]))
+    launchers_here = []  # a kernel launcher's C module built in this process (the workers' are theirs)
+    build = triton_build._build
+    monkeypatch.setattr(triton_build, "_build", lambda *a: launchers_here.append(a[0]) or build(*a))
     # bf16 2048 x 1040 x 528: big enough to be timed, a shape no other test tunes
     p = products_launches.Product(2048, 1040, 528, (528, 1), (1040, 1), (1040, 1), [], [])
     config = products_tuning.choose_config(p, dtype=torch.bfloat16, precision=products_kernels.IEEE, has_bias=False)
@@ -113,6 +153,7 @@ def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_mo
     )
     assert len(handed) == 1 and handed[0] >= 2
     assert compiled_here and not any(compiled_here)  # every launch of the timing found its binary in the cache
+    assert not launchers_here  # and its launcher
     tuning.forget_memory()
 
 

@@ -31,6 +31,14 @@ def _example(name: str):
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
+@pytest.fixture(autouse=True)
+def _float32_precision_put_back():
+    """An example may switch TF32 on for the process (the Trainer's ``torch_compile``): the tests
+    after it, Lightning's setup among them, find torch's float32 precision flags as they were."""
+    with float32_precision_kept():
+        yield
+
+
 def _assert_same_falling_losses(losses, reference):
     assert losses == pytest.approx(reference, rel=RTOL, abs=1e-6)
     assert losses[-1] < losses[0]
@@ -40,8 +48,7 @@ def test_the_hf_trainer_logs_the_losses_of_the_uncompiled_run():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     example = _example("hf_trainer")  # TrainingArguments(torch_compile_backend="teeny")
-    with float32_precision_kept():
-        losses = example.main(["--tiny", "--steps", "2"])
+    losses = example.main(["--tiny", "--steps", "2"])
     assert "teeny program" in backend.report()
     _assert_same_falling_losses(losses, example.main(["--tiny", "--steps", "2", "--eager"]))
 

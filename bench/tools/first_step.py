@@ -67,6 +67,9 @@ def main() -> None:
         for when, row in (("cold", cold), ("warm", warm)):
             if row.get("phases"):
                 spent = ", ".join(f"{k} {v['s']:.2f} s ({v['calls']})" for k, v in row["phases"].items())
+                built = row["phases"].get("backend", {}).get("s")
+                if built is not None and "first_step_s" in row:  # the rest: the step's own runs, recording
+                    spent += f"; first step outside the backend {row['first_step_s'] - built:.2f} s"
                 print(f"{'':18s} {when} phases: {spent}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.spec, "rows": rows}, indent=1))

@@ -6,8 +6,9 @@ Runs the module (``-m``) or script as ``python3`` would, with these wrapped in t
 each one's calls and total wall seconds to OUT.json when the process ends (``bench/tools/
 first_step.py --phases`` runs each of its processes so):
 
-* ``backend``: ``torch.compile`` handing a captured graph to teeny (``teeny_backend``: the region's
-  tracing and planning, its lowering included);
+* ``backend``: a region ``torch.compile`` handed to teeny built into a program (``Region``: all
+  of what follows for it), within it ``torch.export`` (the region's ATen graph) and
+  ``compile_function`` (that graph traced into a teeny graph, rewritten and lowered);
 * ``lowering``: ``teeny.program.lowering.lower`` (planning, the dry run, and the pool that compiles
   the program's kernels ahead);
 * ``compile pools``: ``teeny.core.compiling.compile_all`` (the program's, and each timed product's);
@@ -59,9 +60,12 @@ def install() -> None:
     timed(compiling, "compile_all", "compile pools")
     timed(tuning, "choose", "tuning")
     timed(JITFunction, "_do_compile", "triton in-process")
-    from teeny.torch import backend  # (after lower is wrapped: the modules it imports take it by name)
+    from teeny.torch import backend, bridge  # (after lower is wrapped: the modules it imports take it by name)
 
-    timed(backend, "teeny_backend", "backend")
+    # (the method, not ``teeny_backend``: dynamo holds the function it registered at import)
+    timed(backend.Region, "_build_as_written", "backend")
+    timed(backend, "_export", "torch.export")
+    timed(bridge, "compile_function", "compile_function")
 
 
 def main() -> None:

@@ -18,9 +18,12 @@ Two places hand work out:
 A launch is specialised with Triton's own binder (integers on ``== 1`` and ``% 16``, pointers on
 16-byte alignment, float64 scalars), so the job is the one ``JITFunction.run`` compiles for it
 (a dry run's meta tensors count as aligned: a view that is not compiles at its launch, as
-before). Jobs already in Triton's disk cache are not handed out. The workers only compile (no
-CUDA call); a job that fails there is left to its launch, which fails the same way and says so
-where it belongs. ``config.compile_workers`` says how many (0 or 1: none). ``teeny.aot``
+before). Jobs already in Triton's disk cache are not handed out. On an NVIDIA GPU the workers
+also build the kernels' launchers: Triton compiles one C module per kind of argument list with
+the system's C compiler at a kernel's first launch (a few tenths of a second each, one after
+another, in the launching process), and a program's kernels have dozens of kinds. The workers
+only compile (no CUDA call); a job that fails there is left to its launch, which fails the same
+way and says so where it belongs. ``config.compile_workers`` says how many (0 or 1: none). ``teeny.aot``
 specialises its programs' launches here too, for a target it emulates.
 """
 
@@ -31,6 +34,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import sysconfig
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -49,10 +53,12 @@ from triton._C.libtriton import get_cache_invalidating_env_vars
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.build import compile_module_from_src, platform_key
 from triton.runtime.cache import get_cache_key, get_cache_manager
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 STALL_S = 120  # a pool in which no job finished for this long is stopped
+LAUNCHER = "__triton_launcher"  # the module name Triton gives a kernel launcher
 
 
 @dataclass
@@ -88,6 +94,49 @@ class CompileJob:
     def cached(self) -> bool:
         """Whether Triton's disk cache holds the job's binary already."""
         return get_cache_manager(self.cache_hash).get_file(f"{self.source.name[:150]}.json") is not None
+
+    def build(self) -> None:
+        triton.compile(self.source, target=self.target, options=self.options)
+
+    def launcher(self) -> LauncherJob | None:
+        """The C launcher Triton builds for this kernel at its first launch on an NVIDIA GPU
+        (``CudaLauncher``: its source depends on the arguments' kinds alone), or None: another
+        backend, or host-side tensor descriptors (whose launcher needs the compiled kernel)."""
+        if self.target.backend != "cuda":
+            return None
+        source = self.source
+        signature = dict(source.signature)
+        if any(isinstance(kind, str) and kind.startswith("tensordesc") for kind in signature.values()):
+            return None
+        names = source.fn.arg_names
+        constants = {(names.index(k),) if isinstance(k, str) else k: v for k, v in source.constants.items()}
+        from triton.backends.nvidia.driver import make_launcher
+
+        return LauncherJob(make_launcher(constants, signature, None))
+
+
+@dataclass(frozen=True)
+class LauncherJob:
+    """What one worker builds besides kernels: a kernel launcher's C source, compiled with the
+    system's C compiler into Triton's cache as ``CudaLauncher`` would at the kernel's first
+    launch (a few tenths of a second each, one after another, in the launching process)."""
+
+    source: str
+
+    @functools.cached_property
+    def cache_hash(self) -> str:
+        """The launcher's folder in Triton's disk cache (as ``compile_module_from_src`` names it)."""
+        return hashlib.sha256((self.source + platform_key()).encode("utf-8")).hexdigest()
+
+    def cached(self) -> bool:
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        return get_cache_manager(self.cache_hash).get_file(f"{LAUNCHER}{suffix}") is not None
+
+    def build(self) -> None:
+        from triton.backends.nvidia import driver  # (read here: a test may stand in for its libraries)
+
+        dirs = driver.library_dirs()
+        compile_module_from_src(self.source, LAUNCHER, dirs, driver.include_dirs, driver.libraries)
 
 
 class Specialiser:
@@ -214,7 +263,7 @@ def _collecting(collect: Callable) -> Iterator[None]:
         yield
 
 
-_JOBS: list[CompileJob] = []  # the jobs of the pool now running, inherited by its forked workers
+_JOBS: list[CompileJob | LauncherJob] = []  # the jobs of the pool now running, inherited by its forked workers
 _POOL_LOCK = threading.Lock()
 _STALLED: list[bool] = []  # a pool once made no progress for STALL_S: later jobs compile as they launch
 
@@ -228,16 +277,46 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
     launches."""
     try:
         unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
+        count = min(config.compile_workers if workers is None else workers, len(unique))
+        if count < 2 or _STALLED:
+            return 0
+        launchers = [job for job in {job.cache_hash: job for job in _launchers(jobs)}.values() if not job.cached()]
     except Exception:  # Triton's cache is not usable here: the launches compile (and say why) as they would
         return 0
-    count = min(config.compile_workers if workers is None else workers, len(unique))
-    if count < 2 or _STALLED:
-        return 0
     with _POOL_LOCK:  # one pool at a time: its workers read _JOBS as it was when they forked
-        return _compile_in_pool(unique, count)
+        return len(unique) if _compile_in_pool([*launchers, *unique], count) else 0
 
 
-def _compile_in_pool(unique: list[CompileJob], count: int) -> int:
+def _launchers(jobs: Sequence[CompileJob]) -> list[LauncherJob]:
+    """The launchers the kernels of ``jobs`` will need in this process: one per kind of argument
+    list (candidates of one kernel that differ in their constants alone share one), for the jobs
+    whose target is this process's GPU (none for a target only emulated: ``teeny.aot``)."""
+    if not _builds_launchers():
+        return []
+    target, seen, launchers = _this_gpu().target, set(), []
+    for job in jobs:
+        kinds = (id(job.source.fn), tuple(job.source.signature.items()), tuple(job.source.constants))
+        if job.target == target and kinds not in seen:
+            seen.add(kinds)
+            launchers.append(job.launcher())
+    return [launcher for launcher in launchers if launcher is not None]
+
+
+@functools.cache
+def _builds_launchers() -> bool:
+    """Whether this process launches on an NVIDIA GPU whose driver library Triton finds."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    try:
+        from triton.backends.nvidia import driver
+
+        driver.library_dirs()
+    except Exception:  # (no libcuda: its launchers cannot be linked)
+        return False
+    return True
+
+
+def _compile_in_pool(unique: list[CompileJob | LauncherJob], count: int) -> bool:
     _JOBS[:] = unique
     try:
         try:
@@ -252,7 +331,7 @@ def _compile_in_pool(unique: list[CompileJob], count: int) -> int:
                 "kernels compile as they launch",
                 stacklevel=3,
             )
-            return 0
+            return False
         while pending:
             done, pending = wait(pending, timeout=STALL_S, return_when=FIRST_COMPLETED)
             if not done:
@@ -269,7 +348,7 @@ def _compile_in_pool(unique: list[CompileJob], count: int) -> int:
         pool.shutdown(wait=not pending, cancel_futures=True)
     finally:
         _JOBS.clear()
-    return len(unique)
+    return True
 
 
 def _quiet() -> None:
@@ -280,8 +359,7 @@ def _quiet() -> None:
 
 
 def _compile_one(index: int) -> None:
-    job = _JOBS[index]
     try:
-        triton.compile(job.source, target=job.target, options=job.options)
+        _JOBS[index].build()
     except Exception:
         pass
