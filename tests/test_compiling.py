@@ -131,6 +131,16 @@ def test_a_kernels_launcher_is_built_ahead_as_triton_builds_it_at_the_first_laun
     assert launchers[0].cached() and all(job.cached() for job in jobs)
 
 
+def test_launchers_that_cannot_be_worked_out_leave_the_kernels_to_the_pool(empty_cache, monkeypatch):
+    def changed(jobs):
+        raise AttributeError("a Triton whose launchers are made otherwise")
+
+    monkeypatch.setattr(compiling, "_launchers", changed)
+    jobs = _jobs(6.0, 7.0)
+    assert compiling.compile_all(jobs, workers=2) == 2
+    assert all(job.cached() for job in jobs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not tuning.has_tma(), reason="needs a GPU with TMA")
 def test_a_products_candidates_are_compiled_ahead_and_timing_compiles_nothing_more(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
