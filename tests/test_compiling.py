@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 from triton.runtime import build as triton_build
 from triton.runtime.jit import JITFunction
 
+import teeny
 from helpers import run_script
 from teeny.core import compiling, tuning
 from teeny.core.device import DEVICE
@@ -248,3 +249,76 @@ def test_untimed_benches_are_this_threads_only():
         other.start()
         other.join()
     assert timed[0] >= 0.5  # another thread's tuning still times (a 0 would be cached as the winner)
+
+
+def test_a_deferred_choice_answers_the_default_and_hands_over_its_preparation(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    tuning.forget_memory()
+    candidates, timed, prepared = [{"BLOCK": 64}, {"BLOCK": 128}], [], []
+
+    def bench(config):
+        timed.append(config)
+        return {64: 2.0, 128: 1.0}[config["BLOCK"]]
+
+    with tuning.deferred() as preparations:
+        for key in ({"M": 5}, {"M": 5}, {"M": 6}):
+            assert tuning.choose("k", key, candidates, {"BLOCK": 32}, bench, prepared.append) == {"BLOCK": 32}
+    assert not timed and not prepared and len(preparations) == 2  # one preparation per choice
+    for prepare in preparations.values():
+        prepare()
+    assert prepared == [candidates, candidates]
+    assert tuning.choose("k", {"M": 5}, candidates, {"BLOCK": 32}, bench, prepared.append) == {"BLOCK": 128}
+    assert timed == candidates  # timed once deferred no more, and nothing was kept of the deferred answer
+    tuning.forget_memory()
+
+
+def test_jobs_batched_are_compiled_in_one_pool_when_the_block_ends(empty_cache, monkeypatch):
+    pools = []
+    compile_in_pool = compiling._compile_in_pool
+    monkeypatch.setattr(
+        compiling, "_compile_in_pool", lambda jobs, count: pools.append(len(jobs)) or compile_in_pool(jobs, count)
+    )
+    monkeypatch.setattr(teeny.core.config, "compile_workers", 2)
+    first, second = _jobs(11.0, 12.0), _jobs(13.0, 11.0)
+    with compiling.batched():
+        assert compiling.compile_all(first) == 0 and compiling.compile_all(second) == 0
+        assert not pools and not any(job.cached() for job in first + second)
+    assert pools == [3]  # one pool, the repeated job once
+    assert all(job.cached() for job in first + second)
+
+
+def test_lowering_compiles_every_products_candidates_in_one_pool_before_timing_any(tmp_path, monkeypatch):
+    from teeny import Graph, LoweringMode, lower, ops
+
+    monkeypatch.setenv("TEENY_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    monkeypatch.setattr(products_tuning, "_small", lambda p: False)
+    tuning.forget_memory()
+    events = []
+
+    def bench_for(p, **_):
+        def measure(config):
+            events.append(("time", p.key()["M"] if "M" in p.key() else None))
+            return float(config.get("BLOCK_M", 1) * config.get("BLOCK_N", 1) + config.get("num_warps", 1))
+
+        return measure
+
+    def collected(jobs, workers=None):
+        events.append("pool" if getattr(compiling._BATCH, "jobs", None) is None else "batched")
+        return compile_all(jobs, workers)
+
+    compile_all = compiling.compile_all
+    monkeypatch.setattr(products_tuning, "_bench_for", bench_for)
+    monkeypatch.setattr(compiling, "compile_all", collected)
+    g = Graph("two products")
+    x = g.input("x", (24, 40), torch.float32)
+    h = ops.linear(x, g.parameter("w1", (56, 40)), g.parameter("b1", (56,)))
+    g.output(ops.sum(ops.linear(h, g.parameter("w2", (8, 56)))))
+    lower(g, LoweringMode.TRAINING, rewrites=())
+    prepared = events.count("batched")
+    assert prepared >= 3  # the products of both layers, forwards and backwards
+    assert events[: prepared + 1] == ["batched"] * prepared + ["pool"]  # every preparation, then one pool
+    assert all(isinstance(e, tuple) for e in events[prepared + 1 : -1])  # then timing only
+    assert events[-1] == "pool"  # and the program's own kernels
+    tuning.forget_memory()

@@ -13,7 +13,9 @@ Two places hand work out:
   ``gathered()`` each such launch is specialised into a job, and ``lower`` compiles them all
   (``compile_all``) before the program first runs;
 * tuning: ``specialised_launches`` runs the candidates' benches with every launch intercepted
-  and timing off (``tuning.untimed``), and the products compile what they launch before timing.
+  and timing off (``tuning.untimed``), and the products compile what they launch before timing;
+  lowering defers the timing (``tuning.deferred``) and compiles every product's candidates in
+  one pool (``batched``) before its dry run times them.
 
 A launch is specialised with Triton's own binder (integers on ``== 1`` and ``% 16``, pointers on
 16-byte alignment, float64 scalars), so the job is the one ``JITFunction.run`` compiles for it
@@ -263,6 +265,23 @@ def _collecting(collect: Callable) -> Iterator[None]:
         yield
 
 
+_BATCH = threading.local()  # .jobs: what compile_all collects inside batched() on this thread
+
+
+@contextlib.contextmanager
+def batched() -> Iterator[None]:
+    """Inside the ``with`` block ``compile_all`` on this thread only collects its jobs; when the
+    block ends they are compiled in one pool (lowering: the candidates of every product it
+    tunes, instead of a pool for each product's few, each waiting for its slowest compile)."""
+    outer = getattr(_BATCH, "jobs", None)
+    _BATCH.jobs = jobs = []
+    try:
+        yield
+    finally:
+        _BATCH.jobs = outer
+    compile_all(jobs)
+
+
 _JOBS: list[CompileJob | LauncherJob] = []  # the jobs of the pool now running, inherited by its forked workers
 _POOL_LOCK = threading.Lock()
 _STALLED: list[bool] = []  # a pool once made no progress for STALL_S: later jobs compile as they launch
@@ -274,7 +293,11 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
     or fewer than two workers, compile nothing here: the launches compile them as they would.
     A pool in which no job finishes for ``STALL_S``, or that cannot be started, is given up (with a
     warning) and not tried again in this process; a worker that dies leaves its jobs to their
-    launches."""
+    launches. Inside ``batched()``: collected for its pool, 0 handed out now."""
+    batch = getattr(_BATCH, "jobs", None)
+    if batch is not None:
+        batch.extend(jobs)
+        return 0
     try:
         unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
     except Exception:  # Triton's cache is not usable here: the launches compile (and say why) as they would

@@ -157,6 +157,7 @@ def cached(kernel: str, key: Any) -> Config | None:
 def forget_memory() -> None:
     """Drop the choices held in memory (the disk cache stays): for tests."""
     _MEMORY.clear()
+    _PREPARED.clear()
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -174,7 +175,8 @@ def choose(
     against every one of ``candidates``), else the fastest of ``candidates`` by ``bench`` (then
     cached), else ``default`` (tuning off, no bench, or every candidate failed).
     ``before_timing(candidates)`` runs once before the candidates are timed (only then): where
-    the products compile them all at once (``teeny.core.compiling``)."""
+    the products compile them all at once (``teeny.core.compiling``); inside ``deferred()`` it
+    is handed to the caller instead, and the default answered."""
     if not enabled() or bench is None or not candidates:
         return default
     full = entry_key(kernel, key)
@@ -187,7 +189,11 @@ def choose(
         if all(c in timed for c in candidates):  # a candidate added since (a new kernel) is timed
             _MEMORY[full] = dict(entry["config"])
             return _MEMORY[full]
-    if before_timing is not None:
+    if before_timing is not None and full not in _PREPARED:
+        pending = getattr(_DEFERRED, "pending", None)
+        if pending is not None:  # (deferred): prepared with the others first, timed on a second pass
+            pending.setdefault(full, functools.partial(_prepare, full, before_timing, list(candidates)))
+            return dict(default)
         before_timing(candidates)
     timings = []
     for config in candidates:
@@ -211,6 +217,30 @@ def choose(
         {"config": dict(best), "ms": ms, "timed": [[t[0] if math.isfinite(t[0]) else None, t[1]] for t in timings]},
     )
     return _MEMORY[full]
+
+
+_DEFERRED = threading.local()  # .pending: the innermost deferred() block's preparations on this thread
+_PREPARED: set[str] = set()  # choices whose deferred preparation ran: timed without running it again
+
+
+def _prepare(full: str, before_timing: Callable[[Sequence[Config]], Any], candidates: list[Config]) -> None:
+    before_timing(candidates)
+    _PREPARED.add(full)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[dict[str, Callable[[], Any]]]:
+    """Inside the ``with`` block, a choice ``choose`` would time after a ``before_timing`` is not
+    timed: it answers the default and keeps nothing, and the dict it yields gets that choice's
+    preparation (``before_timing`` with its candidates, once per choice). Lowering runs every
+    such preparation together (one pool compiles every product's candidates:
+    ``teeny.core.compiling.batched``), then chooses again, timing."""
+    outer = getattr(_DEFERRED, "pending", None)
+    _DEFERRED.pending = pending = {}
+    try:
+        yield pending
+    finally:
+        _DEFERRED.pending = outer
 
 
 _UNTIMED = threading.local()  # .depth: untimed() blocks open on this thread

@@ -22,7 +22,11 @@ list that does not match its kernel's signature, or an empty grid where there is
 reported here, naming the op, node, kernel and argument, instead of inside a launch. The
 kernel instances a program builds are the ones these launches use: inference builds no
 backward kernel, and a backward launch may use only the kernels its op's forward kernel
-declares with ``@kernel(backward=...)``.
+declares with ``@kernel(backward=...)``. That run is also where products choose their tile
+configuration (``teeny.core.tuning``): on a GPU, where a choice must be timed, the first run
+only collects the choices, the candidates of all of them are compiled in one pool, and a
+second run times them. Every kernel the program launches is then compiled at once
+(``teeny.core.compiling``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..core import compiling
+from ..core import compiling, tuning
 from ..core.errors import MissingBackwardError, NoGradientError, TeenyError
 from ..core.graph import Graph, GraphError, Node, Value
 from ..core.kernel import KernelInstance
@@ -267,8 +271,17 @@ def lower(
         rewrites=reports,
         seeded=seeded,
     )
-    with compiling.gathered() as jobs:
+    with compiling.gathered() as jobs, tuning.deferred() as preparations:
         _dry_run(program)  # builds exactly the kernel instances the launches use
+    if preparations:  # choices to time: every candidate compiled in one pool, then a dry run that times them
+        with compiling.batched():
+            while preparations:
+                preparations.popitem()[1]()  # (each let go at once: its bench holds operands on the GPU)
+        for p in planned:  # (the launches the first dry run saw, with the default configurations)
+            for launched in (p.forward_launches, p.backward_launches, p.recompute_launches):
+                launched.clear()
+        with compiling.gathered() as jobs:
+            _dry_run(program)
     compiling.compile_all(jobs)  # every kernel the program launches, at once, before it first runs
     if mode is LoweringMode.TRAINING:
         for dtype in {p.node.dtype for p in planned if p.needs_backward} | {v.dtype for v in graph.params}:
