@@ -14,7 +14,10 @@ first_step.py --phases`` runs each of its processes so):
 * ``compile pools``: ``teeny.core.compiling.compile_all`` (the program's, and each timed product's);
 * ``tuning``: ``teeny.core.tuning.choose`` where it times candidates (their pool included);
 * ``triton in-process``: Triton's ``JITFunction._do_compile``, a kernel compiled at its launch or
-  loaded from the disk cache.
+  loaded from the disk cache;
+* ``C launchers in-process``: Triton's ``runtime.build._build``, a kernel launcher's C module
+  compiled with gcc at the kernel's first launch (``teeny.core.compiling`` builds them in its
+  workers: what is left here was not in a pool).
 
 The totals nest (lowering holds its pools and the tuning its dry run starts); they are each
 phase's own wall time, not a partition.
@@ -60,6 +63,9 @@ def install() -> None:
     timed(compiling, "compile_all", "compile pools")
     timed(tuning, "choose", "tuning")
     timed(JITFunction, "_do_compile", "triton in-process")
+    from triton.runtime import build
+
+    timed(build, "_build", "C launchers in-process")  # (gcc, at a kernel's first launch)
     from teeny.torch import backend, bridge  # (after lower is wrapped: the modules it imports take it by name)
 
     # (the method, not ``teeny_backend``: dynamo holds the function it registered at import)
