@@ -415,3 +415,29 @@ def test_apply_given_one_tensor_twice_then_two():
 
     for p, q in ((x, x), (a, b), (x, x), (a, b)):
         torch.testing.assert_close(teeny.torch.apply(product, p, q), p * q, rtol=0, atol=0)
+
+
+def test_each_kind_of_step_is_written_out_and_replays_as_it_ran():
+    """A tape's steps run as one generated function: an allocation, a view, a call with several
+    results (split), one zeroing in place, a clone, each on the slots they were recorded on."""
+
+    def fn(tensors):
+        x, y = tensors
+        out = torch.empty(3, 4)
+        out.copy_(x[1:] * 2)  # a view of an input, a call with one result, a copy into a buffer
+        first, second = y.split([2, 3])  # several results
+        second.zero_()  # in place, a result of its own made nothing new
+        return [out, first.clone(), second, y]
+
+    replayed = Replayed(fn)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4, 4, generator=gen), torch.randn(5, 2, generator=gen)
+        want_y = y.clone()
+        want_y[2:] = 0
+        out, first, second, y_out = replayed([x, y])
+        torch.testing.assert_close(out, x[1:] * 2, rtol=0, atol=0)
+        torch.testing.assert_close(first, want_y[:2], rtol=0, atol=0)
+        assert second.data_ptr() == y.data_ptr() + 2 * 2 * 4 and not second.any() and y_out is y
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+    assert replayed.replays == 2 and replayed.not_recorded is None

@@ -12,10 +12,10 @@ made; a tensor it read but did not make, such as an executor's constant, is kept
 Later calls on tensors of the same shapes, strides, dtypes, device and 16-byte alignment, and with
 the same aliasing among them (which inputs are one tensor, which share memory: a run given
 ``(x, x)`` reads one slot twice, so a ``Replayed`` keeps a tape per aliasing pattern), replay
-that tape: the ATen calls again, each launch straight through Triton's C launcher
-(``kernel.direct_launcher``; a TMA kernel's descriptors in one scratch buffer per stream) on a
-GPU, and the flags ops asked to have checked (``OpContext.check_after``) read as the executor
-reads them.
+that tape (written out once as one Python function, ``_straight_line``): the ATen calls again,
+each launch straight through Triton's C launcher (``kernel.direct_launcher``; a TMA kernel's
+descriptors in one scratch buffer per stream) on a GPU, and the flags ops asked to have checked
+(``OpContext.check_after``) read as the executor reads them.
 
 The full path runs instead (``Replayed.not_recorded`` says why) when the run handed a value
 from the device to the host (``.item()``: a branch may depend on it), when ``fn``'s program
@@ -140,12 +140,15 @@ def _tensors(value: Any) -> list[torch.Tensor] | None:
 
 
 class _AtenStep:
-    """One ATen call; the tensors of its result that are new become the slots in ``made``."""
+    """One ATen call; the tensors of its result that are new become the slots in ``made``
+    (``single``: the result was one tensor)."""
 
-    def __init__(self, func, args: list, kwargs: dict, made: list[tuple[int, int]]):
+    def __init__(self, func, args: list, kwargs: dict, made: list[tuple[int, int]], single: bool):
         self.templates = (args, kwargs)
-        self.call = _caller(func, args, kwargs)
+        self.factory = _factory(func, args, kwargs)
+        self.call = _caller(func, args, kwargs, self.factory)
         self.made = made  # (position among the result's tensors, slot)
+        self.single = single
         self.writes = func._schema.is_mutable  # changes a tensor it was given: never dropped
 
     def reads(self) -> set[int]:
@@ -158,6 +161,21 @@ class _AtenStep:
             for position, index in self.made:
                 slots[index] = tensors[position]
 
+    def lines(self, name: str, env: dict) -> list[str]:
+        """The step as source lines of ``_straight_line`` (its objects put in ``env``)."""
+        if not self.made:
+            env[name] = self.call
+            return [f"{name}(s)"]
+        if not self.single or len(self.made) != 1:
+            env[name] = self
+            return [f"{name}.run(s, stream)"]
+        slot = self.made[0][1]
+        if self.factory is None:
+            env[name] = self.call
+            return [f"s[{slot}] = {name}(s)"]
+        env[name], env[f"{name}_size"], env[f"{name}_dtype"], env[f"{name}_device"] = self.factory
+        return [f"s[{slot}] = {name}({name}_size, dtype={name}_dtype, device={name}_device)"]
+
 
 _aten = torch.ops.aten
 _PLAIN_FACTORY = {
@@ -167,14 +185,23 @@ _PLAIN_FACTORY = {
 }
 
 
-def _caller(func, args: list, kwargs: dict) -> Callable[[list], Any]:
+def _factory(func, args: list, kwargs: dict) -> tuple | None:
+    """``(torch.empty or torch.zeros, size, dtype, device)`` for an allocation of a plain
+    contiguous buffer (None for any other call)."""
+    plain = all(kwargs.get(k) in ok for k, ok in _PLAIN_FACTORY.items())
+    if func in (_aten.empty.memory_format, _aten.zeros.default) and plain and not _slots_in(args):
+        make = torch.empty if func is _aten.empty.memory_format else torch.zeros
+        return make, tuple(args[0]), kwargs.get("dtype"), kwargs.get("device")
+    return None
+
+
+def _caller(func, args: list, kwargs: dict, factory: tuple | None) -> Callable[[list], Any]:
     """``slots -> func(args, kwargs)`` filled in; the calls every run makes (allocations, views,
     clones, zeroing) through torch's Python functions, which cost a fraction of an operator
     call's dispatch from Python."""
     plain = all(kwargs.get(k) in ok for k, ok in _PLAIN_FACTORY.items())
-    if func in (_aten.empty.memory_format, _aten.zeros.default) and plain and not _slots_in(args):
-        make = torch.empty if func is _aten.empty.memory_format else torch.zeros
-        size, dtype, device = tuple(args[0]), kwargs.get("dtype"), kwargs.get("device")
+    if factory is not None:
+        make, size, dtype, device = factory
         return lambda slots: make(size, dtype=dtype, device=device)
     if args and isinstance(args[0], _Slot) and not _slots_in(args[1:]) and not _slots_in(kwargs):
         k, rest = args[0].index, args[1:]
@@ -206,6 +233,11 @@ class _ViewStep:
     def run(self, slots: list, stream: int | None) -> None:
         t = slots[self.of]
         slots[self.slot] = t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+
+    def lines(self, name: str, env: dict) -> list[str]:
+        env[f"{name}_size"], env[f"{name}_stride"] = self.size, self.stride
+        view = f"t.as_strided({name}_size, {name}_stride, t.storage_offset() + {int(self.offset)})"
+        return [f"t = s[{self.of}]", f"s[{self.slot}] = {view}"]
 
 
 _VIEW_FUNCS: dict[Any, bool] = {}  # ATen overload -> whether its result is a view of its first argument
@@ -248,7 +280,23 @@ class _LaunchStep:
         return _slots_in(self.template)
 
     def run(self, slots: list, stream: int | None) -> None:
-        args = self.args(slots)
+        self.fire(self.args(slots), stream)
+
+    def lines(self, name: str, env: dict) -> list[str]:
+        env[name] = self
+        template = self.template
+        if not isinstance(template, list) or any(isinstance(v, (list, tuple, dict)) for v in template):
+            return [f"{name}.run(s, stream)"]
+        values = []
+        for i, v in enumerate(template):
+            if isinstance(v, _Slot):
+                values.append(f"s[{v.index}]")
+            else:
+                env[f"{name}_{i}"] = v
+                values.append(f"{name}_{i}")
+        return [f"{name}.fire([{', '.join(values)}], stream)"]
+
+    def fire(self, args: list, stream: int | None) -> None:
         if stream is None:  # launches are being recorded or intercepted: the full path
             self.instance.launch(self.grid, args, **self.options)
         elif self.direct is not None:
@@ -328,6 +376,7 @@ class Tape:
             if k not in kept:
                 frees[i].append(k)
         self.frees = [tuple(f) for f in frees]
+        self._run = _straight_line(self.steps, self.frees)
 
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         if len(tensors) != len(self.signatures):
@@ -372,11 +421,20 @@ class Tape:
         self._run(slots, torch._C._cuda_getCurrentRawStream(self.device.index))
         return [slots[k] for k in self.outputs], [(slots[k], where, describe) for k, where, describe in self.checks]
 
-    def _run(self, slots: list, stream: int | None) -> None:
-        for step, done in zip(self.steps, self.frees):
-            step.run(slots, stream)
-            for k in done:
-                slots[k] = None
+
+def _straight_line(steps: list, frees: list[tuple[int, ...]]) -> Callable[[list, int | None], None]:
+    """``run(slots, stream)``: the steps written out as one Python function, in order, each
+    step's objects bound by name and the slots it was the last to read set to None after it:
+    a replay walks no list of steps and makes no call per step beyond the step's own."""
+    env: dict[str, Any] = {}
+    body = []
+    for i, (step, done) in enumerate(zip(steps, frees)):
+        body.extend(step.lines(f"step{i}", env))
+        if done:
+            body.append(" = ".join(f"s[{k}]" for k in done) + " = None")
+    source = "def run(s, stream):\n" + "".join(f"    {line}\n" for line in body or ["pass"])
+    exec(compile(source, "<teeny tape>", "exec"), env)
+    return env["run"]
 
 
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -443,7 +501,7 @@ class _Recording(TorchDispatchMode):
             offset = out.storage_offset() - base.storage_offset()
             self.steps.append(_ViewStep(template[0][0].index, out.size(), out.stride(), offset, made[0][1]))
         else:
-            self.steps.append(_AtenStep(func, *template, made))
+            self.steps.append(_AtenStep(func, *template, made, isinstance(out, torch.Tensor)))
         return out
 
     def launch(self, instance: KernelInstance, jit, grid: tuple, args: list, options: dict) -> None:
