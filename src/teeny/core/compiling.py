@@ -299,18 +299,23 @@ def compile_all(jobs: Sequence[CompileJob], workers: int | None = None) -> int:
         batch.extend(jobs)
         return 0
     try:
-        unique = [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
+        unique = _uncached(jobs)
     except Exception:  # Triton's cache is not usable here: the launches compile (and say why) as they would
         return 0
     count = min(config.compile_workers if workers is None else workers, len(unique))
     if count < 2 or _STALLED:
         return 0
     try:
-        launchers = [job for job in {job.cache_hash: job for job in _launchers(jobs)}.values() if not job.cached()]
+        launchers = _uncached(_launchers(jobs))
     except Exception:  # (Triton's launchers changed shape: each kernel's first launch builds its own, as before)
         launchers = []
     with _POOL_LOCK:  # one pool at a time: its workers read _JOBS as it was when they forked
         return len(unique) if _compile_in_pool([*launchers, *unique], count) else 0
+
+
+def _uncached(jobs: Sequence[CompileJob | LauncherJob]) -> list[CompileJob | LauncherJob]:
+    """Each distinct job (by its place in Triton's cache) that is not in the cache yet."""
+    return [job for job in {job.cache_hash: job for job in jobs}.values() if not job.cached()]
 
 
 def _launchers(jobs: Sequence[CompileJob]) -> list[LauncherJob]:
