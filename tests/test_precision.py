@@ -39,7 +39,8 @@ def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters():
     program = lower(_mlp_graph(x_grad=True), LoweringMode.TRAINING, precision="bf16-mixed")
     by_op = {p.op.name: p.node for p in program.nodes}
     assert by_op["linear"].dtype == BF16 and by_op["gelu"].dtype == BF16
-    assert by_op["cross_entropy"].dtype == torch.float32  # the loss on float32 logits
+    # the loss reads the bf16 logits and computes (and writes) in float32 (fusions.fold_loss_upcast)
+    assert by_op["cross_entropy"].dtype == BF16 and by_op["cross_entropy"].output.dtype == torch.float32
     assert program.loss.dtype == torch.float32
     casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
     assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == [
@@ -86,10 +87,10 @@ def test_optimizer_updates_float32_master_weights(gen):
     assert lost_in_bf16.float().mean() > 0.5  # most of what moved would not have moved in bfloat16
 
 
-def test_a_models_own_upcast_of_its_logits_is_the_only_cast_of_them(gen):
+def test_a_models_own_upcast_of_its_logits_is_folded_into_the_loss(gen):
     """HF models write ``logits.float()`` before the loss, and view them: under mixed precision
-    the float32 logits feed the view and the loss as they are (no cast back to bfloat16 for the
-    view, none up again for the loss); a cast that undoes a widening one is dropped."""
+    the view and the loss read the bf16 logits, with no cast of them at all (no cast back to
+    bfloat16 for the view, none up for the loss: ``fold_loss_upcast`` follows mixed precision)."""
     g = Graph("head")
     x, y = g.input("x", (2, 4, 6)), g.input("y", (8,), torch.int64)
     head = teeny.nn.Linear(6, 5)
@@ -98,8 +99,9 @@ def test_a_models_own_upcast_of_its_logits_is_the_only_cast_of_them(gen):
     program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=())
     casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
     assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == ["bias", "weight", "x"]
-    (upcast,) = [n for n in casts if n.inputs[0].kind == "node"]  # the logits, once
-    assert upcast.inputs[0].dtype == BF16 and upcast.output.dtype == torch.float32
+    assert not [n for n in casts if n.inputs[0].kind == "node"]  # the logits: none
+    (loss,) = [p.node for p in program.nodes if p.op.name == "cross_entropy"]
+    assert loss.inputs[0].dtype == BF16 and loss.output.dtype == torch.float32
     feed = {"x": torch.randn(2, 4, 6, generator=gen), "y": torch.randint(5, (8,), generator=gen)}
     mixed = train_step(program, feed)
     full = train_step(lower(g, LoweringMode.TRAINING, rewrites=()), feed)

@@ -18,6 +18,7 @@ from teeny.fusions.mlp_chain import MLPOp
 from teeny.fusions.qkv_products import SharedInputLinearOp
 from teeny.fusions.residual_norm import AddNormOp, TakenInOp
 from teeny.fusions.transposed_weights import TransposedWeightLinearOp
+from teeny.ops.cast import CastOp
 from teeny.ops.norm import layer_norm, rms_norm
 from teeny.ops.norm import tiling as norm_tiling
 from teeny.program.executor import Executor
@@ -636,6 +637,97 @@ def test_linear_cross_entropy_takes_in_an_upcast_of_the_logits(small_chunks, gen
     assert not _fused_ops(lower(down, LoweringMode.TRAINING))
 
 
+# ------------------------------------------------------------------ a loss of upcast logits
+
+
+def _upcast_loss_graph(dtype=torch.bfloat16, read_wide=False, **loss_options):
+    """half-precision logits (2, 3, 37) -> .float() -> (6, 37) -> cross-entropy, as transformers'
+    causal-LM loss reads them; ``read_wide``: the float32 copy is also an output."""
+    g = Graph()
+    x = g.input("x", (2, 3, 37), dtype, requires_grad=True)
+    y = g.input("y", (6,), torch.int64)
+    wide = ops.to(x, torch.float32)
+    loss = ops.cross_entropy(ops.reshape(wide, (6, 37)), y, **loss_options)
+    g.output(*([loss, wide] if read_wide else [loss]))
+    return g
+
+
+def _upcast_loss_feed(gen, dtype=torch.bfloat16):
+    y = torch.randint(0, 37, (6,), generator=gen)
+    y[2] = -100  # an ignored row
+    return {"x": (3 * torch.randn(2, 3, 37, generator=gen)).to(dtype), "y": y}
+
+
+def _casts_to_float32(program):
+    return [p for p in program.nodes if isinstance(p.op, CastOp) and p.op.dtype == torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_of_upcast_logits_reads_them_as_they_are_bit_for_bit(dtype, smoothing, gen):
+    """The loss reads the half-precision logits and writes a float32 loss: the same loss and
+    the same half-precision gradient to the bit as the cast then the loss, and no cast left."""
+    g, feed = _upcast_loss_graph(dtype, label_smoothing=smoothing), _upcast_loss_feed(gen, dtype)
+    folded, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert not _casts_to_float32(folded[3]) and _casts_to_float32(plain[3])
+    (loss,) = [op for op in _ops(folded[3]) if op.name == "cross_entropy"]
+    assert loss.out_dtype == torch.float32
+    assert "fold_loss_upcast: losses reading half-precision logits as they are: 1" in folded[3].summary()
+    assert folded[0].dtype == torch.float32 and folded[1]["x"].dtype == dtype
+    assert torch.equal(folded[0], plain[0]) and torch.equal(folded[1]["x"], plain[1]["x"])
+    x = feed["x"].clone().requires_grad_()
+    expected = F.cross_entropy(x.float().reshape(6, 37), feed["y"], label_smoothing=smoothing)
+    expected.backward()
+    torch.testing.assert_close(folded[0], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(folded[1]["x"].float(), x.grad.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_loss_of_upcast_logits_leaves_the_cast_another_reader_needs(gen):
+    g, feed = _upcast_loss_graph(read_wide=True), _upcast_loss_feed(gen)
+    folded, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert len(_casts_to_float32(folded[3])) == 1  # for the float32 output; the loss reads x
+    assert [op.out_dtype for op in _ops(folded[3]) if op.name == "cross_entropy"] == [torch.float32]
+    for a, b in zip(folded[0], plain[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(folded[1]["x"], plain[1]["x"])
+
+
+def test_loss_upcast_is_folded_only_where_it_is_exact():
+    """float32 to float64 is not undone (the loss would compute in float32), nor a loss with
+    class weights (float32, where the logits are bfloat16)."""
+    g = Graph()
+    x = g.input("x", (4, 5), torch.float32, requires_grad=True)
+    y = g.input("y", (4,), torch.int64)
+    g.output(ops.cross_entropy(ops.to(x, torch.float64), y))
+    assert not fusions.fold_loss_upcast(g, g.outputs, True)[2]
+    g = Graph()
+    x = g.input("x", (4, 5), torch.bfloat16, requires_grad=True)
+    y = g.input("y", (4,), torch.int64)
+    g.output(ops.cross_entropy(ops.to(x, torch.float32), y, weight=torch.rand(5)))
+    assert not fusions.fold_loss_upcast(g, g.outputs, True)[2]
+
+
+def test_mixed_precision_head_and_loss_keep_no_float32_logits(gen):
+    """A float32 head whose logits are upcast for the loss (a no-op cast in float32) and also
+    returned in bfloat16, as the torch.compile backend asks for a model under autocast: in
+    bf16-mixed the loss reads the bf16 logits and the returned logits are the product's own."""
+    g = Graph()
+    x = g.input("x", (2, 3, 8), requires_grad=True)
+    y = g.input("y", (6,), torch.int64)
+    logits = teeny.nn.Linear(8, 37)(x)
+    wide = ops.to(logits, torch.float32)
+    g.output(ops.cross_entropy(ops.reshape(wide, (6, 37)), y), ops.to(wide, torch.bfloat16))
+    feed = {"x": torch.randn(2, 3, 8, generator=gen), "y": torch.randint(0, 37, (6,), generator=gen)}
+    mixed = _run(g, feed, precision="bf16-mixed")
+    program = mixed[3]
+    assert not _casts_to_float32(program)
+    assert not any(v.dtype == torch.float32 and v.numel == 6 * 37 for v in program.graph.values)
+    assert mixed[0][0].dtype == torch.float32 and mixed[0][1].dtype == torch.bfloat16
+    reference = _run(g, feed)
+    torch.testing.assert_close(mixed[0][0], reference[0][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(mixed[0][1].float(), reference[0][1].float(), rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------- attention in place
 
 
@@ -739,6 +831,92 @@ def test_attention_in_place_needs_transposes_that_nothing_else_reads(gen):
     g.output(ops.add(ops.sum(y), ops.sum(qt)))  # the transposed q is read again: nothing to save
     program = lower(g, LoweringMode.TRAINING, rewrites=(fusions.attention_in_place,))
     assert [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"] == ["bhld"]
+
+
+# ------------------------------------------------------------------ grouped keys and values
+
+
+def _repeated_kv_graph(b, h, kvh, length, d, dtype=torch.float64, tile=False, read_repeat=False, causal=True):
+    """k and v (b, kvh, length, d) repeated per group of h // kvh query heads before an
+    attention, as transformers' repeat_kv writes it (``tile``: the groups side by side instead,
+    head i reading key head i % kvh, which is not what grouping means)."""
+    g = Graph()
+    q = g.input("q", (b, h, length, d), dtype, requires_grad=True)
+    k = g.input("k", (b, kvh, length, d), dtype, requires_grad=True)
+    v = g.input("v", (b, kvh, length, d), dtype, requires_grad=True)
+    group = h // kvh
+
+    def repeat(t):
+        if tile:
+            return ops.reshape(ops.expand(ops.unsqueeze(t, 1), b, group, kvh, length, d), (b, h, length, d))
+        return ops.reshape(ops.expand(ops.unsqueeze(t, 2), b, kvh, group, length, d), (b, h, length, d))
+
+    kr = repeat(k)
+    y = ops.scaled_dot_product_attention(q, kr, repeat(v), is_causal=causal)
+    weights = g.constant(torch.linspace(-1, 1, length * d, dtype=dtype).reshape(length, d), name="weights")
+    loss = ops.sum(y * weights)
+    g.output(ops.add(loss, ops.sum(kr)) if read_repeat else loss)
+    return g
+
+
+def _repeated_kv_feed(gen, b, h, kvh, length, d, dtype=torch.float64):
+    return {
+        "q": torch.randn(b, h, length, d, generator=gen, dtype=dtype),
+        "k": torch.randn(b, kvh, length, d, generator=gen, dtype=dtype),
+        "v": torch.randn(b, kvh, length, d, generator=gen, dtype=dtype),
+    }
+
+
+def _grouped(program):
+    return [op.enable_gqa for op in _ops(program) if op.name == "scaled_dot_product_attention"]
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 2, 5, 3), (1, 4, 1, 7, 8)])
+def test_repeated_keys_and_values_are_read_grouped(shape, gen):
+    """The same loss and q, k, v gradients as the repeats (float64, 1e-12), with no copy made."""
+    g, feed = _repeated_kv_graph(*shape), _repeated_kv_feed(gen, *shape)
+    grouped, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _grouped(grouped[3]) == [True] and _grouped(plain[3]) == [False]
+    assert _strided_copies(grouped[3]) == 0 < _strided_copies(plain[3])
+    assert "read_grouped_kv: attention reading grouped keys and values in place: 1" in grouped[3].summary()
+    torch.testing.assert_close(grouped[0], plain[0], rtol=1e-12, atol=1e-12)
+    for key in ("q", "k", "v"):
+        torch.testing.assert_close(grouped[1][key], plain[1][key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+def test_repeated_keys_and_values_gradcheck_float64(gen):
+    shape = (1, 4, 2, 3, 2)
+    feed = _repeated_kv_feed(gen, *shape)
+    teeny.gradcheck_graph(_repeated_kv_graph(*shape), feed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_keys_and_values_grouped_match_pytorch(dtype, gen):
+    b, h, kvh, length, d = 2, 6, 3, 17, 16
+    g = _repeated_kv_graph(b, h, kvh, length, d, dtype=dtype)
+    feed = _repeated_kv_feed(gen, b, h, kvh, length, d, dtype=dtype)
+    out, grads, _, program = _run(g, feed)
+    assert _grouped(program) == [True]
+    q, k, v = (feed[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    expected = (y.float() * torch.linspace(-1, 1, length * d).reshape(length, d)).sum()
+    expected.backward()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        torch.testing.assert_close(grads[name].float(), t.grad.float(), **tol, msg=name)
+
+
+def test_keys_repeated_other_than_per_group_are_left_as_they_are(gen):
+    """Tiled heads (head i reads key head i % kvh) are not a grouping: the repeats stay, and
+    a repeat something else reads stays for that reader while the attention reads grouped."""
+    shape = (1, 4, 2, 3, 2)
+    tiled = _repeated_kv_graph(*shape, tile=True)
+    assert not fusions.read_grouped_kv(tiled, tiled.outputs, True)[2]
+    g, feed = _repeated_kv_graph(*shape, read_repeat=True), _repeated_kv_feed(gen, *shape)
+    grouped, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _grouped(grouped[3]) == [True] and _strided_copies(grouped[3]) == 1  # the repeated k, for its sum
+    torch.testing.assert_close(grouped[1]["k"], plain[1]["k"], rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------------- q, k, v as one product

@@ -131,12 +131,20 @@ def test_a_padding_mask_runs_and_the_report_says_what_pytorch_ran():
 def test_autocast_around_the_model_lowers_as_mixed_precision():
     torch.manual_seed(0)
     model = _causal_lm("llama").to(DEVICE)
+    model.config.use_cache = False  # without a cache, transformers repeats the key/value heads (repeat_kv)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 61, (2, 8), device=DEVICE)
     with torch.autocast(DEVICE.type, torch.bfloat16):
-        loss = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids).loss
-        expected = reference(input_ids=ids, labels=ids).loss
+        out = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids)
+        eager = reference(input_ids=ids, labels=ids)
+    loss, expected = out.loss, eager.loss
     assert loss.dtype == expected.dtype
+    assert out.logits.dtype == eager.logits.dtype == torch.bfloat16  # the head's product, as autocast makes it
+    torch.testing.assert_close(out.logits, eager.logits, rtol=2e-2, atol=2e-2)
+    (program,) = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    rewrites = {report.rewrite for report in program.rewrites}
+    assert {"fold_loss_upcast", "read_grouped_kv"} <= rewrites  # no float32 logits, no repeated k and v
+    assert not any(v.dtype == torch.float32 and v.numel == out.logits.numel() for v in program.graph.values)
     torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
     loss.backward()
     expected.backward()

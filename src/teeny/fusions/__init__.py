@@ -9,11 +9,14 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
 
 Each module holds one rewrite and says what it changes; ``pipeline`` has what they share
 (``Rebuild``, ``RewriteReport``, ``apply_rewrites``). Default order: ``DEFAULT_REWRITES`` below;
-``fuse_mlp`` is asked for; ``precision=`` adds ``mixed_precision`` last.
+``fuse_mlp`` is asked for; ``precision=`` adds ``mixed_precision`` last, then
+``fold_loss_upcast`` again (for the casts mixed precision made).
 """
 
 from .attention_layout import attention_in_place
 from .chunked_loss import CHUNKED_LOGITS_MIN_BYTES, chunk_linear_cross_entropy
+from .grouped_kv import read_grouped_kv
+from .loss_upcast import fold_loss_upcast
 from .mixed_precision import PRECISIONS, mixed_precision, precision_rewrites
 from .mlp_chain import fuse_mlp
 from .pipeline import Rebuild, RewriteFn, RewriteReport, apply_rewrites
@@ -25,8 +28,10 @@ DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
     read_transposed_weights,
     fuse_residual_norm,
     chunk_linear_cross_entropy,
+    read_grouped_kv,
     attention_in_place,
     fuse_qkv_products,
+    fold_loss_upcast,
 )
 
 __all__ = [
@@ -39,10 +44,12 @@ __all__ = [
     "apply_rewrites",
     "attention_in_place",
     "chunk_linear_cross_entropy",
+    "fold_loss_upcast",
     "fuse_mlp",
     "fuse_qkv_products",
     "fuse_residual_norm",
     "mixed_precision",
     "precision_rewrites",
+    "read_grouped_kv",
     "read_transposed_weights",
 ]

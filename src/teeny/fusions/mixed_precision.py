@@ -17,6 +17,7 @@ from ..ops.norm.ops import BatchNormOp
 from ..ops.products.ops import LinearOp
 from ..ops.shape.ops import StridedViewOp, ViewOp
 from .chunked_loss import LinearCrossEntropyOp
+from .loss_upcast import fold_loss_upcast
 from .pipeline import Rebuild, RewriteFn
 from .qkv_products import SharedInputLinearOp
 
@@ -30,6 +31,17 @@ def _keeps_float32(op: RuntimeOp) -> bool:
     if isinstance(op, EmbeddingOp):
         return op.max_norm is not None
     return isinstance(op, (ClassLossOp, PointwiseLossOp, BatchNormOp))
+
+
+def _widened_from(v: Value, to: torch.dtype) -> Value | None:
+    """The ``to`` value that ``v`` is a widening cast of (bfloat16 -> float32: casting it back
+    is exact), else None."""
+    producer = v.producer
+    if producer is None or not isinstance(producer.op, CastOp):
+        return None
+    source = producer.inputs[0]
+    wider = source.dtype.is_floating_point and v.dtype.itemsize > source.dtype.itemsize
+    return source if wider and source.dtype == to else None
 
 
 def mixed_precision(dtype: torch.dtype) -> RewriteFn:
@@ -57,8 +69,9 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         def cast(v: Value, to: torch.dtype) -> Value:
             if v.dtype == to or not v.dtype.is_floating_point:
                 return v
-            if v.producer is not None and isinstance(v.producer.op, CastOp) and v.producer.inputs[0].dtype == to:
-                return v.producer.inputs[0]  # a widening cast undone (the model's logits.float()): exact, so none
+            narrow = _widened_from(v, to)
+            if narrow is not None:
+                return narrow  # a widening cast undone (the model's logits.float()): exact, so none
             key = (v.id, to)
             if key not in casts:
                 counts[v.kind] += 1
@@ -87,6 +100,9 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
             elif _keeps_float32(op):
                 inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
                 counts["float32 op"] += 1
+            elif isinstance(op, CastOp) and _widened_from(rebuild[node.inputs[0]], op.dtype) is not None:
+                rebuild.new[node.output.id] = cast(rebuild[node.inputs[0]], op.dtype)  # the half value itself
+                continue
             elif isinstance(op, (CastOp, *_SHAPE_OPS)):  # an explicit cast stays what it says; a view
                 inputs = [rebuild[v] for v in node.inputs]  # moves values in the dtype they have
             else:
@@ -118,10 +134,11 @@ PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed"
 
 
 def precision_rewrites(precision: str | None) -> list[RewriteFn]:
-    """The rewrites ``lower(..., precision=...)`` adds after the others (None: none)."""
+    """The rewrites ``lower(..., precision=...)`` adds after the others (None: none): mixed
+    precision, then the losses' reading of the half-precision logits it made (``fold_loss_upcast``)."""
     if precision is None:
         return []
     if precision not in PRECISIONS:
         choices = ", ".join(PRECISIONS)
         raise ValueError(f"unknown precision {precision!r}; choose None (the graph's dtypes) or {choices}")
-    return [mixed_precision(PRECISIONS[precision])]
+    return [mixed_precision(PRECISIONS[precision]), fold_loss_upcast]

@@ -176,6 +176,25 @@ def _precision(tensors: Sequence[torch.Tensor]) -> str | None:
     return _MIXED[dtype]
 
 
+def _autocast_output_dtypes(gm: torch.fx.GraphModule) -> list[torch.dtype | None]:
+    """The dtype of each of the region's outputs as dynamo traced it, under the caller's
+    autocast (None for one that is not a tensor)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    values = [
+        a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in pytree.tree_leaves(output.args[0])
+    ]
+    return [v.dtype if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def _as_autocast_made(value: Any, dtype: torch.dtype | None) -> Any:
+    """An output of a region traced without autocast, in the half-precision dtype autocast made
+    it in (a model's logits: bfloat16 from the head's product, as eager gives them, and not a
+    float32 copy); other outputs as they are (a loss stays float32)."""
+    if isinstance(value, Tensor) and value.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16):
+        return value.to(dtype)
+    return value
+
+
 def _traced(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
     """The region's graph as ``torch.export`` traces it: a function of the call's tensors only
     (the other arguments, dynamo's symbolic sizes and scalars, fixed at this call's values,
@@ -287,6 +306,7 @@ class Region:
 
         placeholders = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         parameters = frozenset(name for name, t in zip(placeholders, tensors) if isinstance(t, nn.Parameter))
+        autocast_dtypes = _autocast_output_dtypes(self.gm) if precision else None
 
         def imported(*symbolic):
             bound = list(symbolic)
@@ -295,6 +315,8 @@ class Region:
             if walk.unsupported:
                 raise UnsupportedError(walk.unsupported, frozenset(walk.refused_nodes))
             written = [i for i, name in enumerate(placeholders) if walk.env[name] is not bound[i]]
+            if autocast_dtypes is not None and len(autocast_dtypes) == len(outputs):
+                outputs = [_as_autocast_made(v, d) for v, d in zip(outputs, autocast_dtypes)]
             results, layout = [], []
             for value in outputs:
                 if isinstance(value, Tensor):

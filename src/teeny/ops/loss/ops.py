@@ -154,7 +154,10 @@ def check_softcap(softcap, name: str) -> float:
 class ClassLossOp(RuntimeOp):
     """Cross-entropy (``from_logits``) or NLL over the class dim 1: inputs (input, target[, weight]).
     ``softcap`` > 0: cross-entropy of class indices on the soft-capped logits softcap * tanh(x / softcap)
-    (Gemma 2's ``final_logit_softcapping``), the cap applied as the kernels read the logits."""
+    (Gemma 2's ``final_logit_softcapping``), the cap applied as the kernels read the logits.
+    ``out_dtype``: the loss's dtype when it is not the input's: float32 for half-precision logits
+    read as they are (``fusions.loss_upcast``), computed in float32 as always, their gradient
+    written in their own dtype."""
 
     kernel = class_loss_forward
     n_activation_inputs = 2
@@ -170,8 +173,10 @@ class ClassLossOp(RuntimeOp):
         label_smoothing=0.0,
         has_weight=False,
         softcap=0.0,
+        out_dtype=None,
     ):
         self.name, self.from_logits, self.reduction = name, from_logits, reduction
+        self.out_dtype = out_dtype
         self.ignore_index, self.label_smoothing = int(ignore_index), float(label_smoothing)
         self.has_weight = has_weight
         self.softcap = check_softcap(softcap, name)
@@ -228,6 +233,9 @@ class ClassLossOp(RuntimeOp):
                 raise ValueError(f"class-index target of shape {t} does not match input {x}: expected {expected}")
         if self.has_weight and tuple(input_shapes[2]) != (n_classes,):
             raise ValueError(f"weight must have shape ({n_classes},) (one per class), got {tuple(input_shapes[2])}")
+
+    def output_dtype(self, input_dtypes):
+        return self.out_dtype or input_dtypes[0]
 
     def output_shape(self, input_shapes):
         x = tuple(input_shapes[0])

@@ -1,0 +1,84 @@
+"""``fold_loss_upcast``: a cross-entropy of half-precision logits widened to float32 first
+(``loss(logits.float())``, as transformers' causal-LM losses and autocast's policy do) reads the
+half-precision logits as they are (``ClassLossOp(out_dtype=float32)``): the kernels compute in
+float32 either way, so the loss is the same to the bit, and its gradient, rounded to the logits'
+dtype once, is the one the cast's backward made. Per step the float32 copy of the logits is
+neither written nor kept, and the float32 gradient of the logits neither written nor cast back:
+for a (8192, 32000) bf16 head, 1 GiB fewer kept and about 4 GiB fewer read and written.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..core.graph import Graph, Node, Value
+from ..core.kernel import dtype_name
+from ..ops.cast import CastOp
+from ..ops.loss.ops import ClassLossOp
+from ..ops.shape.ops import ViewOp
+from .pipeline import Rebuild, mib, nbytes, readers
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _widened_half(value: Value) -> tuple[Value, list[Node]] | None:
+    """(the half-precision value ``h``, the nodes from the cast to ``value``: the cast, then the
+    views) where ``value`` is views of ``cast(h, float32)``; else None."""
+    chain: list[Node] = []
+    while value.producer is not None and type(value.producer.op) is ViewOp:
+        chain.append(value.producer)
+        value = value.producer.inputs[0]
+    cast = value.producer
+    if cast is None or type(cast.op) is not CastOp or value.dtype != torch.float32:
+        return None
+    source = cast.inputs[0]
+    return (source, [cast, *chain[::-1]]) if source.dtype in _HALF else None
+
+
+def fold_loss_upcast(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
+    """Each cross-entropy or NLL of class indices (no class weights) whose input is, through
+    views, a float32 cast of a half-precision value reads that value instead, the views made
+    again on it, and writes its loss in float32 (``ClassLossOp.out_dtype``). The cast and the
+    views are left out where nothing else reads them."""
+    matches: dict[int, tuple[Value, list[Node]]] = {}  # loss node id -> (half value, cast and views)
+    for node in graph.nodes:
+        op = node.op
+        if type(op) is not ClassLossOp or op.has_weight or op.out_dtype is not None:
+            continue
+        if node.inputs[1].dtype.is_floating_point:  # class probabilities: of the input's dtype
+            continue
+        found = _widened_half(node.inputs[0])
+        if found is not None:
+            matches[node.id] = found
+    if not matches:
+        return graph, outputs, ""
+    read_by, kept = readers(graph), {v.id for v in outputs}
+    skipped: set[int] = set()
+    for node_id, (_, chain) in matches.items():
+        for link in reversed(chain):  # from the loss back to the cast, while only the chain reads it
+            others = [r for r, _ in read_by[link.output.id] if r.id != node_id and r.id not in skipped]
+            if link.output.id in kept or others:
+                break
+            skipped.add(link.id)
+    rebuild = Rebuild(graph)
+
+    def fuse(node: Node, found: tuple[Value, list[Node]]) -> None:
+        half, chain = found
+        value = rebuild[half]
+        for view in chain[1:]:
+            value = rebuild.apply(view.op, [value], f"{view.name}.{dtype_name(half.dtype)}")
+        folded = copy.copy(node.op)
+        folded.out_dtype = node.output.dtype
+        rebuild.new[node.output.id] = rebuild.apply(folded, [value, rebuild[node.inputs[1]]], node.name)
+
+    rebuild.replace(skipped, matches, fuse)
+    widened = {chain[0].output.id: nbytes(chain[0].output) for _, chain in matches.values()}
+    graph, outputs = rebuild.finish(outputs)
+    return (
+        graph,
+        outputs,
+        f"losses reading half-precision logits as they are: {len(matches)}, "
+        f"{mib(sum(widened.values()))} of float32 logits not made per forward",
+    )
