@@ -124,45 +124,56 @@ def test_an_upcast_sublayer_output_added_to_the_stream_is_read_in_place(gen, low
 # ----------------------------------------------------------------------------- transposed weights
 
 
-def _conv1d_graph(dtype=torch.float32, rows=(3, 5), fin=7, fout=9, bias=True, w_read_again=False):
+def _conv1d_graph(dtype=torch.float32, rows=(3, 5), fin=7, fout=9, bias=True, w_read_again=False, form="linear"):
     """x (rows..., fin) @ W + b with W (fin, fout), written linear(x, W.t(), b) as transformers'
-    Conv1D computes it; ``w_read_again``: the transpose is also summed into the loss."""
+    Conv1D computes it (``form="matmul"``: matmul(x, W) + b, as ``addmm`` exports;
+    ``"bias-first"``: b + matmul(x, W)); ``w_read_again``: the transpose (or the product
+    before the bias) is also summed into the loss."""
     g = Graph("conv1d")
     x = g.input("x", (*rows, fin), dtype, requires_grad=True)
     w = g.parameter("w", (fin, fout), init=teeny.core.init.normal(0.3), dtype=dtype)
     b = g.parameter("b", (fout,), init=teeny.core.init.normal(1.0), dtype=dtype) if bias else None
-    wt = ops.transpose(w, 0, 1)
-    y = ops.linear(x, wt, b)
+    if form == "linear":
+        again = wt = ops.transpose(w, 0, 1)
+        y = ops.linear(x, wt, b)
+    else:
+        again = ops.matmul(x, w)
+        y = ops.add(again, b) if form == "matmul" else ops.add(b, again)
     loss = ops.sum(ops.mul(y, y))
     if w_read_again:
-        loss = ops.add(loss, ops.sum(wt))
+        loss = ops.add(loss, ops.sum(again))
     g.output(loss)
     return g
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_transposed_weight_read_in_place_matches_unfused(bias, gen):
-    g = _conv1d_graph(bias=bias)
+@pytest.mark.parametrize("bias, form", [(True, "linear"), (False, "linear"), (True, "matmul"), (True, "bias-first")])
+def test_transposed_weight_read_in_place_matches_unfused(bias, form, gen):
+    g = _conv1d_graph(bias=bias, form=form)
     feed = {"x": torch.randn(3, 5, 7, generator=gen)}
     fused, plain = _run(g, feed), _run(g, feed, rewrites=())
     assert [type(op).__name__ for op in _ops(fused[3])][:1] == ["TransposedWeightLinearOp"]
-    assert not any(type(op).__name__ == "PermuteOp" for op in _ops(fused[3]))
-    assert "linear of a transposed weight read in place: 1, 1 transposes" in fused[3].summary()
+    assert _ops(fused[3])[0].has_bias == bias
+    assert not any(type(op).__name__ in ("PermuteOp", "MatmulOp") for op in _ops(fused[3]))
+    assert [op.name for op in _ops(fused[3])] == ["linear", "mul", "sum"]  # the bias in the product
+    said = "linear of a transposed weight read in place: 1, 1 transposes" if form == "linear" else "x @ W + b as one"
+    assert said in fused[3].summary()
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[1]["x"], plain[1]["x"], rtol=1e-5, atol=1e-5)
     for name in plain[2]:
         torch.testing.assert_close(fused[2][name], plain[2][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_transposed_weight_read_in_place_gradcheck_float64(gen):
-    g = _conv1d_graph(torch.float64, rows=(2, 3), fin=4, fout=5)
+@pytest.mark.parametrize("form", ["linear", "matmul"])
+def test_transposed_weight_read_in_place_gradcheck_float64(form, gen):
+    g = _conv1d_graph(torch.float64, rows=(2, 3), fin=4, fout=5, form=form)
     assert any(isinstance(op, TransposedWeightLinearOp) for op in _ops(lower(g, LoweringMode.TRAINING)))
     teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)})
 
 
+@pytest.mark.parametrize("form", ["linear", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transposed_weight_read_in_place_matches_pytorch(dtype, gen):
-    g = _conv1d_graph(dtype, rows=(3, 11), fin=24, fout=40)
+def test_transposed_weight_read_in_place_matches_pytorch(dtype, form, gen):
+    g = _conv1d_graph(dtype, rows=(3, 11), fin=24, fout=40, form=form)
     x = torch.randn(3, 11, 24, generator=gen).to(dtype)
     loss_value, grads, pgrads, program = _run(g, {"x": x})
     params = {k: v.detach().clone().requires_grad_() for k, v in Executor(program, seed=0).params.items()}
@@ -177,8 +188,10 @@ def test_transposed_weight_read_in_place_matches_pytorch(dtype, gen):
         torch.testing.assert_close(pgrads[name].float(), t.grad.float(), **tol, msg=name)
 
 
-def test_transposed_weight_read_elsewhere_keeps_its_transpose(gen):
-    program = lower(_conv1d_graph(w_read_again=True), LoweringMode.TRAINING)
+@pytest.mark.parametrize("form", ["linear", "matmul"])
+def test_transposed_weight_read_elsewhere_keeps_its_transpose(form, gen):
+    """A transpose (or a product before its bias) that something else reads stays as it is."""
+    program = lower(_conv1d_graph(w_read_again=True, form=form), LoweringMode.TRAINING)
     assert not any(isinstance(op, TransposedWeightLinearOp) for op in _ops(program))
 
 
@@ -831,6 +844,75 @@ def test_attention_in_place_needs_transposes_that_nothing_else_reads(gen):
     g.output(ops.add(ops.sum(y), ops.sum(qt)))  # the transposed q is read again: nothing to save
     program = lower(g, LoweringMode.TRAINING, rewrites=(fusions.attention_in_place,))
     assert [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"] == ["bhld"]
+
+
+def _packed_graph(b, length, heads, dim, dtype=torch.float64, reshape_out=False, read_block=False):
+    """x (b, length, 3 * heads * dim) split into q, k, v column blocks, each (b, length, heads,
+    dim) then transposed for a causal attention, as GPT-2 splits its c_attn output;
+    ``reshape_out``: a reshape to the same shape between the attention and the merge of its heads
+    (GPT-2's); ``read_block``: the k block also read by the loss."""
+    g = Graph()
+    width = heads * dim
+    x = g.input("x", (b, length, 3 * width), dtype, requires_grad=True)
+    blocks = [x[:, :, i * width : (i + 1) * width] for i in range(3)]
+    q, k, v = (ops.transpose(ops.reshape(u, (b, length, heads, dim)), 1, 2) for u in blocks)
+    y = ops.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if reshape_out:
+        y = ops.reshape(y, (b, heads, length, dim))
+    merged = ops.reshape(ops.transpose(y, 1, 2), (b, length, width))
+    weights = g.constant(torch.linspace(-1, 1, length * width, dtype=dtype).reshape(length, width), name="weights")
+    loss = ops.sum(merged * weights)
+    g.output(ops.add(loss, ops.sum(blocks[1])) if read_block else loss)
+    return g
+
+
+def _packed(program):
+    return [op.layout for op in _ops(program) if op.name == "scaled_dot_product_attention"]
+
+
+@pytest.mark.parametrize("reshape_out", [False, True])
+def test_attention_reads_packed_qkv_blocks_in_place(reshape_out, gen):
+    """The blocks of one packed tensor: the attention reads it and writes its gradient whole, with
+    no copy either way (also through a same-shape reshape before the heads' merge)."""
+    g = _packed_graph(2, 5, 3, 4, reshape_out=reshape_out)
+    feed = {"x": torch.randn(2, 5, 36, generator=gen, dtype=torch.float64)}
+    packed, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _packed(packed[3]) == ["packed"] and _strided_copies(packed[3]) == 0 < _strided_copies(plain[3])
+    assert not any(type(op).__name__ in ("GetItemOp", "PermuteOp") for op in _ops(packed[3]))
+    assert "read_packed_qkv: attention reading packed q, k, v in place: 1, 3 block copies" in packed[3].summary()
+    torch.testing.assert_close(packed[0], plain[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(packed[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-12)
+
+
+def test_attention_reads_packed_qkv_gradcheck_float64(gen):
+    teeny.gradcheck_graph(_packed_graph(1, 3, 2, 2), {"x": torch.randn(1, 3, 12, generator=gen, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_packed_qkv_matches_pytorch(dtype, gen):
+    b, length, heads, dim = 2, 19, 3, 16
+    g = _packed_graph(b, length, heads, dim, dtype=dtype)
+    x = torch.randn(b, length, 3 * heads * dim, generator=gen).to(dtype)
+    out, grads, _, program = _run(g, {"x": x})
+    assert _packed(program) == ["packed"]
+    xr = x.to(teeny.DEVICE).requires_grad_()
+    q, k, v = (u.reshape(b, length, heads, dim).transpose(1, 2) for u in xr.split(heads * dim, dim=2))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, length, -1)
+    weights = torch.linspace(-1, 1, length * heads * dim, device=teeny.DEVICE).reshape(length, -1)
+    expected = (y.float() * weights).sum()
+    expected.backward()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    torch.testing.assert_close(grads["x"].float(), xr.grad.float(), **tol)
+
+
+def test_a_packed_block_read_elsewhere_stays_for_that_reader(gen):
+    g = _packed_graph(1, 4, 2, 3, read_block=True)
+    feed = {"x": torch.randn(1, 4, 18, generator=gen, dtype=torch.float64)}
+    packed, plain = _run(g, feed), _run(g, feed, rewrites=())
+    assert _packed(packed[3]) == ["packed"]
+    assert [type(op).__name__ for op in _ops(packed[3])].count("GetItemOp") == 1  # the k block, for its sum
+    torch.testing.assert_close(packed[1]["x"], plain[1]["x"], rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------ grouped keys and values

@@ -19,6 +19,7 @@ from .grouped_kv import read_grouped_kv
 from .loss_upcast import fold_loss_upcast
 from .mixed_precision import PRECISIONS, mixed_precision, precision_rewrites
 from .mlp_chain import fuse_mlp
+from .packed_qkv import read_packed_qkv
 from .pipeline import Rebuild, RewriteFn, RewriteReport, apply_rewrites
 from .qkv_products import fuse_qkv_products
 from .residual_norm import fuse_residual_norm
@@ -30,6 +31,7 @@ DEFAULT_REWRITES: tuple[RewriteFn, ...] = (
     chunk_linear_cross_entropy,
     read_grouped_kv,
     attention_in_place,
+    read_packed_qkv,
     fuse_qkv_products,
     fold_loss_upcast,
 )
@@ -51,5 +53,6 @@ __all__ = [
     "mixed_precision",
     "precision_rewrites",
     "read_grouped_kv",
+    "read_packed_qkv",
     "read_transposed_weights",
 ]

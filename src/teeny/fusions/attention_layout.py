@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..core.graph import Graph, Node, Value
 from ..ops.attention.ops import AttentionOp
-from ..ops.shape.ops import PermuteOp
+from ..ops.shape.ops import PermuteOp, ViewOp
 from .pipeline import Rebuild, ancestors, mib, nbytes, readers
 
 _SWAP_LENGTH_AND_HEADS = (0, 2, 1, 3)
@@ -22,6 +22,20 @@ def _transposed_source(value: Value, read_by, kept: set[int]) -> Value | None:
     if value.id in kept or len(read_by[value.id]) != 1:
         return None
     return node.inputs[0]
+
+
+def _merged_heads(reader: Node, read_by, kept: set[int]) -> list[Node] | None:
+    """[reader] when it is the transpose that merges an attention's heads back; [reader, the
+    transpose] when ``reader`` is a reshape to the same shape (GPT-2 writes one) read by that
+    transpose alone and no output; else None."""
+    if type(reader.op) is PermuteOp and reader.op.dims == _SWAP_LENGTH_AND_HEADS:
+        return [reader]
+    if type(reader.op) is not ViewOp or reader.output.shape != reader.inputs[0].shape or reader.output.id in kept:
+        return None
+    after = read_by[reader.output.id]
+    if len(after) == 1 and type(after[0][0].op) is PermuteOp and after[0][0].op.dims == _SWAP_LENGTH_AND_HEADS:
+        return [reader, after[0][0]]
+    return None
 
 
 def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
@@ -49,9 +63,10 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
     for node in graph.nodes:
         if node.id in matches:
             for reader, _ in read_by[node.output.id]:
-                if type(reader.op) is PermuteOp and reader.op.dims == _SWAP_LENGTH_AND_HEADS:
-                    merges.setdefault(node.id, []).append(reader)
-                    skipped.add(reader.id)
+                merged = _merged_heads(reader, read_by, kept)
+                if merged is not None:
+                    merges.setdefault(node.id, []).append(merged[-1])
+                    skipped.update(n.id for n in merged)
                 else:
                     others.add(node.id)
             if node.output.id in kept:
@@ -60,16 +75,7 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
 
     def fuse(node: Node, sources: list[Value]) -> None:
         op = node.op
-        in_place = AttentionOp(
-            has_mask=op.has_mask,
-            is_causal=op.is_causal,
-            scale=op.user_scale,
-            enable_gqa=op.enable_gqa,
-            dropout_p=op.dropout_p,
-            seed=op.seed,
-            fixed_mask=op.fixed_mask,
-            layout="blhd",
-        )
+        in_place = op.relaid("blhd")
         out = rebuild.apply(in_place, [rebuild[v] for v in sources + node.inputs[3:]], node.name)
         for merge in merges.get(node.id, []):
             rebuild.new[merge.output.id] = out

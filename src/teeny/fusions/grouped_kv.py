@@ -7,12 +7,10 @@ keys' and values' size) are neither written nor kept, and their gradients are no
 
 from __future__ import annotations
 
-import copy
-
 from ..core.graph import Graph, Node, Value
 from ..ops.attention.ops import AttentionOp
 from ..ops.shape.ops import ExpandOp, ViewOp
-from .pipeline import Rebuild, mib, nbytes, readers
+from .pipeline import Rebuild, left_out, mib, nbytes, readers
 
 
 def _repeated_heads(value: Value) -> tuple[Value, int, list[Node]] | None:
@@ -56,20 +54,12 @@ def read_grouped_kv(graph: Graph, outputs: list[Value], training: bool) -> tuple
         matches[node.id] = found
     if not matches:
         return graph, outputs, ""
-    read_by, kept = readers(graph), {v.id for v in outputs}
-    skipped: set[int] = set()
-    for node_id, found in matches.items():
-        for _, _, chain in found:
-            for link in reversed(chain):  # from the attention back, while only the chain reads it
-                others = [r for r, _ in read_by[link.output.id] if r.id != node_id and r.id not in skipped]
-                if link.output.id in kept or others:
-                    break
-                skipped.add(link.id)
+    chains = {node_id: [link for _, _, chain in found for link in chain] for node_id, found in matches.items()}
+    skipped = left_out(chains, readers(graph), outputs)
     rebuild = Rebuild(graph)
 
     def fuse(node: Node, found: list[tuple[Value, int, list[Node]]]) -> None:
-        grouped = copy.copy(node.op)
-        grouped.enable_gqa = True
+        grouped = node.op.relaid("bhld", enable_gqa=True)
         inputs = [node.inputs[0], found[0][0], found[1][0], *node.inputs[3:]]
         rebuild.new[node.output.id] = rebuild.apply(grouped, [rebuild[v] for v in inputs], node.name)
 

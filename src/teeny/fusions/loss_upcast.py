@@ -18,7 +18,7 @@ from ..core.kernel import dtype_name
 from ..ops.cast import CastOp
 from ..ops.loss.ops import ClassLossOp
 from ..ops.shape.ops import ViewOp
-from .pipeline import Rebuild, mib, nbytes, readers
+from .pipeline import Rebuild, left_out, mib, nbytes, readers
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -54,14 +54,7 @@ def fold_loss_upcast(graph: Graph, outputs: list[Value], training: bool) -> tupl
             matches[node.id] = found
     if not matches:
         return graph, outputs, ""
-    read_by, kept = readers(graph), {v.id for v in outputs}
-    skipped: set[int] = set()
-    for node_id, (_, chain) in matches.items():
-        for link in reversed(chain):  # from the loss back to the cast, while only the chain reads it
-            others = [r for r, _ in read_by[link.output.id] if r.id != node_id and r.id not in skipped]
-            if link.output.id in kept or others:
-                break
-            skipped.add(link.id)
+    skipped = left_out({node_id: chain for node_id, (_, chain) in matches.items()}, readers(graph), outputs)
     rebuild = Rebuild(graph)
 
     def fuse(node: Node, found: tuple[Value, list[Node]]) -> None:

@@ -129,6 +129,19 @@ def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
     return out
 
 
+def left_out(chains: Mapping[int, Sequence[Node]], read_by, outputs: Sequence[Value]) -> set[int]:
+    """Ids of the nodes a rewrite can leave out: of each chain (its nodes in graph order, keyed by
+    the node that reads past them), those nothing else reads and that are no output."""
+    kept = {v.id for v in outputs}
+    skipped: set[int] = set()
+    for reader_id, chain in chains.items():
+        for link in reversed(chain):  # readers before what they read
+            others = [r for r, _ in read_by[link.output.id] if r.id != reader_id and r.id not in skipped]
+            if link.output.id not in kept and not others:
+                skipped.add(link.id)
+    return skipped
+
+
 def nbytes(value: Value) -> int:
     return value.numel * value.dtype.itemsize
 

@@ -213,17 +213,7 @@ def fuse_qkv_products(graph: Graph, outputs: list[Value], training: bool) -> tup
         product = SharedInputLinearOp(3, linears[0].op.has_bias, adjacent[node.id])
         stacked = rebuild.apply(product, inputs, node.name + "_qkv")
         packed = rebuild.apply(ViewOp("reshape", (b, length, 3 * heads * dim)), [stacked], node.name + "_qkv_rows")
-        attention = AttentionOp(
-            has_mask=op.has_mask,
-            is_causal=op.is_causal,
-            scale=op.user_scale,
-            enable_gqa=False,
-            dropout_p=op.dropout_p,
-            seed=op.seed,
-            fixed_mask=op.fixed_mask,
-            layout="packed",
-            heads=heads,
-        )
+        attention = op.relaid("packed", heads=heads, enable_gqa=False)
         rebuild.new[node.output.id] = rebuild.apply(
             attention, [packed] + [rebuild[v] for v in node.inputs[3:]], node.name
         )

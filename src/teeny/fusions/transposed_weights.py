@@ -1,6 +1,7 @@
 """``read_transposed_weights``: linear(x, W.t(), b) of a 2-D W (transformers' Conv1D keeps W as
 (in, out)) reads W through strides (``TransposedWeightLinearOp``) instead of copying
-its transpose each way.
+its transpose each way; x @ W + b (Conv1D as ``addmm`` exports it: a product, then the bias
+added in a launch of its own) becomes the same product with the bias in its epilogue.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 import math
 
 from ..core.graph import Graph, Node, Value
+from ..ops.elementwise import ElementwiseOp
 from ..ops.products.launches import Product
-from ..ops.products.ops import LinearOp
+from ..ops.products.ops import LinearOp, MatmulOp
 from ..ops.shape.ops import PermuteOp
 from .pipeline import Rebuild, ancestors, mib, nbytes, readers
 
@@ -42,17 +44,46 @@ class TransposedWeightLinearOp(LinearOp):
         }
 
 
+def _matmul_plus_bias(node: Node, read_by, kept: set[int]) -> tuple[Node, Value] | None:
+    """(the product, b) when ``node`` is x @ W + b (either order) of a 2-D W and a 1-D b of W's
+    width and dtype, the product read by this sum alone and no output; else None."""
+    op = node.op
+    if not (isinstance(op, ElementwiseOp) and op.name == "add" and op.alpha == 1 and len(node.inputs) == 2):
+        return None
+    for product, bias in (node.inputs, node.inputs[::-1]):
+        matmul = product.producer
+        if matmul is None or type(matmul.op) is not MatmulOp or product.id in kept:
+            continue
+        x, weight = matmul.inputs
+        if len(weight.shape) != 2 or len(x.shape) < 2 or len(read_by[product.id]) != 1:
+            continue
+        if tuple(bias.shape) == (weight.shape[1],) and bias.dtype == weight.dtype == x.dtype:
+            return matmul, bias
+    return None
+
+
 def read_transposed_weights(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """linear(x, W.t(), b) of a 2-D W whose transpose nothing else reads becomes one product
     that reads W as it is stored, (in, out), through strides (``TransposedWeightLinearOp``;
     transformers' Conv1D, x @ W + b): per linear the transpose's copy fewer forwards, and the
     copy of dW^T back into W's layout fewer backwards (dW^T is written transposed, its bias
-    gradient fused as in linear)."""
+    gradient fused as in linear). x @ W + b of a 2-D W and a 1-D b (``addmm``, as Conv1D
+    exports) becomes the same product with b added in its epilogue: per layer the bias's
+    pass over the output fewer forwards, and its row sums fewer backwards."""
     needed, read_by = ancestors(outputs), readers(graph)
     kept = {v.id for v in outputs}
-    matches: dict[int, Value] = {}  # linear node id -> the untransposed W
+    matches: dict[int, list[Value]] = {}  # linear or sum node id -> the product's x, W (in, out)[, b]
+    skipped: set[int] = set()
     for node in graph.nodes:
-        if type(node.op) is not LinearOp or node.output.id not in needed:
+        if node.output.id not in needed:
+            continue
+        with_bias = _matmul_plus_bias(node, read_by, kept)
+        if with_bias is not None:
+            matmul, bias = with_bias
+            matches[node.id] = [*matmul.inputs, bias]
+            skipped.add(matmul.id)
+            continue
+        if type(node.op) is not LinearOp:
             continue
         weight = node.inputs[1]
         transpose = weight.producer
@@ -60,23 +91,32 @@ def read_transposed_weights(graph: Graph, outputs: list[Value], training: bool) 
             continue
         if weight.id in kept or len(read_by[weight.id]) != 1:
             continue
-        matches[node.id] = transpose.inputs[0]
+        matches[node.id] = [node.inputs[0], transpose.inputs[0], *node.inputs[2:]]
+        skipped.add(transpose.id)
     if not matches:
         return graph, outputs, ""
-    skipped = {graph.nodes[node_id].inputs[1].producer.id for node_id in matches}
     rebuild = Rebuild(graph)
 
-    def fuse(node: Node, weight: Value) -> None:
-        inputs = [rebuild[node.inputs[0]], rebuild[weight], *(rebuild[v] for v in node.inputs[2:])]
-        rebuild.new[node.output.id] = rebuild.apply(TransposedWeightLinearOp(node.op.has_bias), inputs, node.name)
+    def fuse(node: Node, inputs: list[Value]) -> None:
+        op = TransposedWeightLinearOp(has_bias=len(inputs) == 3)
+        rebuild.new[node.output.id] = rebuild.apply(op, [rebuild[v] for v in inputs], node.name)
 
     rebuild.replace(skipped, matches, fuse)
-    copies = sum(nbytes(w) for w in matches.values())
+    transposed = [graph.nodes[i] for i in matches if type(graph.nodes[i].op) is LinearOp]
+    copies = sum(nbytes(node.inputs[1]) for node in transposed)
+    sums = [graph.nodes[i] for i in matches if type(graph.nodes[i].op) is not LinearOp]
+    passes = sum(nbytes(node.output) for node in sums)
     graph, outputs = rebuild.finish(outputs)
     more = ", as many backwards" if training else ""
-    return (
-        graph,
-        outputs,
-        f"linear of a transposed weight read in place: {len(matches)}, {len(matches)} transposes "
-        f"({mib(copies)} of copies) fewer per forward{more}",
-    )
+    parts = []
+    if transposed:
+        parts.append(
+            f"linear of a transposed weight read in place: {len(transposed)}, {len(transposed)} transposes "
+            f"({mib(copies)} of copies) fewer per forward{more}"
+        )
+    if sums:
+        parts.append(
+            f"x @ W + b as one product: {len(sums)}, {len(sums)} bias passes ({mib(passes)} of outputs) "
+            f"fewer per forward{more}"
+        )
+    return graph, outputs, "; ".join(parts)

@@ -78,6 +78,24 @@ class AttentionOp(RuntimeOp):
         self.seed_chosen = True  # False: ``seed`` came from the trace-time counter
         self.torch_rng = False  # True: each run's seed comes from torch's RNG (the PyTorch path, as dropout's)
 
+    def relaid(self, layout: str, heads: int = 0, enable_gqa: bool | None = None) -> AttentionOp:
+        """The same attention (mask, causality, scale, dropout and its seed) on inputs in another
+        ``layout`` (``heads`` for "packed"), or grouped (``enable_gqa``): what the graph rewrites
+        that change how an attention reads its inputs make."""
+        op = AttentionOp(
+            has_mask=self.has_mask,
+            is_causal=self.is_causal,
+            scale=self.user_scale,
+            enable_gqa=self.enable_gqa if enable_gqa is None else enable_gqa,
+            dropout_p=self.dropout_p,
+            seed=self.seed,
+            fixed_mask=self.fixed_mask,
+            layout=layout,
+            heads=heads,
+        )
+        op.allow_tf32, op.seed_chosen, op.torch_rng = self.allow_tf32, self.seed_chosen, self.torch_rng
+        return op
+
     # --- shapes --------------------------------------------------------------------------
     def _layout(self, shapes) -> AttentionLayout:
         mask = shapes[self.n_qkv] if self.has_mask else None
