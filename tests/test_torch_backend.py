@@ -153,6 +153,34 @@ def test_autocast_around_the_model_lowers_as_mixed_precision():
     assert ", 0 kinds left to PyTorch" in backend.report()
 
 
+def test_the_recompute_option_keeps_fewer_activations_for_the_same_gradients():
+    """``options={"recompute": True}``: norms' and activations' outputs are written again in the
+    backward instead of kept, and the training is eager's."""
+    torch.manual_seed(0)
+    model = _causal_lm("llama").to(DEVICE)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 9), device=DEVICE)
+    loss = torch.compile(model, backend="teeny", options={"recompute": True})(input_ids=ids, labels=ids).loss
+    expected = reference(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    _assert_same_training(model, reference)
+    (program,) = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    assert any(p.recomputed for p in program.nodes) and "recompute:" in program.summary()
+
+
+def test_the_backends_options_are_checked_by_name():
+    gm = torch.fx.symbolic_trace(nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    with pytest.raises(teeny.TeenyError, match="unknown option 'fast' \\(known: recompute: "):
+        backend.teeny_backend(gm, [x], options={"fast": True})
+    with pytest.raises(teeny.TeenyError, match="'recompute' must be True or False, got 'yes'"):
+        backend.teeny_backend(gm, [x], options={"recompute": "yes"})
+    with pytest.raises(teeny.TeenyError, match="takes no mode"):
+        backend.teeny_backend(gm, [x], mode="max-autotune")
+
+
 class _Cumulative(nn.Module):
     """A model with a call teeny has no op for (cumsum) between calls it has."""
 

@@ -27,6 +27,10 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
    programs (each a ``Region`` of its own), the rest runs as the ATen calls PyTorch traced, in
    eager mode. Nothing fails because an op is missing.
 
+``torch.compile(model, backend="teeny", options={"recompute": True})``: the outputs of norms and
+element-wise activations are not kept for the backward but written again there
+(``lower(recompute=True)``): less activation memory for a few more memory-bound launches.
+
 Shapes are static per program: a call whose tensors differ in shape, dtype or ``requires_grad``
 from every program the region has builds a new one (kept: a shape seen before is not built
 again), so dynamo's dynamic shapes work too. ``report()`` says what ran where, per region;
@@ -260,8 +264,8 @@ class Region:
     """One region dynamo captured: built into a teeny program per call signature (``_Program``),
     or split into teeny programs and ATen calls where teeny lacks an op (``_Split``)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, split: bool = True):
-        self.gm, self.name, self.split = gm, name, split
+    def __init__(self, gm: torch.fx.GraphModule, name: str, split: bool = True, recompute: bool = False):
+        self.gm, self.name, self.split, self.recompute = gm, name, split, recompute
         self.report = RegionReport(name)
         _REPORTS.append(self.report)
         self.programs: dict[tuple, Any] = {}
@@ -331,7 +335,9 @@ class Region:
         key = f"region:{self.name}:{len(self.programs)}:{id(self)}"
         label = f"region {self.name}"
         entry = bridge.remember(
-            bridge.compile_function(imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision)
+            bridge.compile_function(
+                imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision, self.recompute
+            )
         )
         entry.replay_as_cuda_graphs()  # a whole model or a large part: one launch a call (config.cuda_graphs)
         self.report.teeny_calls.update(plan["calls"])
@@ -375,7 +381,7 @@ class _Split:
         for node in self.gm.graph.nodes:
             if node.op == "call_module" and node.target.startswith("fused_"):  # not ep.module()'s _guards_fn
                 sub = self.gm.get_submodule(node.target)
-                part = Region(sub, f"{region.name}.{node.target}", split=False)
+                part = Region(sub, f"{region.name}.{node.target}", split=False, recompute=region.recompute)
                 setattr(self.gm, node.target, _RegionModule(part))
         self.gm.recompile()
 
@@ -410,12 +416,26 @@ class _RegionModule(nn.Module):
 # ----------------------------------------------------------------------------- the backend
 
 
-def teeny_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Region:
+OPTIONS = {"recompute": "norms' and activations' outputs written again in the backward, not kept (a bool)"}
+
+
+def teeny_backend(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **other: Any
+) -> Region:
     """The ``torch.compile`` backend: the captured region as teeny programs (module docstring).
-    The program for ``example_inputs`` is built now, so the first step's time includes it."""
-    if options:
-        raise TeenyError(f"backend 'teeny' takes no options, got {sorted(options)}")
-    region = Region(gm, f"region{len(_REPORTS)}")
+    The program for ``example_inputs`` is built now, so the first step's time includes it.
+    ``options``: ``torch.compile``'s, the keys of ``OPTIONS``."""
+    if other:
+        raise TeenyError(f"backend 'teeny' takes no {' or '.join(sorted(other))} (options: {sorted(OPTIONS)})")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k}: {what}" for k, what in OPTIONS.items())
+        raise TeenyError(f"backend 'teeny': unknown option {', '.join(map(repr, unknown))} (known: {known})")
+    recompute = options.get("recompute", False)
+    if not isinstance(recompute, bool):
+        raise TeenyError(f"backend 'teeny': option 'recompute' must be True or False, got {recompute!r}")
+    region = Region(gm, f"region{len(_REPORTS)}", recompute=recompute)
     example = list(example_inputs)
     if all(type(a) in (torch.Tensor, nn.Parameter, int, float, bool) for a in example):  # not dynamic shapes
         region.programs[_signature(example)] = region._build(example)

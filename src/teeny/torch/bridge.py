@@ -346,6 +346,7 @@ def _compile(
     input_labels: Sequence[str] | None = None,
     keep_alive: tuple = (),
     precision: str | None = None,
+    recompute: bool = False,
 ) -> Compiled:
     graph = Graph(getattr(fn, "__name__", "fn"))
     flat: list[torch.Tensor] = []
@@ -383,7 +384,7 @@ def _compile(
     program = None
     if wants_any and floats:
         try:
-            program = lower(graph, LoweringMode.TRAINING, seeded=len(floats), precision=precision)
+            program = lower(graph, LoweringMode.TRAINING, seeded=len(floats), precision=precision, recompute=recompute)
         except NoGradientError:  # no gradient reaches an output (stop_gradient, integer paths)
             program = None
     if program is None:
