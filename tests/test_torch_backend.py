@@ -181,6 +181,27 @@ def test_the_backends_options_are_checked_by_name():
         backend.teeny_backend(gm, [x], mode="max-autotune")
 
 
+def test_autocast_casts_a_model_writes_from_a_tensors_dtype_lower_as_mixed_precision():
+    """OLMo-2 casts its q/k norms' float32 outputs back to the dtype it read off the projections
+    (``x.to(input_dtype)``): dynamo writes autocast's bfloat16 into the graph there, which traced
+    without autocast gave a float32 v and bfloat16 q, k (torch.export refused the region)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=1)
+    config = transformers.Olmo2Config(**common, num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = transformers.Olmo2ForCausalLM(config).to(DEVICE)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 8), device=DEVICE)
+    with torch.autocast(DEVICE.type, torch.bfloat16):
+        out = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids)
+        eager = reference(input_ids=ids, labels=ids)
+    assert out.logits.dtype == eager.logits.dtype
+    torch.testing.assert_close(out.loss, eager.loss, rtol=2e-2, atol=2e-2)
+    out.loss.backward()
+    eager.loss.backward()
+    _assert_same_training(model, reference, grad_rtol=5e-2)
+    assert ", 0 kinds left to PyTorch" in backend.report()
+
+
 class _Cumulative(nn.Module):
     """A model with a call teeny has no op for (cumsum) between calls it has."""
 

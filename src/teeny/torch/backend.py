@@ -199,13 +199,23 @@ def _as_autocast_made(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def _traced(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+def _traced(gm: torch.fx.GraphModule, args: Sequence[Any], half: torch.dtype | None = None) -> torch.fx.GraphModule:
     """The region's graph as ``torch.export`` traces it: a function of the call's tensors only
     (the other arguments, dynamo's symbolic sizes and scalars, fixed at this call's values,
     which the program's signature holds). A graph, not a module around one: export keeps the
     graph's module paths (``nn_module_stack``), which the module fusions read. Traced outside
-    any autocast: the region's own dtypes, which mixed precision then lowers (``_precision``)."""
+    any autocast: the region's own dtypes, which mixed precision then lowers (``_precision``).
+    ``half``: the caller's autocast dtype, which dynamo wrote into the graph wherever the model
+    casts to a dtype it read off a tensor (``x.to(input_dtype)`` after a float32 norm): those
+    casts become casts to float32, the region's own dtype, where mixed precision places its own."""
     graph = copy.deepcopy(gm.graph)
+    if half is not None:
+        own = lambda a: torch.float32 if isinstance(a, torch.dtype) and a == half else a  # noqa: E731
+        for node in graph.nodes:
+            if node.op in ("call_method", "call_function"):
+                node.args, node.kwargs = pytree.tree_map(own, node.args), pytree.tree_map(own, dict(node.kwargs))
+            if node.op == "call_method" and node.target == {torch.bfloat16: "bfloat16", torch.float16: "half"}[half]:
+                node.target = "float"
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, args):
         if isinstance(value, torch.Tensor):
@@ -289,7 +299,8 @@ class Region:
     def _build_as_written(self, args: list[Any], precision: str | None):
         start = time.perf_counter()
         tensors = _tensors(args)
-        ep = _export(_traced(self.gm, args), tuple(tensors), {}, f"the region {self.name}")
+        half = next((dtype for dtype, name in _MIXED.items() if name == precision), None)
+        ep = _export(_traced(self.gm, args, half), tuple(tensors), {}, f"the region {self.name}")
         try:
             if not tensors:
                 raise UnsupportedError([("<region>", self.name, "no tensor inputs: nothing for teeny to compute")])
