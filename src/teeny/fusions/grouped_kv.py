@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..core.graph import Graph, Node, Value
 from ..ops.attention.ops import AttentionOp
 from ..ops.shape.ops import ExpandOp, ViewOp
-from .pipeline import Rebuild, left_out, mib, nbytes, readers
+from .pipeline import Rebuild, left_out, matching, mib, nbytes, readers
 
 
 def _repeated_heads(value: Value) -> tuple[Value, int, list[Node]] | None:
@@ -39,19 +39,23 @@ def _repeated_heads(value: Value) -> tuple[Value, int, list[Node]] | None:
     return x, group, [unsqueeze, expand, reshape]
 
 
+def _grouped_kv(node: Node) -> list[tuple[Value, int, list[Node]]] | None:
+    """``_repeated_heads`` of k and v of an attention (heads second, no grouping of its own)
+    whose keys and values are both repeated, by one group size above 1; None otherwise."""
+    op = node.op
+    if type(op) is not AttentionOp or op.layout != "bhld" or op.enable_gqa:
+        return None
+    found = [_repeated_heads(v) for v in node.inputs[1:3]]
+    if any(f is None for f in found) or found[0][1] != found[1][1] or found[0][1] == 1:
+        return None
+    return found
+
+
 def read_grouped_kv(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """An attention (heads second, no grouping of its own) whose keys and values are both
     repeated per group of query heads reads the unrepeated ones with ``enable_gqa``; the
     repeats are left out where nothing else reads them."""
-    matches: dict[int, list[tuple[Value, int, list[Node]]]] = {}  # attention id -> k's and v's
-    for node in graph.nodes:
-        op = node.op
-        if type(op) is not AttentionOp or op.layout != "bhld" or op.enable_gqa:
-            continue
-        found = [_repeated_heads(v) for v in node.inputs[1:3]]
-        if any(f is None for f in found) or found[0][1] != found[1][1] or found[0][1] == 1:
-            continue
-        matches[node.id] = found
+    matches = matching(graph, _grouped_kv)  # attention id -> k's and v's
     if not matches:
         return graph, outputs, ""
     chains = {node_id: [link for _, _, chain in found for link in chain] for node_id, found in matches.items()}

@@ -18,7 +18,7 @@ from ..core.kernel import dtype_name
 from ..ops.cast import CastOp
 from ..ops.loss.ops import ClassLossOp
 from ..ops.shape.ops import ViewOp
-from .pipeline import Rebuild, left_out, mib, nbytes, readers
+from .pipeline import Rebuild, left_out, matching, mib, nbytes, readers
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -37,21 +37,23 @@ def _widened_half(value: Value) -> tuple[Value, list[Node]] | None:
     return (source, [cast, *chain[::-1]]) if source.dtype in _HALF else None
 
 
+def _upcast_loss_input(node: Node) -> tuple[Value, list[Node]] | None:
+    """``_widened_half`` of the input of a cross-entropy or NLL of class indices without class
+    weights, not yet folded; None for any other node."""
+    op = node.op
+    if type(op) is not ClassLossOp or op.has_weight or op.out_dtype is not None:
+        return None
+    if node.inputs[1].dtype.is_floating_point:  # class probabilities: of the input's dtype
+        return None
+    return _widened_half(node.inputs[0])
+
+
 def fold_loss_upcast(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
     """Each cross-entropy or NLL of class indices (no class weights) whose input is, through
     views, a float32 cast of a half-precision value reads that value instead, the views made
     again on it, and writes its loss in float32 (``ClassLossOp.out_dtype``). The cast and the
     views are left out where nothing else reads them."""
-    matches: dict[int, tuple[Value, list[Node]]] = {}  # loss node id -> (half value, cast and views)
-    for node in graph.nodes:
-        op = node.op
-        if type(op) is not ClassLossOp or op.has_weight or op.out_dtype is not None:
-            continue
-        if node.inputs[1].dtype.is_floating_point:  # class probabilities: of the input's dtype
-            continue
-        found = _widened_half(node.inputs[0])
-        if found is not None:
-            matches[node.id] = found
+    matches = matching(graph, _upcast_loss_input)  # loss node id -> (half value, cast and views)
     if not matches:
         return graph, outputs, ""
     skipped = left_out({node_id: chain for node_id, (_, chain) in matches.items()}, readers(graph), outputs)

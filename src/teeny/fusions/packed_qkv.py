@@ -13,7 +13,7 @@ import torch
 from ..core.graph import Graph, Node, Value
 from ..ops.attention.ops import AttentionOp
 from ..ops.shape.ops import GetItemOp, ViewOp
-from .pipeline import Rebuild, left_out, mib, nbytes, readers
+from .pipeline import Rebuild, left_out, matching, mib, nbytes, readers
 
 
 def _column_block(value: Value) -> tuple[Value, int] | None:
@@ -34,8 +34,11 @@ def _column_block(value: Value) -> tuple[Value, int] | None:
 
 def _packed_source(node: Node) -> tuple[Value, list[Node]] | None:
     """(the packed tensor, the slices and reshapes between it and the attention) when q, k and v
-    of the attention ``node`` are, in order, the three equal column blocks of one tensor with
-    their heads split; else None."""
+    of the attention ``node`` (on (batch, length, heads, dim), ungrouped) are, in order, the three
+    equal column blocks of one tensor with their heads split; else None."""
+    op = node.op
+    if type(op) is not AttentionOp or op.layout != "blhd" or op.enable_gqa:
+        return None
     b, length, heads, dim = node.inputs[0].shape
     width = heads * dim
     chain, sources = [], {}
@@ -55,13 +58,7 @@ def read_packed_qkv(graph: Graph, outputs: list[Value], training: bool) -> tuple
     """An attention on (batch, length, heads, dim) (``attention_in_place``'s layout) of the three
     column blocks of one packed tensor reads the packed tensor; the slices and reshapes are
     left out where nothing else reads them."""
-    matches: dict[int, tuple[Value, list[Node]]] = {}
-    for node in graph.nodes:
-        op = node.op
-        if type(op) is AttentionOp and op.layout == "blhd" and not op.enable_gqa:
-            found = _packed_source(node)
-            if found is not None:
-                matches[node.id] = found
+    matches = matching(graph, _packed_source)
     if not matches:
         return graph, outputs, ""
     skipped = left_out({node_id: chain for node_id, (_, chain) in matches.items()}, readers(graph), outputs)

@@ -129,6 +129,17 @@ def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
     return out
 
 
+def matching(graph: Graph, find: Callable[[Node], Any]) -> dict[int, Any]:
+    """Per node id, what ``find(node)`` says of each node it does not answer None for: the
+    nodes a rewrite replaces, with what it needs to replace them."""
+    found = {}
+    for node in graph.nodes:
+        match = find(node)
+        if match is not None:
+            found[node.id] = match
+    return found
+
+
 def left_out(chains: Mapping[int, Sequence[Node]], read_by, outputs: Sequence[Value]) -> set[int]:
     """Ids of the nodes a rewrite can leave out: of each chain (its nodes in graph order, keyed by
     the node that reads past them), those nothing else reads and that are no output."""

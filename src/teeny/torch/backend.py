@@ -211,10 +211,11 @@ def _traced(gm: torch.fx.GraphModule, args: Sequence[Any], half: torch.dtype | N
     graph = copy.deepcopy(gm.graph)
     if half is not None:
         own = lambda a: torch.float32 if isinstance(a, torch.dtype) and a == half else a  # noqa: E731
+        method = {torch.bfloat16: "bfloat16", torch.float16: "half"}[half]  # x.bfloat16(), x.half()
         for node in graph.nodes:
             if node.op in ("call_method", "call_function"):
                 node.args, node.kwargs = pytree.tree_map(own, node.args), pytree.tree_map(own, dict(node.kwargs))
-            if node.op == "call_method" and node.target == {torch.bfloat16: "bfloat16", torch.float16: "half"}[half]:
+            if node.op == "call_method" and node.target == method:
                 node.target = "float"
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, args):
