@@ -29,7 +29,8 @@ lint: $(STAMP)-test
 	$(VENV)/bin/ruff format --check src tests bench
 
 # The GPU machine has transformers 5.17.0: `make test` runs the patch matrix's cells where the model's
-# code meets patch's (tests/test_patch_matrix.py: training, checkpointing, the coverage) under it too,
+# code meets patch's (tests/test_patch_matrix.py: training, checkpointing, the coverage) and the
+# backend's (torch.compile) under it too,
 # from a folder first on PYTHONPATH that holds it and what it needs in other versions than the venv's
 # (huggingface-hub < 2, which imports httpx); everything else, and the venv, stay as pinned.
 GPU_TRANSFORMERS := 5.17.0
@@ -45,7 +46,7 @@ test: lint $(GPU_TRANSFORMERS_DIR)/.installed
 	$(PY) -m pytest -q -n 2
 	PYTHONPATH=$(GPU_TRANSFORMERS_DIR) TEENY_TRANSFORMERS_VERSION=$(GPU_TRANSFORMERS) \
 		$(PY) -m pytest -q -n 2 -rs -p no:cacheprovider tests/test_patch_matrix.py \
-		-k "trains_as_the_unpatched or checkpointing or coverage or version"
+		-k "trains_as_the_unpatched or checkpointing or coverage or version or backend"
 
 gpu-test:
 	PYTHONPATH=src $(GPU_PY) -m pytest -q -n 8 -p no:cacheprovider tests

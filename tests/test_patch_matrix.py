@@ -17,6 +17,8 @@ own code, so every cell must match; none is skipped.
   and the original's stay as they were;
 * ``LoRA then patch`` / ``patch then LoRA``: PEFT's LoRA (B non-zero, so every adapter counts) on
   the attention, the MLP (not a MoE's experts) and the head, added before or after ``patch``;
+* ``compile`` / ``compile + bf16``: ``torch.compile(model, backend="teeny")``, the model
+  unpatched, in float32 and under bf16 autocast (within bf16's rounding of eager's autocast);
 * ``DDP`` / ``FSDP2``: two gloo ranks with half the batch each (FSDP2: ``fully_shard`` on each
   decoder layer, on the head apart and on the root) against one process with the whole batch
   unpatched. All model types run in one two-process group (``scripts/patch_matrix_ranks.py``),
@@ -27,8 +29,9 @@ teeny or PyTorch for each part a model has, and the cells):
 ``test_the_readme_support_matrix_is_this_files_table`` checks it under the pinned transformers
 (constraints.txt), and ``TEENY_UPDATE_README=1 .venv/bin/python -m pytest tests/test_patch_matrix.py``
 rewrites it from that run's results. ``make test`` runs the cells where the model's own code
-meets patch's (training, checkpointing, the coverage) a second time under the GPU machine's
-transformers (``TEENY_TRANSFORMERS_VERSION`` names the version a run must import); the GPU
+meets patch's (training, checkpointing, the coverage) or the backend's (compile) a second time
+under the GPU machine's transformers (``TEENY_TRANSFORMERS_VERSION`` names the version a run
+must import); the GPU
 suite (``make gpu-test``, under that version) runs the whole file.
 """
 
@@ -100,7 +103,7 @@ FAMILIES = {
 PARTS = ("norms", "attention", "rotary", "mlp", "block", "head + loss")  # of report.coverage()
 CELLS = (
     "train", "checkpointing", "checkpointing (reentrant)", "deepcopy", "pickle",
-    "LoRA then patch", "patch then LoRA", "DDP", "FSDP2",
+    "LoRA then patch", "patch then LoRA", "DDP", "FSDP2", "compile", "compile + bf16",
 )  # fmt: skip
 
 _RESULTS: dict[tuple[str, str], bool] = {}  # (model type, cell) -> matched, for the README's table
@@ -268,6 +271,41 @@ def test_lora_adapters_count_whichever_comes_first(family, order):
             model = _lora(model, family)
             tt.patch(model)
         _assert_matches(_step(model), _lora_expected(family), f"{family}, {order}")
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_compile_with_the_teeny_backend_trains_as_eager(family, autocast):
+    """``torch.compile(model, backend="teeny")``, unpatched: float32 as ``train`` is checked; under
+    bf16 autocast, the logits in eager's dtype, the loss and each gradient within bf16's rounding
+    of eager's under autocast. A MoE's router weights are scaled up there so that no token's
+    choice of experts sits within bf16's rounding of a tie (which expert wins a tie is the
+    rounding's choice, not the backend's)."""
+    with _cell(family, "compile + bf16" if autocast else "compile"):
+        torch._dynamo.reset()
+        model, reference = _model(family), _model(family)
+        ids = _ids()
+        if not autocast:
+            loss = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+            _assert_matches((loss.detach(), grads), _expected(family), f"{family}, torch.compile(backend='teeny')")
+            return
+        for m in (model, reference):
+            for name, p in m.named_parameters():
+                if re.search(r"\.(gate|router)\.weight$", name):
+                    p.data.mul_(8)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids)
+            eager = reference(input_ids=ids, labels=ids)
+        what = f"transformers {VERSION}, {family}, torch.compile(backend='teeny') under bf16 autocast"
+        assert out.logits.dtype == eager.logits.dtype, what
+        torch.testing.assert_close(out.loss, eager.loss, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: loss: {m}")
+        out.loss.backward()
+        eager.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            error = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            assert error < 5e-2, f"{what}: {name}: gradient off by {error:.3f} of its norm"
 
 
 # ----------------------------------------------------------------------------- two ranks

@@ -8,6 +8,7 @@ import copy
 import enum
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -91,10 +92,12 @@ def _causal_lm(kind: str):
     )
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if kind == "cohere":  # rotary tables repeated element by element (repeat_interleave), a layer norm without bias
+        return transformers.CohereForCausalLM(transformers.CohereConfig(**common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "cohere"])
 def test_hugging_face_models_give_eagers_loss_and_gradients_accumulated(kind):
     torch.manual_seed(0)
     model = _causal_lm(kind).to(DEVICE)
@@ -111,21 +114,34 @@ def test_hugging_face_models_give_eagers_loss_and_gradients_accumulated(kind):
     assert "left to PyTorch" not in backend.report().replace("0 kinds left to PyTorch", "")
 
 
-def test_a_padding_mask_runs_and_the_report_says_what_pytorch_ran():
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16 autocast"])
+def test_a_padding_mask_is_built_by_pytorch_and_read_by_teenys_attention(autocast):
+    """The mask transformers builds from ``attention_mask`` is integer and boolean work, which
+    PyTorch runs; the attention that reads it is teeny's, and so is the rest of the model."""
     torch.manual_seed(0)
     model = _causal_lm("llama").to(DEVICE)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 61, (2, 9), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
-    loss = torch.compile(model, backend="teeny")(input_ids=ids, attention_mask=mask, labels=ids).loss
-    expected = reference(input_ids=ids, attention_mask=mask, labels=ids).loss
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    expected.backward()
-    _assert_same_training(model, reference)
+    with torch.autocast(DEVICE.type, torch.bfloat16, enabled=autocast):
+        out = torch.compile(model, backend="teeny")(input_ids=ids, attention_mask=mask, labels=ids)
+        eager = reference(input_ids=ids, attention_mask=mask, labels=ids)
+    tol = 2e-2 if autocast else 1e-5
+    assert out.logits.dtype == eager.logits.dtype
+    torch.testing.assert_close(out.loss, eager.loss, rtol=tol, atol=tol)
+    out.loss.backward()
+    eager.loss.backward()
+    _assert_same_training(model, reference, grad_rtol=5e-2 if autocast else 1e-5)
     text = backend.report()
-    assert "PyTorch runs" in text and "teeny program" in text
+    assert "PyTorch runs aten.le.Tensor: integer or boolean work" in text
+    teeny_calls = Counter()
+    for report in backend.reports():
+        teeny_calls.update(report.teeny_calls)
+        assert "aten.scaled_dot_product_attention.default" not in report.torch_calls
+        assert report.name == "region0" or report.teeny_calls, report  # no program without the model's work
+    assert teeny_calls["aten.scaled_dot_product_attention.default"] == 1
+    assert teeny_calls["aten.linear.default"] == 8  # q, k, v, o, the MLP's three and the head
 
 
 def test_autocast_around_the_model_lowers_as_mixed_precision():
@@ -227,6 +243,51 @@ def test_a_call_teeny_lacks_runs_in_pytorch_between_teeny_programs():
     text = backend.report()
     assert "PyTorch runs aten.cumsum.default: teeny has no op for it" in text
     assert text.count("teeny program") >= 3  # the region, and a program on each side of the cumsum
+
+
+class _Routed(nn.Module):
+    """A router choosing two of four experts' weights with ``topk`` (which teeny has no op for)
+    and normalising them in place (as Mixtral does), then a cumulative sum (no op for that
+    either): an MoE layer's shape in small."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.a, self.b = nn.Linear(6, 4, bias=False), nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        top, _ = torch.topk(torch.softmax(self.gate(x), dim=-1, dtype=torch.float32), 2, dim=-1)
+        top /= top.sum(-1, keepdim=True) + 1.0  # in place, on a tensor PyTorch made
+        h = torch.tanh(self.a(x)) * top.sum(-1, keepdim=True).to(x.dtype)
+        return self.b(torch.cumsum(h, dim=1))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16 autocast"])
+def test_a_split_region_trains_as_eager_and_under_autocast_as_autocast_does(autocast):
+    """A split region: PyTorch's calls between teeny's programs, an in-place change of a tensor
+    PyTorch made left to PyTorch (whose autograd follows it). Under autocast the split region
+    runs in its own dtypes: teeny's programs in bf16 mixed precision, PyTorch's calls in
+    float32 between them; the output comes back in autocast's dtype and the gradients are
+    autocast's, within bf16's rounding."""
+    torch.manual_seed(0)
+    model = _Routed().to(DEVICE)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(5, 4, 6, device=DEVICE)
+    with torch.autocast(DEVICE.type, torch.bfloat16, enabled=autocast):
+        out = torch.compile(model, backend="teeny")(x)
+        eager = reference(x)
+    tol = 3e-2 if autocast else 1e-5
+    assert out.dtype == eager.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+    out.square().mean().backward()
+    eager.square().mean().backward()
+    exact(x).square().mean().backward()
+    _assert_same_training(model, reference, grad_rtol=5e-2 if autocast else 1e-5)
+    _assert_same_training(model, exact, grad_rtol=5e-2 if autocast else 1e-5)
+    text = backend.report()
+    assert "PyTorch runs aten.topk.default" in text and "PyTorch runs aten.cumsum.default" in text
+    programs = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    assert len(programs) >= 2
+    assert all(("mixed_precision_bfloat16" in {r.rewrite for r in p.rewrites}) == autocast for p in programs)
 
 
 def test_dynamic_shapes_build_a_program_per_shape_and_fullgraph_works():

@@ -24,8 +24,11 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
    are written back after the call.
 4. **Partition.** When the region has calls teeny has no op for, the ATen graph is split with
    torch.fx's ``CapabilityBasedPartitioner``: the runs of calls teeny can import become teeny
-   programs (each a ``Region`` of its own), the rest runs as the ATen calls PyTorch traced, in
-   eager mode. Nothing fails because an op is missing.
+   programs (each a ``Region`` of its own, split again where it refuses calls in turn), the
+   rest runs as the ATen calls PyTorch traced, in eager mode, and so do runs that compute no
+   floating-point values (a padding mask built from positions). Under autocast the split graph
+   runs in the region's own dtypes: teeny's programs in mixed precision, PyTorch's calls in
+   float32. Nothing fails because an op is missing.
 
 ``torch.compile(model, backend="teeny", options={"recompute": True})``: the outputs of norms and
 element-wise activations are not kept for the backward but written again there
@@ -39,6 +42,7 @@ again), so dynamo's dynamic shapes work too. ``report()`` says what ran where, p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
@@ -191,10 +195,11 @@ def _autocast_output_dtypes(gm: torch.fx.GraphModule) -> list[torch.dtype | None
 
 
 def _as_autocast_made(value: Any, dtype: torch.dtype | None) -> Any:
-    """An output of a region traced without autocast, in the half-precision dtype autocast made
-    it in (a model's logits: bfloat16 from the head's product, as eager gives them, and not a
-    float32 copy); other outputs as they are (a loss stays float32)."""
-    if isinstance(value, Tensor) and value.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16):
+    """An output of a region traced without autocast (a teeny or a torch tensor), in the
+    half-precision dtype autocast made it in (a model's logits: bfloat16 from the head's
+    product, as eager gives them, and not a float32 copy); other outputs as they are (a loss
+    stays float32)."""
+    if isinstance(value, (Tensor, torch.Tensor)) and value.dtype == torch.float32 and dtype in _MIXED:
         return value.to(dtype)
     return value
 
@@ -220,6 +225,12 @@ def _traced(gm: torch.fx.GraphModule, args: Sequence[Any], half: torch.dtype | N
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, args):
         if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, nn.Module):  # the body of a `with` block a partition was handed: an attribute
+            setattr(gm, node.name, value)
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(graph.get_attr(node.name))
+            graph.erase_node(node)
             continue
         for user in list(node.users):
             swap = lambda a: value if a is node else a  # noqa: B023 (used at once)
@@ -275,8 +286,9 @@ class Region:
     """One region dynamo captured: built into a teeny program per call signature (``_Program``),
     or split into teeny programs and ATen calls where teeny lacks an op (``_Split``)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, split: bool = True, recompute: bool = False):
-        self.gm, self.name, self.split, self.recompute = gm, name, split, recompute
+    def __init__(self, gm: torch.fx.GraphModule, name: str, recompute: bool = False, precision: str | None = None):
+        self.gm, self.name, self.recompute = gm, name, recompute
+        self.precision = precision  # a split region's partition: its mixed precision (run outside autocast)
         self.report = RegionReport(name)
         _REPORTS.append(self.report)
         self.programs: dict[tuple, Any] = {}
@@ -293,7 +305,7 @@ class Region:
         return program(list(args))
 
     def _build(self, args: list[Any]):
-        precision = _precision(_tensors(args))
+        precision = self.precision or _precision(_tensors(args))
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):  # traced as written
             return self._build_as_written(args, precision)
 
@@ -309,7 +321,7 @@ class Region:
         except UnsupportedError as exc:
             for op, _, why in exc.calls:
                 self.report.torch_calls.setdefault(op, why)
-            program = _Split(self, args, exc) if self.split else _Eager(self.gm)
+            program = _Split.of(self, args, exc, half)
         self.report.programs += 1
         self.report.build_seconds += time.perf_counter() - start
         log.info("%s", self.report)
@@ -322,7 +334,7 @@ class Region:
 
         placeholders = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         parameters = frozenset(name for name, t in zip(placeholders, tensors) if isinstance(t, nn.Parameter))
-        autocast_dtypes = _autocast_output_dtypes(self.gm) if precision else None
+        autocast_dtypes = _autocast_output_dtypes(self.gm) if precision and not self.precision else None
 
         def imported(*symbolic):
             bound = list(symbolic)
@@ -362,22 +374,19 @@ class Region:
 
 
 class _Split:
-    """A region with calls teeny has no op for: its ATen graph (``torch.export`` without
-    autocast: the ATen calls PyTorch runs see the caller's autocast themselves) with each
-    run of importable calls fused into a submodule that is a ``Region`` of its own."""
+    """A region with calls teeny has no op for: its ATen graph with each run of importable calls
+    fused into a submodule that is a ``Region`` of its own (split again where it refuses calls
+    in turn), the rest run by PyTorch as the ATen calls it traced.
 
-    def __init__(self, region: Region, args: list[Any], refused: UnsupportedError):
+    Under autocast the graph is traced, and run, in the region's own dtypes, as ``_traced``
+    gives them: the teeny partitions lower in autocast's mixed precision (half-precision
+    compute, float32 between them), PyTorch runs the calls teeny lacks in float32, and the
+    region's outputs come back in the dtypes autocast gives them. PyTorch's calls would not
+    meet autocast's cast policy halfway through a graph traced without it."""
+
+    def __init__(self, region: Region, gm: torch.fx.GraphModule, is_refused, half: torch.dtype | None):
         from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
         from torch.fx.passes.operator_support import OperatorSupportBase
-
-        ep = _export(_traced(region.gm, args), tuple(_tensors(args)), {}, f"the region {region.name}")
-        gm = ep.module()  # the lifted constants (a rotary table) back in as attributes: called with the user inputs
-        names = {n.name for n in gm.graph.nodes}
-        if refused.nodes and refused.nodes <= names:  # the same trace: refuse those very calls
-            is_refused = lambda node: node.name in refused.nodes
-        else:  # traced inside autocast, the names differ: refuse every call of those ops
-            ops = {op for op, _, _ in refused.calls}
-            is_refused = lambda node: str(node.target) in ops or getattr(node.target, "__name__", "") in ops
 
         class Importable(OperatorSupportBase):
             def is_node_supported(self, submodules, node) -> bool:
@@ -386,31 +395,90 @@ class _Split:
                 if node.target is operator.getitem:
                     source = node.args[0]
                     return isinstance(source, torch.fx.Node) and self.is_node_supported(submodules, source)
+                if _writes_its_input(node) and not self.is_node_supported(submodules, node.args[0]):
+                    return False  # it changes a tensor from outside teeny: autograd must see it change
                 return not is_refused(node)
 
         partitioner = CapabilityBasedPartitioner(gm, Importable(), allows_single_node_partition=True)
-        self.gm = partitioner.fuse_partitions(partitioner.propose_partitions())
+        partitions = []
+        for partition in partitioner.propose_partitions():
+            if any(map(_computes_floats, partition.nodes)):
+                partitions.append(partition)
+                continue
+            for node in partition.nodes:
+                if node.target is not operator.getitem and str(node.target) not in _VIEWS_AND_CASTS:
+                    region.report.torch_calls.setdefault(str(node.target), _INTEGER_WORK)
+        self.gm = partitioner.fuse_partitions(partitions)
+        precision = _MIXED.get(half)
         for node in self.gm.graph.nodes:
             if node.op == "call_module" and node.target.startswith("fused_"):  # not ep.module()'s _guards_fn
                 sub = self.gm.get_submodule(node.target)
-                part = Region(sub, f"{region.name}.{node.target}", split=False, recompute=region.recompute)
+                part = Region(sub, f"{region.name}.{node.target}", region.recompute, precision or region.precision)
                 setattr(self.gm, node.target, _RegionModule(part))
         self.gm.recompile()
+        self.half = half
+        self.output_dtypes = _autocast_output_dtypes(region.gm) if half is not None else []
+
+    @staticmethod
+    def of(region: Region, args: list[Any], refused: UnsupportedError, half: torch.dtype | None):
+        """The region split where teeny refused calls; all of it run by PyTorch when the
+        refused calls are not found in the graph traced again (nothing to split on)."""
+        ep = _export(_traced(region.gm, args, half), tuple(_tensors(args)), {}, f"the region {region.name}")
+        gm = ep.module()  # the lifted constants (a rotary table) back in as attributes: called with the user inputs
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        if refused.nodes and refused.nodes <= {n.name for n in calls}:  # the same trace: refuse those very calls
+            is_refused = lambda node: node.name in refused.nodes
+        else:  # refuse every call of those ops
+            ops = {op for op, _, _ in refused.calls}
+            is_refused = lambda node: str(node.target) in ops or getattr(node.target, "__name__", "") in ops
+        if not any(is_refused(n) for n in calls):
+            is_refused = lambda node: True  # noqa: E731
+        return _Split(region, gm, is_refused, half)
 
     def __call__(self, args: Sequence[Any]) -> tuple:
-        out = self.gm(*_tensors(args))
-        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        with _own_dtypes(self.half, _tensors(args)):
+            out = self.gm(*_tensors(args))
+        out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        if len(self.output_dtypes) == len(out):
+            out = tuple(_as_autocast_made(v, d) for v, d in zip(out, self.output_dtypes))
+        return out
 
 
-@dataclass
-class _Eager:
-    """A graph teeny cannot import at all: its ATen calls, run by PyTorch."""
+_VIEWS_AND_CASTS = {
+    "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.slice.Tensor", "aten.select.int",
+    "aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.alias.default", "aten.detach.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten._assert_tensor_metadata.default",
+    "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.lift_fresh_copy.default",
+}  # fmt: skip
 
-    gm: nn.Module
 
-    def __call__(self, args: Sequence[Any]) -> tuple:
-        out = self.gm(*args)
-        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+def _writes_its_input(node: torch.fx.Node) -> bool:
+    """Whether an ATen call writes its first argument in place (``x.div_(...)``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+_INTEGER_WORK = "integer or boolean work (a mask from positions): teeny computes floating point"
+
+
+def _computes_floats(node: torch.fx.Node) -> bool:
+    """Whether a call computes floating-point values (not a view, cast or range of them): a run
+    without one (a mask built from integer positions) is left to PyTorch, where a teeny
+    program would cost a call and compute nothing of the model's."""
+    value = node.meta.get("val")
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return floating and node.target is not operator.getitem and str(node.target) not in _VIEWS_AND_CASTS
+
+
+def _own_dtypes(half: torch.dtype | None, tensors: Sequence[torch.Tensor]):
+    """Autocast off on the tensors' device while a graph traced in the region's own dtypes runs."""
+    if half is None:
+        return contextlib.nullcontext()
+    return torch.autocast(tensors[0].device.type if tensors else "cpu", enabled=False)
 
 
 class _RegionModule(nn.Module):

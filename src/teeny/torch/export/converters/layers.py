@@ -98,7 +98,10 @@ def _native_dropout(env, x, p, train):
 @converts(aten.scaled_dot_product_attention.default)
 def _sdpa(env, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     refuse(dropout_p != 0.0, f"attention dropout (dropout_p={dropout_p}): teeny's attention has none")
-    refuse(is_teeny(attn_mask), "an attention mask computed from the inputs (teeny's masks carry no gradient)")
+    refuse(
+        is_teeny(attn_mask) and env.tensor(attn_mask).dtype != torch.bool,
+        "a float attention mask computed from the inputs (teeny's masks carry no gradient)",
+    )
     dtype = env.out_dtype()
     if _is_causal_mask(attn_mask):  # a folded causal mask (Hugging Face builds one): the kernel skips those blocks
         attn_mask, is_causal = None, True

@@ -56,6 +56,30 @@ def _expand(env, x, sizes, implicit=False):
     return ops.expand(env.tensor(x), tuple(env.val.shape))
 
 
+@converts(aten.repeat_interleave.self_int)
+def _repeat_interleave(env, x, repeats, dim=None, output_size=None):
+    """Each element ``repeats`` times in a row along ``dim`` (flattened first when None): a new
+    axis after ``dim`` broadcast to ``repeats``, merged into ``dim``."""
+    x = env.tensor(x)
+    if dim is None:
+        x, dim = ops.reshape(x, (x.numel(),)), 0
+    d = dim % len(x.shape)
+    shape = list(x.shape)
+    shape.insert(d + 1, repeats)
+    return ops.reshape(ops.expand(ops.unsqueeze(x, d + 1), tuple(shape)), tuple(env.val.shape))
+
+
+@converts(aten.repeat.default)
+def _repeat(env, x, repeats):
+    """The tensor tiled ``repeats[i]`` times along each dim (leading dims of size 1 added): a
+    new axis before each dim broadcast to its count, merged into it."""
+    x = env.tensor(x)
+    x = ops.reshape(x, (1,) * (len(repeats) - len(x.shape)) + tuple(x.shape))
+    interleaved = tuple(s for pair in zip((1,) * len(repeats), x.shape) for s in pair)
+    tiled = tuple(s for pair in zip(repeats, x.shape) for s in pair)
+    return ops.reshape(ops.expand(ops.reshape(x, interleaved), tiled), tuple(env.val.shape))
+
+
 @converts(aten.slice.Tensor)
 def _slice(env, x, dim=0, start=None, end=None, step=1):
     x = env.tensor(x)
