@@ -131,6 +131,30 @@ def test_losses_and_in_place_updates_run_on_float32(gen):
     assert not torch.equal(ex.params["bn.running_mean"], torch.zeros(3))  # updated where it lives
 
 
+def test_tables_computed_from_positions_keep_float32(gen):
+    """Rotary angles: positions (integers past bfloat16's 256, cast to float, or a folded float
+    constant) times frequencies, then cos: computed in float32 as eager autocast computes them;
+    in bfloat16 position 1023 would be 1024 and the cos of it another number."""
+    g = Graph()
+    x = g.input("x", (2, 40, 8), requires_grad=True)
+    freq = g.input("freq", (8,))
+    ids = g.input("ids", (40,), torch.int64)
+    folded = g.constant(torch.arange(984.0, 1024.0))
+    angles = [ops.mul(ops.unsqueeze(ops.to(ids, torch.float32), -1), freq), ops.mul(ops.unsqueeze(folded, -1), freq)]
+    g.output(ops.sum(ops.mul(x, ops.add(ops.cos(angles[0]), ops.sin(angles[1])))))
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    by_op = {p.node.name: p.node for p in program.nodes}
+    assert all(n.dtype == torch.float32 for name, n in by_op.items() if name.startswith(("cos", "sin", "to_")))
+    assert "ops kept in float32 (losses, in-place updates, tables from positions" in program.summary()
+    feed = {"x": torch.randn(2, 40, 8, generator=gen), "freq": torch.rand(8, generator=gen) + 0.5}
+    feed["ids"] = torch.arange(984, 1024)
+    mixed = train_step(program, feed)
+    table = torch.cos(feed["ids"][:, None] * feed["freq"]) + torch.sin(
+        torch.arange(984.0, 1024.0)[:, None] * feed["freq"]
+    )
+    torch.testing.assert_close(mixed.grads["x"], table.expand(2, 40, 8), rtol=1e-2, atol=1e-2)
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         lower(_mlp_graph(), precision="fp8")

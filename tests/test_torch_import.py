@@ -377,6 +377,43 @@ def test_an_autocast_region_inside_the_model_imports_with_autocasts_casts():
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+class _Float32Block(nn.Module):
+    """A block the model runs in float32 whatever autocast says, as older transformers' rotary
+    embeddings do: ``with torch.autocast(..., enabled=False)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor([97.3, 201.1, 333.7, 0.5]))
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            table = torch.sin(x.detach().float() * self.scale)
+        return (self.fc(x) * table).sum()
+
+
+def test_a_float32_block_stays_float32_in_a_mixed_precision_program():
+    """Mixed precision computes in bfloat16 everything but what the model asked to run in its
+    own dtypes (``RuntimeOp.in_float32``): sin(97.3 x) in bfloat16 would be another number."""
+    torch.manual_seed(0)
+    model = _Float32Block().to(teeny.DEVICE)
+    x = torch.randn(6, 4, device=teeny.DEVICE, requires_grad=True)
+    graph = from_torch(model, (x,))
+    program = lower(graph, LoweringMode.TRAINING, precision="bf16-mixed")
+    (sin,) = [p.node for p in program.nodes if p.op.name == "sin"]
+    assert sin.dtype == torch.float32 and sin.op.in_float32
+    assert next(p.node for p in program.nodes if p.op.name == "linear").dtype == torch.bfloat16
+    executor = teeny.Executor(program)
+    outputs, cache = executor.forward_train({graph.inputs[0].name: x.detach()})
+    executor.backward(cache)
+    expected = model(x)
+    expected.backward()
+    torch.testing.assert_close(
+        outputs[0] if isinstance(outputs, tuple) else outputs, expected.detach(), rtol=3e-2, atol=3e-2
+    )
+    torch.testing.assert_close(executor.grads["fc.weight"], model.fc.weight.grad, rtol=3e-2, atol=3e-2)
+
+
 class _DropNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -665,6 +665,10 @@ class RuntimeOp:
     # True: inputs after the first may be of other float dtypes (the kernels convert as they load);
     # the node computes in input 0's dtype. False: one float dtype for all inputs (the graph checks)
     mixed_float_inputs: bool = False
+    # True (set on one node's op): the model computes this op in its own dtypes, as in a
+    # ``torch.autocast(enabled=False)`` block (rotary tables from positions): mixed precision
+    # (``fusions.mixed_precision``) leaves its inputs as they are, float32 stays float32
+    in_float32: bool = False
     # groups of parameter positions (indices over inputs + params) the executor lays out side by side
     # in its arena, in this order, and whose gradient buffers it hands out side by side: the op may
     # read them as one tensor (a view). The rewrite that sets it checks that the executor can: one

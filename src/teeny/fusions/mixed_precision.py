@@ -11,11 +11,13 @@ from ..core.graph import Graph, Value
 from ..core.kernel import dtype_name
 from ..core.runtime import RuntimeOp
 from ..ops.cast import CastOp, StackedCastOp
+from ..ops.elementwise import ElementwiseOp
 from ..ops.lookup import EmbeddingOp
 from ..ops.loss.ops import ClassLossOp, PointwiseLossOp
 from ..ops.norm.ops import BatchNormOp
 from ..ops.products.ops import LinearOp
-from ..ops.shape.ops import StridedViewOp, ViewOp
+from ..ops.shape.ops import ConcatOp, StopGradientOp, StridedViewOp, ViewOp
+from ..ops.unary import UnaryOp
 from .chunked_loss import LinearCrossEntropyOp
 from .loss_upcast import fold_loss_upcast
 from .pipeline import Rebuild, RewriteFn
@@ -26,11 +28,48 @@ _SHAPE_OPS = (ViewOp, StridedViewOp)
 
 def _keeps_float32(op: RuntimeOp) -> bool:
     """Ops a mixed-precision program runs on float32 inputs: losses (a float32 loss, as
-    autocast computes them), and ops that update a parameter in place (batch_norm's running
-    statistics, embedding's max_norm renormalisation), which must see the float32 parameter."""
+    autocast computes them), ops that update a parameter in place (batch_norm's running
+    statistics, embedding's max_norm renormalisation), which must see the float32 parameter,
+    and ops the model computes in its own dtypes (``RuntimeOp.in_float32``: rotary tables,
+    whose angles in bfloat16 would round positions past 256)."""
+    if op.in_float32:
+        return True
     if isinstance(op, EmbeddingOp):
         return op.max_norm is not None
     return isinstance(op, (ClassLossOp, PointwiseLossOp, BatchNormOp))
+
+
+_TABLE_OPS = (ElementwiseOp, UnaryOp, ConcatOp, CastOp, *_SHAPE_OPS)
+
+
+def _from_integers(graph: Graph) -> set[int]:
+    """Ids of the float values computed from integers (positions, counts) that carry no
+    gradient: an integer cast to float, a float constant of whole numbers (positions PyTorch
+    folded), and what element-wise, concatenating and view ops make of one (a rotary table's
+    angles, its cos and sin). They keep the graph's dtype, as autocast leaves them: bfloat16
+    rounds the integers past 256 (the angles of later positions would be their neighbours')
+    and every angle to 3 significant digits."""
+    carries = {v.id for v in graph.values if v.requires_grad}
+    exact: set[int] = set()
+    for node in graph.nodes:
+        if any(v.id in carries for v in node.inputs) and not isinstance(node.op, StopGradientOp):
+            carries.add(node.output.id)
+            continue
+        if not node.output.dtype.is_floating_point or not isinstance(node.op, _TABLE_OPS):
+            continue
+        if isinstance(node.op, CastOp) and not node.inputs[0].dtype.is_floating_point:
+            exact.add(node.output.id)
+        elif any(v.id in exact or _whole_numbers(v) for v in node.inputs):
+            exact.add(node.output.id)
+    return exact
+
+
+def _whole_numbers(v: Value) -> bool:
+    """A float constant of whole numbers, more than one (positions; not a scalar factor)."""
+    data = v.data
+    if v.kind != "const" or data is None or not data.is_floating_point() or data.numel() < 2:
+        return False
+    return bool(torch.equal(data, data.round()))
 
 
 def _widened_from(v: Value, to: torch.dtype) -> Value | None:
@@ -63,6 +102,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
 
         rebuild = Rebuild(graph)
+        exact = _from_integers(graph)
         casts: dict[tuple[int, torch.dtype], Value] = {}
         counts: Counter = Counter()
 
@@ -97,7 +137,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                 counts["stacked"] += n_stacked
                 counts["stacks"] += len(stacked)
                 inputs, op = [cast(rebuild[node.inputs[0]], dtype), *stacked], LinearOp(op.has_bias)
-            elif _keeps_float32(op):
+            elif _keeps_float32(op) or node.output.id in exact:
                 inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
                 counts["float32 op"] += 1
             elif isinstance(op, CastOp) and _widened_from(rebuild[node.inputs[0]], op.dtype) is not None:
@@ -123,7 +163,10 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         if counts["stacks"]:
             parts.append(f"{counts['stacked']} of the parameters side by side in {counts['stacks']} stacked casts")
         if counts["float32 op"]:
-            parts.append(f"{counts['float32 op']} loss or in-place ops on float32")
+            parts.append(
+                f"{counts['float32 op']} ops kept in float32 (losses, in-place updates, tables from positions, "
+                "the model's float32 blocks)"
+            )
         return graph, outputs, ", ".join(parts)
 
     rewrite.__name__ = f"mixed_precision_{dtype_name(dtype)}"

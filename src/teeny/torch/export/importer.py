@@ -7,6 +7,7 @@ trained weights back into the module."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import os
@@ -338,10 +339,15 @@ class _Import:
         if target is _AUTOCAST:  # with torch.autocast(...): ... (enabled=False: HF's rotary embeddings)
             _device, dtype, enabled, _cache, body, *operands = args
             outer, self.autocast = self.autocast, enabled
+            first = len(self.graph.nodes)
             try:
                 return self._inline(body, operands)
             finally:
                 self.autocast = outer
+                if not enabled:  # the model's own dtypes, whatever precision the program is lowered in
+                    for made in self.graph.nodes[first:]:
+                        made.op = copy.copy(made.op)
+                        made.op.in_float32 = True
         if target is operator.getitem:
             container, index = args
             return None if container is None else container[index]
