@@ -172,3 +172,26 @@ def test_a_patched_llama_rotates_in_teeny_under_autocast_as_transformers_promote
         assert g.dtype == torch.bfloat16 and w.dtype == torch.float32
         torch.testing.assert_close(g, w.bfloat16(), atol=0, rtol=0)
     assert report.routed["apply_rotary_pos_emb"] == 5
+
+
+def _rotate_unsplit(x, cos, sin):
+    from teeny.core.graph import graph_of
+    from teeny.ops.rotary import RotaryOp
+
+    return graph_of(x, cos, sin).apply(RotaryOp("blhd"), [x, cos, sin])
+
+
+@pytest.mark.parametrize("rotary_dim", [6, 4], ids=["whole", "partial"])
+def test_the_unsplit_layout_rotates_as_the_split_one_with_a_float64_gradcheck(gen, rotary_dim):
+    """``RotaryOp(layout="blhd")`` on x (batch, seq, heads, dim), as
+    ``fusions.attention_layout.attention_in_place`` leaves Llama's q and k: the rotation of x's
+    transpose, transposed back, with tables per batch row; its backward passes a float64
+    gradcheck."""
+    x = torch.randn(2, 5, 3, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    cos, sin = torch.randn(2, 2, 5, rotary_dim, dtype=torch.float64, generator=gen).unbind(0)
+    split = apply(ops.rotary_embedding, x.transpose(1, 2), cos, sin).transpose(1, 2)
+    torch.testing.assert_close(apply(_rotate_unsplit, x, cos, sin), split, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: apply(_rotate_unsplit, t, cos, sin), (x,), eps=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match=r"\(batch, seq, heads, head_dim\)"):
+        graph = Graph()
+        _rotate_unsplit(graph.input("x", (5, 3, 6)), graph.input("c", (1, 5, 6)), graph.input("s", (1, 5, 6)))

@@ -160,6 +160,8 @@ def test_autocast_around_the_model_lowers_as_mixed_precision():
     (program,) = [entry.executor.program for report in backend.reports() for entry in report.entries]
     rewrites = {report.rewrite for report in program.rewrites}
     assert {"fold_loss_upcast", "read_grouped_kv"} <= rewrites  # no float32 logits, no repeated k and v
+    assert "attention_in_place" in rewrites  # no transposes around the attention, q and k rotated unsplit
+    assert {p.op.layout for p in program.nodes if p.op.name == "rotary_embedding"} == {"blhd"}
     tables = [p.node for p in program.nodes if p.op.name in ("cos", "sin")]
     assert tables and all(n.dtype == torch.float32 for n in tables)  # rotary angles of exact positions
     assert not any(v.dtype == torch.float32 and v.numel == out.logits.numel() for v in program.graph.values)

@@ -1,13 +1,16 @@
 """``attention_in_place``: the transposes that split the heads of q, k and v before an attention,
 and merge them after it, are left out: the attention reads and writes (batch, length, heads,
 dim) tensors through strides (``ops.attention.ops.AttentionOp(layout="blhd")``, whose strides
-``ops.attention.layout.attention_layout_blhd`` computes).
+``ops.attention.layout.attention_layout_blhd`` computes). A rotary embedding between a head
+split and the attention (Llama's q and k) rotates the unsplit tensor instead
+(``ops.rotary.RotaryOp(layout="blhd")``).
 """
 
 from __future__ import annotations
 
 from ..core.graph import Graph, Node, Value
 from ..ops.attention.ops import AttentionOp
+from ..ops.rotary import RotaryOp
 from ..ops.shape.ops import PermuteOp, ViewOp
 from .pipeline import Rebuild, ancestors, mib, nbytes, readers
 
@@ -22,6 +25,23 @@ def _transposed_source(value: Value, read_by, kept: set[int]) -> Value | None:
     if value.id in kept or len(read_by[value.id]) != 1:
         return None
     return node.inputs[0]
+
+
+def _source(value: Value, read_by, kept: set[int]) -> Value | tuple[Node, Value] | None:
+    """What an attention input is made of with its heads not split off: x for x.transpose(1, 2);
+    (the rotation, x) for a rotary embedding (Llama's q and k) of x.transpose(1, 2), which then
+    rotates x in its (batch, length, heads, dim) layout; None for anything else."""
+    node = value.producer
+    if node is not None and type(node.op) is RotaryOp and node.op.layout == "bhld":
+        if value.id in kept or len(read_by[value.id]) != 1:
+            return None
+        x = _transposed_source(node.inputs[0], read_by, kept)
+        return None if x is None else (node, x)
+    return _transposed_source(value, read_by, kept)
+
+
+def _batch(source: Value | tuple[Node, Value]) -> int:
+    return (source[1] if isinstance(source, tuple) else source).shape[0]
 
 
 def _merged_heads(reader: Node, read_by, kept: set[int]) -> list[Node] | None:
@@ -45,19 +65,23 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
     writes its output as (batch, length, heads, dim), which the transpose after it (the merge of
     the heads) made: per layer four copies fewer forwards and four backwards. Where something
     else reads the output, one transpose back stays for it."""
-    needed, read_by = ancestors(outputs), readers(graph)
+    needed = ancestors(outputs)
+    read_by = readers(graph, needed)
     kept = {v.id for v in outputs}
     matches: dict[int, list[Value]] = {}  # attention node id -> its untransposed q, k, v
     for node in graph.nodes:
         if type(node.op) is not AttentionOp or node.op.layout != "bhld" or node.output.id not in needed:
             continue
-        sources = [_transposed_source(v, read_by, kept) for v in node.inputs[:3]]
-        if any(s is None for s in sources) or len({s.shape[0] for s in sources}) != 1:
+        sources = [_source(v, read_by, kept) for v in node.inputs[:3]]
+        if any(s is None for s in sources) or len({_batch(s) for s in sources}) != 1:
             continue
         matches[node.id] = sources
     if not matches:
         return graph, outputs, ""
     skipped = {v.producer.id for node in graph.nodes if node.id in matches for v in node.inputs[:3]}
+    for sources in matches.values():  # a rotation's transpose too
+        skipped.update(s[0].inputs[0].producer.id for s in sources if isinstance(s, tuple))
+    skipped.update(node.id for node in graph.nodes if node.output.id not in needed)  # which may read them
     merges: dict[int, list[Node]] = {}  # per matched attention: the transposes of its output (head merges)
     others: set[int] = set()  # matched attentions whose output something else reads too
     for node in graph.nodes:
@@ -73,10 +97,18 @@ def attention_in_place(graph: Graph, outputs: list[Value], training: bool) -> tu
                 others.add(node.id)
     rebuild = Rebuild(graph)
 
-    def fuse(node: Node, sources: list[Value]) -> None:
+    def unsplit(source: Value | tuple[Node, Value]) -> Value:
+        if not isinstance(source, tuple):
+            return rebuild[source]
+        rotation, x = source
+        tables = [rebuild[v] for v in rotation.inputs[1:]]
+        return rebuild.apply(RotaryOp("blhd"), [rebuild[x], *tables], rotation.name)
+
+    def fuse(node: Node, sources: list) -> None:
         op = node.op
         in_place = op.relaid("blhd")
-        out = rebuild.apply(in_place, [rebuild[v] for v in sources + node.inputs[3:]], node.name)
+        inputs = [unsplit(s) for s in sources] + [rebuild[v] for v in node.inputs[3:]]
+        out = rebuild.apply(in_place, inputs, node.name)
         for merge in merges.get(node.id, []):
             rebuild.new[merge.output.id] = out
         if node.id in others:  # the (batch, heads, length, dim) output for its other readers

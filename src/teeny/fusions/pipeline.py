@@ -120,12 +120,15 @@ def wants_gradient() -> Callable[[Value | None], bool]:
     return wants
 
 
-def readers(graph: Graph) -> dict[int, list[tuple[Node, int]]]:
-    """Per value id, the nodes that read it and at which input position."""
+def readers(graph: Graph, needed: set[int] | None = None) -> dict[int, list[tuple[Node, int]]]:
+    """Per value id, the nodes that read it and at which input position; with ``needed`` (value
+    ids, ``ancestors(outputs)``), only the nodes whose output is needed (a node a fused module
+    call left behind reads its inputs until the lowering drops it)."""
     out: dict[int, list[tuple[Node, int]]] = {v.id: [] for v in graph.values}
     for node in graph.nodes:
-        for index, v in enumerate(node.inputs):
-            out[v.id].append((node, index))
+        if needed is None or node.output.id in needed:
+            for index, v in enumerate(node.inputs):
+                out[v.id].append((node, index))
     return out
 
 

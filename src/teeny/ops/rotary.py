@@ -45,6 +45,7 @@ def _rotate_rows(
     n_rows,
     seq,
     heads_seq,
+    pos_div,
     cos_batch,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -54,14 +55,15 @@ def _rotate_rows(
     BLOCK_PASS: tl.constexpr,
 ):
     """dst = the rotation (TRANSPOSE: its transpose) of ROWS rows of src, see the module docstring.
-    Row r of src is (b, h, s) = (r // heads_seq, ..., r % seq); its cos/sin row is
+    Row r of src is in batch r // heads_seq at position s = (r // pos_div) % seq (pos_div 1 for
+    (batch, heads, seq) rows, heads for (batch, seq, heads) ones); its cos/sin row is
     (r // heads_seq) * cos_batch + s (cos_batch = seq, or 0 when one table serves every batch)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_HALF)
     mask = row_mask[:, None] & (cols < HALF)[None, :]
     x_offs = rows[:, None] * HEAD_DIM + cols[None, :]
-    t_offs = ((rows // heads_seq) * cos_batch + rows % seq)[:, None] * (2 * HALF) + cols[None, :]
+    t_offs = ((rows // heads_seq) * cos_batch + (rows // pos_div) % seq)[:, None] * (2 * HALF) + cols[None, :]
     a = upcast(tl.load(src_ptr + x_offs, mask=mask, other=0.0))
     b = upcast(tl.load(src_ptr + x_offs + HALF, mask=mask, other=0.0))
     c1 = upcast(tl.load(cos_ptr + t_offs, mask=mask, other=0.0))
@@ -92,6 +94,7 @@ def rotary_backward(
     n_rows,
     seq,
     heads_seq,
+    pos_div,
     cos_batch,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -102,7 +105,7 @@ def rotary_backward(
     """dx = the transposed rotation of dy (each program reads its rows of dy before writing dx:
     dx may be dy's buffer)."""
     _rotate_rows(
-        dy_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, seq, heads_seq, cos_batch,
+        dy_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, seq, heads_seq, pos_div, cos_batch,
         HEAD_DIM, HALF, True, ROWS, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
 
@@ -116,6 +119,7 @@ def rotary_forward(
     n_rows,
     seq,
     heads_seq,
+    pos_div,
     cos_batch,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -125,13 +129,16 @@ def rotary_forward(
 ):
     """y = x * cos + rotate_half(x) * sin on the first 2 * HALF columns, y = x past them."""
     _rotate_rows(
-        x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, seq, heads_seq, cos_batch,
+        x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, seq, heads_seq, pos_div, cos_batch,
         HEAD_DIM, HALF, False, ROWS, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
 
 
 class RotaryOp(RuntimeOp):
-    """rotary_embedding(x, cos, sin): three activation inputs, x's shape and dtype out."""
+    """rotary_embedding(x, cos, sin): three activation inputs, x's shape and dtype out.
+    ``layout="blhd"``: x (and the output) is (batch, seq, heads, head_dim), the heads not yet
+    split off (``fusions.attention_layout.attention_in_place`` makes it of the transpose
+    before a rotation whose output an attention reads)."""
 
     name = "rotary_embedding"
     kernel = rotary_forward
@@ -139,6 +146,14 @@ class RotaryOp(RuntimeOp):
     saves_inputs = (1, 2)  # cos and sin: the backward does not read x
     grad_in_place = True
     mixed_float_inputs = True  # wider tables than x: read as they are (see the module docstring)
+
+    def __init__(self, layout: str = "bhld"):
+        if layout not in ("bhld", "blhd"):
+            raise ValueError(f"rotary_embedding layout must be 'bhld' or 'blhd', got {layout!r}")
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return "RotaryOp()" if self.layout == "bhld" else f"RotaryOp(layout={self.layout!r})"
 
     def check_inputs(self, input_shapes, input_dtypes):
         for what, dtype in zip(("x", "cos", "sin"), input_dtypes):
@@ -156,10 +171,11 @@ class RotaryOp(RuntimeOp):
             )
         x, cos, sin = (tuple(s) for s in input_shapes)
         if len(x) != 4:
-            raise ValueError(f"x must have shape (batch, heads, seq, head_dim), got {shape_text(x)}")
+            dims = "(batch, heads, seq, head_dim)" if self.layout == "bhld" else "(batch, seq, heads, head_dim)"
+            raise ValueError(f"x must have shape {dims}, got {shape_text(x)}")
         if cos != sin:
             raise ValueError(f"cos and sin must have the same shape, got {shape_text(cos)} and {shape_text(sin)}")
-        batch, _, seq, head_dim = x
+        batch, seq, head_dim = x[0], x[2] if self.layout == "bhld" else x[1], x[3]
         if len(cos) != 3 or cos[0] not in (1, batch) or cos[1] != seq:
             raise ValueError(
                 f"cos and sin must have shape (batch or 1, seq, rotary_dim) = ({batch} or 1, {seq}, rotary_dim) "
@@ -173,13 +189,16 @@ class RotaryOp(RuntimeOp):
             )
 
     def _layout(self, input_shapes) -> dict:
-        (batch, heads, seq, head_dim), cos = input_shapes[0], input_shapes[1]
+        batch, a, b, head_dim = input_shapes[0]
+        heads, seq = (a, b) if self.layout == "bhld" else (b, a)
+        cos = input_shapes[1]
         half = cos[2] // 2
         block_half = pow2(half)
         return dict(
             n_rows=batch * heads * seq,
             seq=seq,
             heads_seq=heads * seq,
+            pos_div=1 if self.layout == "bhld" else heads,
             cos_batch=seq if cos[0] > 1 else 0,
             HEAD_DIM=head_dim,
             HALF=half,
