@@ -196,3 +196,27 @@ def test_the_unsplit_layout_rotates_as_the_split_one_with_a_float64_gradcheck(ge
     with pytest.raises(ValueError, match=r"\(batch, seq, heads, head_dim\)"):
         graph = Graph()
         _rotate_unsplit(graph.input("x", (5, 3, 6)), graph.input("c", (1, 5, 6)), graph.input("s", (1, 5, 6)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_unsplit_layout_matches_pytorchs_rotation_and_its_gradient(gen, dtype):
+    """Against PyTorch autograd on odd shapes (7 positions, 3 heads, head dim 10, rotary dim 6):
+    ``x * cos + rotate_half(x) * sin`` on the first 6 columns of (batch, seq, heads, dim), the tables
+    broadcast over the heads, forwards and the gradient of x."""
+    x = torch.randn(2, 7, 3, 10, generator=gen).to(dtype).requires_grad_()
+    cos, sin = torch.randn(2, 2, 7, 6, generator=gen).unbind(0)
+    dy = torch.randn(2, 7, 3, 10, generator=gen).to(dtype)
+
+    def reference(t):
+        r, rest = t[..., :6].float(), t[..., 6:].float()
+        c, s = cos[:, :, None], sin[:, :, None]
+        rotated = r * c + torch.cat([-r[..., 3:], r[..., :3]], -1) * s
+        return torch.cat([rotated, rest], -1).to(dtype)
+
+    expected = reference(x)
+    (expected_grad,) = torch.autograd.grad(expected, x, dy)
+    out = apply(_rotate_unsplit, x, cos, sin)  # float32 tables; a bf16 x is rotated in float32, rounded once
+    (grad,) = torch.autograd.grad(out, x, dy)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad, expected_grad, rtol=tol, atol=tol)
