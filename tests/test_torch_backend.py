@@ -304,6 +304,27 @@ def test_dynamic_shapes_build_a_program_per_shape_and_fullgraph_works():
     assert backend.report().startswith("region0: 3 teeny programs")  # one region; the second call of 3 reuses
 
 
+def test_repeat_interleave_and_repeat_run_in_teeny_with_a_float64_gradcheck():
+    """Cohere's and GLM-4's rotary tables repeat each column (``repeat_interleave``); ``repeat``
+    tiles: both as a broadcast new axis merged into a dim."""
+
+    def f(x, w):
+        y = x @ w
+        return (
+            torch.repeat_interleave(y, 2, dim=-1).sum(-1),
+            (y.repeat(2, 1, 3).cos()).sum(0),
+            y.sin().repeat_interleave(3),
+        )
+
+    x = torch.randn(3, 4, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(f, backend="teeny")
+    for out, expected in zip(compiled(x, w), f(x, w)):
+        torch.testing.assert_close(out, expected)
+    assert torch.autograd.gradcheck(compiled, (x, w))
+    assert ", 0 kinds left to PyTorch" in backend.report()
+
+
 def test_float64_gradcheck_through_the_backend():
     def f(x, w, b):
         return torch.tanh(nn.functional.layer_norm(x @ w, (5,)) + b).sum(dim=0)
