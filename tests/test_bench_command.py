@@ -143,3 +143,23 @@ def test_combining_rounds_takes_medians_and_keeps_a_failure():
     assert combine_rounds(rounds[:2])[1].peak_mib == 6.0
     argv = ["bench", "m.py:f", "--rounds", "3", "--json=a.json", "--steps", "2", "--json", "b.json"]
     assert _without(argv, ("--rounds", "--json")) == ["bench", "m.py:f", "--steps", "2"]
+
+
+def test_the_backend_variants_each_compile_their_own_region_from_the_same_weights():
+    """teeny-backend, +graphs (CUDA graphs on for that variant only) and +recompute each build a
+    region of their own (a variant does not run the one before it compiled) and learn alike."""
+    from teeny.core import config
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    made = BenchModel(model, (torch.randn(3, 4),), lambda m, batch: m(*batch).square().mean())
+    graphs_before = config.cuda_graphs
+    variants = ["teeny-backend", "teeny-backend+graphs", "teeny-backend+recompute"]
+    rows, _ = run_bench(made, variants, steps=1, warmup=1, precision="fp32")
+    assert config.cuda_graphs == graphs_before
+    assert [r.variant for r in rows] == variants
+    for row in rows:
+        assert row.status == "ok", row.note
+        assert row.note.startswith("1 regions, 1 teeny programs"), row.note
+        assert row.losses == pytest.approx(rows[0].losses, rel=1e-5)
+    assert rows[0].last_loss < rows[0].first_loss
