@@ -287,3 +287,36 @@ def test_training_with_recompute_gives_the_same_losses(tmp_path):
         assert losses[0] == losses[1]
     else:  # the GPU's compiler contracts the norm's maths into FMAs differently in the two kernels
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+
+
+def test_mixed_precision_casts_of_parameters_are_cast_again_not_kept(gen):
+    """bf16-mixed with recompute: the half-precision copy of a float32 weight, which the product
+    keeps for dX, is cast again in the backward from the parameter (which is kept anyway), so the
+    forward keeps one bf16 weight fewer; loss and gradients are those of the program that keeps
+    it, bit for bit. A cast of an activation is not recomputed (its input would have to be kept)."""
+    from teeny.ops.cast import CastOp
+
+    g = Graph("cast")
+    x = g.input("x", (6, 16), torch.float32, requires_grad=True)
+    w = g.parameter("w", (24, 16), teeny.core.init.normal(0.3), torch.float32)
+    h = activation.gelu(ops.linear(x, w))
+    v = g.parameter("v", (5, 24), teeny.core.init.normal(0.3), torch.float32)
+    z = ops.linear(h, v)
+    g.output(ops.mse_loss(z, g.input("target", z.shape, torch.float32)))
+    feed = _feed(g, gen)
+    kept = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    recomputing = lower(g, LoweringMode.TRAINING, precision="bf16-mixed", recompute=True)
+    casts = [p.name for p in recomputing.nodes if isinstance(p.op, CastOp) and p.node.inputs[0].kind == "param"]
+    assert len(casts) == 2 and set(casts) <= set(_recomputed(recomputing))
+    assert not any(isinstance(recomputing.nodes[j].op, CastOp) and recomputing.nodes[j].node.inputs[0].kind == "node"
+                   for p in recomputing.nodes for j in p.recomputed.values())  # fmt: skip
+    plain = train_step(kept, {k: t.clone() for k, t in feed.items()})
+    again = train_step(recomputing, {k: t.clone() for k, t in feed.items()})
+    half_weights = {((24, 16), torch.bfloat16), ((5, 24), torch.bfloat16)}
+    for step, held in ((plain, half_weights), (again, set())):
+        _, cache = step.executor.forward_train({k: t.clone() for k, t in feed.items()})
+        assert {(tuple(t.shape), t.dtype) for t in cache.tensors()} & half_weights == held
+    torch.testing.assert_close(again.out, plain.out, rtol=0, atol=0)
+    torch.testing.assert_close(again.grads["x"], plain.grads["x"], rtol=0, atol=0)
+    for name in plain.param_grads:
+        torch.testing.assert_close(again.param_grads[name], plain.param_grads[name], rtol=0, atol=0, msg=name)

@@ -209,6 +209,35 @@ def test_the_recompute_option_keeps_fewer_activations_for_the_same_gradients():
     assert any(p.recomputed for p in program.nodes) and "recompute:" in program.summary()
 
 
+def test_recompute_under_autocast_casts_the_weights_again_with_the_same_gradients():
+    """Under bf16 autocast with ``recompute``: the bf16 copies of the float32 weights, which the
+    products keep for dX, are cast again in the backward, and so are the norms' and the MLP's
+    outputs; the loss and every gradient are those of the program that keeps them (bit for bit on
+    the CPU)."""
+    from teeny.ops.cast import CastOp
+
+    torch.manual_seed(0)
+    model = _causal_lm("llama").to(DEVICE)
+    other = copy.deepcopy(model)
+    ids = torch.randint(0, 61, (2, 9), device=DEVICE)
+    losses = []
+    for m, options in ((model, {"recompute": True}), (other, {})):
+        with torch.autocast(DEVICE.type, torch.bfloat16):
+            loss = torch.compile(m, backend="teeny", options=options)(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    exact = dict(rtol=0, atol=0) if DEVICE.type == "cpu" else dict(rtol=1e-3, atol=1e-6)  # (GPU: tuned kernels)
+    torch.testing.assert_close(losses[0], losses[1], **exact)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **exact, msg=name)
+    recomputing, keeping = (entry.executor.program for report in backend.reports() for entry in report.entries)
+    again = {recomputing.nodes[j] for p in recomputing.nodes for j in p.recomputed.values()}
+    weight_casts = [p for p in recomputing.nodes if isinstance(p.op, CastOp) and p.node.inputs[0].kind != "node"]
+    linears = sum(1 for p in recomputing.nodes if type(p.op).__name__ == "LinearOp")
+    assert len([p for p in weight_casts if p in again]) >= linears  # every product's weight
+    assert not any(p.recomputed for p in keeping.nodes)
+
+
 def test_the_backends_options_are_checked_by_name():
     gm = torch.fx.symbolic_trace(nn.Linear(3, 2))
     x = torch.randn(4, 3)

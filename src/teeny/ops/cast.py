@@ -48,6 +48,7 @@ cast_forward = kernel(_cast_copy, dtypes=ANY_DTYPES, backward=cast_backward, nam
 class CastOp(RuntimeOp):
     kernel = cast_forward
     saves_inputs = False
+    recomputable = (0,)  # lower(recompute=True): a parameter's half-precision copy cast again in the backward
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype

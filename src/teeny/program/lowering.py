@@ -233,7 +233,7 @@ def lower(
     ``precision``: ``None`` (the graph's dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``
     (``rewrites.mixed_precision``; float16 training wants a loss scaler: ``optim.GradScaler``).
     ``recompute``: training keeps no output of a ``recomputable`` op (norms, element-wise
-    activations) for a consumer's backward; the backward writes it again (``_plan_recompute``).
+    activations, casts of parameters) for a consumer's backward; the backward writes it again (``_plan_recompute``).
     ``seeded``: how many outputs, from the first, the backward starts from (1: the loss)."""
     if not isinstance(graph, Graph):
         raise TypeError(f"lower(graph, mode): graph must be a teeny Graph, got {type(graph).__name__}")

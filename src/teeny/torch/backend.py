@@ -31,7 +31,8 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
    float32. Nothing fails because an op is missing.
 
 ``torch.compile(model, backend="teeny", options={"recompute": True})``: the outputs of norms and
-element-wise activations are not kept for the backward but written again there
+element-wise activations, and mixed precision's half-precision copies of the parameters, are not
+kept for the backward but written again there
 (``lower(recompute=True)``): less activation memory for a few more memory-bound launches.
 
 Shapes are static per program: a call whose tensors differ in shape, dtype or ``requires_grad``
@@ -496,7 +497,7 @@ class _RegionModule(nn.Module):
 # ----------------------------------------------------------------------------- the backend
 
 
-OPTIONS = {"recompute": "norms' and activations' outputs written again in the backward, not kept (a bool)"}
+OPTIONS = {"recompute": "norms', activations' and weight casts' outputs made again in the backward, not kept (a bool)"}
 
 
 def teeny_backend(
