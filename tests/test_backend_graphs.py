@@ -56,13 +56,14 @@ def _batches(n: int):
     return [torch.randint(0, 61, (2, 11), generator=generator).to(teeny.DEVICE) for _ in range(n)]
 
 
-def _train(graphs: bool, steps):
-    """Run ``steps(compiled, model, optimizer)`` with CUDA graphs on or off; returns what it
-    returns, the region's forward and backward graph replays, and the backend's summary."""
+def _train(graphs: bool, steps, mode: str | None = None):
+    """Run ``steps(compiled, model, optimizer)`` with CUDA graphs on or off (``config``) and
+    torch.compile's ``mode``; returns what it returns, the region's forward and backward graph
+    replays, and the backend's summary."""
     before, config.cuda_graphs = config.cuda_graphs, graphs
     try:
         model = _llama()
-        compiled = torch.compile(model, backend="teeny")
+        compiled = torch.compile(model, backend="teeny", mode=mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         result = steps(compiled, model, optimizer)
         entry = backend.reports()[-1].entries[0]
@@ -176,3 +177,19 @@ def test_no_grad_evaluation_between_steps_and_a_copy_of_the_model():
     expected, _, _ = _train(False, steps)
     actual, _, _ = _train(True, steps)
     _assert_same(actual, expected)
+
+
+@needs_gpu
+def test_mode_reduce_overhead_replays_as_graphs_with_the_switch_off():
+    """``torch.compile(model, backend="teeny", mode="reduce-overhead")``: this model's region
+    replays as CUDA graphs while ``config.cuda_graphs`` stays off, with the tapes' numbers."""
+
+    def steps(compiled, model, optimizer):
+        return _loop(compiled, model, optimizer, autocast=True)
+
+    expected, untouched, _ = _train(False, steps)
+    actual, graphed, summary = _train(False, steps, mode="reduce-overhead")
+    assert untouched == (0, 0)
+    assert graphed[0] >= 4 and graphed[1] >= 3, graphed
+    _assert_same(actual, expected)
+    assert "forward as a CUDA graph" in summary, summary

@@ -245,8 +245,29 @@ def test_the_backends_options_are_checked_by_name():
         backend.teeny_backend(gm, [x], options={"fast": True})
     with pytest.raises(teeny.TeenyError, match="'recompute' must be True or False, got 'yes'"):
         backend.teeny_backend(gm, [x], options={"recompute": "yes"})
-    with pytest.raises(teeny.TeenyError, match="takes no mode"):
-        backend.teeny_backend(gm, [x], mode="max-autotune")
+    with pytest.raises(teeny.TeenyError, match="unknown mode 'fastest' \\(known: default, reduce-overhead, "):
+        backend.teeny_backend(gm, [x], mode="fastest")
+    with pytest.raises(teeny.TeenyError, match="takes no fullgraph"):
+        backend.teeny_backend(gm, [x], fullgraph=True)
+
+
+@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+def test_torch_compiles_mode_says_whether_the_region_replays_as_cuda_graphs(mode):
+    """``torch.compile(..., mode=)`` reaches the backend: "reduce-overhead" and "max-autotune"
+    replay the region as CUDA graphs on a GPU (``tests/test_backend_graphs.py`` runs them there),
+    the others launch by launch; the numbers are the same either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).to(DEVICE)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, device=DEVICE)
+    loss = torch.compile(model, backend="teeny", mode=mode)(x).square().sum()
+    expected = reference(x).square().sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    _assert_same_training(model, reference)
+    (entry,) = [entry for report in backend.reports() for entry in report.entries]
+    assert entry._forward_replay.always == (mode in ("reduce-overhead", "max-autotune"))
 
 
 def test_autocast_casts_a_model_writes_from_a_tensors_dtype_lower_as_mixed_precision():

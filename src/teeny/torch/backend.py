@@ -30,6 +30,9 @@ lifted to an input (the user's own tensors, in place). ``teeny_backend`` returns
    runs in the region's own dtypes: teeny's programs in mixed precision, PyTorch's calls in
    float32. Nothing fails because an op is missing.
 
+``torch.compile(model, backend="teeny", mode="reduce-overhead")`` (or ``"max-autotune"``): the region
+replays as CUDA graphs on a GPU, as with ``teeny.core.config.cuda_graphs`` on, for this model only.
+
 ``torch.compile(model, backend="teeny", options={"recompute": True})``: the outputs of norms and
 element-wise activations, and mixed precision's half-precision copies of the parameters, are not
 kept for the backward but written again there
@@ -287,8 +290,16 @@ class Region:
     """One region dynamo captured: built into a teeny program per call signature (``_Program``),
     or split into teeny programs and ATen calls where teeny lacks an op (``_Split``)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, recompute: bool = False, precision: str | None = None):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        name: str,
+        recompute: bool = False,
+        precision: str | None = None,
+        cuda_graphs: bool = False,
+    ):
         self.gm, self.name, self.recompute = gm, name, recompute
+        self.cuda_graphs = cuda_graphs  # replayed as CUDA graphs on a GPU whatever config.cuda_graphs says
         self.precision = precision  # a split region's partition: its mixed precision (run outside autocast)
         self.report = RegionReport(name)
         _REPORTS.append(self.report)
@@ -364,7 +375,7 @@ class Region:
                 imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision, self.recompute
             )
         )
-        entry.replay_as_cuda_graphs()  # a whole model or a large part: one launch a call (config.cuda_graphs)
+        entry.replay_as_cuda_graphs(always=self.cuda_graphs)  # (else as config.cuda_graphs says, call by call)
         self.report.teeny_calls.update(plan["calls"])
         self.report.teeny_nodes += len(entry.executor.program.nodes)
         self.report.entries.append(entry)
@@ -414,7 +425,10 @@ class _Split:
         for node in self.gm.graph.nodes:
             if node.op == "call_module" and node.target.startswith("fused_"):  # not ep.module()'s _guards_fn
                 sub = self.gm.get_submodule(node.target)
-                part = Region(sub, f"{region.name}.{node.target}", region.recompute, precision or region.precision)
+                part = Region(
+                    sub, f"{region.name}.{node.target}", region.recompute, precision or region.precision,
+                    region.cuda_graphs,
+                )  # fmt: skip
                 setattr(self.gm, node.target, _RegionModule(part))
         self.gm.recompile()
         self.half = half
@@ -500,14 +514,25 @@ class _RegionModule(nn.Module):
 OPTIONS = {"recompute": "norms', activations' and weight casts' outputs made again in the backward, not kept (a bool)"}
 
 
+# torch.compile's modes: whether the region replays as CUDA graphs (as inductor's modes use them)
+MODES = {"default": False, "reduce-overhead": True, "max-autotune": True, "max-autotune-no-cudagraphs": False}
+
+
 def teeny_backend(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **other: Any
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict | None = None,
+    mode: str | None = None,
+    **other: Any,
 ) -> Region:
     """The ``torch.compile`` backend: the captured region as teeny programs (module docstring).
     The program for ``example_inputs`` is built now, so the first step's time includes it.
-    ``options``: ``torch.compile``'s, the keys of ``OPTIONS``."""
+    ``options``: ``torch.compile``'s, the keys of ``OPTIONS``; ``mode``: its mode, one of
+    ``MODES`` ("reduce-overhead" and "max-autotune" replay the region as CUDA graphs)."""
     if other:
         raise TeenyError(f"backend 'teeny' takes no {' or '.join(sorted(other))} (options: {sorted(OPTIONS)})")
+    if mode is not None and mode not in MODES:
+        raise TeenyError(f"backend 'teeny': unknown mode {mode!r} (known: {', '.join(MODES)})")
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -516,7 +541,7 @@ def teeny_backend(
     recompute = options.get("recompute", False)
     if not isinstance(recompute, bool):
         raise TeenyError(f"backend 'teeny': option 'recompute' must be True or False, got {recompute!r}")
-    region = Region(gm, f"region{len(_REPORTS)}", recompute=recompute)
+    region = Region(gm, f"region{len(_REPORTS)}", recompute=recompute, cuda_graphs=MODES.get(mode, False))
     example = list(example_inputs)
     if all(type(a) in (torch.Tensor, nn.Parameter, int, float, bool) for a in example):  # not dynamic shapes
         region.programs[_signature(example)] = region._build(example)

@@ -19,11 +19,12 @@ first item. A ``torch.nn`` loss module (the ``teeny train --torch-model`` contra
 the same seed: ``eager``; ``compile-<mode>`` (``torch.compile`` in each of ``COMPILE_MODES``;
 ``compile`` names all three); ``teeny-patch`` (``teeny.torch.patch``); ``teeny-patch+compile``
 (patched, then compiled in the default mode); ``teeny-backend`` (``torch.compile(model,
-backend="teeny")``: the whole model as teeny programs; ``+graphs``: with ``teeny.core.config.cuda_graphs``
-on, ``+recompute``: with the option ``recompute``); ``liger`` (Liger-Kernel's patch for the model's
-transformers type, when installed; it patches transformers' module functions for the whole
-process, so it always runs last). On the CPU the compiled variants are skipped unless asked for
-(inductor builds C++ for minutes there) and Liger, whose kernels need a GPU, is skipped.
+backend="teeny")``: the whole model as teeny programs; ``-reduce-overhead``: in that mode, its
+programs replayed as CUDA graphs; ``+recompute``: with the option ``recompute``); ``liger``
+(Liger-Kernel's patch for the model's transformers type, when installed; it patches
+transformers' module functions for the whole process, so it always runs last). On the CPU the
+compiled variants are skipped unless asked for (inductor builds C++ for minutes there) and
+Liger, whose kernels need a GPU, is skipped.
 
 **A step** is ``zero_grad``, the forward and loss (under bfloat16 autocast with
 ``precision="bf16-autocast"``, the default on CUDA; float32 otherwise), ``backward`` and
@@ -62,7 +63,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import config
 from ..core import device as teeny_device
 from ..core.extras import install_hint
 
@@ -80,8 +80,8 @@ class Variant:
     compile_mode: str | None = None
     liger: bool = False
     teeny_backend: bool = False  # torch.compile(model, backend="teeny")
+    backend_mode: str | None = None  # torch.compile's mode for the teeny backend
     backend_options: tuple = ()  # its options (name, value), e.g. (("recompute", True),)
-    cuda_graphs: bool = False  # teeny.core.config.cuda_graphs on for the step
 
 
 VARIANTS: dict[str, Variant] = {
@@ -92,7 +92,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("teeny-patch", teeny_patch=True),
         Variant("teeny-patch+compile", teeny_patch=True, compile_mode="default"),
         Variant("teeny-backend", teeny_backend=True),
-        Variant("teeny-backend+graphs", teeny_backend=True, cuda_graphs=True),
+        Variant("teeny-backend-reduce-overhead", teeny_backend=True, backend_mode="reduce-overhead"),
         Variant("teeny-backend+recompute", teeny_backend=True, backend_options=(("recompute", True),)),
         Variant("liger", liger=True),
     )
@@ -272,7 +272,8 @@ def run_variant(
     if variant.teeny_backend:
         from . import backend
 
-        forward = torch.compile(model, backend="teeny", options=dict(variant.backend_options))
+        options = dict(variant.backend_options) or None
+        forward = torch.compile(model, backend="teeny", mode=variant.backend_mode, options=options)
         regions_before = len(backend.reports())
     graphed = cuda and variant.compile_mode == "reduce-overhead"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda)
@@ -360,8 +361,6 @@ def run_bench(
             log(f"{name}: skipped: {reason}")
             continue
         log(f"{name}: running {1 + warmup + steps} steps")
-        graphs_before = config.cuda_graphs
-        config.cuda_graphs = graphs_before or variant.cuda_graphs
         try:
             row = run_variant(
                 variant, made, batch, device=device, steps=steps, warmup=warmup, precision=precision, lr=lr, seed=seed
@@ -370,8 +369,6 @@ def run_bench(
             if show_traceback:
                 traceback.print_exc()
             row = Row(name, "failed", _one_line(exc))
-        finally:
-            config.cuda_graphs = graphs_before
         log(f"{name}: {row.status}: {row.note}" if row.status != "ok" else f"{name}: {_summary(row)}")
         rows.append(row)
         if variant.compile_mode or variant.teeny_backend:

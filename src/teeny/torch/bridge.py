@@ -151,13 +151,14 @@ class Compiled:
         self._forward_replay = Replayed(self._run_forward, self._blocked)
         self._backward_replays: dict[tuple[bool, ...], Replayed] = {}  # by which seeded outputs have a gradient
 
-    def replay_as_cuda_graphs(self) -> None:
+    def replay_as_cuda_graphs(self, always: bool = False) -> None:
         """From now on replay this entry's recorded calls as CUDA graphs on a GPU
-        (``teeny.torch.graphed``): for a whole model's region (``torch.compile(backend="teeny")``),
-        whose replayed launches take more host time than its kernels take on the GPU."""
+        (``teeny.torch.graphed``) while ``teeny.core.config.cuda_graphs`` is on, or ``always``:
+        for a whole model's region (``torch.compile(backend="teeny")``), whose replayed launches
+        take more host time than its kernels take on the GPU."""
         pool = GraphPool()  # one for the forward's graphs and the backward's
-        self._replayed = functools.partial(GraphedReplayed, pool=pool)
-        self._forward_replay = GraphedReplayed(self._run_forward, self._blocked, pool)
+        self._replayed = functools.partial(GraphedReplayed, pool=pool, always=always)
+        self._forward_replay = GraphedReplayed(self._run_forward, self._blocked, pool, always)
         self._backward_replays.clear()
 
     @property

@@ -28,8 +28,9 @@ replay the graph:
 
 Only where the tape runs on a GPU, outside any capture already under way, and while
 ``teeny.core.config.cuda_graphs`` is on (off by default, ``TEENY_CUDA_GRAPHS=1``: see
-``teeny.core.config`` for why). A capture that fails (something in the run cannot be captured)
-leaves the tape's path, and says why in ``not_graphed``.
+``teeny.core.config`` for why) or the region was compiled with ``mode="reduce-overhead"``. A
+capture that fails (something in the run cannot be captured) leaves the tape's path, and says
+why in ``not_graphed``.
 """
 
 from __future__ import annotations
@@ -120,9 +121,16 @@ class _Graph:
 class GraphedReplayed(Replayed):
     """``Replayed`` whose tapes are replayed as CUDA graphs (see the module docstring)."""
 
-    def __init__(self, fn: Callable[[list], list], blocked: str | None = None, pool: GraphPool | None = None):
+    def __init__(
+        self,
+        fn: Callable[[list], list],
+        blocked: str | None = None,
+        pool: GraphPool | None = None,
+        always: bool = False,
+    ):
         super().__init__(fn, blocked)
         self.pool = pool or GraphPool()  # shared with the other direction's (bridge.Compiled)
+        self.always = always  # graphs whatever config.cuda_graphs says (torch.compile's mode="reduce-overhead")
         self.graphs: dict[tuple | None, _Graph] = {}
         self.captures = 0  # a graph whose fixed inputs moved is captured again, up to MAX_CAPTURES times
         self.addresses: dict[tuple | None, list[int]] = {}  # the inputs' addresses at the pattern's last call
@@ -135,7 +143,8 @@ class GraphedReplayed(Replayed):
         return super().__call__(tensors, consume)
 
     def replay_tape(self, pattern: tuple | None, tape: Tape, tensors: Sequence[torch.Tensor], consume: bool):
-        if not config.cuda_graphs or self.not_graphed is not None or tape.device.type != "cuda" or capturing():
+        wanted = self.always or config.cuda_graphs
+        if not wanted or self.not_graphed is not None or tape.device.type != "cuda" or capturing():
             return super().replay_tape(pattern, tape, tensors, consume)
         graph = self.graphs.get(pattern)
         if graph is not None and not graph.fits(tensors):  # a parameter was replaced: capture again
