@@ -126,6 +126,23 @@ def _assert_no_further_from_float32_than_autocast(model, reference, truth):
             assert ours <= 3 * eagers + 1e-2 * scale, (name, ours, eagers, scale)
 
 
+def test_gpt2s_loss_is_its_own_region_unless_its_loss_type_is_set():
+    """transformers' ``loss_function`` logs a warning at each call for a class whose name names no
+    loss (``GPT2LMHeadModel``): dynamo splits the graph there, for any backend. Setting
+    ``model.loss_type`` (as the README says) makes the model and its loss one region."""
+    torch.manual_seed(0)
+    model = _causal_lm("gpt2").to(DEVICE)
+    ids = torch.randint(0, 61, (2, 9), device=DEVICE)
+    expected = copy.deepcopy(model)(input_ids=ids, labels=ids).loss
+    for loss_type, regions in ((None, 2), ("ForCausalLM", 1)):
+        torch._dynamo.reset()
+        backend.reset()
+        model.loss_type = loss_type
+        loss = torch.compile(model, backend="teeny")(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        assert len(backend.reports()) == regions, backend.report()
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16 autocast"])
 def test_a_padding_mask_is_built_by_pytorch_and_read_by_teenys_attention(autocast):
     """The mask transformers builds from ``attention_mask`` is integer and boolean work, which
