@@ -232,6 +232,7 @@ def test_recompute_under_autocast_casts_the_weights_again_with_the_same_gradient
     outputs; the loss and every gradient are those of the program that keeps them (bit for bit on
     the CPU)."""
     from teeny.ops.cast import CastOp
+    from teeny.ops.products.ops import LinearOp
 
     torch.manual_seed(0)
     model = _causal_lm("llama").to(DEVICE)
@@ -250,7 +251,7 @@ def test_recompute_under_autocast_casts_the_weights_again_with_the_same_gradient
     recomputing, keeping = (entry.executor.program for report in backend.reports() for entry in report.entries)
     again = {recomputing.nodes[j] for p in recomputing.nodes for j in p.recomputed.values()}
     weight_casts = [p for p in recomputing.nodes if isinstance(p.op, CastOp) and p.node.inputs[0].kind != "node"]
-    linears = sum(1 for p in recomputing.nodes if type(p.op).__name__ == "LinearOp")
+    linears = sum(1 for p in recomputing.nodes if type(p.op) is LinearOp)
     assert len([p for p in weight_casts if p in again]) >= linears  # every product's weight
     assert not any(p.recomputed for p in keeping.nodes)
 
