@@ -66,7 +66,7 @@ def _train(graphs: bool, steps, mode: str | None = None):
         compiled = torch.compile(model, backend="teeny", mode=mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         result = steps(compiled, model, optimizer)
-        entry = backend.reports()[-1].entries[0]
+        entry = backend.reports()[-1].live_entries()[0]
         graphed = (
             entry._forward_replay.graph_replays,
             sum(r.graph_replays for r in entry._backward_replays.values()),

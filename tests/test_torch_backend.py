@@ -193,7 +193,7 @@ def test_autocast_around_the_model_lowers_as_mixed_precision():
     assert loss.dtype == expected.dtype
     assert out.logits.dtype == eager.logits.dtype == torch.bfloat16  # the head's product, as autocast makes it
     torch.testing.assert_close(out.logits, eager.logits, rtol=2e-2, atol=2e-2)
-    (program,) = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    (program,) = [entry.executor.program for report in backend.reports() for entry in report.live_entries()]
     rewrites = {report.rewrite for report in program.rewrites}
     assert {"fold_loss_upcast", "read_grouped_kv"} <= rewrites  # no float32 logits, no repeated k and v
     assert "attention_in_place" in rewrites  # no transposes around the attention, q and k rotated unsplit
@@ -222,7 +222,7 @@ def test_the_recompute_option_keeps_fewer_activations_for_the_same_gradients():
     loss.backward()
     expected.backward()
     _assert_same_training(model, reference)
-    (program,) = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    (program,) = [entry.executor.program for report in backend.reports() for entry in report.live_entries()]
     assert any(p.recomputed for p in program.nodes) and "recompute:" in program.summary()
 
 
@@ -248,7 +248,7 @@ def test_recompute_under_autocast_casts_the_weights_again_with_the_same_gradient
     torch.testing.assert_close(losses[0], losses[1], **exact)
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **exact, msg=name)
-    recomputing, keeping = (entry.executor.program for report in backend.reports() for entry in report.entries)
+    recomputing, keeping = (entry.executor.program for report in backend.reports() for entry in report.live_entries())
     again = {recomputing.nodes[j] for p in recomputing.nodes for j in p.recomputed.values()}
     weight_casts = [p for p in recomputing.nodes if isinstance(p.op, CastOp) and p.node.inputs[0].kind != "node"]
     linears = sum(1 for p in recomputing.nodes if type(p.op) is LinearOp)
@@ -284,7 +284,7 @@ def test_torch_compiles_mode_says_whether_the_region_replays_as_cuda_graphs(mode
     loss.backward()
     expected.backward()
     _assert_same_training(model, reference)
-    (entry,) = [entry for report in backend.reports() for entry in report.entries]
+    (entry,) = [entry for report in backend.reports() for entry in report.live_entries()]
     assert entry._forward_replay.always == (mode in ("reduce-overhead", "max-autotune"))
 
 
@@ -376,7 +376,7 @@ def test_a_split_region_trains_as_eager_and_under_autocast_as_autocast_does(auto
     _assert_same_training(model, exact, grad_rtol=5e-2 if autocast else 1e-5)
     text = backend.report()
     assert "PyTorch runs aten.topk.default" in text and "PyTorch runs aten.cumsum.default" in text
-    programs = [entry.executor.program for report in backend.reports() for entry in report.entries]
+    programs = [entry.executor.program for report in backend.reports() for entry in report.live_entries()]
     assert len(programs) >= 2
     assert all(("mixed_precision_bfloat16" in {r.rewrite for r in p.rewrites}) == autocast for p in programs)
 
@@ -505,3 +505,24 @@ def test_the_name_is_registered_whether_accelerate_is_imported_before_or_after_t
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "teeny", "SourceFileLoader", "False"], done.stdout
+
+
+def test_a_region_dynamo_lets_go_frees_its_programs_and_keeps_its_report():
+    """The reports (``backend.reports()``) keep what a region became, not its programs: after
+    ``torch._dynamo.reset()`` and the model gone, the executors and their memory are freed
+    (a bench running variants one after another, a user compiling a second model)."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).to(DEVICE)
+    compiled = torch.compile(model, backend="teeny")
+    compiled(torch.randn(3, 4, device=DEVICE)).sum().backward()
+    (report,) = backend.reports()
+    (entry,) = report.live_entries()
+    executor = weakref.ref(entry.executor)
+    del entry, compiled, model
+    torch._dynamo.reset()
+    gc.collect()
+    assert executor() is None
+    assert report.live_entries() == [] and report.replayed() == "released"
+    assert report.programs == 1 and "1 teeny program" in backend.report()

@@ -52,6 +52,7 @@ import logging
 import operator
 import os
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,15 +83,24 @@ class RegionReport:
     programs: int = 0
     teeny_calls: Counter = field(default_factory=Counter)  # ATen op (or fused module class) -> calls
     teeny_nodes: int = 0  # nodes of the teeny programs, after teeny's rewrites
-    entries: list = field(default_factory=list)  # the programs' bridge entries (their replays: ``replayed``)
+    # weak references to the programs' bridge entries (their replays: ``replayed``): a report kept
+    # in this module's list must not keep a region's memory alive after dynamo lets it go
+    entries: list[weakref.ref] = field(default_factory=list)
     torch_calls: dict[str, str] = field(default_factory=dict)  # ATen op -> why teeny left it
     build_seconds: float = 0.0
+
+    def live_entries(self) -> list:
+        """The programs' bridge entries still alive (dynamo still holds their region)."""
+        return [entry for entry in (ref() for ref in self.entries) if entry is not None]
 
     def replayed(self) -> str:
         """Whether the programs' calls replay their recorded launches (``teeny.program.tape``) and
         as CUDA graphs (``teeny.torch.graphed``), or why not."""
         parts = []
-        for entry in self.entries:
+        live = self.live_entries()
+        if self.entries and not live:
+            return "released"
+        for entry in live:
             for way, replays in (("forward", [entry._forward_replay]), ("backward", entry._backward_replays.values())):
                 reasons = {r.not_recorded for r in replays if r.not_recorded}
                 not_graphed = {r.not_graphed for r in replays if getattr(r, "not_graphed", None)}
@@ -370,7 +380,7 @@ class Region:
         wants = [torch.is_grad_enabled() and t.requires_grad for t in tensors]
         key = f"region:{self.name}:{len(self.programs)}:{id(self)}"
         label = f"region {self.name}"
-        entry = bridge.remember(
+        entry = bridge.remember_owned(  # held by this region's programs, freed with it
             bridge.compile_function(
                 imported, tuple(tensors), {}, wants, key, label, labels, (self,), precision, self.recompute
             )
@@ -378,7 +388,7 @@ class Region:
         entry.replay_as_cuda_graphs(always=self.cuda_graphs)  # (else as config.cuda_graphs says, call by call)
         self.report.teeny_calls.update(plan["calls"])
         self.report.teeny_nodes += len(entry.executor.program.nodes)
-        self.report.entries.append(entry)
+        self.report.entries.append(weakref.ref(entry))
         return _Program(entry, plan["outputs"], plan["written"])
 
 

@@ -508,6 +508,9 @@ def _mutated_inputs(program, graph: Graph) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- the cache
 
 _ENTRIES: OrderedDict[str, Compiled] = OrderedDict()
+# entries an owner holds (a torch.compile region its programs): found by key while the owner lives,
+# freed with it (dynamo's reset, the model gone), never pushed out of the bounded cache above
+_OWNED: weakref.WeakValueDictionary[str, Compiled] = weakref.WeakValueDictionary()
 _BUILDERS: list[tuple[str, Callable[[str], Compiled]]] = []  # key prefix -> rebuild from the key
 
 
@@ -522,6 +525,9 @@ def lookup(key: str) -> Compiled:
     if entry is not None:
         _ENTRIES.move_to_end(key)
         return entry
+    entry = _OWNED.get(key)
+    if entry is not None:
+        return entry
     for prefix, build in _BUILDERS:
         if key.startswith(prefix):
             return remember(build(key))
@@ -535,10 +541,18 @@ def lookup(key: str) -> Compiled:
 
 
 def remember(entry: Compiled) -> Compiled:
+    """Cache ``entry`` under its key (the least recently used go first past ``CACHE_SIZE``)."""
     _ENTRIES[entry.key] = entry
     _ENTRIES.move_to_end(entry.key)
     while len(_ENTRIES) > CACHE_SIZE:
         _ENTRIES.popitem(last=False)
+    return entry
+
+
+def remember_owned(entry: Compiled) -> Compiled:
+    """Make ``entry`` findable by its key for as long as something else holds it (its owner: a
+    ``torch.compile`` region), without the cache keeping it (or its executor's memory) alive."""
+    _OWNED[entry.key] = entry
     return entry
 
 
@@ -632,8 +646,8 @@ def _input_gradients(ctx, grads, eager: bool) -> list[torch.Tensor | None]:
     """The gradients of the flat inputs (``None`` each for an entry lowered for inference), through
     the backward operator, or straight through the entry when ``eager``."""
     entry: Compiled = ctx.entry
-    if entry.key not in _ENTRIES:  # evicted since the forward: the autograd graph kept it alive
-        remember(entry)
+    if entry.key not in _ENTRIES and entry.key not in _OWNED:  # evicted since the forward: the autograd
+        remember(entry)  # graph kept it alive
     if not entry.training:  # lowered for inference (stop_gradient): no gradient, one None per input
         return [None] * len(entry.input_names)
     try:
