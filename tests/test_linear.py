@@ -431,6 +431,83 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
     torch.testing.assert_close(dh.cpu().double(), h_in64.grad.cpu(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("where", list(EPILOGUE_KERNELS))
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_buffer", "in_place"])
+def test_addend_epilogue_in_every_product_kernel(dtype, where, in_place, gen, monkeypatch):
+    """dX = dY W + the gradient waiting (``launches.addend_epilogue``: linear's ``grad_accumulates``),
+    into a new buffer or over the waiting one, rounded as the product stored alone and summed after:
+    in the strided kernel, in matmul_tma and in the segment sums of its stream-K tiles."""
+    kind, options, sms = EPILOGUE_KERNELS[where]
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: sms)
+    rows, fin, fout = 45, 72, 80
+    dy, w, waiting = (
+        torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in ((rows, fout), (fout, fin), (rows, fin))
+    )
+    expected = (dy.double() @ w.double()).to(dtype).double() + waiting.double()
+    product = LinearOp.products([(rows, fin), (fout, fin)])["grad_input"]
+    config = dict(products_tuning._cfg(16, 32, 16, 4, 2, kind=kind, **options), K_MAJOR=False)
+    dx = waiting if in_place else torch.full_like(waiting, float("nan"))
+    addend = waiting.clone() if not in_place else waiting
+    launches = products_launches.product_launches(
+        product, config, x=dy, y=w, z=dx, dtype=dtype, precision=products_kernels.dot_precision(dtype, False),
+        scratch=lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE),
+        epilogue=products_launches.addend_epilogue(addend),
+    )  # fmt: skip
+    _run(launches, dtype)
+    atol, rtol = tolerance(dtype, fout)
+    torch.testing.assert_close(dx.cpu().double(), expected.cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("adds", [True, False], ids=["in_the_epilogue", "by_an_accumulate_launch"])
+def test_linears_of_one_input_sum_its_gradient_in_their_products(adds, monkeypatch, gen):
+    """x read by three linears (an attention's q, k and v projections) and then a gelu: the
+    linears' backwards add dX to the gradient waiting in their product's epilogue
+    (``grad_accumulates``), so no accumulate launch sums x's gradient; float64 gradients are
+    torch's either way, and a float64 gradcheck holds through the epilogue."""
+    from teeny.program import executor as executor_module
+
+    monkeypatch.setattr(LinearOp, "grad_accumulates", adds)
+    sums = []
+    original = executor_module.accumulate
+    monkeypatch.setattr(executor_module, "accumulate", lambda *a: (sums.append(1), original(*a))[1])
+
+    def graph():
+        g = Graph()
+        x = g.input("x", (2, 3, 8), dtype=torch.float64, requires_grad=True)
+        ws = [g.input(f"w{i}", (n, 8), dtype=torch.float64, requires_grad=True) for i, n in enumerate((6, 4, 4))]
+        b = g.input("b", (4,), dtype=torch.float64, requires_grad=True)
+        q, k, v = teeny.ops.linear(x, ws[0]), teeny.ops.linear(x, ws[1], b), teeny.ops.linear(x, ws[2])
+        g.output(
+            teeny.ops.add(
+                teeny.ops.sum(teeny.ops.exp(q)),
+                teeny.ops.add(teeny.ops.sum(teeny.ops.mul(k, v)), teeny.ops.sum(teeny.ops.gelu(x))),
+            )
+        )
+        return g
+
+    feed = {"x": torch.randn(2, 3, 8, generator=gen, dtype=torch.float64), "b": torch.randn(4, generator=gen).double()}
+    feed |= {f"w{i}": torch.randn(n, 8, generator=gen, dtype=torch.float64) / 3 for i, n in enumerate((6, 4, 4))}
+    program = lower(graph(), LoweringMode.TRAINING)
+
+    def configs():  # the products' configurations: the dry run chose each one the run uses
+        return {(p.name, key[0]) for p in program.nodes if isinstance(p.op, LinearOp) for key in p.op.configs}
+
+    chosen = configs()
+    ex = teeny.Executor(program)
+    grads = ex.backward(ex.forward_train(feed)[1])
+    assert len(sums) == (0 if adds else 3)
+    assert configs() == chosen and sum(name == "grad_input+addend" for _, name in chosen) == (3 if adds else 0)
+    ref = {n: t.clone().requires_grad_() for n, t in feed.items()}
+    x = ref["x"]
+    q, k, v = x @ ref["w0"].T, x @ ref["w1"].T + ref["b"], x @ ref["w2"].T
+    (q.exp().sum() + (k * v).sum() + torch.nn.functional.gelu(x).sum()).backward()
+    for name, t in ref.items():
+        torch.testing.assert_close(grads[name].cpu(), t.grad, rtol=1e-12, atol=1e-12, msg=name)
+    if adds:
+        teeny.gradcheck_graph(graph(), feed)
+
+
 @pytest.mark.slow
 def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host():
     """matmul_tma's launches (forward with bias, dX, dW with the bias gradient shared out

@@ -448,8 +448,26 @@ def extra_buffers(p: PlannedNode, alloc) -> dict[str, torch.Tensor]:
     return {name: alloc(shape, dtype) for name, (shape, dtype) in extras.items()}
 
 
+def _addend_nodes(program: Program) -> set[int]:
+    """Indices of the nodes whose backward the executor hands a gradient to add to input 0's
+    (``RuntimeOp.grad_accumulates``): input 0 is a program output, or a later node also wants
+    its gradient (the backward runs in reverse, so that node's gradient is waiting)."""
+    wanted_later: set[int] = {v.id for v in program.outputs}
+    nodes = set()
+    for index in range(len(program.nodes) - 1, -1, -1):
+        p = program.nodes[index]
+        if not p.needs_backward:
+            continue
+        x = p.node.inputs[0] if p.node.inputs else None
+        if p.op.grad_accumulates and x is not None and p.grad_mask[0] and x.id in wanted_later:
+            nodes.add(index)
+        wanted_later |= {v.id for v, wanted in zip(p.node.inputs, p.grad_mask) if wanted}
+    return nodes
+
+
 def _dry_run(program: Program) -> None:
-    for p in program.nodes:
+    addends = _addend_nodes(program)
+    for index, p in enumerate(program.nodes):
         node = p.node
         inputs = [_meta(v.shape, v.dtype) for v in node.inputs]
         output = _meta(node.output.shape, node.output.dtype)
@@ -483,6 +501,7 @@ def _dry_run(program: Program) -> None:
                 saved=saved,
                 grad_output=_meta(node.output.shape, node.output.dtype),
                 grads=[_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)],
+                grad_input_addend=_meta(node.inputs[0].shape, node.inputs[0].dtype) if index in addends else None,
                 launched=p.backward_launches,
             )
             _run_checked(node, "backward", lambda: bctx.run(node.op.backward_launches(bctx)))

@@ -175,6 +175,13 @@ def _activation_epilogue(
 
 
 @triton.jit
+def plus_addend(addend, product, a, b):
+    """The "derivative" of an addend epilogue (``launches.addend_epilogue``): Z = addend + the
+    product, the product rounded to Z's dtype first, as it is when stored alone and summed after."""
+    return addend + product
+
+
+@triton.jit
 def _load_tile(desc, row, col, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) box of ``desc`` at (row, col), as ``_store_tile`` stores it."""
     if SUBTILE:

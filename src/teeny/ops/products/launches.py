@@ -18,7 +18,7 @@ from ...core import tuning
 from ...core.common import DOT_UPCAST_BF16, acc_dtype, cdiv, pow2, sum_to_shape, tl_acc_dtype
 from ...core.runtime import ArgVisitor, Block, Launch
 from .gluon import matmul_ws
-from .kernels import TF32, TF32X3, matmul_copy, matmul_product, matmul_sum_segments, matmul_tma
+from .kernels import TF32, TF32X3, matmul_copy, matmul_product, matmul_sum_segments, matmul_tma, plus_addend
 
 # ------------------------------------------------------------------- product description
 
@@ -210,6 +210,20 @@ class Epilogue:
             ACTIVATION=None if self.derivative else op.fn,
             DERIVATIVE=op.grad if self.derivative else None,
         )
+
+
+class _Sum:
+    """What ``Epilogue`` reads of an activation, for a sum: no function forwards; backwards, the
+    loaded tile plus the product (``kernels.plus_addend``)."""
+
+    fn, grad, a, b = None, plus_addend, 0.0, 0.0
+
+
+def addend_epilogue(addend: torch.Tensor) -> Epilogue:
+    """Z = ``addend`` + the product, ``addend`` laid out like Z (and may be Z itself): a gradient
+    summed into the one waiting as the product writes it (``LinearOp``'s dX, ``grad_accumulates``),
+    rounded as the product stored alone and a separate sum would round it."""
+    return Epilogue(_Sum(), addend, derivative=True)
 
 
 NO_EPILOGUE_ARGS = dict(aux_ptr=None, act_a=0.0, act_b=0.0, ACTIVATION=None, DERIVATIVE=None)

@@ -20,7 +20,7 @@ from ...core.graph import graph_of
 from ...core.module import Module, Parameter
 from ...core.runtime import Launch, OpContext, RuntimeOp
 from .kernels import dot_precision, matmul_product
-from .launches import TMA_ALIGN, Product, contiguous_strides, plan_product, product_launches
+from .launches import TMA_ALIGN, Product, addend_epilogue, contiguous_strides, plan_product, product_launches
 from .tuning import choose_config
 
 
@@ -211,6 +211,7 @@ class LinearOp(ProductOp):
     n_activation_inputs = 1
     saves_inputs = (0, 1)  # x for dW, W for dX; the bias is not needed
     grad_over_input = True
+    grad_accumulates = True  # dX added to the gradient x's other readers left, in the product's epilogue
 
     def __init__(self, has_bias: bool):
         super().__init__()
@@ -274,7 +275,13 @@ class LinearOp(ProductOp):
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
-            launches += self.product(ctx, "grad_input", products["grad_input"], x=go, y=w, z=dx)
+            addend = ctx.grad_input_addend  # x's other readers' gradient: summed in the epilogue
+            if addend is None:
+                launches += self.product(ctx, "grad_input", products["grad_input"], x=go, y=w, z=dx)
+            else:
+                epilogue = addend_epilogue(addend)
+                p = products["grad_input"]
+                launches += self.product(ctx, "grad_input+addend", p, x=go, y=w, z=dx, epilogue=epilogue)
         return launches
 
 
