@@ -459,6 +459,33 @@ def test_addend_epilogue_in_every_product_kernel(dtype, where, in_place, gen, mo
     torch.testing.assert_close(dx.cpu().double(), expected.cpu(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("where", list(EPILOGUE_KERNELS))
+def test_float32_weight_gradient_of_half_operands_in_every_product_kernel(dtype, where, gen, monkeypatch):
+    """dW = dY^T X of half-precision operands written in float32, with db (dY's column sums) in
+    float32 too (``fusions.master_weights``): the float32 sums stored as they are, not rounded to
+    the operands' dtype first, in the strided kernel, matmul_tma and the stream-K segment sums."""
+    kind, options, sms = EPILOGUE_KERNELS[where]
+    monkeypatch.setattr(teeny.core.tuning, "multiprocessors", lambda: sms)
+    rows, fin, fout = 72, 48, 80
+    dy, x = (torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in ((rows, fout), (rows, fin)))
+    product = LinearOp.products([(rows, fin), (fout, fin)])["grad_weight"]
+    config = dict(products_tuning._cfg(16, 32, 16, 4, 2, kind=kind, **options), K_MAJOR=False)
+    dw = torch.full((fout, fin), float("nan"), device=teeny.DEVICE)
+    db = torch.full((fout,), float("nan"), device=teeny.DEVICE)
+    launches = products_launches.product_launches(
+        product, config, x=dy, y=x, z=dw, dtype=dtype, precision=products_kernels.dot_precision(dtype, False),
+        scratch=lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), row_sums=db,
+    )  # fmt: skip
+    _run(launches, dtype)
+    expected = dy.double().T @ x.double()
+    assert dw.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(dw.cpu().double(), expected.cpu(), atol=1e-4 * rows, rtol=1e-5)
+    torch.testing.assert_close(db.cpu().double(), dy.double().sum(0).cpu(), atol=1e-4 * rows, rtol=1e-5)
+    rounding = (expected - expected.to(dtype).double()).abs().max().item()
+    assert (dw.double() - expected).abs().max().item() < rounding / 4  # not rounded to the operands' dtype
+
+
 @pytest.mark.parametrize("adds", [True, False], ids=["in_the_epilogue", "by_an_accumulate_launch"])
 def test_linears_of_one_input_sum_its_gradient_in_their_products(adds, monkeypatch, gen):
     """x read by three linears (an attention's q, k and v projections) and then a gelu: the

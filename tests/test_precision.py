@@ -13,8 +13,11 @@ import teeny
 from helpers import train_step
 from teeny import Graph, LoweringMode, lower, ops
 from teeny.core.module import Module
+from teeny.fusions.master_weights import MasterWeightLinearOp
 from teeny.fusions.residual_norm import AddNormOp
+from teeny.fusions.transposed_weights import TransposedWeightLinearOp
 from teeny.ops.cast import CastOp
+from teeny.ops.products.ops import LinearOp
 from teeny.program.executor import Executor
 from teeny.training.loop import TrainConfig, train
 from teeny.training.models import MLP, CharTask, make_task
@@ -43,13 +46,10 @@ def test_bf16_mixed_computes_in_bfloat16_on_float32_parameters():
     assert by_op["cross_entropy"].dtype == BF16 and by_op["cross_entropy"].output.dtype == torch.float32
     assert program.loss.dtype == torch.float32
     casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
-    assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == [
-        "fc1.bias",
-        "fc1.weight",
-        "fc2.bias",
-        "fc2.weight",
-        "x",
-    ]
+    assert [n.inputs[0].name for n in casts if n.inputs[0].kind != "node"] == ["x"]
+    # the parameters' casts are the linears' own (fusions.master_weights): float32 read, dW written float32
+    linears = [p.node for p in program.nodes if isinstance(p.op, MasterWeightLinearOp)]
+    assert [[v.name for v in n.inputs[1:]] for n in linears] == [["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"]]
     ex = Executor(program)
     assert set(ex.param_arenas) == set(ex.grad_arenas) == {torch.float32}
     assert all(t.dtype == torch.float32 for t in ex.params.values())
@@ -98,7 +98,7 @@ def test_a_models_own_upcast_of_its_logits_is_folded_into_the_loss(gen):
     g.output(ops.cross_entropy(ops.reshape(logits, (8, 5)), y))
     program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=())
     casts = [p.node for p in program.nodes if isinstance(p.op, CastOp)]
-    assert sorted(n.inputs[0].name for n in casts if n.inputs[0].kind != "node") == ["bias", "weight", "x"]
+    assert [n.inputs[0].name for n in casts if n.inputs[0].kind != "node"] == ["x"]  # (W, b: the linear's own)
     assert not [n for n in casts if n.inputs[0].kind == "node"]  # the logits: none
     (loss,) = [p.node for p in program.nodes if p.op.name == "cross_entropy"]
     assert loss.inputs[0].dtype == BF16 and loss.output.dtype == torch.float32
@@ -216,3 +216,64 @@ def test_cli_trains_gpt2_in_bf16_mixed_by_default():
     config = TrainConfig(**settings)
     config.validate()
     assert config.precision == "bf16-mixed" and config.batch_size == 8
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "cast_again"])
+def test_linears_cast_their_master_weights_and_write_float32_gradients(recompute, gen):
+    """bf16-mixed: each linear reads its float32 weight and bias (``MasterWeightLinearOp``): the
+    bfloat16 copy of W is made by the linear's forward (kept for dX, or with ``recompute`` cast
+    again in the backward), the bias read in float32, dW and db written in float32 by the
+    products, rounded once: no cast node and no cast launch in the backward. The gradients are
+    the float32 program's to bfloat16 accuracy, and the same bit for bit kept or cast again."""
+    g, feed = _mlp_graph(x_grad=True), _feed(gen)
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed", recompute=recompute)
+    assert "read_master_weights: linears casting their float32 weights themselves: 2 (2 biases" in program.summary()
+    names = [launch.kernel.name for p in program.nodes for launch in p.backward_launches]
+    assert names.count("cast_forward") == (2 if recompute else 0) and "cast_backward" in names  # (x's gradient)
+    assert names.count("cast_backward") == 1
+    mixed = train_step(program, feed)
+    ref = train_step(lower(g, LoweringMode.TRAINING), feed)
+    for name, grad in mixed.param_grads.items():
+        expected = ref.param_grads[name]
+        assert grad.dtype == torch.float32 and (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-4, name
+    other = train_step(lower(g, LoweringMode.TRAINING, precision="bf16-mixed", recompute=not recompute), feed)
+    for name, grad in mixed.param_grads.items():
+        assert torch.equal(grad, other.param_grads[name]), name
+    assert torch.equal(mixed.grads["x"], other.grads["x"])
+
+
+@pytest.mark.parametrize("linear", [LinearOp(True), TransposedWeightLinearOp(True)], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("recast", [False, True], ids=["kept", "cast_again"])
+def test_master_weight_linear_float64_gradcheck_and_wider_weights_against_torch(linear, recast, gen):
+    """``MasterWeightLinearOp`` in float64 all the way (its cast a copy): a finite-difference
+    gradcheck of x, W and b, with x read by another op too (dX added in the epilogue); then a
+    float32 x on float64 weights against PyTorch: y = x W.to(float32)^T + b, dW and db float64."""
+    transposed = isinstance(linear, TransposedWeightLinearOp)
+    w_shape = (7, 5) if transposed else (5, 7)
+
+    def graph(x_dtype):
+        g = Graph()
+        x = g.input("x", (2, 3, 7), dtype=x_dtype, requires_grad=True)
+        w = g.input("w", w_shape, dtype=torch.float64, requires_grad=True)
+        b = g.input("b", (5,), dtype=torch.float64, requires_grad=True)
+        y = g.apply(MasterWeightLinearOp(linear, recast), [x, w, b])
+        g.output(ops.add(ops.sum(ops.mul(y, y)), ops.sum(ops.tanh(x))))
+        return g
+
+    feed = {"x": torch.randn(2, 3, 7, generator=gen, dtype=torch.float64)}
+    feed |= {
+        "w": torch.randn(*w_shape, generator=gen, dtype=torch.float64),
+        "b": torch.randn(5, generator=gen).double(),
+    }
+    teeny.gradcheck_graph(graph(torch.float64), feed, rewrites=())
+    ex = Executor(lower(graph(torch.float32), LoweringMode.TRAINING, rewrites=()))
+    feed32 = {**feed, "x": feed["x"].float()}
+    loss, grads = ex.forward_train(feed32)[0], ex.backward(ex.forward_train(feed32)[1])
+    x, w, b = (feed32[n].clone().requires_grad_() for n in "xwb")
+    y = x @ (w.float() if transposed else w.float().T) + b.float()
+    expected = (y * y).sum() + torch.tanh(x).sum()
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    for name, t in zip("xwb", (x, w, b)):
+        assert grads[name].dtype == t.dtype
+        torch.testing.assert_close(grads[name].cpu(), t.grad, rtol=1e-5, atol=1e-5, msg=name)

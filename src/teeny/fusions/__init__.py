@@ -10,13 +10,14 @@ stays as traced. ``lower(graph, mode, rewrites=DEFAULT_REWRITES)`` runs them in 
 Each module holds one rewrite and says what it changes; ``pipeline`` has what they share
 (``Rebuild``, ``RewriteReport``, ``apply_rewrites``). Default order: ``DEFAULT_REWRITES`` below;
 ``fuse_mlp`` is asked for; ``precision=`` adds ``mixed_precision`` last, then
-``fold_loss_upcast`` again (for the casts mixed precision made).
+``fold_loss_upcast`` again (for the casts mixed precision made) and ``read_master_weights``.
 """
 
 from .attention_layout import attention_in_place
 from .chunked_loss import CHUNKED_LOGITS_MIN_BYTES, chunk_linear_cross_entropy
 from .grouped_kv import read_grouped_kv
 from .loss_upcast import fold_loss_upcast
+from .master_weights import read_master_weights
 from .mixed_precision import PRECISIONS, mixed_precision, precision_rewrites
 from .mlp_chain import fuse_mlp
 from .packed_qkv import read_packed_qkv
@@ -49,6 +50,7 @@ __all__ = [
     "fold_loss_upcast",
     "fuse_mlp",
     "fuse_qkv_products",
+    "read_master_weights",
     "fuse_residual_norm",
     "mixed_precision",
     "precision_rewrites",

@@ -20,6 +20,7 @@ from ..ops.shape.ops import ConcatOp, StopGradientOp, StridedViewOp, ViewOp
 from ..ops.unary import UnaryOp
 from .chunked_loss import LinearCrossEntropyOp
 from .loss_upcast import fold_loss_upcast
+from .master_weights import read_master_weights
 from .pipeline import Rebuild, RewriteFn
 from .qkv_products import SharedInputLinearOp
 
@@ -176,12 +177,14 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
 PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def precision_rewrites(precision: str | None) -> list[RewriteFn]:
+def precision_rewrites(precision: str | None, recompute: bool = False) -> list[RewriteFn]:
     """The rewrites ``lower(..., precision=...)`` adds after the others (None: none): mixed
-    precision, then the losses' reading of the half-precision logits it made (``fold_loss_upcast``)."""
+    precision, then the losses' reading of the half-precision logits it made (``fold_loss_upcast``)
+    and the linears' casting their float32 weights themselves (``read_master_weights``; with
+    ``recompute``, cast again in the backward)."""
     if precision is None:
         return []
     if precision not in PRECISIONS:
         choices = ", ".join(PRECISIONS)
         raise ValueError(f"unknown precision {precision!r}; choose None (the graph's dtypes) or {choices}")
-    return [mixed_precision(PRECISIONS[precision]), fold_loss_upcast]
+    return [mixed_precision(PRECISIONS[precision]), fold_loss_upcast, read_master_weights(recast=recompute)]

@@ -70,13 +70,14 @@ class CastOp(RuntimeOp):
         return self.dtype.is_floating_point
 
     def forward_launches(self, ctx):
-        return [_cast_launch(cast_forward, ctx.inputs[0], ctx.output, to_bool=self.dtype == torch.bool)]
+        return [cast_launch(cast_forward, ctx.inputs[0], ctx.output, to_bool=self.dtype == torch.bool)]
 
     def backward_launches(self, ctx):
-        return [_cast_launch(cast_backward, ctx.grad_output, ctx.grad_inputs[0])]
+        return [cast_launch(cast_backward, ctx.grad_output, ctx.grad_inputs[0])]
 
 
-def _cast_launch(kernel, src: torch.Tensor, dst: torch.Tensor, to_bool: bool = False) -> Launch:
+def cast_launch(kernel, src: torch.Tensor, dst: torch.Tensor, to_bool: bool = False) -> Launch:
+    """One launch of ``kernel`` (``cast_forward`` or ``cast_backward``) writing ``src`` into ``dst`` converted."""
     n = src.numel()
     visitor = ArgVisitor().visit(src_ptr=src, dst_ptr=dst, n=n, TO_BOOL=to_bool)
     return Launch(kernel, elementwise_grid(n, BLOCK), visitor, BLOCK, work=n)
@@ -119,12 +120,12 @@ class StackedCastOp(RuntimeOp):
         return True
 
     def forward_launches(self, ctx):
-        return [_cast_launch(cast_forward, side_by_side(ctx, ctx.params, "parameters"), ctx.output)]
+        return [cast_launch(cast_forward, side_by_side(ctx, ctx.params, "parameters"), ctx.output)]
 
     def backward_launches(self, ctx):
         if any(g is None for g in ctx.grad_params):  # adjacent_params keeps them trainable alike
             raise TeenyError(f"{ctx.where}: {self.name} needs the gradient of every part or of none")
-        return [_cast_launch(cast_backward, ctx.grad_output, side_by_side(ctx, ctx.grad_params, "parameter gradients"))]
+        return [cast_launch(cast_backward, ctx.grad_output, side_by_side(ctx, ctx.grad_params, "parameter gradients"))]
 
 
 def to(x, dtype: torch.dtype):

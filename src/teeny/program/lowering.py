@@ -243,7 +243,7 @@ def lower(
     outs = _resolve_outputs(graph, outputs)
     if not 1 <= seeded <= len(outs):
         raise ValueError(f"seeded={seeded}: the backward starts from 1 to {len(outs)} of the {len(outs)} outputs")
-    rewrites = list(rewrites) + precision_rewrites(precision)
+    rewrites = list(rewrites) + precision_rewrites(precision, recompute)
     graph, outs, reports = apply_rewrites(graph, outs, mode is LoweringMode.TRAINING, rewrites)
     needed = _ancestors(outs)
     planned = [

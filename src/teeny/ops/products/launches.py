@@ -281,10 +281,11 @@ def _padded(n: int, size: int) -> int:
 
 
 def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilogue: bool):
-    """What ``matmul_tma`` reads and writes for ``p``: each operand as it lies, or a K-major copy
-    of it with 16-byte aligned rows, where its rows are not aligned or where ``k_major`` asks for
-    one and it lies MN-major; Z, or a result with aligned rows that is copied into Z after.
-    Returns (launches before, X, Y, Z to use, their TmaLayout, launches after)."""
+    """What ``matmul_tma`` reads and writes for ``p`` (operands of ``size`` bytes an element; Z
+    may be wider): each operand as it lies, or a K-major copy of it with 16-byte aligned rows,
+    where its rows are not aligned or where ``k_major`` asks for one and it lies MN-major; Z, or
+    a result with aligned rows that is copied into Z after. Returns (launches before, X, Y, Z to
+    use, their TmaLayout, launches after)."""
     before: list[Launch] = []
     k_rows = _padded(p.K, size)
 
@@ -307,10 +308,10 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
         y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
     after: list[Launch] = []
     z_row = _row_stride(p.z)
-    if (z_row * size) % TMA_ALIGN:  # (a transposed Z is aligned: product_launches refuses it otherwise)
+    if (z_row * z.element_size()) % TMA_ALIGN:  # (a transposed Z is aligned: product_launches refuses it otherwise)
         if epilogue:
             raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
-        z_row = _padded(p.N, size)
+        z_row = _padded(p.N, z.element_size())
         padded = scratch((p.M, z_row), z.dtype)
         after.append(_copy_launch(padded, z, p.M, p.N, z_row, p.z[0], transpose=False))
         z = padded
@@ -405,7 +406,9 @@ def product_launches(
     (``scratch(shape, dtype)`` allocates the partials of stream-K tiles and K-major copies);
     ``row_sums``: also the sums of X's rows over the contraction (X must then be stored
     transposed and contiguous, (K, M), as linear's dY is), in the kernel or by ``sum_to_shape``;
-    ``epilogue``: an activation applied before the store (see ``Epilogue``)."""
+    ``epilogue``: an activation applied before the store (see ``Epilogue``). Z (and the row sums)
+    may be of a wider dtype than the operands (a float32 dW of bfloat16 operands; not through
+    ``matmul_ws``)."""
     precision = config.get("PRECISION", precision)
     tma = config["kernel"] == "tma"
     if tma and not p.paddable() and p.tma_layout(dtype) is None:
@@ -423,7 +426,7 @@ def product_launches(
         launches = [Launch(matmul_product, grid, args, block, work=p.work())]
     else:
         launches, xk, yk, zk, layout, after = _tma_operands(
-            p, x, y, z, z.element_size(), config["K_MAJOR"], scratch, epilogue is not None
+            p, x, y, z, x.element_size(), config["K_MAJOR"], scratch, epilogue is not None
         )
         launches += _tma_launches(p, xk, yk, zk, bias, row_sums if fused else None, layout, dtype, precision, config,
                                   scratch, epilogue_args)  # fmt: skip

@@ -49,6 +49,7 @@ class ProductOp(RuntimeOp):
         Y = ``y`` into Z = ``z``; ``row_sums``: also X's row sums, ``epilogue``: an activation
         (see ``product_launches``)."""
         precision = self.precision(ctx.dtype)
+        out_dtype = z.dtype if z.dtype != ctx.dtype else None  # a float32 dW of half operands
         key = _config_key(name, p)
         config = self.configs.get(key)
         if config is None or ctx.dry_run:
@@ -59,6 +60,7 @@ class ProductOp(RuntimeOp):
                 has_bias=bias is not None,
                 row_sums=row_sums is not None,
                 epilogue=epilogue,
+                out_dtype=out_dtype,
             )
         if config["kernel"] in ("tma", "ws") and not ctx.dry_run and not _aligned(x, y, z):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
@@ -275,14 +277,17 @@ class LinearOp(ProductOp):
         elif dbias is not None:
             launches += sum_to_shape(ctx, go, ctx.output_shape, dbias, strides=go.stride())
         if dx is not None:  # after dW, which reads x: dX may be written over x (grad_over_input)
-            addend = ctx.grad_input_addend  # x's other readers' gradient: summed in the epilogue
-            if addend is None:
-                launches += self.product(ctx, "grad_input", products["grad_input"], x=go, y=w, z=dx)
-            else:
-                epilogue = addend_epilogue(addend)
-                p = products["grad_input"]
-                launches += self.product(ctx, "grad_input+addend", p, x=go, y=w, z=dx, epilogue=epilogue)
+            launches += grad_input_launches(self, ctx, products["grad_input"], w, dx)
         return launches
+
+
+def grad_input_launches(op: ProductOp, ctx: OpContext, p: Product, w, dx) -> list[Launch]:
+    """A linear's dX = dY W (product ``p``) into ``dx``, plus the gradient that x's other readers
+    left (``OpContext.grad_input_addend``, ``grad_accumulates``) added in the product's epilogue."""
+    addend = ctx.grad_input_addend
+    if addend is None:
+        return op.product(ctx, "grad_input", p, x=ctx.grad_output, y=w, z=dx)
+    return op.product(ctx, "grad_input+addend", p, x=ctx.grad_output, y=w, z=dx, epilogue=addend_epilogue(addend))
 
 
 def linear(input, weight, bias=None):

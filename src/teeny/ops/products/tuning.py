@@ -121,23 +121,37 @@ SHARED_MEMORY_BUDGET = 226 * 1024
 SHARED_MEMORY_PER_PAIR = 112 * 1024
 
 
-def _shared_bytes(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: str | None = None) -> int:
+def _shared_bytes(
+    config: dict,
+    dtype: torch.dtype,
+    row_sums: bool = False,
+    epilogue: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> int:
     """Shared memory a TMA configuration needs: num_stages operand tiles, the epilogue's staging
-    tile and the row sums' (K x 16) tile of ones (stream-K partials are stored from registers);
-    with a derivative epilogue (``Epilogue.kind``), the box h is loaded into. (An activation
-    epilogue's store of h reuses Z's staging tile: sm_90 compiles of every candidate, with
-    ``bench/tools/compile_check.py --match gelu``, take exactly these sizes.)"""
+    tile (of ``out_dtype``, Z's, where it is not the operands') and the row sums' (K x 16) tile
+    of ones (stream-K partials are stored from registers); with a derivative epilogue
+    (``Epilogue.kind``), the box h is loaded into. (An activation epilogue's store of h reuses
+    Z's staging tile: sm_90 compiles of every candidate, with ``bench/tools/compile_check.py
+    --match gelu``, take exactly these sizes.)"""
     size = torch.empty((), dtype=dtype).element_size()
+    out_size = size if out_dtype is None else torch.empty((), dtype=out_dtype).element_size()
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
     store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
     ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
-    aux = config["BLOCK_M"] * store_n * size if epilogue == "derivative" else 0
-    return operands + config["BLOCK_M"] * store_n * size + ones + aux
+    aux = config["BLOCK_M"] * store_n * out_size if epilogue == "derivative" else 0
+    return operands + config["BLOCK_M"] * store_n * out_size + ones + aux
 
 
-def _fits(config: dict, dtype: torch.dtype, row_sums: bool = False, epilogue: str | None = None) -> bool:
+def _fits(
+    config: dict,
+    dtype: torch.dtype,
+    row_sums: bool = False,
+    epilogue: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> bool:
     budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
-    return _shared_bytes(config, dtype, row_sums, epilogue) <= budget
+    return _shared_bytes(config, dtype, row_sums, epilogue, out_dtype) <= budget
 
 
 # H200, bf16 4096^3 forward+backward (bench/tools/tune_launch.py, version 1): 8 warps and 4 stages for
@@ -206,11 +220,13 @@ def candidates(
     has_bias: bool,
     row_sums: bool = False,
     epilogue: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> list[dict]:
     """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
     ``row_sums``: the product also sums X's rows (linear's bias gradient); ``epilogue``: it
-    applies an activation (``Epilogue.kind``). A configuration the epilogue's aux box leaves
-    without room is tried with half-tile stores (SUBTILE), which halve that box."""
+    applies an activation (``Epilogue.kind``); ``out_dtype``: Z's dtype where it is not the
+    operands' (a float32 dW of half operands: no ``matmul_ws``). A configuration the epilogue's
+    aux box leaves without room is tried with half-tile stores (SUBTILE), which halve that box."""
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
     cls = _precision_class(dtype, precision)
@@ -230,18 +246,18 @@ def candidates(
             if cls in (TF32X3, TF32) and "PRECISION" not in option and _k_major_useful(p):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
         for v in variants:
-            if epilogue and not v["SUBTILE"] and not _fits(v, dtype, epilogue=epilogue):
+            if (epilogue or out_dtype) and not v["SUBTILE"] and not _fits(v, dtype, False, epilogue, out_dtype):
                 v = {**v, "SUBTILE": True}
             # half tiles stored transposed go through a layout conversion in shared memory
             # (sm_90, 128x256x64 in 4 stages: 288 KiB): a transposed Z takes whole-tile stores
             if v["SUBTILE"] and p.z_transposed:
                 continue
-            if _fits(v, dtype, epilogue=epilogue) and v not in out:
+            if _fits(v, dtype, False, epilogue, out_dtype) and v not in out:
                 out.append(v)
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
-        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True)]
+        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, True, epilogue, out_dtype)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
-    if cls == "half" and aligned and epilogue is None and not p.z_transposed:
+    if cls == "half" and aligned and epilogue is None and out_dtype is None and not p.z_transposed:
         out.append({**_WS_CONFIG, "FUSED_SUMS": False} if row_sums else dict(_WS_CONFIG))
     return out if aligned else out[:PADDED_CANDIDATES] + strided
 
@@ -252,7 +268,9 @@ SMALL_STREAM_K_MIN_K_TILES = 16  # a small product's tiles are shared out stream
 SMALL_DEFAULT_MAX_MACS = 2**26
 
 
-def _small_default(p: Product, dtype: torch.dtype, precision: str, epilogue: str | None) -> dict | None:
+def _small_default(
+    p: Product, dtype: torch.dtype, precision: str, epilogue: str | None, out_dtype: torch.dtype | None = None
+) -> dict | None:
     """The pick for a small product, from the H200 sweep of the small MLP's layers (128 rows;
     docs/archive/bench-journal.md, version 9), where it is 2-4x faster than the big-tile default:
 
@@ -281,7 +299,7 @@ def _small_default(p: Product, dtype: torch.dtype, precision: str, epilogue: str
         config = _cfg(32, 64, 32, 4, 3, fma=True)
     if cdiv(p.K, config["BLOCK_K"]) >= SMALL_STREAM_K_MIN_K_TILES and _stream_k_useful(p, config, 1):
         config["STREAM_K"] = 1
-    if epilogue and not _fits(config, dtype, epilogue=epilogue):
+    if (epilogue or out_dtype) and not _fits(config, dtype, False, epilogue, out_dtype):
         config["SUBTILE"] = True
     return config
 
@@ -294,6 +312,7 @@ def default_config(
     has_bias: bool,
     row_sums: bool = False,
     epilogue: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> dict:
     """The heuristic: for a small product (under SMALL_DEFAULT_MAX_MACS) ``_small_default``; else
     the first candidate, unless the output has fewer of its tiles than the GPU has
@@ -302,10 +321,18 @@ def default_config(
     stream-K variant. (H200, v17: at 4,096 rows of GPT-2's layers stream-K took 1.5-3.5x the
     best whole tiles; this pick, 128x128x64 w8s4, took 1.0-1.35x the tuned best.)"""
     if not INTERPRETER and _macs(p) < SMALL_DEFAULT_MAX_MACS:
-        config = _small_default(p, dtype, precision, epilogue)
+        config = _small_default(p, dtype, precision, epilogue, out_dtype)
         if config is not None:
             return {**config, "FUSED_SUMS": True} if row_sums and config["kernel"] == "tma" else config
-    options = candidates(p, dtype=dtype, precision=precision, has_bias=has_bias, row_sums=row_sums, epilogue=epilogue)
+    options = candidates(
+        p,
+        dtype=dtype,
+        precision=precision,
+        has_bias=has_bias,
+        row_sums=row_sums,
+        epilogue=epilogue,
+        out_dtype=out_dtype,
+    )
     config = options[0]
     if config["kernel"] == "tma" and schedule(p, config).dp_tiles < tuning.multiprocessors():
         area = config["BLOCK_M"] * config["BLOCK_N"] // 2
@@ -325,7 +352,15 @@ def _extent(sizes_strides) -> int:
 
 
 def _bench_for(
-    p: Product, *, dtype: torch.dtype, precision: str, has_bias: bool, row_sums: bool, epilogue, where: str
+    p: Product,
+    *,
+    dtype: torch.dtype,
+    precision: str,
+    has_bias: bool,
+    row_sums: bool,
+    epilogue,
+    where: str,
+    out_dtype: torch.dtype | None = None,
 ) -> Callable[[dict], float]:
     """A timing function for tuning: runs ``p``'s launches with a configuration on random data
     (allocated at the first call, so that a cached choice allocates nothing), with ``epilogue``'s
@@ -342,6 +377,8 @@ def _bench_for(
             sums = torch.empty(p.M, device=DEVICE) if row_sums else None
             aux = torch.randn_like(z) if epilogue is not None else None
             buffers.extend(t if t is None else t.to(dtype) for t in (x, y, z, bias, sums, aux))
+            if out_dtype is not None:  # Z, its row sums and the epilogue's tile in Z's dtype
+                buffers[2:] = [t if t is None else t.to(out_dtype) for t in buffers[2:]]
         return buffers
 
     def bench(config: dict) -> float:
@@ -379,15 +416,19 @@ def choose_config(
     has_bias: bool,
     row_sums: bool = False,
     epilogue: Epilogue | None = None,
+    out_dtype: torch.dtype | None = None,
     observe: Callable[[dict, float | None], None] | None = None,
     time_small: bool = False,
 ) -> dict:
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
-    ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation.
-    ``observe(config, ms)`` sees every timing (``None``: the candidate failed); ``time_small``:
-    a small product is timed too (how bench/tools/matmul_sweep.py finds SMALL_DEFAULTS)."""
+    ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation;
+    ``out_dtype``: Z's dtype where it is not the operands' (``candidates``). ``observe(config,
+    ms)`` sees every timing (``None``: the candidate failed); ``time_small``: a small product is
+    timed too (how bench/tools/matmul_sweep.py finds SMALL_DEFAULTS)."""
     kind = None if epilogue is None else epilogue.kind
-    wanted = dict(dtype=dtype, precision=precision, has_bias=has_bias, row_sums=row_sums, epilogue=kind)
+    wanted = dict(
+        dtype=dtype, precision=precision, has_bias=has_bias, row_sums=row_sums, epilogue=kind, out_dtype=out_dtype
+    )
     options = candidates(p, **wanted)
     default = default_config(p, **wanted)
     key = {**p.key(), "dtype": str(dtype).replace("torch.", ""), "precision": precision, "bias": has_bias}
@@ -395,6 +436,8 @@ def choose_config(
         key["row_sums"] = True
     if kind is not None:
         key["epilogue"] = kind
+    if out_dtype is not None:
+        key["out_dtype"] = str(out_dtype).replace("torch.", "")
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if _small(p) and not time_small:
         return default  # a few microseconds at most: not worth timing
@@ -405,6 +448,7 @@ def choose_config(
         has_bias=has_bias,
         row_sums=row_sums,
         epilogue=epilogue,
+        out_dtype=out_dtype,
         where=f"tuning {kernel_name} {key}",
     )
     if observe is not None:
