@@ -32,10 +32,10 @@ torch.cuda.is_available = lambda: True  # only for choosing the kernel mode at i
 torch.cuda.current_device = lambda: 0
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 import teeny.ops.activation as activation  # noqa: E402
+from teeny.aot.bundle import Target  # noqa: E402
+from teeny.aot.capture import Compiler  # noqa: E402
 from teeny.core import tuning  # noqa: E402
 from teeny.fusions.transposed_weights import TransposedWeightLinearOp  # noqa: E402
 from teeny.ops.products import kernels as products_kernels  # noqa: E402
@@ -48,7 +48,7 @@ tuning.has_tma = lambda: True
 tuning.gpu_name = lambda: "NVIDIA H200 (compile check)"
 SMEM_LIMIT = 227 * 1024
 SMEM_PER_PAIR = 113 * 1024  # two programs per multiprocessor: 228 KiB less 1 KiB each
-TARGET = GPUTarget("cuda", 90, 32)
+COMPILER = Compiler(Target(90, 132))  # an H200's sm_90, as teeny.aot builds bundles for it
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TRITON_TYPES = {
     torch.float16: "fp16",
@@ -61,43 +61,24 @@ TRITON_TYPES = {
 
 
 def compile_launch(launch, dtype):
-    """triton.compile of one teeny Launch for sm_90, specialised like the JIT would
-    (16-divisible pointers and ints get the divisibility hint)."""
-    kernel = launch.kernel
+    """One teeny Launch compiled for sm_90 as an ahead-of-time bundle would (``teeny.aot``'s
+    compiler: Triton's arguments specialised, a kernel's ``arguments=`` applied, so matmul_tma
+    gets its host-made TMA descriptors): (ptx text, cubin bytes, shared memory bytes)."""
     from teeny.core.runtime import as_block, check_packing
 
     block = as_block(launch.block)
-    values = check_packing(kernel, launch.args, "compile_check", block.size)
-    jit = kernel.jit
-    skip = set(getattr(jit, "do_not_specialize", ()) or ())
-    skip |= {jit.arg_names[i] for i in skip if isinstance(i, int)}
-    signature, constexprs, attrs = {}, {}, {}
-    for index, (param, value) in enumerate(zip(kernel.params, values)):
-        if param.kind == "constexpr" or value is None:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-        elif param.kind == "ptr":
-            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 and param.kind != "i64" else "i64"
-            if value % 16 == 0 and param.name not in skip:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    options = {**kernel.options_for(dtype)}
-    if block.num_warps:
-        options["num_warps"] = block.num_warps
-    if block.num_stages:
-        options["num_stages"] = block.num_stages
-    return triton.compile(ASTSource(jit, signature, constexprs, attrs), target=TARGET, options=options)
+    values = check_packing(launch.kernel, launch.args, "compile_check", block.size)
+    if launch.kernel.arguments is not None:
+        values = launch.kernel.arguments(*values)
+    options = {k: v for k, v in (("num_warps", block.num_warps), ("num_stages", block.num_stages)) if v is not None}
+    entry, files = COMPILER.compile(launch.kernel.jit, COMPILER.specialise(launch.kernel.jit, values, options))
+    return files["ptx"].decode(), files["cubin"], entry["shared"]
 
 
 def describe(compiled, occupancy: int = 1) -> str:
-    ptx = compiled.asm["ptx"]
-    smem = compiled.metadata.shared
+    ptx, cubin, smem = compiled
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
         usage = subprocess.run(
             [str(BIN / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
@@ -112,10 +93,12 @@ def describe(compiled, occupancy: int = 1) -> str:
 
 
 def matmul_cases(quick: bool):
-    """(label, dtype, precision, product, has_bias, row_sums, epilogue) for linear's three
-    products at two GPT-2 shapes (768->3072: many tiles; 768->768: dW shared out stream-K), dW
-    with the bias gradient fused, and MLPOp's two epilogue products: 768->3072 forward with its
-    GELU (h stored) and the dX of 3072->768 with GELU's derivative (h loaded)."""
+    """(label, dtype, precision, product, has_bias, row_sums, epilogue, out_dtype) for linear's
+    three products at two GPT-2 shapes (768->3072: many tiles; 768->768: dW shared out
+    stream-K), dW with the bias gradient fused, MLPOp's two epilogue products: 768->3072 forward
+    with its GELU (h stored) and the dX of 3072->768 with GELU's derivative (h loaded), dX with
+    the waiting gradient added (``addend_epilogue``), and the float32 dW (and db) of bfloat16
+    operands that ``fusions.master_weights`` asks for, plain and Conv1D's transposed."""
     dtypes = [(torch.bfloat16, None)]
     if not quick:
         dtypes += [(torch.float16, None), (torch.float32, "tf32x3"), (torch.float32, "tf32"),
@@ -127,16 +110,20 @@ def matmul_cases(quick: bool):
             for name, p in products.items():
                 if fout == 768 and name != "grad_weight":
                     continue
-                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight", None
+                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight", None, None
     conv1d_dw = TransposedWeightLinearOp.products([(8192, 768), (768, 3072)])["grad_weight"]
-    yield "conv1d dW (Z^T) + db ", torch.bfloat16, "tf32", conv1d_dw, False, True, None
+    yield "conv1d dW (Z^T) + db ", torch.bfloat16, "tf32", conv1d_dw, False, True, None, None
+    yield "conv1d dW fp32 (Z^T) + db", torch.bfloat16, "tf32", conv1d_dw, False, True, None, torch.float32
+    linear = LinearOp.products([(8192, 1024), (2816, 1024)])
+    yield "1024->2816 dW fp32 + db", torch.bfloat16, "tf32", linear["grad_weight"], False, True, None, torch.float32
+    yield "1024->2816 dX + addend", torch.bfloat16, "tf32", linear["grad_input"], False, False, ("addend", True), None
     gelu = activation.ActivationOp("gelu_tanh", activation._gelu_tanh, activation._gelu_tanh_grad)
     forward = LinearOp.products([(8192, 768), (3072, 768)])["forward"]
     grad_input = LinearOp.products([(8192, 3072), (768, 3072)])["grad_input"]
     for dtype, precision in dtypes[:1] if quick else dtypes[:3]:
         precision = precision or products_kernels.dot_precision(dtype, False)
-        yield "768->3072 fwd+gelu  ", dtype, precision, forward, True, False, (gelu, False)
-        yield "3072->768 dX*gelu'  ", dtype, precision, grad_input, False, False, (gelu, True)
+        yield "768->3072 fwd+gelu  ", dtype, precision, forward, True, False, (gelu, False), None
+        yield "3072->768 dX*gelu'  ", dtype, precision, grad_input, False, False, (gelu, True), None
 
 
 def specialisation(launch) -> tuple:
@@ -222,21 +209,27 @@ def main():
                 failures += 1
                 print(f"{what:68} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
     compiled = {}
-    for label, dtype, precision, p, has_bias, row_sums, act in matmul_cases(args.quick):
+    for label, dtype, precision, p, has_bias, row_sums, act, out_dtype in matmul_cases(args.quick):
         if args.match not in label:
             continue
-        x, y, z = (torch.empty(n, dtype=dtype, device=meta) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
+        x, y = (torch.empty(n, dtype=dtype, device=meta) for n in (p.M * p.K, p.K * p.N))
+        z = torch.empty(p.M * p.N, dtype=out_dtype or dtype, device=meta)
         bias = torch.empty(p.N, dtype=dtype, device=meta) if has_bias else None
-        sums = torch.empty(p.M, dtype=dtype, device=meta) if row_sums else None
-        epilogue = None if act is None else products_launches.Epilogue(act[0], torch.empty_like(z), derivative=act[1])
+        sums = torch.empty(p.M, dtype=out_dtype or dtype, device=meta) if row_sums else None
+        if act is None:
+            epilogue = None
+        elif act[0] == "addend":
+            epilogue = products_launches.addend_epilogue(torch.empty_like(z))
+        else:
+            epilogue = products_launches.Epilogue(act[0], torch.empty_like(z), derivative=act[1])
         kind = None if epilogue is None else epilogue.kind
         wanted = dict(dtype=dtype, precision=precision, has_bias=has_bias, row_sums=row_sums, epilogue=kind)
-        for config in products_tuning.candidates(p, **wanted):
+        for config in products_tuning.candidates(p, **wanted, out_dtype=out_dtype):
             launches = products_launches.product_launches(
                 p, config, x=x, y=y, z=z, bias=bias, dtype=dtype, precision=precision,
                 scratch=lambda s, d: torch.empty(s, dtype=d, device=meta), row_sums=sums, epilogue=epilogue,
             )  # fmt: skip
-            estimate = products_tuning._shared_bytes(config, dtype, row_sums, kind) // 1024
+            estimate = products_tuning._shared_bytes(config, dtype, row_sums, kind, out_dtype) // 1024
             what = f"{label} {str(dtype)[6:]:8} {precision:6} {describe_config(config)} (est. {estimate}K)"
             cells = []
             for launch in launches:
