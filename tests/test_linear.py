@@ -535,6 +535,42 @@ def test_linears_of_one_input_sum_its_gradient_in_their_products(adds, monkeypat
         teeny.gradcheck_graph(graph(), feed)
 
 
+def test_the_dry_run_chooses_each_product_a_run_may_launch_with_or_without_the_addend(gen):
+    """h = linear(x, W1) is a program output and read by linear(h, W2): whether h's gradient is
+    waiting when the second linear's backward (which runs first) is done depends on whether the
+    call gives h's gradient. The dry run chose the dX product both ways (a product's
+    configuration is chosen, and timed on a GPU, in lowering: a run, which may be recording a
+    tape or a CUDA graph, times nothing); the gradients are torch's either way."""
+    g = Graph()
+    x = g.input("x", (4, 8), dtype=torch.float64, requires_grad=True)
+    w1, w2 = (g.input(n, s, dtype=torch.float64, requires_grad=True) for n, s in (("w1", (8, 8)), ("w2", (5, 8))))
+    h = teeny.ops.linear(teeny.ops.linear(x, w1), w1)
+    y = teeny.ops.linear(h, w2)
+    g.output(teeny.ops.sum(teeny.ops.mul(y, y)), h)
+    program = lower(g, LoweringMode.TRAINING, seeded=2)
+
+    def configs():
+        return {(p.name, key[0]) for p in program.nodes if isinstance(p.op, LinearOp) for key in p.op.configs}
+
+    chosen = configs()
+    assert {name for _, name in chosen} >= {"grad_input", "grad_input+addend"}
+    feed = {
+        n: torch.randn(*s, generator=gen, dtype=torch.float64)
+        for n, s in (("x", (4, 8)), ("w1", (8, 8)), ("w2", (5, 8)))
+    }
+    ex = teeny.Executor(program)
+    for h_grad in (None, torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(4, 8)):
+        outs, cache = ex.forward_train(feed)
+        grads = ex.backward(cache, [torch.ones((), dtype=torch.float64), h_grad])
+        ref = {n: t.clone().requires_grad_() for n, t in feed.items()}
+        h_ref = ref["x"] @ ref["w1"].T @ ref["w1"].T
+        y_ref = h_ref @ ref["w2"].T
+        ((y_ref * y_ref).sum() + (0 if h_grad is None else (h_ref * h_grad).sum())).backward()
+        for name, t in ref.items():
+            torch.testing.assert_close(grads[name].cpu(), t.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert configs() == chosen
+
+
 @pytest.mark.slow
 def test_tma_kernel_compiles_for_the_h200_with_descriptors_made_on_the_host():
     """matmul_tma's launches (forward with bias, dX, dW with the bias gradient shared out

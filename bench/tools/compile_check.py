@@ -110,7 +110,8 @@ def matmul_cases(quick: bool):
             for name, p in products.items():
                 if fout == 768 and name != "grad_weight":
                     continue
-                yield f"{fin}->{fout} {name:11}", dtype, precision, p, name == "forward", name == "grad_weight", None, None
+                label = f"{fin}->{fout} {name:11}"
+                yield label, dtype, precision, p, name == "forward", name == "grad_weight", None, None
     conv1d_dw = TransposedWeightLinearOp.products([(8192, 768), (768, 3072)])["grad_weight"]
     yield "conv1d dW (Z^T) + db ", torch.bfloat16, "tf32", conv1d_dw, False, True, None, None
     yield "conv1d dW fp32 (Z^T) + db", torch.bfloat16, "tf32", conv1d_dw, False, True, None, torch.float32

@@ -173,11 +173,11 @@ def choose(
 ) -> Config:
     """The configuration to launch ``kernel`` with for ``key``: the cached winner (if it was timed
     against every one of ``candidates``), else the fastest of ``candidates`` by ``bench`` (then
-    cached), else ``default`` (tuning off, no bench, or every candidate failed).
+    cached), else ``default`` (tuning off, no bench: nothing is timed, or every candidate failed).
     ``before_timing(candidates)`` runs once before the candidates are timed (only then): where
     the products compile them all at once (``teeny.core.compiling``); inside ``deferred()`` it
     is handed to the caller instead, and the default answered."""
-    if not enabled() or bench is None or not candidates:
+    if not enabled() or not candidates:
         return default
     full = entry_key(kernel, key)
     hit = _MEMORY.get(full)
@@ -189,6 +189,8 @@ def choose(
         if all(c in timed for c in candidates):  # a candidate added since (a new kernel) is timed
             _MEMORY[full] = dict(entry["config"])
             return _MEMORY[full]
+    if bench is None:
+        return default
     if before_timing is not None and full not in _PREPARED:
         pending = getattr(_DEFERRED, "pending", None)
         if pending is not None:  # (deferred): prepared with the others first, timed on a second pass

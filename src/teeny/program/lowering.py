@@ -448,19 +448,22 @@ def extra_buffers(p: PlannedNode, alloc) -> dict[str, torch.Tensor]:
     return {name: alloc(shape, dtype) for name, (shape, dtype) in extras.items()}
 
 
-def _addend_nodes(program: Program) -> set[int]:
-    """Indices of the nodes whose backward the executor hands a gradient to add to input 0's
-    (``RuntimeOp.grad_accumulates``): input 0 is a program output, or a later node also wants
-    its gradient (the backward runs in reverse, so that node's gradient is waiting)."""
-    wanted_later: set[int] = {v.id for v in program.outputs}
-    nodes = set()
+def _addend_nodes(program: Program) -> dict[int, bool]:
+    """The nodes whose backward the executor may hand a gradient to add to input 0's
+    (``RuntimeOp.grad_accumulates``), by index: True where it does when every output's gradient
+    is given (a later node also wants input 0's gradient: the backward runs in reverse, so that
+    gradient is waiting), False where only input 0's own gradient as a program output would be
+    waiting. Which it is in a call depends on the outputs whose gradients the call gives."""
+    outputs = {v.id for v in program.outputs}
+    wanted_later: set[int] = set()
+    nodes = {}
     for index in range(len(program.nodes) - 1, -1, -1):
         p = program.nodes[index]
         if not p.needs_backward:
             continue
         x = p.node.inputs[0] if p.node.inputs else None
-        if p.op.grad_accumulates and x is not None and p.grad_mask[0] and x.id in wanted_later:
-            nodes.add(index)
+        if p.op.grad_accumulates and x is not None and p.grad_mask[0] and (x.id in wanted_later or x.id in outputs):
+            nodes[index] = x.id in wanted_later
         wanted_later |= {v.id for v, wanted in zip(p.node.inputs, p.grad_mask) if wanted}
     return nodes
 
@@ -494,17 +497,22 @@ def _dry_run(program: Program) -> None:
                     launched=p.recompute_launches,
                 )
                 _run_checked(producer.node, "recompute", lambda c=rctx, op=producer.op: c.run(op.recompute_launches(c)))
-            bctx = OpContext.for_backward(
-                **node_args,
-                inputs=kept,
-                output=output if node.op.saves_output else None,
-                saved=saved,
-                grad_output=_meta(node.output.shape, node.output.dtype),
-                grads=[_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)],
-                grad_input_addend=_meta(node.inputs[0].shape, node.inputs[0].dtype) if index in addends else None,
-                launched=p.backward_launches,
-            )
-            _run_checked(node, "backward", lambda: bctx.run(node.op.backward_launches(bctx)))
+            # the backward as the executor may run it: where input 0's gradient may be waiting, with it
+            # to add and without (each product's configuration chosen here, none in a run), the
+            # likelier way last (the launches the summary counts and the compile ahead sees)
+            variants = ([False, True] if addends[index] else [True, False]) if index in addends else [False]
+            for adds in variants:
+                bctx = OpContext.for_backward(
+                    **node_args,
+                    inputs=kept,
+                    output=output if node.op.saves_output else None,
+                    saved=saved,
+                    grad_output=_meta(node.output.shape, node.output.dtype),
+                    grads=[_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)],
+                    grad_input_addend=_meta(node.inputs[0].shape, node.inputs[0].dtype) if adds else None,
+                    launched=p.backward_launches if adds == variants[-1] else [],  # (the summary counts one)
+                )
+                _run_checked(node, "backward", lambda bctx=bctx: bctx.run(node.op.backward_launches(bctx)))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

@@ -61,6 +61,7 @@ class ProductOp(RuntimeOp):
                 row_sums=row_sums is not None,
                 epilogue=epilogue,
                 out_dtype=out_dtype,
+                timing=ctx.dry_run,  # a run's product the dry run did not see: nothing timed inside the run
             )
         if config["kernel"] in ("tma", "ws") and not ctx.dry_run and not _aligned(x, y, z):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds

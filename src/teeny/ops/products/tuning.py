@@ -419,12 +419,15 @@ def choose_config(
     out_dtype: torch.dtype | None = None,
     observe: Callable[[dict, float | None], None] | None = None,
     time_small: bool = False,
+    timing: bool = True,
 ) -> dict:
     """The configuration of product ``p``: tuned on the GPU (or cached), else the heuristic.
     ``row_sums``: the product also sums X's rows; ``epilogue``: it applies that activation;
     ``out_dtype``: Z's dtype where it is not the operands' (``candidates``). ``observe(config,
     ms)`` sees every timing (``None``: the candidate failed); ``time_small``: a small product is
-    timed too (how bench/tools/matmul_sweep.py finds SMALL_DEFAULTS)."""
+    timed too (how bench/tools/matmul_sweep.py finds SMALL_DEFAULTS). ``timing=False``: the cached
+    choice or the heuristic, nothing timed (a program's run, which may be recording a tape or a
+    CUDA graph: lowering's dry run is where products are timed)."""
     kind = None if epilogue is None else epilogue.kind
     wanted = dict(
         dtype=dtype, precision=precision, has_bias=has_bias, row_sums=row_sums, epilogue=kind, out_dtype=out_dtype
@@ -441,6 +444,8 @@ def choose_config(
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if _small(p) and not time_small:
         return default  # a few microseconds at most: not worth timing
+    if not timing:
+        return tuning.choose(kernel_name, key, options, default, None)
     bench = measure = _bench_for(
         p,
         dtype=dtype,
