@@ -501,9 +501,9 @@ def test_linears_of_one_input_sum_its_gradient_in_their_products(adds, monkeypat
 
     def graph():
         g = Graph()
-        x = g.input("x", (2, 3, 8), dtype=torch.float64, requires_grad=True)
-        ws = [g.input(f"w{i}", (n, 8), dtype=torch.float64, requires_grad=True) for i, n in enumerate((6, 4, 4))]
-        b = g.input("b", (4,), dtype=torch.float64, requires_grad=True)
+        x = g.input("x", (2, 2, 4), dtype=torch.float64, requires_grad=True)
+        ws = [g.input(f"w{i}", (n, 4), dtype=torch.float64, requires_grad=True) for i, n in enumerate((3, 2, 2))]
+        b = g.input("b", (2,), dtype=torch.float64, requires_grad=True)
         q, k, v = teeny.ops.linear(x, ws[0]), teeny.ops.linear(x, ws[1], b), teeny.ops.linear(x, ws[2])
         g.output(
             teeny.ops.add(
@@ -513,8 +513,8 @@ def test_linears_of_one_input_sum_its_gradient_in_their_products(adds, monkeypat
         )
         return g
 
-    feed = {"x": torch.randn(2, 3, 8, generator=gen, dtype=torch.float64), "b": torch.randn(4, generator=gen).double()}
-    feed |= {f"w{i}": torch.randn(n, 8, generator=gen, dtype=torch.float64) / 3 for i, n in enumerate((6, 4, 4))}
+    feed = {"x": torch.randn(2, 2, 4, generator=gen, dtype=torch.float64), "b": torch.randn(2, generator=gen).double()}
+    feed |= {f"w{i}": torch.randn(n, 4, generator=gen, dtype=torch.float64) / 2 for i, n in enumerate((3, 2, 2))}
     program = lower(graph(), LoweringMode.TRAINING)
 
     def configs():  # the products' configurations: the dry run chose each one the run uses

@@ -249,26 +249,27 @@ def test_master_weight_linear_float64_gradcheck_and_wider_weights_against_torch(
     gradcheck of x, W and b, with x read by another op too (dX added in the epilogue); then a
     float32 x on float64 weights against PyTorch: y = x W.to(float32)^T + b, dW and db float64."""
     transposed = isinstance(linear, TransposedWeightLinearOp)
-    w_shape = (7, 5) if transposed else (5, 7)
+    w_shape = (5, 3) if transposed else (3, 5)
 
     def graph(x_dtype):
         g = Graph()
-        x = g.input("x", (2, 3, 7), dtype=x_dtype, requires_grad=True)
+        x = g.input("x", (2, 2, 5), dtype=x_dtype, requires_grad=True)
         w = g.input("w", w_shape, dtype=torch.float64, requires_grad=True)
-        b = g.input("b", (5,), dtype=torch.float64, requires_grad=True)
+        b = g.input("b", (3,), dtype=torch.float64, requires_grad=True)
         y = g.apply(MasterWeightLinearOp(linear, recast), [x, w, b])
         g.output(ops.add(ops.sum(ops.mul(y, y)), ops.sum(ops.tanh(x))))
         return g
 
-    feed = {"x": torch.randn(2, 3, 7, generator=gen, dtype=torch.float64)}
+    feed = {"x": torch.randn(2, 2, 5, generator=gen, dtype=torch.float64)}
     feed |= {
         "w": torch.randn(*w_shape, generator=gen, dtype=torch.float64),
-        "b": torch.randn(5, generator=gen).double(),
+        "b": torch.randn(3, generator=gen).double(),
     }
     teeny.gradcheck_graph(graph(torch.float64), feed, rewrites=())
     ex = Executor(lower(graph(torch.float32), LoweringMode.TRAINING, rewrites=()))
     feed32 = {**feed, "x": feed["x"].float()}
-    loss, grads = ex.forward_train(feed32)[0], ex.backward(ex.forward_train(feed32)[1])
+    loss, cache = ex.forward_train(feed32)
+    grads = ex.backward(cache)
     x, w, b = (feed32[n].clone().requires_grad_() for n in "xwb")
     y = x @ (w.float() if transposed else w.float().T) + b.float()
     expected = (y * y).sum() + torch.tanh(x).sum()
