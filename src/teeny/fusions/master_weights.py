@@ -16,7 +16,7 @@ from ..core.common import sum_to_shape
 from ..core.graph import Graph, Node, Value
 from ..core.runtime import OpContext
 from ..ops.cast import CastOp, cast_forward, cast_launch
-from ..ops.products.ops import LinearOp, ProductOp, grad_input_launches
+from ..ops.products.ops import LinearOp, ProductOp, grad_input_launches, row_stride_of
 from .pipeline import Rebuild, RewriteFn, readers
 from .transposed_weights import TransposedWeightLinearOp
 
@@ -76,12 +76,12 @@ class MasterWeightLinearOp(ProductOp):
     def forward_launches(self, ctx):
         launches, w = self._half_weight(ctx)
         bias = ctx.params[1] if self.has_bias else None
-        p = self.linear.products(ctx.input_shapes)["forward"]
+        p = self.linear.products(ctx.input_shapes, row_stride_of(ctx.output))["forward"]
         return launches + self.product(ctx, "forward", p, x=ctx.inputs[0], y=w, z=ctx.output, bias=bias)
 
     def backward_launches(self, ctx):
         go, (x,) = ctx.grad_output, ctx.inputs
-        products = self.linear.products(ctx.input_shapes)
+        products = self.linear.products(ctx.input_shapes, row_stride_of(go))
         (dx,) = ctx.grad_inputs
         dw = ctx.grad_params[0]
         db = ctx.grad_params[1] if self.has_bias else None

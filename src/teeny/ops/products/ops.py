@@ -202,8 +202,9 @@ def matmul(input, other):
 # ------------------------------------------------------------------------------- linear
 
 
-def _row_stride_of(y: torch.Tensor) -> int | None:
-    """The row stride of a 2-D product result given as a view (None: contiguous rows)."""
+def row_stride_of(y: torch.Tensor) -> int | None:
+    """The row stride of a 2-D product result (or its gradient) given as a view (None: contiguous
+    rows): a linear's products read and write it so (``LinearOp.products``' ``y_row_stride``)."""
     return y.stride(0) if y.dim() == 2 else None
 
 
@@ -262,12 +263,12 @@ class LinearOp(ProductOp):
     def forward_launches(self, ctx):
         (x,), w = ctx.inputs, ctx.params[0]
         bias = ctx.params[1] if self.has_bias else None
-        p = self.products(ctx.input_shapes, _row_stride_of(ctx.output))["forward"]
+        p = self.products(ctx.input_shapes, row_stride_of(ctx.output))["forward"]
         return self.product(ctx, "forward", p, x=x, y=w, z=ctx.output, bias=bias)
 
     def backward_launches(self, ctx):
         go = ctx.grad_output
-        products = self.products(ctx.input_shapes, _row_stride_of(go))
+        products = self.products(ctx.input_shapes, row_stride_of(go))
         (x,), w = ctx.inputs, ctx.params[0]
         (dx,) = ctx.grad_inputs
         dw = ctx.grad_params[0]
