@@ -143,15 +143,10 @@ def _shared_bytes(
     return operands + config["BLOCK_M"] * store_n * out_size + ones + aux
 
 
-def _fits(
-    config: dict,
-    dtype: torch.dtype,
-    row_sums: bool = False,
-    epilogue: str | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> bool:
+def _fits(config: dict, dtype: torch.dtype, **needs) -> bool:
+    """Whether ``config`` fits one multiprocessor's shared memory (``needs``: ``_shared_bytes``')."""
     budget = SHARED_MEMORY_BUDGET if config["OCCUPANCY"] == 1 else SHARED_MEMORY_PER_PAIR
-    return _shared_bytes(config, dtype, row_sums, epilogue, out_dtype) <= budget
+    return _shared_bytes(config, dtype, **needs) <= budget
 
 
 # H200, bf16 4096^3 forward+backward (bench/tools/tune_launch.py, version 1): 8 warps and 4 stages for
@@ -238,6 +233,7 @@ def candidates(
     if not tuning.has_tma() or not (aligned or (p.paddable() and not small and epilogue is None)):
         return strided
     out = []
+    needs = dict(epilogue=epilogue, out_dtype=out_dtype)  # what the configurations' shared memory holds
     options = _TMA_CANDIDATES[cls] + (_SMALL_TMA_CANDIDATES.get(cls, []) if small else [])
     for index, option in enumerate(options):
         variants = [option]
@@ -246,16 +242,16 @@ def candidates(
             if cls in (TF32X3, TF32) and "PRECISION" not in option and _k_major_useful(p):
                 variants += [{**v, "K_MAJOR": True} for v in variants]
         for v in variants:
-            if (epilogue or out_dtype) and not v["SUBTILE"] and not _fits(v, dtype, False, epilogue, out_dtype):
+            if (epilogue or out_dtype) and not v["SUBTILE"] and not _fits(v, dtype, **needs):
                 v = {**v, "SUBTILE": True}
             # half tiles stored transposed go through a layout conversion in shared memory
             # (sm_90, 128x256x64 in 4 stages: 288 KiB): a transposed Z takes whole-tile stores
             if v["SUBTILE"] and p.z_transposed:
                 continue
-            if _fits(v, dtype, False, epilogue, out_dtype) and v not in out:
+            if _fits(v, dtype, **needs) and v not in out:
                 out.append(v)
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
-        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, True, epilogue, out_dtype)]
+        fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True, **needs)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
     if cls == "half" and aligned and epilogue is None and out_dtype is None and not p.z_transposed:
         out.append({**_WS_CONFIG, "FUSED_SUMS": False} if row_sums else dict(_WS_CONFIG))
@@ -299,7 +295,7 @@ def _small_default(
         config = _cfg(32, 64, 32, 4, 3, fma=True)
     if cdiv(p.K, config["BLOCK_K"]) >= SMALL_STREAM_K_MIN_K_TILES and _stream_k_useful(p, config, 1):
         config["STREAM_K"] = 1
-    if (epilogue or out_dtype) and not _fits(config, dtype, False, epilogue, out_dtype):
+    if (epilogue or out_dtype) and not _fits(config, dtype, epilogue=epilogue, out_dtype=out_dtype):
         config["SUBTILE"] = True
     return config
 
@@ -446,16 +442,7 @@ def choose_config(
         return default  # a few microseconds at most: not worth timing
     if not timing:
         return tuning.choose(kernel_name, key, options, default, None)
-    bench = measure = _bench_for(
-        p,
-        dtype=dtype,
-        precision=precision,
-        has_bias=has_bias,
-        row_sums=row_sums,
-        epilogue=epilogue,
-        out_dtype=out_dtype,
-        where=f"tuning {kernel_name} {key}",
-    )
+    bench = measure = _bench_for(p, **{**wanted, "epilogue": epilogue}, where=f"tuning {kernel_name} {key}")
     if observe is not None:
 
         def bench(config: dict) -> float:
