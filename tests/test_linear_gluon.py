@@ -63,17 +63,32 @@ def test_kernel_compiles_for_the_h200_in_every_layout():
             tiles = -(-p.M // 128) * -(-p.N // 192)
             cases.append(dict(name=f"{dtype} {name}", dtype=dtype, M=p.M, N=p.N, K=p.K, x=list(p.x), y=list(p.y),
                               bias=name == "forward", tiles=tiles))  # fmt: skip
+    # dX adding the gradient waiting (bf16), a float32 dW of fp16 operands (aligned widths)
+    products = _products(328, 136, 200)
+    for dtype, name, extra in (
+        ("bfloat16", "grad_input", dict(addend=True)),
+        ("float16", "grad_weight", dict(out="float32")),
+    ):
+        p = products[name]
+        cases.append(dict(name=f"{dtype} {name} {extra}", dtype=dtype, M=p.M, N=p.N, K=p.K, x=list(p.x), y=list(p.y),
+                          bias=False, tiles=-(-p.M // 128) * -(-p.N // 192), **extra))  # fmt: skip
     rows = compile_for_sm90("gluon_compile", cases, timeout=900)
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)
-    assert len(rows) == 8
-    for r in rows:
+    assert len(rows) == 10
+    for r, case in zip(rows, cases):
         # three loads a step (a 128-element-wide MN-major box goes as two 128-byte swizzled halves)
-        assert r["wgmma"] == 16 and r["tma_loads"] >= 3 and r["tma_stores"] >= 2, r
+        assert r["wgmma"] == 16 and r["tma_loads"] >= 3, r
         assert r["shared"] <= 227 * 1024 and len(r["setmaxnreg"]) >= 2, r
         assert r["waits"] == 1, r
-    for r, case in zip(rows, cases):
         assert r["grid"] == [case["tiles"]], r  # fewer tiles than multiprocessors: a program each
+        if case.get("out") == "float32":  # stored from the registers, the operand stages alone in shared memory
+            assert r["tma_stores"] == 0 and r["global_stores"] > 0 and r["shared"] < 170 * 1024, r
+        else:
+            assert r["tma_stores"] >= 2 and r["global_stores"] == 0, r
+    plain, added = rows[1], rows[8]  # bf16 dX, without and with the addend: its two boxes loaded by TMA into
+    # the staging buffers, which take no more shared memory than the addend's two barriers
+    assert added["tma_loads"] == plain["tma_loads"] + 2 and 0 < added["shared"] - plain["shared"] <= 64, (plain, added)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -120,12 +135,18 @@ def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     monkeypatch.setattr(tuning, "multiprocessors", lambda: 132)
     products = LinearOp.products([(4096, 768), (768, 768)])
 
-    def ws(p, dtype=torch.bfloat16, row_sums=False, epilogue=None):
+    def ws(p, dtype=torch.bfloat16, row_sums=False, epilogue=None, out_dtype=None):
         found = [
             c
             for c in products_tuning.candidates(
-                p, dtype=dtype, precision="tf32", has_bias=True, row_sums=row_sums, epilogue=epilogue
-            )
+                p,
+                dtype=dtype,
+                precision="tf32",
+                has_bias=True,
+                row_sums=row_sums,
+                epilogue=epilogue,
+                out_dtype=out_dtype,
+            )  # fmt: skip
             if c["kernel"] == "ws"
         ]
         return found[0] if found else None
@@ -133,8 +154,13 @@ def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     assert ws(products["forward"]) == products_tuning._WS_CONFIG
     assert ws(products["grad_input"], torch.float16) == products_tuning._WS_CONFIG
     assert ws(products["grad_weight"], row_sums=True) == {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}
+    assert ws(products["grad_input"], epilogue="addend") == products_tuning._WS_CONFIG
+    f32 = {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}
+    assert ws(products["grad_weight"], row_sums=True, out_dtype=torch.float32) == f32  # a master weight's dW and db
+    assert ws(products["grad_input"], epilogue="addend", out_dtype=torch.float32) is None
     assert ws(products["forward"], torch.float32) is None
     assert ws(products["forward"], epilogue="activation") is None
+    assert ws(products["grad_input"], epilogue="derivative") is None
     conv1d_dw = TransposedWeightLinearOp.products([(4096, 768), (768, 2304)])["grad_weight"]
     assert conv1d_dw.z_transposed and ws(conv1d_dw) is None
     unaligned = LinearOp.products([(4096, 768), (50257, 768)])["forward"]
@@ -142,9 +168,19 @@ def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     p = products["forward"]
     x, y, z = (torch.empty(n, dtype=torch.bfloat16) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
-        products_launches._ws_launch(p, x, y, z.float(), None, torch.bfloat16, products_tuning._WS_CONFIG)
+        products_launches._ws_launch(p, x, y, z.double(), None, torch.bfloat16, products_tuning._WS_CONFIG)
+    with pytest.raises(ValueError, match="of float32 .without.*with an addend"):
+        products_launches._ws_launch(p, x, y, z.float(), None, torch.bfloat16, products_tuning._WS_CONFIG, z)
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
         products_launches._ws_launch(conv1d_dw, x, y, z, None, torch.bfloat16, products_tuning._WS_CONFIG)
+    assert products_launches.addend_epilogue(z).kind == "addend"
+    with pytest.raises(ValueError, match="no activation epilogue"):
+        h = products_launches.Epilogue(products_launches._Sum(), z)  # forwards: an activation storing h
+        assert h.kind == "activation"
+        products_launches.product_launches(
+            p, products_tuning._WS_CONFIG, x=x, y=y, z=z, dtype=torch.bfloat16, precision="tf32",
+            scratch=lambda s, d: torch.empty(s, dtype=d), epilogue=h,
+        )  # fmt: skip
     unfused = {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}
     launches = products_launches.product_launches(
         products["grad_weight"], unfused, x=x, y=y, z=z, dtype=torch.bfloat16, precision="tf32",
@@ -190,6 +226,100 @@ def test_kernel_computes_every_layout(dtype, rows, gen):
         _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False)
     p = _products(rows, fin, fout)["grad_weight"]
     _run_product("grad_weight", p, rows, fin, fout, dtype, gen, row_sums=True)
+
+
+def _run_launches(launches, dtype):
+    for launch in launches:
+        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [328, 4104], ids=["a_tile_each", "several_tiles_each"])
+def test_kernel_adds_the_waiting_gradient_and_writes_float32_weight_gradients(dtype, rows, gen):
+    """dX = dY W + the gradient waiting (``addend_epilogue``), over the waiting buffer and into a
+    new one, rounded as the product stored alone and summed after (the addend's boxes are loaded
+    by TMA as each tile starts; at 4,104 rows programs take a second tile and the addend
+    barrier's phase carries on); dW written in float32 from the registers, not rounded to the
+    operands' dtype, with db summed apart in float32."""
+    fin, fout = 136, 904
+    products = _products(rows, fin, fout)
+    scratch = lambda s, d: torch.empty(s, dtype=d, device=teeny.DEVICE)  # noqa: E731
+    shapes = ((rows, fout), (fout, fin), (rows, fin))
+    dy, w, x = (torch.randn(*s, generator=gen).to(dtype).to(teeny.DEVICE) for s in shapes)
+    waiting = torch.randn(rows, fin, generator=gen).to(dtype).to(teeny.DEVICE)
+    expected = (dy.double() @ w.double()).to(dtype).double() + waiting.double()
+    for in_place in (False, True):
+        addend = waiting.clone()
+        dx = addend if in_place else torch.full_like(addend, float("nan"))
+        launches = products_launches.product_launches(
+            products["grad_input"], products_tuning._WS_CONFIG, x=dy, y=w, z=dx, dtype=dtype, precision="tf32",
+            scratch=scratch, epilogue=products_launches.addend_epilogue(addend),
+        )  # fmt: skip
+        assert [launch.kernel for launch in launches] == [matmul_ws]
+        _run_launches(launches, dtype)
+        atol, rtol = tolerance(dtype, fout)
+        torch.testing.assert_close(dx.double(), expected, atol=atol, rtol=rtol, msg=f"in place: {in_place}")
+    dw = torch.full((fout, fin), float("nan"), device=teeny.DEVICE)
+    db = torch.full((fout,), float("nan"), device=teeny.DEVICE)
+    launches = products_launches.product_launches(
+        products["grad_weight"], {**products_tuning._WS_CONFIG, "FUSED_SUMS": False}, x=dy, y=x, z=dw, dtype=dtype,
+        precision="tf32", scratch=scratch, row_sums=db,
+    )  # fmt: skip
+    assert launches[0].kernel is matmul_ws
+    _run_launches(launches, dtype)
+    expected = dy.double().T @ x.double()
+    torch.testing.assert_close(dw.double(), expected, atol=1e-4 * rows**0.5, rtol=1e-5)
+    torch.testing.assert_close(db.double(), dy.double().sum(0), atol=1e-4 * rows**0.5, rtol=1e-5)
+    rounding = (expected - expected.to(dtype).double()).abs().max().item()
+    assert (dw.double() - expected).abs().max().item() < rounding / 4  # not rounded to the operands' dtype
+
+
+@gpu_only
+def test_linears_of_one_input_train_through_matmul_ws_in_bf16_mixed(gen, monkeypatch):
+    """bf16-mixed with x read by two linears, tuning made to pick matmul_ws wherever it is offered:
+    the forwards, the first dX, the second dX adding the first's (the addend), and both float32
+    dWs of the float32 master weights (``fusions.master_weights``) all go through it. Loss and
+    gradients against torch autograd in float64, to bfloat16 accuracy."""
+    monkeypatch.setattr(tuning, "enabled", lambda: True)
+    tuning.forget_memory()
+    picked = []
+
+    def choose(kernel, key, candidates, default, bench, before_timing=None):
+        ws = [c for c in candidates if c["kernel"] == "ws"]
+        picked.append((key.get("epilogue"), key.get("out_dtype"), bool(ws)))
+        return ws[0] if ws else default
+
+    monkeypatch.setattr(tuning, "choose", choose)
+    monkeypatch.setattr(products_tuning, "TUNE_MIN_MACS", 1)
+    rows, fin, f1, f2 = 1000, 264, 520, 392
+    feed = {
+        "x": torch.randn(rows, fin, generator=gen).to(teeny.DEVICE),
+        "w1": (torch.randn(f1, fin, generator=gen) / fin**0.5).to(teeny.DEVICE),
+        "b1": torch.randn(f1, generator=gen).to(teeny.DEVICE),
+        "w2": (torch.randn(f2, fin, generator=gen) / fin**0.5).to(teeny.DEVICE),
+    }
+    g = Graph()
+    x, w1, b1, w2 = (g.input(n, t.shape, requires_grad=True) for n, t in feed.items())
+    y1, y2 = teeny.ops.linear(x, w1, b1), teeny.ops.linear(x, w2)
+    g.output(teeny.ops.add(teeny.ops.mean(teeny.ops.mul(y1, y1)), teeny.ops.mean(teeny.ops.mul(y2, y2))))
+    ex = teeny.Executor(lower(g, LoweringMode.TRAINING, precision="bf16-mixed"))
+    with record_launches() as log:
+        loss, cache = ex.forward_train(feed)
+        grads = ex.backward(cache)
+    assert ("addend", None, True) in picked and (None, "float32", True) in picked
+    assert all(ws for _, _, ws in picked), picked
+    assert [r.kernel for r in log].count("matmul_ws") == 6  # 2 forwards, 2 dX, 2 dW
+    refs = {n: t.double().requires_grad_(True) for n, t in feed.items()}
+    r1 = torch.nn.functional.linear(refs["x"], refs["w1"], refs["b1"])
+    r2 = torch.nn.functional.linear(refs["x"], refs["w2"])
+    expected = (r1 * r1).mean() + (r2 * r2).mean()
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 2e-2 * abs(expected.item())
+    for name, t in refs.items():
+        assert grads[name].dtype == torch.float32, name
+        assert (grads[name].double() - t.grad).norm() <= 2e-2 * t.grad.norm(), name
+    tuning.forget_memory()
 
 
 @gpu_only

@@ -1,5 +1,6 @@
 """Compile check of test_linear_gluon.py: matmul_ws's launch of each case (a product's sizes and
-operand strides, with or without the bias) compiled for sm_90 as an ahead-of-time bundle would
+operand strides, with or without the bias, an addend (``"addend": true``) or a Z of another dtype
+(``"out": "float32"``)) compiled for sm_90 as an ahead-of-time bundle would
 (Triton's arguments: the descriptors matmul_ws makes on the host); its grid, wgmma, TMA,
 shared memory and register counts.
 
@@ -23,9 +24,11 @@ for case in cases():
     dtype = getattr(torch, case["dtype"])
     M, N, K = case["M"], case["N"], case["K"]
     p = products_launches.Product(M, N, K, tuple(case["x"]), tuple(case["y"]), (N, 1), [], [])
-    x, y, z = (torch.empty(n, dtype=dtype) for n in (M * K, K * N, M * N))
+    x, y = (torch.empty(n, dtype=dtype) for n in (M * K, K * N))
+    z = torch.empty(M * N, dtype=getattr(torch, case.get("out", case["dtype"])))
     bias = torch.empty(N, dtype=dtype) if case["bias"] else None
-    launch = products_launches._ws_launch(p, x, y, z, bias, dtype, products_tuning._WS_CONFIG)
+    addend = torch.empty(M * N, dtype=dtype) if case.get("addend") else None
+    launch = products_launches._ws_launch(p, x, y, z, bias, dtype, products_tuning._WS_CONFIG, addend)
     row = dict(case=case["name"], grid=list(launch.grid))
     try:
         entry, ptx = compile_launch(launch)
@@ -35,6 +38,7 @@ for case in cases():
             wgmma=ptx.count("wgmma.mma_async"),
             shared=entry["shared"],
             waits=ptx.count("griddepcontrol.wait"),
+            global_stores=ptx.count("st.global"),
             setmaxnreg=sorted(registers),
             **tma_counts(ptx),
         )

@@ -19,7 +19,8 @@ every access through strides (the package docstring has the maths). Three kernel
   of the first column tile do it). float32 (tf32/tf32x3) tensor cores take operands K-major
   only, so an MN-major float32 operand may be copied K-major first (``matmul_copy``, one pass).
 * ``matmul_ws`` (``gluon.py``: Hopper, half precision, aligned 2-D products without an
-  activation epilogue or a transposed Z): a Gluon kernel whose programs hold 128 x 192 tiles as
+  activation epilogue or a transposed Z; an addend into half Z, or a float32 Z): a Gluon kernel
+  whose programs hold 128 x 192 tiles as
   two warpgroups side by side, fed by a TMA loader warp; a tuning candidate (an output 768 wide
   is 4 of its tiles across, where ``tl.dot``'s powers of two leave a wave part idle). A dW that
   also wants the bias gradient takes it from ``common.sum_to_shape`` there.

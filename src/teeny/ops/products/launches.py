@@ -198,7 +198,10 @@ class Epilogue:
 
     @property
     def kind(self) -> str:
-        """What the epilogue does with h: "activation" (stores it) or "derivative" (loads it)."""
+        """What the epilogue does with h: "activation" (stores it) or "derivative" (loads it), or
+        "addend" (a derivative that only adds: ``addend_epilogue``)."""
+        if self.derivative and isinstance(self.activation, _Sum):
+            return "addend"
         return "derivative" if self.derivative else "activation"
 
     def args(self) -> dict:
@@ -369,16 +372,25 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
     return launches
 
 
-def _ws_launch(p: Product, x, y, z, bias, dtype: torch.dtype, config: dict) -> Launch:
-    """matmul_ws's launch: one persistent program per multiprocessor (or per tile, if fewer)."""
+def _ws_launch(p: Product, x, y, z, bias, dtype: torch.dtype, config: dict, addend=None) -> Launch:
+    """matmul_ws's launch: one persistent program per multiprocessor (or per tile, if fewer).
+    ``addend``: a tensor laid out like Z, of its half dtype, summed in the epilogue."""
     layout = p.tma_layout(dtype)
-    if dtype not in (torch.float16, torch.bfloat16) or z.dtype != dtype or layout is None or layout.z_transposed:
+    half_z = z.dtype == dtype
+    if (
+        dtype not in (torch.float16, torch.bfloat16)
+        or z.dtype not in (dtype, torch.float32)
+        or layout is None
+        or layout.z_transposed
+        or (addend is not None and not half_z)
+    ):
         raise ValueError(
-            f"matmul_ws computes half-precision 2-D products into Z of their dtype with 16-byte aligned rows, "
-            f"Z not transposed: not {dtype} into {z.dtype} ({p})"
+            f"matmul_ws computes half-precision 2-D products with 16-byte aligned rows into Z of their dtype "
+            f"(with or without an addend) or of float32 (without), Z not transposed: not {dtype} into {z.dtype}"
+            f"{' with an addend' if addend is not None else ''} ({p})"
         )
     args = ArgVisitor().visit(
-        x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, M=p.M, N=p.N, K=p.K, x_stride=layout.x_stride,
+        x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, addend_ptr=addend, M=p.M, N=p.N, K=p.K, x_stride=layout.x_stride,
         y_stride=layout.y_stride, z_stride=layout.z_stride, X_K_CONTIGUOUS=layout.x_k_contiguous,
         Y_K_CONTIGUOUS=layout.y_k_contiguous, STAGES=config["num_stages"],
     )  # fmt: skip
@@ -406,9 +418,9 @@ def product_launches(
     (``scratch(shape, dtype)`` allocates the partials of stream-K tiles and K-major copies);
     ``row_sums``: also the sums of X's rows over the contraction (X must then be stored
     transposed and contiguous, (K, M), as linear's dY is), in the kernel or by ``sum_to_shape``;
-    ``epilogue``: an activation applied before the store (see ``Epilogue``). Z (and the row sums)
-    may be of a wider dtype than the operands (a float32 dW of bfloat16 operands; not through
-    ``matmul_ws``)."""
+    ``epilogue``: an activation applied before the store (see ``Epilogue``; ``matmul_ws`` takes
+    only an addend). Z (and the row sums) may be of a wider dtype than the operands (a float32 dW
+    of bfloat16 operands; through ``matmul_ws`` without an addend)."""
     precision = config.get("PRECISION", precision)
     tma = config["kernel"] == "tma"
     if tma and not p.paddable() and p.tma_layout(dtype) is None:
@@ -416,9 +428,9 @@ def product_launches(
     fused = row_sums is not None and tma and config.get("FUSED_SUMS", True)
     epilogue_args = _epilogue_args(epilogue, p, z)
     if config["kernel"] == "ws":
-        if epilogue is not None:
+        if epilogue is not None and epilogue.kind != "addend":
             raise ValueError(f"matmul_ws has no activation epilogue ({p})")
-        launches = [_ws_launch(p, x, y, z, bias, dtype, config)]
+        launches = [_ws_launch(p, x, y, z, bias, dtype, config, epilogue_args["aux_ptr"])]
     elif not tma:
         args = _product_args(p, x, y, z, bias, dtype, precision, config).visit(**_tiles(config), **epilogue_args)
         grid = (p.batch * cdiv(p.M, config["BLOCK_M"]) * cdiv(p.N, config["BLOCK_N"]),)

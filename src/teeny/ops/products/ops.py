@@ -63,7 +63,8 @@ class ProductOp(RuntimeOp):
                 out_dtype=out_dtype,
                 timing=ctx.dry_run,  # a run's product the dry run did not see: nothing timed inside the run
             )
-        if config["kernel"] in ("tma", "ws") and not ctx.dry_run and not _aligned(x, y, z):
+        aux = None if epilogue is None else epilogue.aux
+        if config["kernel"] in ("tma", "ws") and not ctx.dry_run and not _aligned(x, y, z, aux):
             # the executor keeps parameters and inputs 16-byte aligned, and fresh buffers are: the plan holds
             raise TeenyError(f"{ctx.where}: a TMA product's operand is not 16-byte aligned ({p})")
         return product_launches(

@@ -88,9 +88,19 @@ _TMA_CANDIDATES = {
 # how many of each list (the first) also get stream-K and K_MAJOR variants
 _VARIANTS_OF = {"half": 11, TF32X3: 4, TF32: 2, IEEE: 2, "float64": 2}
 # matmul_ws (gluon.py): 128 x 192 tiles of two warpgroups, half precision, no activation
-# epilogue, no fused row sums, Z not transposed. H200, 4,096-row GPT-2 layers (v19): 0.97-1.08x
-# cuBLAS on forwards and dX where matmul_tma's tuned best was 0.69-0.95x.
+# epilogue (an addend, or a float32 Z), no fused row sums, Z not transposed. H200, 4,096-row
+# GPT-2 layers (v19): 0.97-1.08x cuBLAS on forwards and dX where matmul_tma's tuned best was
+# 0.69-0.95x.
 _WS_CONFIG = _cfg(gluon.BLOCK_M, gluon.BLOCK_N, gluon.BLOCK_K, 4, gluon.PIPELINE_STAGES, kind="ws")
+
+
+def _ws_computes(epilogue: str | None, out_dtype: torch.dtype | None) -> bool:
+    """Whether matmul_ws computes a product with this epilogue (``Epilogue.kind``) into Z of
+    ``out_dtype``: no epilogue or an addend into half Z; no epilogue into float32 Z."""
+    if out_dtype is None:
+        return epilogue in (None, "addend")
+    return out_dtype == torch.float32 and epilogue is None
+
 
 # Small products (under TUNE_MIN_MACS: the small MLP's 128-row layers) are latency-bound: a
 # few programs of big tiles leave the GPU idle. These small tiles (all with stream-K variants)
@@ -139,7 +149,7 @@ def _shared_bytes(
     operands = config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * size
     store_n = config["BLOCK_N"] // 2 if config["SUBTILE"] else config["BLOCK_N"]
     ones = config["BLOCK_K"] * ROW_SUM_COLUMNS.value * size if row_sums and config.get("FUSED_SUMS", True) else 0
-    aux = config["BLOCK_M"] * store_n * out_size if epilogue == "derivative" else 0
+    aux = config["BLOCK_M"] * store_n * out_size if epilogue in ("derivative", "addend") else 0
     return operands + config["BLOCK_M"] * store_n * out_size + ones + aux
 
 
@@ -220,7 +230,7 @@ def candidates(
     """The configurations the tuning pass times for ``p`` (the first is the heuristic's pick);
     ``row_sums``: the product also sums X's rows (linear's bias gradient); ``epilogue``: it
     applies an activation (``Epilogue.kind``); ``out_dtype``: Z's dtype where it is not the
-    operands' (a float32 dW of half operands: no ``matmul_ws``). A configuration the epilogue's
+    operands' (a float32 dW of half operands). A configuration the epilogue's
     aux box leaves without room is tried with half-tile stores (SUBTILE), which halve that box."""
     if INTERPRETER:
         return [_INTERPRETER_CONFIG]
@@ -253,7 +263,7 @@ def candidates(
     if row_sums:  # fused into the kernel, or (a few) the separate column sum, to compare
         fused = [{**c, "FUSED_SUMS": True} for c in out if _fits(c, dtype, row_sums=True, **needs)]
         out = fused + [{**c, "FUSED_SUMS": False} for c in out[:3]]
-    if cls == "half" and aligned and epilogue is None and out_dtype is None and not p.z_transposed:
+    if cls == "half" and aligned and not p.z_transposed and _ws_computes(epilogue, out_dtype):
         out.append({**_WS_CONFIG, "FUSED_SUMS": False} if row_sums else dict(_WS_CONFIG))
     return out if aligned else out[:PADDED_CANDIDATES] + strided
 
