@@ -21,7 +21,8 @@ process starts):
   that runs the case (eager, and captured in a CUDA graph too), with TFLOP/s, the error of each
   against a float64 reference (max |x - ref| / max |ref|, output and dq, dk, dv) and peak memory.
 * ``sweep``: tile configurations of the three kernels at 4x16x2048x{64,128} causal, per kernel
-  time from the profiler.
+  time from the profiler; ``BENCH_SWEEP="8x16x1024x64:gqa causal,..."`` sweeps those shapes and
+  variants instead (then ``warm`` compiles only the sweep's kernels).
 * ``compile``: torch.compile of SDPA forward + backward at the first shape, if time is left.
 
 ``BENCH_DTYPE=float32`` times and sweeps float32 instead (tf32x3 products): causal at GPT 4L's
@@ -402,6 +403,8 @@ def sweep_configs(head_dim: int):
             (128, 64, 8, 3),
             (128, 32, 4, 3),
             (64, 128, 4, 3),
+            (64, 64, 4, 4),
+            (64, 64, 8, 3),
         ]
         dq = [
             (128, 32, 4, 3),
@@ -411,8 +414,10 @@ def sweep_configs(head_dim: int):
             (128, 64, 4, 3),
             (64, 32, 4, 4),
             (128, 32, 4, 5),
+            (64, 64, 8, 3),
+            (64, 64, 4, 4),
         ]
-        dkdv = [
+        dkdv = [  # (the last two for the Llama's GQA: 64 keys a program, twice the programs)
             (32, 128, 4, 3),
             (64, 128, 8, 3),
             (32, 64, 4, 3),
@@ -420,6 +425,8 @@ def sweep_configs(head_dim: int):
             (32, 128, 8, 4),
             (64, 128, 4, 3),
             (32, 128, 4, 5),
+            (64, 64, 4, 4),
+            (128, 64, 8, 3),
         ]
     else:
         fwd = [
@@ -457,14 +464,14 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
     from teeny.ops.attention import tuning
 
     rows = []
-    for index, (shape, i, tiles) in enumerate(sweep_jobs()):
+    for index, (shape, variant, i, tiles) in enumerate(sweep_jobs()):
         if index < start:
             continue
         if time.time() > deadline:
             break
         row = dict(
             section="sweep",
-            case=f"{'x'.join(map(str, shape))} causal",
+            case=f"{'x'.join(map(str, shape))} {variant}",
             config=i,
             index=index,
             forward=tiles.forward.__dict__,
@@ -473,7 +480,7 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
         )
         try:
             tuning.TILE_OVERRIDE = tiles
-            q, k, v, gout, kwargs = make_inputs(shape, "causal", bench_dtype())
+            q, k, v, gout, kwargs = make_inputs(shape, variant, bench_dtype())
             ex, feed = teeny_executor(q, k, v, kwargs)
 
             def step():
@@ -483,7 +490,7 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
 
             graph, _ = capture(step)
             ms = bench_ms(graph.replay)
-            row.update(ms=round(ms, 4), tflops=round(flops(shape, "causal") / ms * 1e-9, 1))
+            row.update(ms=round(ms, 4), tflops=round(flops(shape, variant) / ms * 1e-9, 1))
             row.update(kernel_times(graph.replay))
             del graph
         except Exception as exc:
@@ -496,8 +503,14 @@ def section_sweep(deadline: float, start: int = 0) -> list[dict]:
 
 
 def sweep_jobs():
-    shapes = SHAPES if DTYPE == "float32" else (SHAPES[0], SHAPES[2])
-    return [(shape, i, tiles) for shape in shapes for i, tiles in enumerate(sweep_configs(shape[3]))]
+    """(shape, variant, index, tiles) of every sweep run: BENCH_SWEEP's cases, else the defaults."""
+    chosen = os.environ.get("BENCH_SWEEP")
+    if chosen:
+        wanted = [part.split(":") for part in chosen.split(",")]
+        cases = [(tuple(int(n) for n in shape.split("x")), variant) for shape, variant in wanted]
+    else:
+        cases = [(shape, "causal") for shape in (SHAPES if DTYPE == "float32" else (SHAPES[0], SHAPES[2]))]
+    return [(s, variant, i, tiles) for s, variant in cases for i, tiles in enumerate(sweep_configs(s[3]))]
 
 
 def warm_one(index: int) -> dict:
@@ -506,7 +519,8 @@ def warm_one(index: int) -> dict:
     _setup()
     from teeny.ops.attention import tuning
 
-    jobs = [(shape, variant, None) for shape, variant in cases()] + [(s, "causal", t) for s, _, t in sweep_jobs()]
+    timing = [] if os.environ.get("BENCH_SWEEP") else [(shape, variant, None) for shape, variant in cases()]
+    jobs = timing + [(s, variant, t) for s, variant, _, t in sweep_jobs()]
     shape, variant, tiles = jobs[index]
     row = dict(section="warm", index=index, case=f"{'x'.join(map(str, shape))} {variant}")
     t0 = time.time()
@@ -524,7 +538,7 @@ def warm_one(index: int) -> dict:
 
 
 def n_warm_jobs() -> int:
-    return len(cases()) + len(sweep_jobs())
+    return (0 if os.environ.get("BENCH_SWEEP") else len(cases())) + len(sweep_jobs())
 
 
 def section_compile(deadline: float) -> list[dict]:
