@@ -532,3 +532,26 @@ def test_attention_dropout_under_checkpoint_recomputes_the_forwards_mask(reentra
     y.sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), expected):
         torch.testing.assert_close(got, want)
+
+
+def test_dkdv_takes_smaller_tiles_where_its_grid_has_too_few_programs(monkeypatch):
+    """Half-precision head dim 64: dkdv's grid is (key/value heads, key blocks); where 128-key
+    blocks give under DKDV_MIN_WAVES waves of programs (the Llama's GQA, 8 x 4 heads x 1,024
+    keys: 256 programs on 132 multiprocessors), dkdv takes 32 x 64 tiles and the other kernels
+    keep theirs; GPT-2's 8 x 12 heads and longer sequences keep 64 x 128."""
+    from teeny.core import tuning as core_tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETER", False)
+    monkeypatch.setattr(core_tuning, "multiprocessors", lambda: 132)
+    usual = tuning.HALF_TILES[64]
+
+    def tiles(kv_heads, length=1024, d=64):
+        return tuning.attention_tiles(torch.bfloat16, d=d, dv=d, q_len=length, k_len=length, kv_heads=kv_heads)
+
+    llama = tiles(8 * 4)
+    assert llama == AttentionTiles(usual.forward, usual.dq, tuning.HALF_FEW_PROGRAMS_DKDV)
+    assert llama.dkdv == Tiles(32, 64, 4, 3)
+    assert tiles(8 * 12) == usual  # GPT-2: 768 programs, 5.8 waves
+    assert tiles(4 * 16, length=2048) == usual
+    assert tiles(4 * 4, length=8192) == usual  # 16 x 64 blocks: 1,024 programs
+    assert tiles(8 * 4, d=128) == tuning.HALF_TILES[128]  # head dim 128: swept without GQA only

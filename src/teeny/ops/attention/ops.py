@@ -152,7 +152,14 @@ class AttentionOp(RuntimeOp):
 
     @staticmethod
     def _tiles(ctx, layout: AttentionLayout) -> AttentionTiles:
-        return attention_tiles(ctx.dtype, d=layout.d, dv=layout.dv, q_len=layout.q_len, k_len=layout.k_len)
+        return attention_tiles(
+            ctx.dtype,
+            d=layout.d,
+            dv=layout.dv,
+            q_len=layout.q_len,
+            k_len=layout.k_len,
+            kv_heads=layout.n_bh // layout.kv_group,
+        )
 
     def _common(self, ctx, layout: AttentionLayout) -> dict:
         """The arguments every kernel takes, by name."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.common import pow2
+from ...core import tuning
+from ...core.common import cdiv, pow2
 from ...core.device import INTERPRETER
 
 __all__ = ["AttentionTiles", "Tiles", "attention_tiles", "head_blocks"]
@@ -45,6 +46,14 @@ HALF_TILES = {
     128: AttentionTiles(Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 3)),
     256: AttentionTiles(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)),
 }
+# dkdv's grid is (key/value heads, key blocks): with grouped keys and values (GQA) at a short
+# length, 128-key blocks leave too few programs to balance causal work over the GPU (the Llama's
+# 8 x 4 heads x 1024 keys: 256 programs, 1.9 waves on the H100, each summing 4 query heads).
+# Below DKDV_MIN_WAVES waves of them, 32 x 64 tiles: H100, bf16 8x16x1024x64 with 4 key/value
+# heads, causal (bench/tools/attention.py, BENCH_SWEEP; docs/performance.md, v41): 0.104 ms
+# against 0.180 for 64 x 128 (64 x 64: 0.108, 64 x 128 on 8 warps: 0.118).
+HALF_FEW_PROGRAMS_DKDV = Tiles(32, 64, 4, 3)
+DKDV_MIN_WAVES = 4
 # float32 products at tf32x3 run on tensor cores (three tf32 MMAs a product; the hi/lo halves
 # of each operand double its registers), for head dims up to 64. Swept on the H200 (fwd + bwd,
 # causal, docs/archive/bench-journal.md v14): at 64x8x128x32 one warpgroup on 64 x 64 tiles, 0.131 ms (128-row
@@ -73,8 +82,11 @@ def head_blocks(dtype: torch.dtype, *, d: int, dv: int) -> tuple[int, int]:
     return max(least, pow2(d)), max(least, pow2(dv))
 
 
-def attention_tiles(dtype: torch.dtype, *, d: int, dv: int, q_len: int, k_len: int) -> AttentionTiles:
-    """The tiles for one call (shapes are static per program)."""
+def attention_tiles(
+    dtype: torch.dtype, *, d: int, dv: int, q_len: int, k_len: int, kv_heads: int = 1
+) -> AttentionTiles:
+    """The tiles for one call (shapes are static per program); ``kv_heads``: the key/value heads
+    of every batch element together (dkdv's programs per key block)."""
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
     if INTERPRETER:
@@ -83,7 +95,11 @@ def attention_tiles(dtype: torch.dtype, *, d: int, dv: int, q_len: int, k_len: i
         return AttentionTiles(Tiles(m, n), Tiles(m, n), Tiles(m, n))
     if dtype in (torch.float16, torch.bfloat16):
         head = max(64, pow2(max(d, dv)))
-        return HALF_TILES[head] if head in HALF_TILES else HALF_TILES[256]
+        tiles = HALF_TILES[head] if head in HALF_TILES else HALF_TILES[256]
+        programs = kv_heads * cdiv(k_len, tiles.dkdv.block_n)
+        if head == 64 and programs < DKDV_MIN_WAVES * tuning.multiprocessors():
+            tiles = AttentionTiles(tiles.forward, tiles.dq, HALF_FEW_PROGRAMS_DKDV)
+        return tiles
     if dtype == torch.float32 and max(d, dv) <= 64:
         return FLOAT32_LONG_TILES if min(q_len, k_len) >= FLOAT32_LONG else FLOAT32_TILES
     return WIDE_TILES
