@@ -82,9 +82,7 @@ def head_blocks(dtype: torch.dtype, *, d: int, dv: int) -> tuple[int, int]:
     return max(least, pow2(d)), max(least, pow2(dv))
 
 
-def attention_tiles(
-    dtype: torch.dtype, *, d: int, dv: int, q_len: int, k_len: int, kv_heads: int = 1
-) -> AttentionTiles:
+def attention_tiles(dtype: torch.dtype, *, d: int, dv: int, q_len: int, k_len: int, kv_heads: int) -> AttentionTiles:
     """The tiles for one call (shapes are static per program); ``kv_heads``: the key/value heads
     of every batch element together (dkdv's programs per key block)."""
     if TILE_OVERRIDE is not None:
