@@ -408,7 +408,7 @@ def test_repeat_interleave_and_repeat_run_in_teeny_with_a_float64_gradcheck():
     compiled = torch.compile(f, backend="teeny")
     for out, expected in zip(compiled(x, w), f(x, w)):
         torch.testing.assert_close(out, expected)
-    assert torch.autograd.gradcheck(compiled, (x, w))
+    assert torch.autograd.gradcheck(compiled, (x, w), fast_mode=True)  # random projections of 93 output elements
     assert ", 0 kinds left to PyTorch" in backend.report()
 
 
@@ -422,7 +422,7 @@ def test_float64_gradcheck_through_the_backend():
         torch.randn(4, 5, dtype=torch.float64, device=DEVICE, requires_grad=True),
         torch.randn(5, dtype=torch.float64, device=DEVICE, requires_grad=True),
     ]
-    assert torch.autograd.gradcheck(compiled, args, eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(compiled, args, eps=1e-6, atol=1e-7, fast_mode=True)  # random projections
 
 
 def test_no_grad_runs_an_inference_program_and_dropout_follows_the_mode():
