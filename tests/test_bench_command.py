@@ -3,8 +3,6 @@ a failing variant that leaves the others running, and the errors of a factory th
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,17 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 on_cpu = not torch.cuda.is_available()
 
 
-@pytest.mark.slow
-def test_bench_command_runs_eager_and_teeny_patch_from_the_same_weights(tmp_path):
+def test_bench_command_runs_eager_and_teeny_patch_from_the_same_weights(tmp_path, capsys):
+    """The command in this process (``main``, as ``python -m teeny`` calls it; a fresh process is
+    ``--rounds``'s, below)."""
     pytest.importorskip("transformers")
     out = tmp_path / "out.json"
     spec = f"{ROOT / 'examples' / 'bench_llama.py'}:make_model"
     argv = ["bench", spec, "--steps", "1", "--warmup", "1", "--variants", "eager,teeny-patch", "--json", str(out)]
     argv += ["--precision", "fp32"]  # the same numbers on a GPU as on the CPU: no autocast
-    done = subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in table] == ["variant", "eager", "teeny-patch"], done.stdout
+    code = main(argv)
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    table = [line for line in done.out.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table] == ["variant", "eager", "teeny-patch"], done.out
     report = json.loads(out.read_text())
     assert report["steps"] == 1 and report["tokens_per_step"] == 2 * 32 and report["parameters"] > 0
     eager, patched = report["rows"]
@@ -102,9 +102,10 @@ def test_a_failing_variant_is_a_row_and_the_others_go_on():
     assert settings["parameters"] == 4 * 2 + 2
 
 
-def test_rounds_run_each_in_a_fresh_process_and_take_the_median(tmp_path):
-    """``--rounds 2``: the command runs twice, each round a process of its own (its JSON, here the
-    rows of both), and a variant's step time is the median of its rounds', each kept."""
+def test_rounds_run_each_in_a_fresh_process_and_take_the_median(tmp_path, capsys):
+    """``--rounds 2``: the command (here ``main`` in this process) runs twice, each round a process
+    of its own (its JSON, here the rows of both), and a variant's step time is the median of its
+    rounds', each kept."""
     factory = tmp_path / "tiny.py"
     factory.write_text(
         "import torch\n"
@@ -116,10 +117,11 @@ def test_rounds_run_each_in_a_fresh_process_and_take_the_median(tmp_path):
     out = tmp_path / "out.json"
     argv = ["bench", f"{factory}:make_model", "--rounds", "2", "--steps", "2", "--warmup", "0"]
     argv += ["--variants", "eager,teeny-patch", "--precision", "fp32", f"--json={out}"]
-    done = subprocess.run([sys.executable, "-m", "teeny", *argv], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "round 2 of 2" in done.stderr and "round 1: eager " in done.stderr
-    assert "the median of 2 rounds" in done.stdout
+    code = main(argv)
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    assert "round 2 of 2" in done.err and "round 1: eager " in done.err
+    assert "the median of 2 rounds" in done.out
     report = json.loads(out.read_text())
     assert report["rounds"] == 2 and [r["variant"] for r in report["rows"]] == ["eager", "teeny-patch"]
     for row in report["rows"]:
