@@ -84,6 +84,18 @@ def test_gqa_and_odd_lengths_across_tilings(gen, tiling, causal):
     _compare(gen, torch.float32, [q, k, v], 9, is_causal=causal, enable_gqa=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gqa_on_the_gpus_small_grid_tiles(gen, monkeypatch, dtype):
+    """The tiles a small GQA grid takes on the GPU (forward and dq 64 x 64, dkdv 32 x 64:
+    ``HALF_FEW_PROGRAMS_DKDV``), run here by the interpreter: causal, 150 queries and keys (dkdv
+    streams 5 blocks of 32 queries past 3 blocks of 64 keys, partial tails and the diagonal), 4
+    query heads on 2 key/value heads, against torch in float64."""
+    usual = tuning.HALF_TILES[64]
+    monkeypatch.setattr(tuning, "TILE_OVERRIDE", AttentionTiles(usual.forward, usual.dq, tuning.HALF_FEW_PROGRAMS_DKDV))
+    q, k, v = _qkv(gen, dtype, (2, 4, 150, 24), (2, 2, 150, 24))
+    _compare(gen, dtype, [q, k, v], 150, is_causal=True, enable_gqa=True)
+
+
 def test_bool_mask_across_tilings(gen, tiling):
     q, k, v = _qkv(gen, torch.float32, (2, 3, 11, 4), (2, 3, 13, 4))
     mask = torch.rand(2, 1, 11, 13, generator=gen) > 0.4
