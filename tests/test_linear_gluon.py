@@ -169,8 +169,10 @@ def test_candidates_offer_matmul_ws_where_it_applies(monkeypatch):
     x, y, z = (torch.empty(n, dtype=torch.bfloat16) for n in (p.M * p.K, p.K * p.N, p.M * p.N))
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
         products_launches._ws_launch(p, x, y, z.double(), None, torch.bfloat16, products_tuning._WS_CONFIG)
-    with pytest.raises(ValueError, match="of float32 .without.*with an addend"):
+    with pytest.raises(ValueError, match="of float32 .without.*with a torch.bfloat16 addend"):
         products_launches._ws_launch(p, x, y, z.float(), None, torch.bfloat16, products_tuning._WS_CONFIG, z)
+    with pytest.raises(ValueError, match="with a torch.float32 addend"):  # the addend of Z's half dtype only
+        products_launches._ws_launch(p, x, y, z, None, torch.bfloat16, products_tuning._WS_CONFIG, z.float())
     with pytest.raises(ValueError, match="matmul_ws computes half-precision"):
         products_launches._ws_launch(conv1d_dw, x, y, z, None, torch.bfloat16, products_tuning._WS_CONFIG)
     assert products_launches.addend_epilogue(z).kind == "addend"

@@ -382,12 +382,12 @@ def _ws_launch(p: Product, x, y, z, bias, dtype: torch.dtype, config: dict, adde
         or z.dtype not in (dtype, torch.float32)
         or layout is None
         or layout.z_transposed
-        or (addend is not None and not half_z)
+        or (addend is not None and (not half_z or addend.dtype != dtype))
     ):
         raise ValueError(
             f"matmul_ws computes half-precision 2-D products with 16-byte aligned rows into Z of their dtype "
             f"(with or without an addend) or of float32 (without), Z not transposed: not {dtype} into {z.dtype}"
-            f"{' with an addend' if addend is not None else ''} ({p})"
+            f"{f' with a {addend.dtype} addend' if addend is not None else ''} ({p})"
         )
     args = ArgVisitor().visit(
         x_ptr=x, y_ptr=y, z_ptr=z, bias_ptr=bias, addend_ptr=addend, M=p.M, N=p.N, K=p.K, x_stride=layout.x_stride,
