@@ -199,6 +199,14 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+def run_launches(launches, dtype: torch.dtype) -> None:
+    """Run teeny Launches (a product's, say) one after another with each kernel's ``dtype`` instance."""
+    from teeny.core.runtime import run_launch
+
+    for launch in launches:
+        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+
+
 def compile_for_sm90(name: str, cases, timeout: float):
     """Run ``tests/scripts/<name>.py`` (a compile check: it imports ``sm90`` first, compiles
     kernels for the H200 without the interpreter, and prints ``RESULTS <json>`` or ``SKIP <json

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import teeny
-from helpers import compile_for_sm90
+from helpers import compile_for_sm90, run_launches
 from teeny import Graph, LoweringMode, lower
 from teeny.checks.registry import tolerance
 from teeny.core.kernel import record_launches
-from teeny.core.runtime import run_launch
 from teeny.fusions.transposed_weights import TransposedWeightLinearOp
 from teeny.ops.products import kernels as products_kernels
 from teeny.ops.products import launches as products_launches
@@ -144,11 +143,6 @@ def test_too_many_broadcast_patterns_is_a_clear_error():
         teeny.ops.matmul(a, b)
 
 
-def _run(launches, dtype):
-    for launch in launches:
-        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
-
-
 def _linear_cases(rows, fin, fout, gen) -> dict:
     """linear's three products on float64 data: (A, B, expected Z, bias, expected row sums)."""
     x, w, dy = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, fin), (fout, fin), (rows, fout)))
@@ -185,7 +179,7 @@ def _product_launches(p, case, dtype, config):
 
 
 def _check_product(launches, z, sums, case, dtype, name):
-    _run(launches, dtype)
+    run_launches(launches, dtype)
     atol, rtol = tolerance(dtype, max(case[2].shape + case[0].shape))
     torch.testing.assert_close(z.cpu().double(), case[2], atol=atol, rtol=rtol, msg=name)
     if sums is not None:
@@ -419,7 +413,7 @@ def test_activation_epilogue_in_every_product_kernel(dtype, where, gen, monkeypa
             scratch=scratch,
             epilogue=epilogue,
         )
-        _run(launches, dtype)
+        run_launches(launches, dtype)
 
     y, h, dh = (torch.empty(s, dtype=dtype, device=teeny.DEVICE) for s in ((rows, fout), (rows, fout), (rows, fin)))
     run(products["forward"], x, w, y, bias, products_launches.Epilogue(gelu, h))
@@ -454,7 +448,7 @@ def test_addend_epilogue_in_every_product_kernel(dtype, where, in_place, gen, mo
         scratch=lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE),
         epilogue=products_launches.addend_epilogue(addend),
     )  # fmt: skip
-    _run(launches, dtype)
+    run_launches(launches, dtype)
     atol, rtol = tolerance(dtype, fout)
     torch.testing.assert_close(dx.cpu().double(), expected.cpu(), atol=atol, rtol=rtol)
 
@@ -477,7 +471,7 @@ def test_float32_weight_gradient_of_half_operands_in_every_product_kernel(dtype,
         product, config, x=dy, y=x, z=dw, dtype=dtype, precision=products_kernels.dot_precision(dtype, False),
         scratch=lambda s, d: torch.full(s, float("nan"), dtype=d, device=teeny.DEVICE), row_sums=db,
     )  # fmt: skip
-    _run(launches, dtype)
+    run_launches(launches, dtype)
     expected = dy.double().T @ x.double()
     assert dw.dtype == db.dtype == torch.float32
     torch.testing.assert_close(dw.cpu().double(), expected.cpu(), atol=1e-4 * rows, rtol=1e-5)

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 import teeny
-from helpers import compile_for_sm90
+from helpers import compile_for_sm90, run_launches
 from teeny import Graph, LoweringMode, lower
 from teeny.checks.registry import tolerance
 from teeny.core import tuning
 from teeny.core.kernel import record_launches
-from teeny.core.runtime import run_launch
 from teeny.fusions.transposed_weights import TransposedWeightLinearOp
 from teeny.ops.products import kernels as products_kernels
 from teeny.ops.products import launches as products_launches
@@ -206,8 +205,7 @@ def _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False):
         p, config, x=dev[0], y=dev[1], z=z, bias=dev[2], dtype=dtype, precision="tf32", scratch=scratch, row_sums=sums
     )
     assert launches[0].kernel is matmul_ws
-    for launch in launches:
-        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
+    run_launches(launches, dtype)
     atol, rtol = tolerance(dtype, max(expected.shape + a.shape))
     torch.testing.assert_close(z.cpu().double(), expected, atol=atol, rtol=rtol, msg=name)
     if row_sums:
@@ -228,11 +226,6 @@ def test_kernel_computes_every_layout(dtype, rows, gen):
         _run_product(name, p, rows, fin, fout, dtype, gen, row_sums=False)
     p = _products(rows, fin, fout)["grad_weight"]
     _run_product("grad_weight", p, rows, fin, fout, dtype, gen, row_sums=True)
-
-
-def _run_launches(launches, dtype):
-    for launch in launches:
-        run_launch(launch, launch.kernel.instance(dtype), "test", 1)
 
 
 @gpu_only
@@ -259,7 +252,7 @@ def test_kernel_adds_the_waiting_gradient_and_writes_float32_weight_gradients(dt
             scratch=scratch, epilogue=products_launches.addend_epilogue(addend),
         )  # fmt: skip
         assert [launch.kernel for launch in launches] == [matmul_ws]
-        _run_launches(launches, dtype)
+        run_launches(launches, dtype)
         atol, rtol = tolerance(dtype, fout)
         torch.testing.assert_close(dx.double(), expected, atol=atol, rtol=rtol, msg=f"in place: {in_place}")
     dw = torch.full((fout, fin), float("nan"), device=teeny.DEVICE)
@@ -269,7 +262,7 @@ def test_kernel_adds_the_waiting_gradient_and_writes_float32_weight_gradients(dt
         precision="tf32", scratch=scratch, row_sums=db,
     )  # fmt: skip
     assert launches[0].kernel is matmul_ws
-    _run_launches(launches, dtype)
+    run_launches(launches, dtype)
     expected = dy.double().T @ x.double()
     torch.testing.assert_close(dw.double(), expected, atol=1e-4 * rows**0.5, rtol=1e-5)
     torch.testing.assert_close(db.double(), dy.double().sum(0), atol=1e-4 * rows**0.5, rtol=1e-5)
