@@ -12,7 +12,7 @@ import torch
 import teeny
 from helpers import train_step
 from teeny import Graph, LoweringMode, lower, ops
-from teeny.core.module import Module
+from teeny.core.module import Module, ModuleList
 from teeny.fusions.master_weights import MasterWeightLinearOp
 from teeny.fusions.residual_norm import AddNormOp
 from teeny.fusions.transposed_weights import TransposedWeightLinearOp
@@ -278,3 +278,71 @@ def test_master_weight_linear_float64_gradcheck_and_wider_weights_against_torch(
     for name, t in zip("xwb", (x, w, b)):
         assert grads[name].dtype == t.dtype
         torch.testing.assert_close(grads[name].cpu(), t.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _PreNormStack(Module):
+    """Token and position embeddings, two pre-norm residual blocks (the second adds its output
+    on the left, as GPT-2 writes it), a final norm and a head: a residual stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = teeny.nn.Embedding(16, 8), teeny.nn.Embedding(6, 8)
+        self.norms = ModuleList([teeny.nn.RMSNorm(8) for _ in range(3)])
+        self.blocks = ModuleList([teeny.nn.Linear(8, 8) for _ in range(2)])
+        self.head = teeny.nn.Linear(8, 16)
+
+    def forward(self, ids, positions):
+        s = ops.add(self.tokens(ids), self.positions(positions))
+        s = ops.add(s, self.blocks[0](self.norms[0](s)))
+        s = ops.add(self.blocks[1](self.norms[1](s)), s)
+        return s, self.head(self.norms[2](s))
+
+
+def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
+    """As under autocast, the stream (embeddings, each sum of it and a sublayer's output) is
+    float32: the norms read it and their float32 weights as they are and write bfloat16 for the
+    products; a sum reads the sublayer's bfloat16 output in place (no cast launch forwards).
+    Updates of 1e-3 to a stream of ones survive, which bfloat16 (spacing 2^-7 there) rounds
+    away; the gradients follow the float32 program's."""
+    g = Graph("stream")
+    ids, positions, y = (
+        g.input("ids", (4, 6), torch.int64),
+        g.input("pos", (6,), torch.int64),
+        g.input("y", (24,), torch.int64),
+    )
+    s, logits = _PreNormStack()(ids, positions)
+    g.output(ops.cross_entropy(ops.reshape(logits, (24, 16)), y), s)
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    assert (
+        "the residual stream in float32 (3 norms read it, 2 half-precision sublayer outputs added" in program.summary()
+    )
+    norms = [p.node for p in program.nodes if p.op.name in ("rms_norm", "add_rms_norm")]
+    assert [(n.dtype, n.output.dtype) for n in norms] == [(torch.float32, BF16)] * 3
+    assert all(v.dtype == torch.float32 for n in norms for v in n.inputs[:2])  # the stream, the weight
+    assert [n.inputs[-1].dtype for n in norms[1:]] == [BF16, BF16]  # each sublayer's output, read in place
+    assert {p.node.dtype for p in program.nodes if p.op.name == "linear"} == {BF16}
+    upcasts = [p for p in program.nodes if p.op.name == "to_float32_in_norm"]
+    assert len(upcasts) == 2 and not any(p.forward_launches for p in upcasts)
+
+    feed = {
+        "ids": torch.randint(16, (4, 6), generator=gen),
+        "pos": torch.arange(6),
+        "y": torch.randint(16, (24,), generator=gen),
+    }
+    steps = {}
+    for precision in ("bf16-mixed", None):
+        ex = Executor(lower(g, LoweringMode.TRAINING, precision=precision), seed=0)
+        ex.params["tokens.weight"].copy_(1 + 0.1 * torch.rand(16, 8, generator=torch.Generator().manual_seed(1)))
+        ex.params["positions.weight"].zero_()
+        for name in ("blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"):
+            ex.params[name].mul_(2e-3)
+        (loss, stream), cache = ex.forward_train(feed)
+        ex.backward(cache)
+        steps[precision] = stream, {k: v.clone() for k, v in ex.grads.items()}
+    (mixed, mixed_grads), (full, full_grads) = steps["bf16-mixed"], steps[None]
+    assert mixed.dtype == torch.float32
+    assert (full.bfloat16().float() - full).abs().max() > 1e-3  # what a bfloat16 stream would lose
+    assert (mixed - full).abs().max() < 1e-4
+    for name, grad in mixed_grads.items():
+        expected = full_grads[name]
+        assert grad.dtype == torch.float32 and (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-5, name

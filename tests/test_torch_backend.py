@@ -200,6 +200,8 @@ def test_autocast_around_the_model_lowers_as_mixed_precision():
     assert {p.op.layout for p in program.nodes if p.op.name == "rotary_embedding"} == {"blhd"}
     tables = [p.node for p in program.nodes if p.op.name in ("cos", "sin")]
     assert tables and all(n.dtype == torch.float32 for n in tables)  # rotary angles of exact positions
+    norms = [p.node for p in program.nodes if p.op.name in ("rms_norm", "add_rms_norm")]  # the residual stream
+    assert len(norms) == 3 and all((n.dtype, n.output.dtype) == (torch.float32, torch.bfloat16) for n in norms)
     assert not any(v.dtype == torch.float32 and v.numel == out.logits.numel() for v in program.graph.values)
     torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
     loss.backward()

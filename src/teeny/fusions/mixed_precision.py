@@ -3,18 +3,19 @@ precision while the parameters stay float32 (``mixed_precision``)."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
 
-from ..core.graph import Graph, Value
+from ..core.graph import Graph, Node, Value
 from ..core.kernel import dtype_name
 from ..core.runtime import RuntimeOp
 from ..ops.cast import CastOp, StackedCastOp
 from ..ops.elementwise import ElementwiseOp
 from ..ops.lookup import EmbeddingOp
 from ..ops.loss.ops import ClassLossOp, PointwiseLossOp
-from ..ops.norm.ops import BatchNormOp
+from ..ops.norm.ops import BatchNormOp, LayerNormOp
 from ..ops.products.ops import LinearOp
 from ..ops.shape.ops import ConcatOp, StopGradientOp, StridedViewOp, ViewOp
 from ..ops.unary import UnaryOp
@@ -23,6 +24,7 @@ from .loss_upcast import fold_loss_upcast
 from .master_weights import read_master_weights
 from .pipeline import Rebuild, RewriteFn
 from .qkv_products import SharedInputLinearOp
+from .residual_norm import AddNormOp, TakenInOp
 
 _SHAPE_OPS = (ViewOp, StridedViewOp)
 
@@ -84,6 +86,43 @@ def _widened_from(v: Value, to: torch.dtype) -> Value | None:
     return source if wider and source.dtype == to else None
 
 
+def _widens_stream(node, stream: set[int], norm_sums: dict) -> bool:
+    """Whether ``node`` is an element-wise op (or the sum an ``AddNormOp`` writes) of a float
+    output with an input from the residual stream: it computes in float32 and is the stream."""
+    op = node.op.op if isinstance(node.op, TakenInOp) else node.op
+    if not isinstance(op, ElementwiseOp) or not node.output.dtype.is_floating_point:
+        return False
+    if isinstance(node.op, TakenInOp) and node.output.id not in norm_sums:
+        return False
+    return any(v.id in stream for v in node.inputs)
+
+
+def _norm_reads_in_half(v: Value, add: Node, stream: set[int]) -> bool:
+    """Whether the ``AddNormOp`` writing the sum ``add`` makes can read its half-precision
+    operand ``v`` as it is: as its residual, beside a stream operand of the sum's shape."""
+    (other,) = [u for u in add.inputs if u.id != v.id] or [v]
+    return other.id in stream and other.shape == v.shape == add.output.shape
+
+
+def _addends(reads: dict[int, Value], operands, s: Value) -> list[Value]:
+    """An ``AddNormOp``'s (x, residual) on the stream: what the sum's add read, x the float32
+    one (the sum is the same either way round)."""
+    x, residual = (reads[v.id] for v in operands)
+    return [x, residual] if x.dtype == s.dtype else [residual, x]
+
+
+def _norm_sums(graph: Graph) -> dict[int, tuple[Value, Value]]:
+    """For each sum an ``AddNormOp`` writes (its input 0, the ``TakenInOp`` add's output): the two
+    values it adds, (x, residual), when they are that add's own operands."""
+    sums = {}
+    for node in graph.nodes:
+        if isinstance(node.op, AddNormOp):
+            s, x, residual = node.inputs[0], *node.inputs[-2:]
+            if s.producer is not None and {x.id, residual.id} == {v.id for v in s.producer.inputs}:
+                sums[s.id] = (x, residual)
+    return sums
+
+
 def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     """The rewrite of ``lower(..., precision="bf16-mixed")`` (``dtype`` bfloat16; float16 for
     ``"fp16-mixed"``, whose training also scales the loss: ``optim.GradScaler``): the program
@@ -98,12 +137,25 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     so its output dtype follows. Losses and in-place updaters (``_keeps_float32``) get float32
     inputs instead; the chunked head + loss (``LinearCrossEntropyOp``) computes its products in
     ``dtype`` and writes the loss in float32. Outputs keep the dtypes the graph gave them (a
-    cast back at the end where one changed): the loss is float32, its seed too."""
+    cast back at the end where one changed): the loss is float32, its seed too.
+
+    The residual stream stays float32, as under autocast (where a float32 embedding's output,
+    plus each half-precision sublayer's, promotes to float32): an embedding reads its float32
+    table as it is; element-wise ops and views with a stream input compute in float32 (a half
+    operand cast up; the sum an ``AddNormOp`` writes reads it in half precision, the upcast
+    launching nothing: ``TakenInOp``); layer / RMS norms of the stream read it, and their
+    float32 weight and bias, as they are and write their output in ``dtype`` for the products
+    that read it. In half precision the stream would round each sublayer's small update away
+    (8 bits of mantissa): over 50 steps of a Llama the loss drifted from float32's three times
+    as far as autocast's (docs/performance.md, v42)."""
 
     def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
 
         rebuild = Rebuild(graph)
         exact = _from_integers(graph)
+        norm_sums = _norm_sums(graph)
+        stream: set[int] = set()  # (old) ids of the residual stream's values, kept float32
+        norm_reads: dict[int, dict[int, Value]] = {}  # a stream sum's id -> what its AddNormOp reads
         casts: dict[tuple[int, torch.dtype], Value] = {}
         counts: Counter = Counter()
 
@@ -141,11 +193,41 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
             elif _keeps_float32(op) or node.output.id in exact:
                 inputs = [cast(rebuild[v], v.dtype) for v in node.inputs]
                 counts["float32 op"] += 1
+            elif isinstance(op, EmbeddingOp) and node.output.dtype == torch.float32:
+                inputs = [rebuild[v] for v in node.inputs]  # the float32 table, read as it is
+                stream.add(node.output.id)
+            elif isinstance(op, LayerNormOp) and node.inputs[0].id in stream:
+                inputs = [rebuild[v] for v in node.inputs]  # the stream, weight and bias as they are
+                if isinstance(op, AddNormOp):
+                    inputs[-2:] = _addends(norm_reads[node.inputs[0].id], node.inputs[-2:], inputs[0])
+                if op.out_dtype is None:
+                    op = copy.copy(op)
+                    op.out_dtype = dtype  # for the products that read it
+                counts["stream norm"] += 1
+            elif _widens_stream(node, stream, norm_sums):
+                inputs = []
+                reads: dict[int, Value] = {}
+                for v in node.inputs:
+                    new = rebuild[v]
+                    if v.id in stream or not new.dtype.is_floating_point or new.dtype == v.dtype:
+                        inputs.append(new)
+                    elif isinstance(op, TakenInOp) and _norm_reads_in_half(v, node, stream):
+                        reads[v.id] = new  # the norm reads it in half precision: the upcast launches nothing
+                        inputs.append(rebuild.apply(TakenInOp(CastOp(v.dtype)), [new], f"{v.name}.in_norm"))
+                        counts["stream upcast"] += 1
+                    else:
+                        inputs.append(cast(new, v.dtype))
+                    reads.setdefault(v.id, inputs[-1])
+                if isinstance(op, TakenInOp):
+                    norm_reads[node.output.id] = reads
+                stream.add(node.output.id)
             elif isinstance(op, CastOp) and _widened_from(rebuild[node.inputs[0]], op.dtype) is not None:
                 rebuild.new[node.output.id] = cast(rebuild[node.inputs[0]], op.dtype)  # the half value itself
                 continue
             elif isinstance(op, (CastOp, *_SHAPE_OPS)):  # an explicit cast stays what it says; a view
                 inputs = [rebuild[v] for v in node.inputs]  # moves values in the dtype they have
+                if isinstance(op, _SHAPE_OPS) and node.inputs[0].id in stream:
+                    stream.add(node.output.id)
             else:
                 inputs = [cast(rebuild[v], dtype) if v.dtype == torch.float32 else rebuild[v] for v in node.inputs]
             if isinstance(op, LinearCrossEntropyOp):
@@ -163,6 +245,11 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         parts += [f"{n} {names[kind]}{'s' if n != 1 else ''} cast" for kind, n in counts.items() if kind in names]
         if counts["stacks"]:
             parts.append(f"{counts['stacked']} of the parameters side by side in {counts['stacks']} stacked casts")
+        if counts["stream norm"]:
+            parts.append(
+                f"the residual stream in float32 ({counts['stream norm']} norms read it, "
+                f"{counts['stream upcast']} half-precision sublayer outputs added to it in the norm)"
+            )
         if counts["float32 op"]:
             parts.append(
                 f"{counts['float32 op']} ops kept in float32 (losses, in-place updates, tables from positions, "
