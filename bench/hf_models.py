@@ -3,7 +3,8 @@
     teeny bench bench/hf_models.py:gpt2_small --variants eager,compile,teeny-patch,teeny-backend
     teeny bench bench/hf_models.py:qwen2 --variants eager,compile-default,teeny-backend
 
-``gpt2_small``: GPT-2 small (12 layers, d 768, 12 heads, vocabulary 50257, dropout 0), batch 8 x 1024.
+``gpt2_small``: GPT-2 small (12 layers, d 768, 12 heads, vocabulary 50257, dropout 0), batch 8 x 1024,
+its ``loss_type`` set (the README's advice: without it dynamo splits the model from its loss).
 ``qwen2``: a Qwen2 of the Llama's shape in ``examples/bench_llama.py`` (8 layers, d 1024, 16 / 4
 heads, ffn 2816, vocabulary 32000; q/k/v biases), batch 8 x 1024.
 
@@ -34,7 +35,9 @@ def gpt2_small():
         n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False
     )  # the library's defaults otherwise: 12 layers, d 768, 12 heads, 50257 tokens
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config), _batch(config.vocab_size)
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # as the README says: the model and its loss one region, for every backend
+    return model, _batch(config.vocab_size)
 
 
 def qwen2():
