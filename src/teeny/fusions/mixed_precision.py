@@ -86,7 +86,7 @@ def _widened_from(v: Value, to: torch.dtype) -> Value | None:
     return source if wider and source.dtype == to else None
 
 
-def _widens_stream(node, stream: set[int], norm_sums: dict) -> bool:
+def _widens_stream(node: Node, stream: set[int], norm_sums: set[int]) -> bool:
     """Whether ``node`` is an element-wise op (or the sum an ``AddNormOp`` writes) of a float
     output with an input from the residual stream: it computes in float32 and is the stream."""
     op = node.op.op if isinstance(node.op, TakenInOp) else node.op
@@ -111,15 +111,15 @@ def _addends(reads: dict[int, Value], operands, s: Value) -> list[Value]:
     return [x, residual] if x.dtype == s.dtype else [residual, x]
 
 
-def _norm_sums(graph: Graph) -> dict[int, tuple[Value, Value]]:
-    """For each sum an ``AddNormOp`` writes (its input 0, the ``TakenInOp`` add's output): the two
-    values it adds, (x, residual), when they are that add's own operands."""
-    sums = {}
+def _norm_sums(graph: Graph) -> set[int]:
+    """Ids of the sums an ``AddNormOp`` writes (its input 0, the ``TakenInOp`` add's output)
+    of the add's own two operands, which the norm reads as its x and residual."""
+    sums = set()
     for node in graph.nodes:
         if isinstance(node.op, AddNormOp):
             s, x, residual = node.inputs[0], *node.inputs[-2:]
             if s.producer is not None and {x.id, residual.id} == {v.id for v in s.producer.inputs}:
-                sums[s.id] = (x, residual)
+                sums.add(s.id)
     return sums
 
 
@@ -237,7 +237,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
             rebuild.new[node.output.id] = rebuild.apply(op, inputs, node.name)
         for v in outputs:
             rebuild.new[v.id] = cast(rebuild[v], v.dtype)
-        if not casts and not counts["stacks"]:
+        if not casts and not counts["stacks"] and not counts["stream norm"]:
             return graph, outputs, ""
         graph, outputs = rebuild.finish(outputs)
         names = {"param": "parameter", "input": "input", "const": "constant", "node": "value"}
@@ -246,10 +246,9 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         if counts["stacks"]:
             parts.append(f"{counts['stacked']} of the parameters side by side in {counts['stacks']} stacked casts")
         if counts["stream norm"]:
-            parts.append(
-                f"the residual stream in float32 ({counts['stream norm']} norms read it, "
-                f"{counts['stream upcast']} half-precision sublayer outputs added to it in the norm)"
-            )
+            added = counts["stream upcast"]
+            into = f", {added} half-precision sublayer outputs added to it in the norm" if added else ""
+            parts.append(f"the residual stream in float32 ({counts['stream norm']} norms read it{into})")
         if counts["float32 op"]:
             parts.append(
                 f"{counts['float32 op']} ops kept in float32 (losses, in-place updates, tables from positions, "
