@@ -346,3 +346,47 @@ def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
     for name, grad in mixed_grads.items():
         expected = full_grads[name]
         assert grad.dtype == torch.float32 and (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-5, name
+
+
+def test_dropout_on_the_embeddings_keeps_the_stream_float32():
+    """GPT-2's defaults drop out of the embeddings' sum: as under autocast, the dropout runs on
+    the float32 stream, and the norm after it reads float32."""
+
+    class Dropped(Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.norm, self.head = teeny.nn.Embedding(11, 8), teeny.nn.RMSNorm(8), teeny.nn.Linear(8, 11)
+
+        def forward(self, ids):
+            return self.head(self.norm(ops.dropout(self.tokens(ids), 0.1, seed=0)))
+
+    g = Graph("dropped")
+    ids, y = g.input("ids", (2, 5), torch.int64), g.input("y", (10,), torch.int64)
+    g.output(ops.cross_entropy(ops.reshape(Dropped()(ids), (10, 11)), y))
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    dtypes = {p.op.name: (p.node.dtype, p.node.output.dtype) for p in program.nodes}
+    assert dtypes["dropout"] == (torch.float32, torch.float32)
+    assert dtypes["rms_norm"] == (torch.float32, BF16)
+
+
+def test_a_float32_input_read_as_a_stream_stays_float32():
+    """A region split around a call PyTorch runs gets its residual stream as an input: a
+    float32 input that a residual sum and a norm read is the stream, as an embedding is."""
+
+    class Block(Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = ModuleList([teeny.nn.RMSNorm(8) for _ in range(2)])
+            self.mlp, self.head = teeny.nn.Linear(8, 8), teeny.nn.Linear(8, 11)
+
+        def forward(self, s):
+            s = ops.add(s, self.mlp(self.norms[0](s)))
+            return self.head(self.norms[1](s))
+
+    g = Graph("split")
+    s, y = g.input("stream", (2, 5, 8), requires_grad=True), g.input("y", (10,), torch.int64)
+    g.output(ops.cross_entropy(ops.reshape(Block()(s), (10, 11)), y))
+    program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    norms = [p.node for p in program.nodes if p.op.name in ("rms_norm", "add_rms_norm")]
+    assert [(n.inputs[0].dtype, n.output.dtype) for n in norms] == [(torch.float32, BF16)] * 2
+    assert "the residual stream in float32 (2 norms read it, 1 half-precision sublayer" in program.summary()

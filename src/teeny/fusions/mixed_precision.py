@@ -15,6 +15,7 @@ from ..ops.cast import CastOp, StackedCastOp
 from ..ops.elementwise import ElementwiseOp
 from ..ops.lookup import EmbeddingOp
 from ..ops.loss.ops import ClassLossOp, PointwiseLossOp
+from ..ops.masks import DropoutOp
 from ..ops.norm.ops import BatchNormOp, LayerNormOp
 from ..ops.products.ops import LinearOp
 from ..ops.shape.ops import ConcatOp, StopGradientOp, StridedViewOp, ViewOp
@@ -87,10 +88,11 @@ def _widened_from(v: Value, to: torch.dtype) -> Value | None:
 
 
 def _widens_stream(node: Node, stream: set[int], norm_sums: set[int]) -> bool:
-    """Whether ``node`` is an element-wise op (or the sum an ``AddNormOp`` writes) of a float
-    output with an input from the residual stream: it computes in float32 and is the stream."""
+    """Whether ``node`` is an element-wise op or dropout (or the sum an ``AddNormOp`` writes) of
+    a float output with an input from the residual stream: it computes in float32 and is the
+    stream."""
     op = node.op.op if isinstance(node.op, TakenInOp) else node.op
-    if not isinstance(op, ElementwiseOp) or not node.output.dtype.is_floating_point:
+    if not isinstance(op, (ElementwiseOp, DropoutOp)) or not node.output.dtype.is_floating_point:
         return False
     if isinstance(node.op, TakenInOp) and node.output.id not in norm_sums:
         return False
@@ -141,20 +143,23 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
 
     The residual stream stays float32, as under autocast (where a float32 embedding's output,
     plus each half-precision sublayer's, promotes to float32): an embedding reads its float32
-    table as it is; element-wise ops and views with a stream input compute in float32 (a half
-    operand cast up; the sum an ``AddNormOp`` writes reads it in half precision, the upcast
-    launching nothing: ``TakenInOp``); layer / RMS norms of the stream read it, and their
-    float32 weight and bias, as they are and write their output in ``dtype`` for the products
-    that read it. In half precision the stream would round each sublayer's small update away
-    (8 bits of mantissa): over 50 steps of a Llama the loss drifted from float32's three times
-    as far as autocast's (docs/performance.md, v42)."""
+    table as it is, and a float32 input is the stream where such ops read it (a region split
+    around a call PyTorch runs gets its stream as an input); element-wise ops, dropout and views
+    with a stream input compute in float32 (a half operand cast up; the sum an ``AddNormOp``
+    writes reads it in half precision, the upcast launching nothing: ``TakenInOp``); layer / RMS
+    norms of the stream read it, and their float32 weight and bias, as they are and write their
+    output in ``dtype`` for the products that read it. In half precision the stream would round
+    each sublayer's small update away (8 bits of mantissa): over 50 steps of a Llama the loss
+    drifted from float32's two to three times as far as autocast's (docs/performance.md, v42)."""
 
     def rewrite(graph: Graph, outputs: list[Value], training: bool) -> tuple[Graph, list[Value], str]:
 
         rebuild = Rebuild(graph)
         exact = _from_integers(graph)
         norm_sums = _norm_sums(graph)
-        stream: set[int] = set()  # (old) ids of the residual stream's values, kept float32
+        # (old) ids of the residual stream's values, kept float32: from float32 inputs (a split
+        # region's stream comes in as one) and embeddings, below
+        stream = {v.id for v in graph.values if v.kind == "input" and v.dtype == torch.float32}
         norm_reads: dict[int, dict[int, Value]] = {}  # a stream sum's id -> what its AddNormOp reads
         casts: dict[tuple[int, torch.dtype], Value] = {}
         counts: Counter = Counter()
