@@ -348,6 +348,78 @@ def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
         assert grad.dtype == torch.float32 and (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-5, name
 
 
+def test_the_fused_norm_writes_the_half_branchs_gradient_itself(gen):
+    """The sum's norm reads the sublayer's bfloat16 output in place, and its backward writes
+    that output's gradient beside the stream's (rounded from the same float32 values): the
+    upcast launches nothing backwards either, and every gradient is the one the program without
+    the fused norm computes with a cast of the gradient, to the bit."""
+    g = Graph("stream")
+    ids, positions, y = (
+        g.input("ids", (4, 6), torch.int64),
+        g.input("pos", (6,), torch.int64),
+        g.input("y", (24,), torch.int64),
+    )
+    s, logits = _PreNormStack()(ids, positions)
+    g.output(ops.cross_entropy(ops.reshape(logits, (24, 16)), y))
+    unfused = tuple(r for r in teeny.fusions.DEFAULT_REWRITES if r is not teeny.fusions.fuse_residual_norm)
+    fused_program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    upcasts = [p for p in fused_program.nodes if p.op.name == "to_float32_in_norm"]
+    assert len(upcasts) == 2 and not any(p.forward_launches or p.backward_launches for p in upcasts)
+    norms = [p for p in fused_program.nodes if isinstance(p.op, AddNormOp) and p.node.inputs[-1].dtype == BF16]
+    assert len(norms) == 2 and all(p.grad_mask[-1] and p.op.grad_copies_input0 is not None for p in norms)
+    feed = {
+        "ids": torch.randint(16, (4, 6), generator=gen),
+        "pos": torch.arange(6),
+        "y": torch.randint(16, (24,), generator=gen),
+    }
+    grads = []
+    for program in (fused_program, lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=unfused)):
+        ex = Executor(program, seed=0)
+        _, cache = ex.forward_train(feed)
+        ex.backward(cache)
+        grads.append({k: v.clone() for k, v in ex.grads.items()})
+    fused, expected = grads
+    assert fused.keys() == expected.keys()
+    for name, grad in fused.items():
+        assert torch.equal(grad, expected[name]), name
+
+
+def test_the_fused_norm_passes_the_branch_its_gradient_when_its_own_output_has_none(gen):
+    """The sum s = e + linear(e) reaches the loss, the norm of s only an output no gradient
+    starts from: the fused norm still runs backwards (with a zero dy) to write the branch's
+    gradient, and the linear's weight gets the gradient the unfused program gives it."""
+
+    class Side(Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.block = teeny.nn.Embedding(16, 8), teeny.nn.Linear(8, 8)
+            self.norm, self.head = teeny.nn.RMSNorm(8), teeny.nn.Linear(8, 16)
+
+        def forward(self, ids):
+            e = self.tokens(ids)
+            s = ops.add(e, self.block(e))
+            return self.head(s), self.norm(s)
+
+    g = Graph("side")
+    ids, y = g.input("ids", (3, 5), torch.int64), g.input("y", (15,), torch.int64)
+    logits, normed = Side()(ids)
+    g.output(ops.cross_entropy(ops.reshape(logits, (15, 16)), y), normed)
+    unfused = tuple(r for r in teeny.fusions.DEFAULT_REWRITES if r is not teeny.fusions.fuse_residual_norm)
+    fused_program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
+    (fused_norm,) = [p for p in fused_program.nodes if isinstance(p.op, AddNormOp)]
+    assert fused_norm.needs_backward and fused_norm.op.grad_copies_input0 is not None
+    feed = {"ids": torch.randint(16, (3, 5), generator=gen), "y": torch.randint(16, (15,), generator=gen)}
+    grads = []
+    for program in (fused_program, lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=unfused)):
+        ex = Executor(program, seed=0)
+        _, cache = ex.forward_train(feed)
+        ex.backward(cache)
+        grads.append({k: v.clone() for k, v in ex.grads.items()})
+    assert grads[0]["block.weight"].abs().max() > 0
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+
+
 def test_dropout_on_the_embeddings_keeps_the_stream_float32():
     """GPT-2's defaults drop out of the embeddings' sum: as under autocast, the dropout runs on
     the float32 stream, and the norm after it reads float32."""

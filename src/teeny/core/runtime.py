@@ -662,6 +662,10 @@ class RuntimeOp:
     # (``OpContext.grad_input_addend``): the one input 0's other readers left, so that no launch adds
     # the two after; written over in place when nothing else holds it (else into a new buffer)
     grad_accumulates: bool = False
+    # an input position (over inputs + params) whose gradient the backward writes as a copy of input
+    # 0's whole gradient, in that input's dtype (the fused add + norm's half-precision branch:
+    # ``fusions.residual_norm``): the executor must hand the op input 0's waiting gradient as its addend
+    grad_copies_input0: int | None = None
     # True: inputs after the first may be of other float dtypes (the kernels convert as they load);
     # the node computes in input 0's dtype. False: one float dtype for all inputs (the graph checks)
     mixed_float_inputs: bool = False

@@ -146,7 +146,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
     table as it is, and a float32 input is the stream where such ops read it (a region split
     around a call PyTorch runs gets its stream as an input); element-wise ops, dropout and views
     with a stream input compute in float32 (a half operand cast up; the sum an ``AddNormOp``
-    writes reads it in half precision, the upcast launching nothing: ``TakenInOp``); layer / RMS
+    writes reads it in half precision and writes its gradient, the upcast launching nothing either
+    way: ``TakenInOp``); layer / RMS
     norms of the stream read it, and their float32 weight and bias, as they are and write their
     output in ``dtype`` for the products that read it. In half precision the stream would round
     each sublayer's small update away (8 bits of mantissa): over 50 steps of a Llama the loss
@@ -161,6 +162,7 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
         # region's stream comes in as one) and embeddings, below
         stream = {v.id for v in graph.values if v.kind == "input" and v.dtype == torch.float32}
         norm_reads: dict[int, dict[int, Value]] = {}  # a stream sum's id -> what its AddNormOp reads
+        read_in_half: set[int] = set()  # (new) ids of the half sublayer outputs an AddNormOp reads as they are
         casts: dict[tuple[int, torch.dtype], Value] = {}
         counts: Counter = Counter()
 
@@ -205,6 +207,8 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                 inputs = [rebuild[v] for v in node.inputs]  # the stream, weight and bias as they are
                 if isinstance(op, AddNormOp):
                     inputs[-2:] = _addends(norm_reads[node.inputs[0].id], node.inputs[-2:], inputs[0])
+                    if inputs[-1].id in read_in_half and op.grad_copies_input0 is None:
+                        op = op.writing_residual_grad()  # its upcast passes no gradient
                 if op.out_dtype is None:
                     op = copy.copy(op)
                     op.out_dtype = dtype  # for the products that read it
@@ -217,8 +221,10 @@ def mixed_precision(dtype: torch.dtype) -> RewriteFn:
                     if v.id in stream or not new.dtype.is_floating_point or new.dtype == v.dtype:
                         inputs.append(new)
                     elif isinstance(op, TakenInOp) and _norm_reads_in_half(v, node, stream):
-                        reads[v.id] = new  # the norm reads it in half precision: the upcast launches nothing
-                        inputs.append(rebuild.apply(TakenInOp(CastOp(v.dtype)), [new], f"{v.name}.in_norm"))
+                        reads[v.id] = new  # the norm reads it in half precision and writes its gradient:
+                        read_in_half.add(new.id)  # the upcast launches nothing either way
+                        upcast = TakenInOp(CastOp(v.dtype), grad_by_norm=True)
+                        inputs.append(rebuild.apply(upcast, [new], f"{v.name}.in_norm"))
                         counts["stream upcast"] += 1
                     else:
                         inputs.append(cast(new, v.dtype))

@@ -3,13 +3,16 @@ downstream (the residual stream of a pre-norm transformer) becomes one norm laun
 a and b, writes the sum and y (``AddNormOp``, below); the add keeps its node, and its backward,
 but launches nothing (``TakenInOp``). An exact upcast of b read by the add alone (a bf16
 sublayer's output added to a float32 stream under autocast) is taken in too: the norm reads b
-in its own dtype, and the upcast keeps only its backward. Per residual: one launch and one full read
-fewer. The backward adds the norm's dx to the gradient the residual path left
-(``RuntimeOp.grad_accumulates``): no accumulate launch sums the two.
+in its own dtype, and its backward writes b's gradient beside the sum's (the sum's, rounded to b's
+dtype: what the upcast's backward would cast), so the upcast launches nothing either way. Per
+residual: one launch and one full read fewer forwards (and, with an upcast, one launch and a read
+of the float32 gradient fewer backwards). The backward adds the norm's dx to the gradient the
+residual path left (``RuntimeOp.grad_accumulates``): no accumulate launch sums the two.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 from ..core.graph import Graph, Node, Value
@@ -36,7 +39,9 @@ class AddNormOp(LayerNormOp):
     this forward reads x and residual once, writes their sum into s and normalises it (one read
     of s fewer than add + norm, and one launch). residual is x-shaped or repeats over x's leading
     dims; it may be of a narrower float dtype than s (an upcast the add read, taken in: the sum
-    is the same). Backward: the norm's, on s (x and residual get their gradients through the add)."""
+    is the same). Backward: the norm's, on s (x and residual get their gradients through the add);
+    ``writing_residual_grad()``: the residual's too, a copy of s's whole gradient in its dtype (the
+    add's upcast of it then passes none: ``TakenInOp(grad_by_norm=True)``)."""
 
     mixed_float_inputs = True
 
@@ -61,6 +66,20 @@ class AddNormOp(LayerNormOp):
         if x != s or not repeats_over_rows(residual, s):
             raise ValueError(f"the sum {s} must have x's shape {x}, and the residual {residual} must repeat over it")
 
+    def writing_residual_grad(self) -> AddNormOp:
+        """This op, its backward also writing the residual's gradient: ds (the norm's dx plus the
+        gradient waiting for s, which the executor must hand over: ``grad_copies_input0``) in the
+        residual's dtype. For a residual of s's shape whose upcast, read by the add alone, passes
+        it no gradient of its own."""
+        op = copy.copy(self)
+        residual = 2 + self.has_weight + self.has_bias
+        op.grad_copies_input0 = residual
+        op.differentiable_inputs = (*self.differentiable_inputs, residual)
+        return op
+
+    def grad_copy(self, ctx):
+        return ctx.grad_params[-1] if self.grad_copies_input0 is not None else None
+
     def sources(self, ctx):
         s, (x, residual) = ctx.inputs[0], ctx.params[-2:]
         return dict(
@@ -75,10 +94,13 @@ class AddNormOp(LayerNormOp):
 class TakenInOp(RuntimeOp):
     """A node whose forward ``AddNormOp`` takes in: the residual add s = a + b (the norm writes
     s), or the exact upcast of the residual that the norm reads in its own dtype (nothing reads
-    the upcast value forwards). No launch forwards; backward, the op's own."""
+    the upcast value forwards). No launch forwards; backward, the op's own, or with
+    ``grad_by_norm`` (an upcast whose source's gradient the norm writes:
+    ``AddNormOp.writing_residual_grad``) none: no gradient passes through it."""
 
-    def __init__(self, op: RuntimeOp):
+    def __init__(self, op: RuntimeOp, grad_by_norm: bool = False):
         self.op = op
+        self.stops_gradient = grad_by_norm
         self.name, self.kernel = f"{op.name}_in_norm", op.kernel
         self.n_activation_inputs, self.differentiable_inputs = op.n_activation_inputs, op.differentiable_inputs
         self.saves_inputs, self.saves_output = op.saves_inputs, op.saves_output
@@ -168,17 +190,19 @@ def fuse_residual_norm(graph: Graph, outputs: list[Value], training: bool) -> tu
     rebuild = Rebuild(graph)
 
     def fuse(node: Node, norm: Node | None) -> None:
-        if norm is None:  # an upcast the fused norm reads through: its backward only
-            rebuild.new[node.output.id] = rebuild.apply(TakenInOp(node.op), [rebuild[node.inputs[0]]], node.name)
+        if norm is None:  # an upcast the fused norm reads through, and writes the gradient of
+            upcast = TakenInOp(node.op, grad_by_norm=True)
+            rebuild.new[node.output.id] = rebuild.apply(upcast, [rebuild[node.inputs[0]]], node.name)
             return
         x, residual = operands[node.id]
         s = rebuild.apply(TakenInOp(node.op), [rebuild[v] for v in node.inputs], node.name)
         rebuild.new[node.output.id] = s
         affine = [rebuild[v] for v in norm.inputs[1:]]
-        read = upcasts[node.id].inputs[0] if node.id in upcasts else residual
-        rebuild.new[norm.output.id] = rebuild.apply(
-            AddNormOp(norm.op), [s, *affine, rebuild[x], rebuild[read]], norm.name
-        )
+        fused = AddNormOp(norm.op)
+        read = residual
+        if node.id in upcasts:
+            read, fused = upcasts[node.id].inputs[0], fused.writing_residual_grad()
+        rebuild.new[norm.output.id] = rebuild.apply(fused, [s, *affine, rebuild[x], rebuild[read]], norm.name)
 
     norms = [norm for norm in pairs.values() if norm is not None]
     rebuild.replace({norm.id for norm in norms}, pairs, fuse)

@@ -629,7 +629,9 @@ class Executor:
             entry = entries.pop(node.id)
             grad_out = grads.pop(node.output.id, None)
             if grad_out is None:
-                continue  # the output does not reach the loss through differentiable ops
+                if p.op.grad_copies_input0 is None or node.inputs[0].id not in grads:
+                    continue  # the output does not reach the loss through differentiable ops
+                grad_out = self._alloc(node.output.shape, node.output.dtype).zero_()  # input 0's gradient to copy
             if p.recomputed:
                 self._recompute(p, entry=entry, entries=entries, recomputed=recomputed, index=index)
             if not (p.op.strided_grad_output and _rows_with_one_stride(grad_out)):
@@ -637,6 +639,11 @@ class Executor:
             buffer, addend = self._input_grad_buffer(
                 p, index=index, entry=entry, grad_out=grad_out, seeds=seeds, grads=grads
             )
+            if p.op.grad_copies_input0 is not None and addend is None and node.inputs[0].id in grads:
+                raise TeenyError(  # its copy would miss the waiting part: a wrong gradient otherwise
+                    f"op {node.op.name} (node '{node.name}') copies the whole gradient of '{node.inputs[0].name}' "
+                    "into another input's, but the gradient waiting for it could not be handed over"
+                )
             self._node_backward(p, entry, grad_out, grads, buffer, addend)  # positional: a hook (training.distributed)
         entries.clear()
         result = []

@@ -367,12 +367,17 @@ def _plan_training(
             "gradient: training it would compute nothing (lower it for INFERENCE instead)"
         )
     on_loss_path = {v.id for v in starts}  # values whose gradient reaches a start (not through stop_gradient)
+
+    def reaches(p: PlannedNode) -> bool:  # an op copying input 0's gradient runs backwards when input 0 has one
+        copies = p.op.grad_copies_input0 is not None and p.node.inputs[0].id in on_loss_path
+        return p.node.output.id in on_loss_path or copies
+
     for p in reversed(planned):
-        if p.node.output.id in on_loss_path:
+        if reaches(p):
             on_loss_path.update(v.id for v, m in zip(p.node.inputs, p.grad_mask) if m)
     for p in planned:
         node = p.node
-        p.needs_backward = requires_grad[node.output.id] and node.output.id in on_loss_path
+        p.needs_backward = requires_grad[node.output.id] and reaches(p)
         if not p.needs_backward:
             p.grad_mask = [False] * len(node.inputs)
             continue

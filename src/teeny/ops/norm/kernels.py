@@ -64,13 +64,14 @@ def _dy_offsets(offs, rows, c, dy_row_stride, ROW_LEN: tl.constexpr, DY_ROW_LEN:
         return (flat // DY_ROW_LEN) * dy_row_stride + flat % DY_ROW_LEN
 
 
-@kernel(half=True, optional=("w_ptr", "dx_ptr", "dx_add_ptr", "mean_ptr", "dw_ptr", "db_ptr"))
+@kernel(half=True, optional=("w_ptr", "dx_ptr", "dx_add_ptr", "dx_copy_ptr", "mean_ptr", "dw_ptr", "db_ptr"))
 def norm_backward(
     x_ptr,
     w_ptr,
     dy_ptr,
     dx_ptr,
     dx_add_ptr,
+    dx_copy_ptr,
     mean_ptr,
     rstd_ptr,
     dw_ptr,
@@ -95,7 +96,8 @@ def norm_backward(
     BLOCK: tl.constexpr,
 ):
     """Program p takes tiles p * tiles_per_program ... of ROWS rows: dx (when dx_ptr is given;
-    plus dx_add, the gradient of x's other readers, when given: dx itself or another tensor),
+    plus dx_add, the gradient of x's other readers, when given: dx itself or another tensor; and
+    the same values again into dx_copy, in its dtype, when given: a fused add's half-precision branch),
     and dw/db (when given) PER_ROW (dw[r] = sum_j dy * xhat) or PER_PROGRAM (dw[p, j] = sum over
     its rows of dy * xhat; needs ROW_LEN <= BLOCK and COLUMN_CHANNEL). Centred (mean_ptr given)
     or not (rms_norm)."""
@@ -149,6 +151,8 @@ def norm_backward(
                 if dx_add_ptr is not None:
                     dx += tl.load(dx_add_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if dx_copy_ptr is not None:
+                    tl.store(dx_copy_ptr + offs, dx.to(dx_copy_ptr.dtype.element_ty), mask=mask)
             if dw_ptr is not None and AFFINE_GRAD == PER_ROW:
                 tl.store(dw_ptr + rows, tl.sum(dy * xhat, 1).to(dw_ptr.dtype.element_ty), mask=row_mask)
             if db_ptr is not None and AFFINE_GRAD == PER_ROW:
@@ -221,6 +225,8 @@ def norm_backward(
                     if dx_add_ptr is not None:
                         dx += tl.load(dx_add_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
                     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                    if dx_copy_ptr is not None:
+                        tl.store(dx_copy_ptr + offs, dx.to(dx_copy_ptr.dtype.element_ty), mask=mask)
     if dw_ptr is not None and AFFINE_GRAD == PER_PROGRAM:
         tl.store(dw_ptr + pid.to(tl.int64) * ROW_LEN + cols, tl.sum(dw_acc, 0), mask=col_mask)
     if db_ptr is not None and AFFINE_GRAD == PER_PROGRAM:

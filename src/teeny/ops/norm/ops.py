@@ -103,6 +103,10 @@ class NormOp(RuntimeOp):
         tensors it also writes)."""
         return dict(x_ptr=ctx.inputs[0], residual_numel=1, RESIDUAL_REPEATS=False)
 
+    def grad_copy(self, ctx: OpContext) -> torch.Tensor | None:
+        """Where the backward also writes dx in another dtype (``grad_copies_input0``), or None."""
+        return None
+
     def _affine(self, tensors: list):
         """weight and bias (or None) out of a list laid out like the node's inputs."""
         w = tensors[self.weight_index] if self.has_weight else None
@@ -178,6 +182,7 @@ class NormOp(RuntimeOp):
                 dy_ptr=ctx.grad_output,
                 dx_ptr=dx,
                 dx_add_ptr=ctx.grad_input_addend if dx is not None else None,
+                dx_copy_ptr=self.grad_copy(ctx) if dx is not None else None,
                 mean_ptr=ctx.saved.get("mean"),
                 rstd_ptr=ctx.saved["rstd"],
                 dw_ptr=dw_out,
