@@ -3,6 +3,9 @@
 
     python3 bench/tools/profile_backend.py examples/bench_llama.py:make_gpu_model [--backend inductor]
 
+``--mode reduce-overhead``: torch.compile's mode (the teeny backend then replays the region as
+CUDA graphs): the GPU's idle time between the graphs, which the kernels' sum does not show.
+
 ``--cprofile``: the first step (compilation, tuning, recording) and a later one under cProfile,
 the functions that took the most time in each: where the first step's seconds go, and whether a
 later step's host time is the replays' or something else's.
@@ -27,15 +30,18 @@ def main() -> None:
     parser.add_argument("spec")
     parser.add_argument("--backend", default="teeny")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
     parser.add_argument("--cprofile", action="store_true", help="cProfile the first step and a later one")
     args = parser.parse_args()
     model, batch = load_factory(args.spec)()[:2]
     model = model.cuda().train()
     batch = {k: v.cuda() for k, v in batch.items()}
-    compiled = torch.compile(model, backend=args.backend)
+    compiled = torch.compile(model, backend=args.backend, mode=args.mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
+        if args.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", torch.bfloat16):
             loss = compiled(**batch).loss
@@ -61,7 +67,8 @@ def main() -> None:
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"{args.backend}: step {wall:.2f} ms wall, GPU busy {gpu:.2f} ms ({100 * gpu / wall:.0f}%)")
+    what = f"{args.backend} ({args.mode or 'default'})"
+    print(f"{what}: step {wall:.2f} ms wall, GPU busy {gpu:.2f} ms ({100 * gpu / wall:.0f}%)")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
 
