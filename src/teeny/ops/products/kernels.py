@@ -195,15 +195,17 @@ def _load_tile(desc, row, col, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _finish_tile(
-    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, sum_rows, act_a, act_b,
+    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, z_stride, sum_rows, act_a, act_b,
     ACC: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, Z_TRANSPOSED: tl.constexpr,
+    ACTIVATION: tl.constexpr, DERIVATIVE: tl.constexpr, Z_TRANSPOSED: tl.constexpr, Z_POINTERS: tl.constexpr,
 ):  # fmt: skip
     """The epilogue of a tile whose whole contraction one program summed: bias, activation,
     store, row sums. The activation's aux tile (h, as ``_activation_epilogue`` describes it)
     moves through ``aux_desc`` as Z does, in TMA boxes (a little faster than pointers from the
     accumulator's registers; what an activation here costs is its maths: ``fusions.mlp_chain``).
-    Z_TRANSPOSED: ``z_desc`` describes Z^T, (N, M), and the tile is stored transposed."""
+    Z_TRANSPOSED: ``z_desc`` describes Z^T, (N, M), and the tile is stored transposed.
+    Z_POINTERS: ``z_desc`` is Z's pointer, rows z_stride apart (not 16-byte aligned: a vocabulary
+    of 50,257), and the tile is stored from registers (no activation)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
@@ -216,7 +218,11 @@ def _finish_tile(
         else:
             h = _load_tile(aux_desc, m0, n0, SUBTILE, BLOCK_M, BLOCK_N).to(acc.dtype)
             acc = DERIVATIVE(h, acc, act_a, act_b)
-    if Z_TRANSPOSED:
+    if Z_POINTERS:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        z = z_desc + offs_m.to(tl.int64)[:, None] * z_stride + offs_n[None, :]
+        tl.store(z, acc.to(z_desc.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    elif Z_TRANSPOSED:
         _store_tile(z_desc, n0, m0, acc.T, SUBTILE, BLOCK_N, BLOCK_M)
     else:
         _store_tile(z_desc, m0, n0, acc, SUBTILE, BLOCK_M, BLOCK_N)
@@ -248,6 +254,7 @@ def _matmul_tma(
     M,
     N,
     K,
+    z_stride,
     programs,
     dp_tiles,
     act_a,
@@ -266,11 +273,13 @@ def _matmul_tma(
     ACTIVATION: tl.constexpr,
     DERIVATIVE: tl.constexpr,
     Z_TRANSPOSED: tl.constexpr,
+    Z_POINTERS: tl.constexpr,
 ):
     """Z = X @ Y (+ bias) for a 2-D product, by ``programs`` persistent programs, through the TMA
     descriptors ``_matmul_tma_descriptors`` makes on the host: X (M, K) if X_K_CONTIGUOUS, else
     described as it lies, (K, M); Y (K, N), or (Y_K_CONTIGUOUS) (N, K); Z (M, N), or
-    (Z_TRANSPOSED, no activation) (N, M); aux_desc laid out as Z.
+    (Z_TRANSPOSED, no activation) (N, M), or (Z_POINTERS, no activation) Z's pointer, its rows
+    z_stride apart and stored from registers; aux_desc laid out as Z.
     row_sums_ptr: also the sums of X's rows over K (linear's bias gradient, X = dY^T), written
     by the programs of the first column tile. ACTIVATION / DERIVATIVE (with aux_desc, act_a,
     act_b): an activation in the epilogue (``_activation_epilogue``).
@@ -321,15 +330,15 @@ def _matmul_tma(
         )  # fmt: skip
         if partial_ptr is None:
             _finish_tile(
-                z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, pid_n == 0,
-                act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
+                z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED, Z_POINTERS,
             )  # fmt: skip
         else:
             first, last = _segment_owners(i, k_tiles, total, programs)
             if whole | (first == last):
                 _finish_tile(
-                    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, pid_n == 0,
-                    act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
+                    z_desc, bias_ptr, row_sums_ptr, aux_desc, acc, row_sums, m0, n0, M, N, z_stride, pid_n == 0,
+                    act_a, act_b, ACC, SUBTILE, BLOCK_M, BLOCK_N, ACTIVATION, DERIVATIVE, Z_TRANSPOSED, Z_POINTERS,
                 )  # fmt: skip
             else:
                 # a segment of a shared tile: its box of fp32 partials, stored from registers
@@ -375,11 +384,12 @@ def _matmul_tma_descriptors(
     ACTIVATION: tl.constexpr,
     DERIVATIVE: tl.constexpr,
     Z_TRANSPOSED: tl.constexpr,
+    Z_POINTERS: tl.constexpr,
 ) -> list:
     """matmul_tma as teeny packs it: X (M, K) with rows x_stride apart (X_K_CONTIGUOUS) or stored
     transposed, (K, M); Y (K, N) with rows y_stride apart or stored transposed, (N, K); Z (M, N)
-    with rows z_stride apart or (Z_TRANSPOSED) stored (N, M); aux_ptr (an activation's h) laid out
-    as Z. Returns ``_matmul_tma``'s arguments: X, Y, Z and aux as TMA descriptors, made here on
+    with rows z_stride apart or (Z_TRANSPOSED) stored (N, M) (Z_POINTERS: passed as the pointer, its
+    rows not 16-byte aligned); aux_ptr (an activation's h) laid out as Z. Returns ``_matmul_tma``'s arguments: X, Y, Z and aux as TMA descriptors, made here on
     the host, as ``matmul_ws``'s are (made on the device, its five cost 3.5-6.5 us a launch on
     the H200: docs/archive/bench-journal.md, versions 19-20)."""
     x_desc = _descriptor(x_ptr, (M, K) if X_K_CONTIGUOUS else (K, M), x_stride,
@@ -387,15 +397,17 @@ def _matmul_tma_descriptors(
     y_desc = _descriptor(y_ptr, (N, K) if Y_K_CONTIGUOUS else (K, N), y_stride,
                          (BLOCK_N, BLOCK_K) if Y_K_CONTIGUOUS else (BLOCK_K, BLOCK_N))  # fmt: skip
     store_m, store_n = (BLOCK_M // 2, BLOCK_N // 2) if SUBTILE else (BLOCK_M, BLOCK_N)
-    if Z_TRANSPOSED:
+    if Z_POINTERS:
+        z_desc = z_ptr
+    elif Z_TRANSPOSED:
         z_desc = _descriptor(z_ptr, (N, M), z_stride, (BLOCK_N, store_m))
     else:
         z_desc = _descriptor(z_ptr, (M, N), z_stride, (BLOCK_M, store_n))
     aux_desc = None if aux_ptr is None else _descriptor(aux_ptr, (M, N), z_stride, (BLOCK_M, store_n))
     return [
-        x_desc, y_desc, z_desc, bias_ptr, row_sums_ptr, partial_ptr, partial_sums_ptr, aux_desc, M, N, K, programs,
-        dp_tiles, act_a, act_b, X_K_CONTIGUOUS, Y_K_CONTIGUOUS, ACC, PRECISION, ROW_SUM_PRECISION, UPCAST, BLOCK_M,
-        BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, ACTIVATION, DERIVATIVE, Z_TRANSPOSED,
+        x_desc, y_desc, z_desc, bias_ptr, row_sums_ptr, partial_ptr, partial_sums_ptr, aux_desc, M, N, K, z_stride,
+        programs, dp_tiles, act_a, act_b, X_K_CONTIGUOUS, Y_K_CONTIGUOUS, ACC, PRECISION, ROW_SUM_PRECISION, UPCAST,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, ACTIVATION, DERIVATIVE, Z_TRANSPOSED, Z_POINTERS,
     ]  # fmt: skip
 
 

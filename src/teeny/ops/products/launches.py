@@ -47,6 +47,7 @@ class TmaLayout:
     y_stride: int
     z_stride: int
     z_transposed: bool = False  # Z stored (N, M), its rows z_stride apart
+    z_pointers: bool = False  # Z's rows not 16-byte aligned: stored through pointers, not TMA
 
 
 @dataclass
@@ -286,9 +287,10 @@ def _padded(n: int, size: int) -> int:
 def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilogue: bool):
     """What ``matmul_tma`` reads and writes for ``p`` (operands of ``size`` bytes an element; Z
     may be wider): each operand as it lies, or a K-major copy of it with 16-byte aligned rows,
-    where its rows are not aligned or where ``k_major`` asks for one and it lies MN-major; Z, or
-    a result with aligned rows that is copied into Z after. Returns (launches before, X, Y, Z to
-    use, their TmaLayout, launches after)."""
+    where its rows are not aligned or where ``k_major`` asks for one and it lies MN-major; Z as it
+    lies, through TMA where its rows are aligned, else through pointers (``z_pointers``; no
+    activation epilogue, whose h goes through TMA as Z does). Returns (launches before, X, Y, Z to
+    use, their TmaLayout)."""
     before: list[Launch] = []
     k_rows = _padded(p.K, size)
 
@@ -309,16 +311,12 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
         x, x_k, x_row = k_major_copy(x, [(p.M, p.x[0]), (p.K, p.x[1])], x_k, p.M), True, k_rows
     if (y_row * size) % TMA_ALIGN or (k_major and not y_k):
         y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
-    after: list[Launch] = []
     z_row = _row_stride(p.z)
-    if (z_row * z.element_size()) % TMA_ALIGN:  # (a transposed Z is aligned: product_launches refuses it otherwise)
-        if epilogue:
-            raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
-        z_row = _padded(p.N, z.element_size())
-        padded = scratch((p.M, z_row), z.dtype)
-        after.append(_copy_launch(padded, z, p.M, p.N, z_row, p.z[0], transpose=False))
-        z = padded
-    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, p.z_transposed), after
+    # rows not aligned (a transposed Z is: product_launches refuses it otherwise): stored as Z lies, from registers
+    z_pointers = (z_row * z.element_size()) % TMA_ALIGN != 0
+    if z_pointers and epilogue:
+        raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
+    return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, p.z_transposed, z_pointers)
 
 
 def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype, precision, config, scratch, epilogue):
@@ -355,6 +353,7 @@ def _tma_launches(p: Product, x, y, z, bias, row_sums, layout: TmaLayout, dtype,
         **_tiles(config),
         **epilogue,
         Z_TRANSPOSED=layout.z_transposed,
+        Z_POINTERS=layout.z_pointers,
     )
     block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches = [Launch(matmul_tma, (sched.programs,), args, block, work=p.work())]
@@ -437,12 +436,11 @@ def product_launches(
         block = Block(num_warps=config["num_warps"], num_stages=config["num_stages"])
         launches = [Launch(matmul_product, grid, args, block, work=p.work())]
     else:
-        launches, xk, yk, zk, layout, after = _tma_operands(
+        launches, xk, yk, zk, layout = _tma_operands(
             p, x, y, z, x.element_size(), config["K_MAJOR"], scratch, epilogue is not None
         )
         launches += _tma_launches(p, xk, yk, zk, bias, row_sums if fused else None, layout, dtype, precision, config,
                                   scratch, epilogue_args)  # fmt: skip
-        launches += after
     if row_sums is not None and not fused:
         if p.x[0] != 1:
             raise ValueError(f"the row sums of X need X stored transposed, (K, M) with unit column stride, not {p.x}")
