@@ -389,9 +389,10 @@ def _matmul_tma_descriptors(
     """matmul_tma as teeny packs it: X (M, K) with rows x_stride apart (X_K_CONTIGUOUS) or stored
     transposed, (K, M); Y (K, N) with rows y_stride apart or stored transposed, (N, K); Z (M, N)
     with rows z_stride apart or (Z_TRANSPOSED) stored (N, M) (Z_POINTERS: passed as the pointer, its
-    rows not 16-byte aligned); aux_ptr (an activation's h) laid out as Z. Returns ``_matmul_tma``'s arguments: X, Y, Z and aux as TMA descriptors, made here on
-    the host, as ``matmul_ws``'s are (made on the device, its five cost 3.5-6.5 us a launch on
-    the H200: docs/archive/bench-journal.md, versions 19-20)."""
+    rows not 16-byte aligned); aux_ptr (an activation's h) laid out as Z. Returns ``_matmul_tma``'s
+    arguments: X, Y, Z and aux as TMA descriptors, made here on the host, as ``matmul_ws``'s are
+    (made on the device, its five cost 3.5-6.5 us a launch on the H200:
+    docs/archive/bench-journal.md, versions 19-20)."""
     x_desc = _descriptor(x_ptr, (M, K) if X_K_CONTIGUOUS else (K, M), x_stride,
                          (BLOCK_M, BLOCK_K) if X_K_CONTIGUOUS else (BLOCK_K, BLOCK_M))  # fmt: skip
     y_desc = _descriptor(y_ptr, (N, K) if Y_K_CONTIGUOUS else (K, N), y_stride,
