@@ -328,6 +328,55 @@ def test_linear_with_unaligned_rows_trains_through_padded_backward_products(dtyp
         teeny.gradcheck(teeny.ops.linear, *args)  # the bias element by element, x and W along directions
 
 
+def _launch_args(launch) -> dict:
+    return {v.name: v.value for v in launch.args.visits}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_a_loss_writes_the_heads_gradient_in_rows_padded_for_its_products(dtype, gen):
+    """logits = linear(x, W) with rows that are not 16-byte aligned (11 classes here, GPT-2's
+    50,257), reshaped and read by a cross-entropy: the loss writes dlogits into rows padded to 16
+    bytes, the reshape passes the row-strided view on, and the head's dX and dW read it through
+    its row stride (so on the GPU TMA reads it with no padded copy). Loss and gradients are
+    PyTorch's; in float64, central finite differences through the same launches."""
+    g = Graph("head")
+    x = g.input("x", (2, 3, 8), dtype, requires_grad=True)
+    w = g.input("w", (11, 8), dtype, requires_grad=True)
+    y = g.input("y", (6,), torch.int64)
+    logits = teeny.ops.linear(x, w)
+    g.output(teeny.ops.cross_entropy(teeny.ops.reshape(logits, (6, 11)), y))
+    program = lower(g, LoweringMode.TRAINING)
+    per_16_bytes = 16 // dtype.itemsize
+    padded = math.ceil(11 / per_16_bytes) * per_16_bytes
+    assert sorted(program.padded_grads.values()) == [padded, padded]  # the logits and their reshape
+    (loss_node,) = [p for p in program.nodes if p.op.name == "cross_entropy"]
+    assert _launch_args(loss_node.backward_launches[-1])["dx_sample_stride"] == padded
+    (head,) = [p for p in program.nodes if p.op.name == "linear"]
+    for launch in head.backward_launches:  # dX and dW read dY's rows `padded` apart
+        assert padded in [v for v in _launch_args(launch).values() if isinstance(v, int)]
+    feed = {
+        "x": torch.randn(2, 3, 8, generator=gen).to(dtype),
+        "w": torch.randn(11, 8, generator=gen).to(dtype),
+        "y": torch.randint(11, (6,), generator=gen),
+    }
+    ex = teeny.Executor(program)
+    loss, cache = ex.forward_train(feed)
+    grads = ex.backward(cache)
+    refs = {k: feed[k].double().clone().requires_grad_() for k in ("x", "w")}
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(refs["x"], refs["w"]).reshape(6, 11), feed["y"])
+    ref.backward()
+    atol, rtol = tolerance(dtype, 11)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=atol, rtol=rtol)
+    for name in ("x", "w"):
+        torch.testing.assert_close(grads[name].double(), refs[name].grad, atol=atol, rtol=rtol, msg=name)
+    if dtype == torch.float64:
+
+        def head_loss(x, w, y):
+            return teeny.ops.cross_entropy(teeny.ops.reshape(teeny.ops.linear(x, w), (6, 11)), y)
+
+        teeny.gradcheck(head_loss, feed["x"], feed["w"], feed["y"], requires_grad=lambda i, _: i < 2)
+
+
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
     """A big product with unaligned rows is timed on matmul_tma with padded copies and on the
     strided kernel; a small one, or one with an activation epilogue (its aux lies like Z), and a

@@ -203,6 +203,7 @@ def test_autocast_around_the_model_lowers_as_mixed_precision():
     norms = [p.node for p in program.nodes if p.op.name in ("rms_norm", "add_rms_norm")]  # the residual stream
     assert len(norms) == 3 and all((n.dtype, n.output.dtype) == (torch.float32, torch.bfloat16) for n in norms)
     assert not any(v.dtype == torch.float32 and v.numel == out.logits.numel() for v in program.graph.values)
+    assert set(program.padded_grads.values()) == {64}  # dlogits' rows (61 classes) padded for the head's products
     torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
     loss.backward()
     expected.backward()

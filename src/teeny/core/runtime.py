@@ -666,6 +666,11 @@ class RuntimeOp:
     # 0's whole gradient, in that input's dtype (the fused add + norm's half-precision branch:
     # ``fusions.residual_norm``): the executor must hand the op input 0's waiting gradient as its addend
     grad_copies_input0: int | None = None
+    # input positions whose gradient the backward may write into rows padded to 16 bytes (a
+    # row-strided view of a wider buffer): the executor gives it one where the value's rows are not
+    # 16-byte aligned and the product that made it reads dY by rows (``Program.padded_grads``: TMA
+    # reads GPT-2's logits' gradient, 50,257 classes, with no padded copy)
+    grad_rows_padded: tuple[int, ...] = ()
     # True: inputs after the first may be of other float dtypes (the kernels convert as they load);
     # the node computes in input 0's dtype. False: one float dtype for all inputs (the graph checks)
     mixed_float_inputs: bool = False

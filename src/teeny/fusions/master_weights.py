@@ -39,6 +39,7 @@ class MasterWeightLinearOp(ProductOp):
     mixed_float_inputs = True
     grad_over_input = True
     grad_accumulates = True
+    strided_grad_output = True  # dY read through its row stride (as LinearOp)
 
     def __init__(self, linear: LinearOp, recast: bool):
         super().__init__()

@@ -54,7 +54,7 @@ from ..core.errors import TeenyError
 from ..core.graph import Node, Value
 from ..core.runtime import ARENA_ALIGN, OpContext, Shape, capturing, raise_failed_checks, raise_not_capturable
 from .accumulate import accumulate
-from .lowering import LoweringMode, PlannedNode, Program, node_context
+from .lowering import LoweringMode, PlannedNode, Program, grad_buffer, node_context
 from .replay import NodeReplay, storage_id
 from .tape import Replayed, Tape, not_capturable
 
@@ -829,6 +829,8 @@ class Executor:
             elif v.kind == "param" and v.id in self._zeroed and i in run.single_use:
                 buffers.append(self._grad_by_id[v.id])  # first gradient since zero_grad: write it in place
                 fixed |= 1 << (first_buffer + i)
+            elif v.id in self.program.padded_grads:  # rows padded for the product that made v: a view, not fresh
+                buffers.append(grad_buffer(v.shape, v.dtype, self.program.padded_grads[v.id], self.device))
             else:
                 buffers.append(self._alloc(v.shape, v.dtype))
                 fresh |= 1 << (first_buffer + i)

@@ -32,6 +32,7 @@ second run times them. Every kernel the program launches is then compiled at onc
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,9 @@ class Program:
     last_use: dict[int, int]  # value id -> index of the last node reading it (forward)
     rewrites: list[RewriteReport] = field(default_factory=list)  # what each graph rewrite changed
     seeded: int = 1  # the first outputs, whose gradients the backward starts from
+    # value id -> the row length (elements, 16-byte aligned) of its gradient's buffer, whose rows are
+    # padded (``_plan_padded_grads``); the gradient is a row-strided view of it
+    padded_grads: dict[int, int] = field(default_factory=dict)
 
     @property
     def loss(self) -> Value:
@@ -256,6 +260,7 @@ def lower(
         _plan_training(graph, planned, starts=outs[:seeded], requires_grad=requires_grad)
         if recompute:
             _plan_recompute(planned, outs)
+    padded_grads = _plan_padded_grads(planned) if mode is LoweringMode.TRAINING else {}
     last_use = {}
     for index, p in enumerate(planned):
         for v in p.node.inputs:
@@ -270,6 +275,7 @@ def lower(
         last_use=last_use,
         rewrites=reports,
         seeded=seeded,
+        padded_grads=padded_grads,
     )
     with compiling.gathered() as jobs, tuning.deferred() as preparations:
         _dry_run(program)  # builds exactly the kernel instances the launches use
@@ -432,6 +438,53 @@ def _meta(shape, dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
+def _plan_padded_grads(planned: list[PlannedNode]) -> dict[int, int]:
+    """The values whose gradient gets rows padded to 16 bytes (value id -> the padded row length):
+    the input of an op that may write its gradient so (``RuntimeOp.grad_rows_padded``: a loss of
+    GPT-2's (8192, 50257) logits), rows not 16-byte aligned, up through the views that pass it on
+    (a reshape keeping the last dim) to the op that made it, which must read its dY by rows
+    (``strided_grad_output``: a linear, whose TMA products then read it with no padded copy).
+    Every value on the way has one reader that wants its gradient (a seed, where a call gives one
+    to an output, is added as it is, into a contiguous sum)."""
+    from ..ops.shape.ops import ViewOp  # (lowering plans every op; the shape ops import nothing of it)
+
+    readers: dict[int, int] = {}
+    for p in planned:
+        for v, wanted in zip(p.node.inputs, p.grad_mask):
+            readers[v.id] = readers.get(v.id, 0) + wanted
+    padded: dict[int, int] = {}
+    for p in planned:
+        for i in p.op.grad_rows_padded if p.needs_backward else ():
+            v = p.node.inputs[i]
+            size = v.dtype.itemsize
+            row = v.shape[-1] if v.shape else 0
+            if not p.grad_mask[i] or len(v.shape) != 2 or (row * size) % 16 == 0:
+                continue
+            chain = [v]
+            while chain[-1].producer is not None and isinstance(chain[-1].producer.op, ViewOp):
+                source = chain[-1].producer.inputs[0]
+                if chain[-1].producer.op.stops_gradient or not source.shape or source.shape[-1] != row:
+                    break
+                chain.append(source)
+            maker = chain[-1].producer
+            if maker is None or not maker.op.strided_grad_output or isinstance(maker.op, ViewOp):
+                continue
+            if any(readers.get(u.id, 0) != 1 for u in chain):
+                continue
+            per = 16 // math.gcd(16, size)
+            padded.update((u.id, -(-row // per) * per) for u in chain)
+    return padded
+
+
+def grad_buffer(shape, dtype: torch.dtype, row: int | None, device) -> torch.Tensor:
+    """A gradient's buffer of ``shape``: contiguous, or (``row``: ``Program.padded_grads``) a view
+    of rows ``row`` elements apart."""
+    if row is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    rows = math.prod(shape[:-1])
+    return torch.empty((rows, row), dtype=dtype, device=device)[:, : shape[-1]].view(tuple(shape))
+
+
 def node_context(program: Program, p: PlannedNode, *, dry_run: bool) -> dict[str, Any]:
     """What every ``OpContext`` of ``p``'s runs shares, the dry run's and the executor's: the
     node's op, name, dtype and shapes and the program's kernel instances, as arguments of
@@ -475,8 +528,10 @@ def _addend_nodes(program: Program) -> dict[int, bool]:
 
 def _dry_run(program: Program) -> None:
     addends = _addend_nodes(program)
+    padded = program.padded_grads
     for index, p in enumerate(program.nodes):
         node = p.node
+        out = node.output
         inputs = [_meta(v.shape, v.dtype) for v in node.inputs]
         output = _meta(node.output.shape, node.output.dtype)
         saved = extra_buffers(p, _meta)
@@ -512,8 +567,11 @@ def _dry_run(program: Program) -> None:
                     inputs=kept,
                     output=output if node.op.saves_output else None,
                     saved=saved,
-                    grad_output=_meta(node.output.shape, node.output.dtype),
-                    grads=[_meta(v.shape, v.dtype) if m else None for v, m in zip(node.inputs, p.grad_mask)],
+                    grad_output=grad_buffer(out.shape, out.dtype, padded.get(out.id), "meta"),
+                    grads=[
+                        grad_buffer(v.shape, v.dtype, padded.get(v.id), "meta") if m else None
+                        for v, m in zip(node.inputs, p.grad_mask)
+                    ],
                     grad_input_addend=_meta(node.inputs[0].shape, node.inputs[0].dtype) if adds else None,
                     launched=p.backward_launches if adds == variants[-1] else [],  # (the summary counts one)
                 )

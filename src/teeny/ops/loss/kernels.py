@@ -211,6 +211,7 @@ def class_loss_backward(
     n_classes,
     inner,
     sample_stride,
+    dx_sample_stride,
     row_len,
     ignore_index,
     label_smoothing,
@@ -225,7 +226,8 @@ def class_loss_backward(
 ):
     """dx (and, for probability targets, dtarget) of ROWS rows per program. lse_ptr: cross-entropy
     (None: NLL on log-probabilities); mass_ptr: probability targets (None: class indices);
-    SOFTCAP: the logits soft-capped at ``softcap`` as they are read (module docstring)."""
+    SOFTCAP: the logits soft-capped at ``softcap`` as they are read (module docstring). dx's
+    samples lie dx_sample_stride apart (sample_stride, or rows padded to 16 bytes)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     base = _row_offsets(rows, sample_stride, inner)
@@ -282,7 +284,8 @@ def class_loss_backward(
         if SOFTCAP:
             dx = dx * soft_cap_slope(x, softcap)  # x is the capped y: dl/dx = dl/dy (1 - (y / cap)^2)
         if dx_ptr is not None:
-            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dx_offsets = _row_offsets(rows, dx_sample_stride, inner)[:, None] + cols[None, :].to(tl.int64) * inner
+            tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @kernel(

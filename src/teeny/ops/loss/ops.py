@@ -162,6 +162,7 @@ class ClassLossOp(RuntimeOp):
     kernel = class_loss_forward
     n_activation_inputs = 2
     saves_inputs = True
+    grad_rows_padded = (0,)  # dx written through its sample stride (rows padded for the head's products)
 
     def __init__(
         self,
@@ -371,6 +372,7 @@ class ClassLossOp(RuntimeOp):
             den_ptr=sums[1:] if sums is not None else None,  # the sum of the target weights
             dx_ptr=dx,
             dtarget_ptr=dtarget,
+            dx_sample_stride=dx.stride(0) if dx is not None and dx.dim() == 2 else fields["sample_stride"],
             **fields,
         )
         grid = (cdiv(fields["n_rows"], fields["ROWS"]),)

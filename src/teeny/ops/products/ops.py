@@ -204,9 +204,10 @@ def matmul(input, other):
 
 
 def row_stride_of(y: torch.Tensor) -> int | None:
-    """The row stride of a 2-D product result (or its gradient) given as a view (None: contiguous
-    rows): a linear's products read and write it so (``LinearOp.products``' ``y_row_stride``)."""
-    return y.stride(0) if y.dim() == 2 else None
+    """The row stride of a product result (or its gradient) given as a row-strided view, rows over
+    its leading dims (None: contiguous): a linear's products read and write it so
+    (``LinearOp.products``' ``y_row_stride``; a chunk of logits, a gradient with padded rows)."""
+    return None if y.is_contiguous() else y.stride(-2)
 
 
 class LinearOp(ProductOp):
@@ -217,6 +218,7 @@ class LinearOp(ProductOp):
     saves_inputs = (0, 1)  # x for dW, W for dX; the bias is not needed
     grad_over_input = True
     grad_accumulates = True  # dX added to the gradient x's other readers left, in the product's epilogue
+    strided_grad_output = True  # dY read through its row stride (rows padded to 16 bytes: TMA)
 
     def __init__(self, has_bias: bool):
         super().__init__()

@@ -25,9 +25,11 @@ from .launch import IndexLayout, contiguous_copy, contiguous_strides, copy_launc
 
 class ViewOp(RuntimeOp):
     """A contiguous view with another shape (reshape, flatten, squeeze, unsqueeze, dropout in
-    eval mode): no launch forwards or backwards; the gradient is a view of dy."""
+    eval mode): no launch forwards or backwards; the gradient is a view of dy (of a row-strided
+    dy too, where the view keeps the last dim: a gradient with padded rows passes through)."""
 
     saves_inputs = False
+    strided_grad_output = True
 
     def __init__(self, name: str, shape: Sequence[int]):
         self.name, self.shape = name, tuple(int(s) for s in shape)
@@ -43,7 +45,9 @@ class ViewOp(RuntimeOp):
 
     def backward_launches(self, ctx):
         if ctx.grad_inputs[0] is not None:
-            ctx.grad_inputs[0] = ctx.grad_output.view(ctx.input_shapes[0])
+            dy, shape = ctx.grad_output, tuple(ctx.input_shapes[0])
+            keeps_rows = dy.is_contiguous() or (len(shape) > 0 and shape[-1] == dy.shape[-1])
+            ctx.grad_inputs[0] = (dy if keeps_rows else dy.contiguous()).view(shape)
         return []
 
 
