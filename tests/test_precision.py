@@ -352,7 +352,8 @@ def test_the_fused_norm_writes_the_half_branchs_gradient_itself(gen):
     """The sum's norm reads the sublayer's bfloat16 output in place, and its backward writes
     that output's gradient beside the stream's (rounded from the same float32 values): the
     upcast launches nothing backwards either, and every gradient is the one the program without
-    the fused norm computes with a cast of the gradient, to the bit."""
+    the fused norm computes with a cast of the gradient (to the bit where the arithmetic is the
+    same: ``_assert_same_gradients``)."""
     g = Graph("stream")
     ids, positions, y = (
         g.input("ids", (4, 6), torch.int64),
@@ -378,10 +379,19 @@ def test_the_fused_norm_writes_the_half_branchs_gradient_itself(gen):
         _, cache = ex.forward_train(feed)
         ex.backward(cache)
         grads.append({k: v.clone() for k, v in ex.grads.items()})
-    fused, expected = grads
+    _assert_same_gradients(*grads)
+
+
+def _assert_same_gradients(fused: dict, expected: dict) -> None:
+    """The same to the bit under the interpreter; on the GPU the two programs' kernels may
+    contract a multiply and an add into one (FMA) where the other rounds between them, and a
+    bf16 gradient then differs in its last bit here and there."""
     assert fused.keys() == expected.keys()
     for name, grad in fused.items():
-        assert torch.equal(grad, expected[name]), name
+        if teeny.core.device.INTERPRETER:
+            assert torch.equal(grad, expected[name]), name
+        else:
+            torch.testing.assert_close(grad, expected[name], rtol=2e-2, atol=1e-5, msg=name)
 
 
 def test_the_fused_norm_passes_the_branch_its_gradient_when_its_own_output_has_none(gen):
@@ -416,8 +426,7 @@ def test_the_fused_norm_passes_the_branch_its_gradient_when_its_own_output_has_n
         ex.backward(cache)
         grads.append({k: v.clone() for k, v in ex.grads.items()})
     assert grads[0]["block.weight"].abs().max() > 0
-    for name, grad in grads[0].items():
-        assert torch.equal(grad, grads[1][name]), name
+    _assert_same_gradients(*grads)
 
 
 def test_dropout_on_the_embeddings_keeps_the_stream_float32():
