@@ -377,6 +377,39 @@ def test_a_loss_writes_the_heads_gradient_in_rows_padded_for_its_products(dtype,
         teeny.gradcheck(head_loss, feed["x"], feed["w"], feed["y"], requires_grad=lambda i, _: i < 2)
 
 
+@pytest.mark.skipif(teeny.DEVICE.type != "cuda", reason="matmul_tma and TMA: the GPU")
+def test_a_gpt2_sized_head_and_loss_train_through_tma_on_the_gpu(gen):
+    """GPT-2's head at its real width, 50,257 classes, bf16 (1,024 rows): the logits' product
+    stores its unaligned Z from registers and dX and dW read the loss's padded dlogits by TMA.
+    Loss and gradients against PyTorch in float32 of the same bf16 inputs."""
+    rows, width, classes = 1024, 768, 50257
+    g = Graph("head")
+    x = g.input("x", (rows, width), torch.bfloat16, requires_grad=True)
+    w = g.input("w", (classes, width), torch.bfloat16, requires_grad=True)
+    y = g.input("y", (rows,), torch.int64)
+    g.output(teeny.ops.cross_entropy(teeny.ops.linear(x, w), y))
+    program = lower(g, LoweringMode.TRAINING)
+    assert len(program.padded_grads) == 1  # dlogits, rows of 50,264
+    feed = {
+        "x": torch.randn(rows, width, generator=gen).bfloat16().cuda(),
+        "w": (torch.randn(classes, width, generator=gen) / 30).bfloat16().cuda(),
+        "y": torch.randint(classes, (rows,), generator=gen).cuda(),
+    }
+    ex = teeny.Executor(program)
+    with record_launches() as log:
+        loss, cache = ex.forward_train(feed)
+        grads = ex.backward(cache)
+    kernels = [r.kernel for r in log]
+    assert "matmul_copy" not in kernels, kernels  # no padded copy of dlogits (nor of a padded Z)
+    refs = {k: feed[k].float().requires_grad_() for k in ("x", "w")}
+    ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(refs["x"], refs["w"]), feed["y"])
+    ref.backward()
+    torch.testing.assert_close(loss.float(), ref.detach(), rtol=1e-2, atol=1e-2)
+    for name in ("x", "w"):
+        got, want = grads[name].float(), refs[name].grad
+        assert (got - want).norm() <= 2e-2 * want.norm(), name
+
+
 def test_unaligned_products_time_padded_copies_when_big_enough(monkeypatch):
     """A big product with unaligned rows is timed on matmul_tma with padded copies and on the
     strided kernel; a small one, or one with an activation epilogue (its aux lies like Z), and a
