@@ -298,12 +298,8 @@ class _PreNormStack(Module):
         return s, self.head(self.norms[2](s))
 
 
-def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
-    """As under autocast, the stream (embeddings, each sum of it and a sublayer's output) is
-    float32: the norms read it and their float32 weights as they are and write bfloat16 for the
-    products; a sum reads the sublayer's bfloat16 output in place (no cast launch forwards).
-    Updates of 1e-3 to a stream of ones survive, which bfloat16 (spacing 2^-7 there) rounds
-    away; the gradients follow the float32 program's."""
+def _stream_graph(stream_output: bool) -> Graph:
+    """``_PreNormStack``'s loss (and its final stream, ``stream_output``) over 4 x 6 tokens."""
     g = Graph("stream")
     ids, positions, y = (
         g.input("ids", (4, 6), torch.int64),
@@ -311,7 +307,26 @@ def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
         g.input("y", (24,), torch.int64),
     )
     s, logits = _PreNormStack()(ids, positions)
-    g.output(ops.cross_entropy(ops.reshape(logits, (24, 16)), y), s)
+    loss = ops.cross_entropy(ops.reshape(logits, (24, 16)), y)
+    g.output(loss, s) if stream_output else g.output(loss)
+    return g
+
+
+def _stream_feed(gen) -> dict:
+    return {
+        "ids": torch.randint(16, (4, 6), generator=gen),
+        "pos": torch.arange(6),
+        "y": torch.randint(16, (24,), generator=gen),
+    }
+
+
+def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
+    """As under autocast, the stream (embeddings, each sum of it and a sublayer's output) is
+    float32: the norms read it and their float32 weights as they are and write bfloat16 for the
+    products; a sum reads the sublayer's bfloat16 output in place (no cast launch forwards).
+    Updates of 1e-3 to a stream of ones survive, which bfloat16 (spacing 2^-7 there) rounds
+    away; the gradients follow the float32 program's."""
+    g = _stream_graph(stream_output=True)
     program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
     assert (
         "the residual stream in float32 (3 norms read it, 2 half-precision sublayer outputs added" in program.summary()
@@ -324,11 +339,7 @@ def test_the_residual_stream_stays_float32_and_keeps_small_updates(gen):
     upcasts = [p for p in program.nodes if p.op.name == "to_float32_in_norm"]
     assert len(upcasts) == 2 and not any(p.forward_launches for p in upcasts)
 
-    feed = {
-        "ids": torch.randint(16, (4, 6), generator=gen),
-        "pos": torch.arange(6),
-        "y": torch.randint(16, (24,), generator=gen),
-    }
+    feed = _stream_feed(gen)
     steps = {}
     for precision in ("bf16-mixed", None):
         ex = Executor(lower(g, LoweringMode.TRAINING, precision=precision), seed=0)
@@ -354,32 +365,28 @@ def test_the_fused_norm_writes_the_half_branchs_gradient_itself(gen):
     upcast launches nothing backwards either, and every gradient is the one the program without
     the fused norm computes with a cast of the gradient (to the bit where the arithmetic is the
     same: ``_assert_same_gradients``)."""
-    g = Graph("stream")
-    ids, positions, y = (
-        g.input("ids", (4, 6), torch.int64),
-        g.input("pos", (6,), torch.int64),
-        g.input("y", (24,), torch.int64),
-    )
-    s, logits = _PreNormStack()(ids, positions)
-    g.output(ops.cross_entropy(ops.reshape(logits, (24, 16)), y))
-    unfused = tuple(r for r in teeny.fusions.DEFAULT_REWRITES if r is not teeny.fusions.fuse_residual_norm)
+    g = _stream_graph(stream_output=False)
     fused_program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
     upcasts = [p for p in fused_program.nodes if p.op.name == "to_float32_in_norm"]
     assert len(upcasts) == 2 and not any(p.forward_launches or p.backward_launches for p in upcasts)
     norms = [p for p in fused_program.nodes if isinstance(p.op, AddNormOp) and p.node.inputs[-1].dtype == BF16]
     assert len(norms) == 2 and all(p.grad_mask[-1] and p.op.grad_copies_input0 is not None for p in norms)
-    feed = {
-        "ids": torch.randint(16, (4, 6), generator=gen),
-        "pos": torch.arange(6),
-        "y": torch.randint(16, (24,), generator=gen),
-    }
+    feed = _stream_feed(gen)
+    grads = _gradients_with_and_without_the_fused_norm(g, fused_program, feed)
+    _assert_same_gradients(*grads)
+
+
+def _gradients_with_and_without_the_fused_norm(g: Graph, fused_program, feed: dict) -> list[dict]:
+    """The parameters' gradients of one step of ``fused_program`` (``g`` in bf16-mixed) and of
+    ``g`` lowered the same way without ``fuse_residual_norm``."""
+    unfused = tuple(r for r in teeny.fusions.DEFAULT_REWRITES if r is not teeny.fusions.fuse_residual_norm)
     grads = []
     for program in (fused_program, lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=unfused)):
         ex = Executor(program, seed=0)
         _, cache = ex.forward_train(feed)
         ex.backward(cache)
         grads.append({k: v.clone() for k, v in ex.grads.items()})
-    _assert_same_gradients(*grads)
+    return grads
 
 
 def _assert_same_gradients(fused: dict, expected: dict) -> None:
@@ -414,17 +421,11 @@ def test_the_fused_norm_passes_the_branch_its_gradient_when_its_own_output_has_n
     ids, y = g.input("ids", (3, 5), torch.int64), g.input("y", (15,), torch.int64)
     logits, normed = Side()(ids)
     g.output(ops.cross_entropy(ops.reshape(logits, (15, 16)), y), normed)
-    unfused = tuple(r for r in teeny.fusions.DEFAULT_REWRITES if r is not teeny.fusions.fuse_residual_norm)
     fused_program = lower(g, LoweringMode.TRAINING, precision="bf16-mixed")
     (fused_norm,) = [p for p in fused_program.nodes if isinstance(p.op, AddNormOp)]
     assert fused_norm.needs_backward and fused_norm.op.grad_copies_input0 is not None
     feed = {"ids": torch.randint(16, (3, 5), generator=gen), "y": torch.randint(16, (15,), generator=gen)}
-    grads = []
-    for program in (fused_program, lower(g, LoweringMode.TRAINING, precision="bf16-mixed", rewrites=unfused)):
-        ex = Executor(program, seed=0)
-        _, cache = ex.forward_train(feed)
-        ex.backward(cache)
-        grads.append({k: v.clone() for k, v in ex.grads.items()})
+    grads = _gradients_with_and_without_the_fused_norm(g, fused_program, feed)
     assert grads[0]["block.weight"].abs().max() > 0
     _assert_same_gradients(*grads)
 
