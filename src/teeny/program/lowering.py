@@ -45,6 +45,7 @@ from ..core.graph import Graph, GraphError, Node, Value
 from ..core.kernel import KernelInstance
 from ..core.runtime import OpContext, RuntimeOp
 from ..fusions import DEFAULT_REWRITES, RewriteFn, RewriteReport, apply_rewrites, precision_rewrites
+from ..ops.shape.ops import ViewOp
 from .accumulate import accumulate_kernel
 
 
@@ -446,8 +447,6 @@ def _plan_padded_grads(planned: list[PlannedNode]) -> dict[int, int]:
     (``strided_grad_output``: a linear, whose TMA products then read it with no padded copy).
     Every value on the way has one reader that wants its gradient (a seed, where a call gives one
     to an output, is added as it is, into a contiguous sum)."""
-    from ..ops.shape.ops import ViewOp  # (lowering plans every op; the shape ops import nothing of it)
-
     readers: dict[int, int] = {}
     for p in planned:
         for v, wanted in zip(p.node.inputs, p.grad_mask):
