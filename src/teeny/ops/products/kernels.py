@@ -4,7 +4,7 @@ every access through strides (the package docstring has the maths). Three kernel
 
 * ``matmul_tma`` (Hopper, 2-D products whose operands have one unit stride and 16-byte aligned
   rows; where rows are not aligned, a big product reads K-major copies with padded rows and
-  writes padded rows copied into Z after, if timing says that beats the strided kernel):
+  stores Z from its registers, if timing says that beats the strided kernel):
   persistent programs (one or two per multiprocessor) walk the output tiles in grouped
   order (neighbouring programs share operand tiles in L2); operand tiles arrive by TMA
   descriptors made on the host at each launch, zero-filled past the edges, in either layout
