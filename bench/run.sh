@@ -14,7 +14,8 @@
 # Limits are cut to what is left of BUDGET (seconds, default 540: a 600 s device call with room
 # for the start and the packing); a bench that would start with under 20 s left is skipped.
 #
-# Environment: TESTS=1 runs the GPU suite first (TEST_TIMEOUT, TEST_PATHS, TEST_WORKERS);
+# Environment: TESTS=1 runs the GPU suite first (TEST_TIMEOUT, TEST_PATHS, TEST_WORKERS; its log in
+# $OUT/tests.log, per file outcomes and the failures in $OUT/tests-summary.txt);
 # OUT (default /tmp/out) receives every log, the results files (bench/results/*.csv, each
 # the committed file with this run's rows appended: copy them back over bench/results/) and
 # device-cache.tgz; BENCH_COMMIT names the commit in the results where the copy has no .git.
@@ -52,6 +53,8 @@ if [ "${TESTS:-0}" = 1 ]; then
   TEENY_COMPILE_WORKERS=${TEENY_COMPILE_WORKERS:-2} timeout "$limit" python3 -m pytest -v -n "${TEST_WORKERS:-14}" -p no:cacheprovider --timeout 150 \
     --durations=30 ${TEST_PATHS:-tests} --maxfail=60 > "$OUT/tests.log" 2>&1
   echo "== tests exit $?"; grep -E " passed| failed|FAILED|ERROR" "$OUT/tests.log" | tail -40
+  # per file outcomes and the failures' E lines: what survives a call whose files must stay few
+  python3 bench/tools/test_summary.py "$OUT/tests.log" > "$OUT/tests-summary.txt" && cat "$OUT/tests-summary.txt"
 fi
 
 export TEENY_TUNING_CACHE=$CACHE/tuning.json TRITON_CACHE_DIR=$CACHE/triton
