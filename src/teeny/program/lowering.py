@@ -455,9 +455,10 @@ def _plan_padded_grads(planned: list[PlannedNode]) -> dict[int, int]:
     for p in planned:
         for i in p.op.grad_rows_padded if p.needs_backward else ():
             v = p.node.inputs[i]
-            size = v.dtype.itemsize
-            row = v.shape[-1] if v.shape else 0
-            if not p.grad_mask[i] or len(v.shape) != 2 or (row * size) % 16 == 0:
+            if not p.grad_mask[i] or len(v.shape) != 2:
+                continue
+            size, row = v.dtype.itemsize, v.shape[-1]
+            if (row * size) % 16 == 0:
                 continue
             chain = [v]
             while chain[-1].producer is not None and isinstance(chain[-1].producer.op, ViewOp):

@@ -98,6 +98,11 @@ class Product:
             return False
         return 1 in self.x and 1 in self.y
 
+    def z_rows_unaligned(self, z_size: int) -> bool:
+        """Whether Z's rows (elements of ``z_size`` bytes) are not 16-byte aligned, so that
+        ``matmul_tma`` stores Z through pointers rather than TMA (a vocabulary of 50,257)."""
+        return (_row_stride(self.z) * z_size) % TMA_ALIGN != 0
+
     def key(self) -> dict:
         """What a tuned configuration depends on."""
         return {"M": self.M, "N": self.N, "K": self.K, "x": self.x, "y": self.y, "z": self.z,
@@ -313,7 +318,7 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
         y, y_k, y_row = k_major_copy(y, [(p.N, p.y[1]), (p.K, p.y[0])], y_k, p.N), True, k_rows
     z_row = _row_stride(p.z)
     # rows not aligned (a transposed Z is: product_launches refuses it otherwise): stored as Z lies, from registers
-    z_pointers = (z_row * z.element_size()) % TMA_ALIGN != 0
+    z_pointers = p.z_rows_unaligned(z.element_size())
     if z_pointers and epilogue:
         raise ValueError(f"an activation epilogue needs Z's rows 16-byte aligned ({p})")
     return before, x, y, z, TmaLayout(x_k, y_k, x_row, y_row, z_row, p.z_transposed, z_pointers)

@@ -19,7 +19,7 @@ from ...core.device import DEVICE, INTERPRETER
 from ...core.runtime import run_launch
 from . import gluon
 from .kernels import IEEE, ROW_SUM_COLUMNS, TF32, TF32X3, matmul_product, matmul_tma
-from .launches import TMA_ALIGN, Epilogue, Product, product_launches, schedule
+from .launches import Epilogue, Product, product_launches, schedule
 
 # A configuration is a dict: the kernel ("tma" or "strided"), its tile constexprs and Triton's
 # num_warps / num_stages. "tma" ones add SUBTILE (the epilogue stores half tiles), STREAM_K
@@ -447,9 +447,8 @@ def choose_config(
         key["epilogue"] = kind
     if out_dtype is not None:
         key["out_dtype"] = str(out_dtype).replace("torch.", "")
-    z_size = (out_dtype or dtype).itemsize
-    if p.paddable() and (p.z[0] * z_size) % TMA_ALIGN:  # matmul_tma stores such a Z through pointers (since
-        key["z_store"] = "pointers"  # v43; it padded it before): choices cached before are not this one's
+    if p.paddable() and p.z_rows_unaligned((out_dtype or dtype).itemsize):  # stored through pointers since v43
+        key["z_store"] = "pointers"  # (padded and copied before): choices cached before are not this one's
     kernel_name = matmul_tma.name if default["kernel"] == "tma" else matmul_product.name
     if _small(p) and not time_small:
         return default  # a few microseconds at most: not worth timing
