@@ -216,6 +216,52 @@ def test_residual_norm_gradcheck_float64(gen):
     teeny.gradcheck_graph(g, {"x": torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)})
 
 
+def _upcast_branch_junction(x, branch, weight, bias):
+    """s = x + branch upcast to x's dtype (read by the fused norm as it is), layer_norm of s,
+    and s read again (its gradient waits for the norm's backward): sum(y^2) + sum(s^2)."""
+    s = teeny.ops.add(x, teeny.ops.to(branch, x.dtype))
+    y = teeny.ops.layer_norm(s, (37,), weight, bias)
+    return teeny.ops.add(teeny.ops.sum(teeny.ops.square(y)), teeny.ops.sum(teeny.ops.square(s)))
+
+
+@pytest.mark.parametrize("wide, narrow", [(torch.float64, torch.float32), (torch.float32, torch.bfloat16)], ids=str)
+def test_the_fused_norm_writes_an_upcast_branchs_gradient_as_pytorch_does(wide, narrow, gen):
+    """The branch's gradient, which the fused norm's backward writes in the branch's own dtype
+    (``AddNormOp.writing_residual_grad``), on odd shapes: against PyTorch's autograd, and in
+    float64 the stream's and the affine gradients against central finite differences through
+    the same launches."""
+    shape = (3, 5, 37)
+    feed = [
+        torch.randn(*shape, generator=gen).to(wide),
+        torch.randn(*shape, generator=gen).to(narrow),
+        (torch.rand(37, generator=gen) + 0.5).to(wide),
+        torch.randn(37, generator=gen).to(wide),
+    ]
+    g = Graph("junction")
+    names = ["x", "branch", "w", "b"]
+    ins = [g.input(n, tuple(t.shape), t.dtype, requires_grad=True) for n, t in zip(names, feed)]
+    g.output(_upcast_branch_junction(*ins))
+    program = lower(g, LoweringMode.TRAINING)
+    (norm,) = [p for p in program.nodes if isinstance(p.op, AddNormOp)]
+    assert norm.op.grad_copies_input0 is not None and norm.backward_launches  # no cast launch for the branch
+    assert not any(p.backward_launches for p in program.nodes if p.op.name.endswith("_in_norm"))
+    ex = Executor(program)
+    loss, cache = ex.forward_train(dict(zip(names, (t.to(teeny.DEVICE) for t in feed))))
+    grads = ex.backward(cache)
+    refs = [t.double().clone().requires_grad_() for t in feed]
+    s = refs[0] + refs[1]
+    y = torch.nn.functional.layer_norm(s, (37,), refs[2], refs[3])
+    ((y * y).sum() + (s * s).sum()).backward()
+    tol = dict(rtol=1e-6, atol=1e-6) if narrow == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, ref in zip(names, refs):
+        got = grads[name]
+        assert got.dtype == feed[names.index(name)].dtype, name
+        scale = ref.grad.abs().max()
+        torch.testing.assert_close(got.double() / scale, ref.grad / scale, **tol, msg=name)
+    if wide == torch.float64:  # the float32 branch is held (finite differences in float32 say little)
+        teeny.gradcheck(_upcast_branch_junction, *feed, requires_grad=lambda i, _: i != 1)
+
+
 def test_residual_norm_half_precision_rounds_the_sum_like_the_add(gen):
     """The fused kernel rounds a + b to bfloat16 before normalising, as the add it replaces
     stores it: the fused program stays bit-identical to the unfused one (on the H200 as well)."""
