@@ -45,6 +45,7 @@ from ..core.graph import Graph, GraphError, Node, Value
 from ..core.kernel import KernelInstance
 from ..core.runtime import OpContext, RuntimeOp
 from ..fusions import DEFAULT_REWRITES, RewriteFn, RewriteReport, apply_rewrites, precision_rewrites
+from ..ops.products.launches import TMA_ALIGN, padded_length
 from ..ops.shape.ops import ViewOp
 from .accumulate import accumulate_kernel
 
@@ -458,7 +459,7 @@ def _plan_padded_grads(planned: list[PlannedNode]) -> dict[int, int]:
             if not p.grad_mask[i] or len(v.shape) != 2:
                 continue
             size, row = v.dtype.itemsize, v.shape[-1]
-            if (row * size) % 16 == 0:
+            if (row * size) % TMA_ALIGN == 0:
                 continue
             chain = [v]
             while chain[-1].producer is not None and isinstance(chain[-1].producer.op, ViewOp):
@@ -471,8 +472,7 @@ def _plan_padded_grads(planned: list[PlannedNode]) -> dict[int, int]:
                 continue
             if any(readers.get(u.id, 0) != 1 for u in chain):
                 continue
-            per = 16 // math.gcd(16, size)
-            padded.update((u.id, -(-row // per) * per) for u in chain)
+            padded.update((u.id, padded_length(row, size)) for u in chain)
     return padded
 
 

@@ -283,7 +283,7 @@ def _copy_launch(src, dst, rows: int, cols: int, src_stride: int, dst_stride: in
     return Launch(matmul_copy, grid, args, Block(num_warps=4), work=rows * cols)
 
 
-def _padded(n: int, size: int) -> int:
+def padded_length(n: int, size: int) -> int:
     """``n`` elements of ``size`` bytes rounded up to a multiple of 16 bytes (TMA's row alignment)."""
     per = TMA_ALIGN // math.gcd(TMA_ALIGN, size)
     return cdiv(n, per) * per
@@ -297,7 +297,7 @@ def _tma_operands(p: Product, x, y, z, size: int, k_major: bool, scratch, epilog
     activation epilogue, whose h goes through TMA as Z does). Returns (launches before, X, Y, Z to
     use, their TmaLayout)."""
     before: list[Launch] = []
-    k_rows = _padded(p.K, size)
+    k_rows = padded_length(p.K, size)
 
     def k_major_copy(t, sizes_strides, k_contiguous: bool, rows: int) -> torch.Tensor:
         """``t`` viewed as (rows, K) (``sizes_strides`` of X's (m, k) or Y's (n, k)) in a copy with
